@@ -1,0 +1,1 @@
+"""relaytrain's Hydra configs, shipped as the package `relaytrain.configs`."""

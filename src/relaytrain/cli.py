@@ -1,0 +1,219 @@
+"""The `relaytrain` command.
+
+    relaytrain train [KEY=VALUE ...] [+exp=NAME] [-m]   train (a Hydra app)
+    relaytrain schedule [KEY=VALUE ...]                 print a pipeline schedule's timeline
+
+Bad input never reaches the training code: the overrides are composed and checked first,
+and any problem ends with one line on stderr naming the key and the fix, exit code 2, no
+traceback (set HYDRA_FULL_ERROR=1 for one).
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import os
+import sys
+
+from relaytrain.errors import ConfigError
+
+CONFIG_MODULE = "relaytrain.configs"
+EXIT_USAGE = 2
+MAX_SWEEP_CHECKS = 256
+
+USAGE = """\
+relaytrain: train transformers that do not fit your GPU.
+
+Usage:
+  relaytrain train [KEY=VALUE ...] [+exp=NAME] [-m]   train a model (a Hydra app)
+  relaytrain schedule [KEY=VALUE ...] [--out FILE]    show a pipeline schedule as a timeline
+  relaytrain --version
+
+Strategies (strategy=NAME): baseline, l2l, l2l_stash_cpu, pipe_flush, pipe_2bw.
+Config groups: model, data, strategy, optim, precision; experiments: +exp=NAME.
+`relaytrain train --help` lists every option and key with its default.
+
+Examples:
+  relaytrain train                                   # bert_tiny on synthetic data, about a minute on CPU
+  relaytrain train strategy=l2l model=bert_base train.steps=50
+  relaytrain train +exp=bert_large_l2l
+  relaytrain train -m strategy=baseline,l2l optim.lr=1e-4,3e-4
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "--version":
+        from relaytrain import __version__
+
+        print(f"relaytrain {__version__}")
+        return 0
+    if command == "train":
+        return _guard(lambda: _train(rest))
+    if command == "schedule":
+        from relaytrain.strategies.pipeline.view import schedule_command
+
+        return _guard(lambda: schedule_command(rest))
+    _fail(f"unknown command {command!r}; use `relaytrain train` or `relaytrain schedule` (see relaytrain --help)")
+    return EXIT_USAGE
+
+
+def _guard(action) -> int:
+    """Run a command; a ConfigError becomes one line on stderr and exit code 2."""
+    try:
+        return action() or 0
+    except ConfigError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        _fail(str(err))
+        return EXIT_USAGE
+
+
+def _fail(message: str) -> None:
+    print(f"relaytrain: error: {message}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def _train(args: list[str]) -> int:
+    hydra_flags = {"--help", "-h", "--hydra-help", "--info", "--cfg", "-c", "--resolve", "--shell-completion", "-sc"}
+    if not hydra_flags.intersection(args):
+        overrides = [a for a in args if not a.startswith("-")]
+        check_overrides(overrides, multirun="-m" in args or "--multirun" in args)
+    _run_hydra(args)
+    return 0
+
+
+def _run_hydra(args: list[str]) -> None:
+    import hydra
+
+    from relaytrain.config import register_schema
+
+    register_schema()
+
+    @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
+    def train_app(cfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from relaytrain.train import run
+
+        hydra_cfg = HydraConfig.get()
+        try:
+            run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
+        except ConfigError as err:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            _fail(str(err))
+            sys.exit(EXIT_USAGE)  # SystemExit passes through Hydra's own error report
+
+    saved = sys.argv
+    sys.argv = ["relaytrain train", *args]
+    try:
+        train_app()
+    finally:
+        sys.argv = saved
+
+
+def check_overrides(overrides: list[str], multirun: bool = False) -> None:
+    """Compose the config for these overrides (every combination of a sweep) and validate it."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from relaytrain.config import register_schema, validate
+
+    register_schema()
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as err:  # Hydra's grammar errors
+        raise ConfigError(f"cannot parse the overrides: {_first_line(err)}") from err
+    combos = _combinations(parsed) if multirun else [overrides]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            for combo in itertools.islice(combos, MAX_SWEEP_CHECKS):
+                validate(_compose(compose, combo))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _combinations(parsed) -> itertools.product:
+    choices = []
+    for o in parsed:
+        key = o.get_key_element()
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        choices.append([f"{key}={v}" for v in values])
+    return itertools.product(*choices)
+
+
+def _compose(compose, overrides):
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return compose(config_name="config", overrides=list(overrides))
+    except MissingConfigException as err:
+        raise ConfigError(_missing_option_message(err)) from err
+    except ConfigCompositionException as err:
+        raise ConfigError(_composition_message(err)) from err
+    except OmegaConfBaseException as err:
+        raise ConfigError(_omegaconf_message(err)) from err
+
+
+def _missing_option_message(err) -> str:
+    options = list(getattr(err, "options", None) or [])
+    group = getattr(err, "config_name", "") or ""
+    if "/" in group:
+        group, option = group.rsplit("/", 1)
+        hint = difflib.get_close_matches(option, options, n=1)
+        fix = f"did you mean {group}={hint[0]}? " if hint else ""
+        return f"{group}={option} is not a known option; {fix}choose one of: {', '.join(sorted(options))}"
+    return _first_line(err)
+
+
+def _composition_message(err) -> str:
+    cause = err.__cause__
+    text = str(err)
+    if cause is not None and hasattr(cause, "full_key"):
+        return _omegaconf_message(cause)
+    if "Could not find" in text or "Could not load" in text:
+        return _first_line(err).replace("Could not find", "no config option").rstrip(".") + " (see relaytrain train --help)"
+    return _first_line(err)
+
+
+def _omegaconf_message(err) -> str:
+    key = getattr(err, "full_key", "") or ""
+    msg = getattr(err, "msg", str(err)).splitlines()[0]
+    if "not in struct" in msg or "Key '" in msg and "not" in msg:
+        section, _, leaf = key.rpartition(".")
+        known = _keys_of(section)
+        hint = difflib.get_close_matches(leaf, known, n=1)
+        fix = f"did you mean {section + '.' if section else ''}{hint[0]}?" if hint else "see `relaytrain train --help` for the keys"
+        return f"unknown key {key}; {fix}"
+    return f"{key}: {msg}" if key else msg
+
+
+def _keys_of(section: str) -> list[str]:
+    from dataclasses import fields
+
+    from relaytrain.config import RelayTrainConfig
+
+    node = RelayTrainConfig
+    if section:
+        for f in fields(RelayTrainConfig):
+            if f.name == section:
+                node = f.default_factory
+    return [f.name for f in fields(node)]
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

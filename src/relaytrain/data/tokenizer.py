@@ -1,0 +1,156 @@
+"""The tokenizer for text sources: the pretrained model's, a configured one, or one trained here.
+
+Lookup order (the first that exists wins):
+1. `model.pretrained`'s tokenizer, when that model ships one;
+2. `data.tokenizer`, a directory written by `save_pretrained`;
+3. a tokenizer trained on the corpus with the `tokenizers` library: WordPiece for BERT (with
+   the special-token ids the synthetic data uses) and byte-level BPE for GPT-2, sized to
+   `model.vocab_size`.
+
+Whatever is used is saved to `<tokenizer_dir>/tokenizer`, so a model saved from the run can
+be reloaded with the tokenizer it was trained with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from relaytrain.errors import ConfigError
+
+# Ids 0..4, in the order synthetic.py reserves them ([PAD]=0, [CLS]=1, [SEP]=2, [MASK]=3, [UNK]=4).
+BERT_SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")
+GPT2_EOS = "<|endoftext|>"
+# Any one of these marks a directory that holds a tokenizer (fast, WordPiece, BPE or SentencePiece files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model")
+
+
+def load_tokenizer(cfg, corpus: Iterable[str], tokenizer_dir: str | None) -> PreTrainedTokenizerFast:
+    """The tokenizer for `cfg`, trained on `corpus` when none is configured; saved under tokenizer_dir."""
+    tokenizer = find_tokenizer(cfg)
+    if tokenizer is None:
+        tokenizer = train_tokenizer(corpus, cfg.model.family, cfg.model.vocab_size, cfg.model.max_seq_len)
+        check_vocab_size(tokenizer, cfg.model.vocab_size, f"the tokenizer trained for model.family={cfg.model.family}")
+    if tokenizer_dir:
+        tokenizer.save_pretrained(str(Path(tokenizer_dir) / "tokenizer"))
+    return tokenizer
+
+
+def find_tokenizer(cfg) -> PreTrainedTokenizerFast | None:
+    """The configured tokenizer (model.pretrained's, else data.tokenizer), or None when there is none."""
+    pretrained, configured = cfg.model.pretrained, cfg.data.tokenizer
+    if pretrained and _may_hold_tokenizer(pretrained):
+        key, location = "model.pretrained", pretrained
+    elif configured:
+        key, location = "data.tokenizer", configured
+        if not Path(configured).expanduser().is_dir():
+            raise ConfigError(
+                f"data.tokenizer={configured} is not a directory; give a tokenizer saved with "
+                f"save_pretrained, or drop data.tokenizer to train one"
+            )
+    else:
+        return None
+    tokenizer = _from_pretrained(location, key)
+    check_vocab_size(tokenizer, cfg.model.vocab_size, f"the tokenizer of {key}={location}")
+    return tokenizer
+
+
+def check_vocab_size(tokenizer: PreTrainedTokenizerFast, vocab_size: int, what: str) -> None:
+    """A token id at or past the model's embedding table would crash deep inside the forward pass."""
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(
+            f"{what} has {len(tokenizer)} tokens but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size={len(tokenizer)} or use a smaller tokenizer"
+        )
+
+
+def _may_hold_tokenizer(pretrained: str) -> bool:
+    """A local model directory without tokenizer files falls through; a hub id is tried as is."""
+    path = Path(pretrained).expanduser()
+    if not path.is_dir():
+        return True
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _from_pretrained(location: str, key: str) -> PreTrainedTokenizerFast:
+    local = Path(location).expanduser()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else location)
+    except (OSError, ValueError) as e:  # missing files, unreachable hub, unknown tokenizer class
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(
+            f"{key}={location}: cannot load its tokenizer ({reason}); give a local directory "
+            f"saved with save_pretrained"
+        ) from e
+    if not tokenizer.is_fast:
+        raise ConfigError(f"{key}={location} has only a slow (Python) tokenizer; save a fast one (tokenizer.json)")
+    return tokenizer
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_tokenizer(corpus: Iterable[str], family: str, vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
+    """A fresh tokenizer for `family` ("bert" or "gpt2") trained on `corpus`; at most `vocab_size`
+    tokens, fewer when the corpus is small (byte-level BPE never has fewer than 257)."""
+    if family == "gpt2":
+        return _train_byte_level_bpe(corpus, vocab_size, max_length)
+    return _train_wordpiece(corpus, vocab_size, max_length)
+
+
+def _train_wordpiece(corpus: Iterable[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    # Keep the alphabet within the budget, or rare characters alone could overflow vocab_size.
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(BERT_SPECIAL_TOKENS),
+        limit_alphabet=max(vocab_size // 4, 1),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    cls, sep = BERT_SPECIAL_TOKENS.index("[CLS]"), BERT_SPECIAL_TOKENS.index("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        unk_token="[UNK]",
+        model_max_length=max_length,
+    )
+
+
+def _train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[GPT2_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no unknown tokens
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    # GPT-2 has a single special token; it doubles as padding (labels ignore padding by the mask).
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=GPT2_EOS,
+        eos_token=GPT2_EOS,
+        unk_token=GPT2_EOS,
+        pad_token=GPT2_EOS,
+        model_max_length=max_length,
+    )

@@ -1,0 +1,113 @@
+"""Measurements: step times, device memory from the allocator, host peak RSS from the OS.
+
+Honesty rules (docs/design.md): throughput counts whole steps after warm-up with the device
+synchronised; device memory comes from the CUDA allocator only (on CPU there is no separate
+device memory, and the report says so); host memory is the OS's peak resident set size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class HostMemory:
+    """Peak RSS of this process. On Linux the kernel's high-water mark (VmHWM) can be reset by
+    writing 5 to /proc/self/clear_refs, so each job of a multirun sweep gets its own peak."""
+
+    def __init__(self):
+        self._sampled_peak = 0
+
+    def reset_peak(self) -> None:
+        try:
+            _CLEAR_REFS.write_text("5")
+        except OSError:
+            self._sampled_peak = 0  # no kernel reset: fall back to sampling
+
+    def sample(self) -> None:
+        self._sampled_peak = max(self._sampled_peak, psutil.Process().memory_info().rss)
+
+    def peak_bytes(self) -> int:
+        try:
+            for line in _STATUS.read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        self.sample()
+        return self._sampled_peak
+
+
+def reset_device_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_memory(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None,
+                "note": "CPU run: no separate device memory (see host peak RSS)"}
+    return {
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        "note": "CUDA caching allocator",
+    }
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase, summed over a run (e.g. forward, backward, transfer wait)."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def reset(self) -> None:
+        self.totals.clear()
+
+
+def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token of the model's math (6N plus attention scores), without recompute.
+
+    An estimate from the model's shape, the usual "model FLOPs" convention: recomputation
+    is work the strategy chose to do, not work the model needs.
+    """
+    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+
+
+def throughput(step_times: list[float], samples_per_step: int, tokens_per_step: int, flops_per_token: float) -> dict:
+    if not step_times:
+        return {"samples_per_s": None, "tokens_per_s": None, "step_time_s": None, "model_flops_per_s": None}
+    mean = sum(step_times) / len(step_times)
+    return {
+        "samples_per_s": samples_per_step / mean,
+        "tokens_per_s": tokens_per_step / mean,
+        "step_time_s": mean,
+        "model_flops_per_s": tokens_per_step * flops_per_token / mean,
+    }
+
+
+def cpu_threads() -> int:
+    return torch.get_num_threads() or os.cpu_count() or 1

@@ -1,0 +1,120 @@
+"""The layered model: `embed -> blocks[0..N) -> head(loss)` over a Hugging Face model.
+
+Every strategy works on this abstraction. The parts share their parameters with the wrapped
+Hugging Face model (nothing is copied), so the math is the model's own and
+`hf_model.save_pretrained` writes the trained weights under their usual names.
+
+Losses are returned as *sums* together with the number of items they sum over: a strategy
+divides by the item count of the whole minibatch, which makes micro-batched accumulation
+exactly the full batch's mean loss even when micro-batches hold different numbers of
+tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [batch, seq] int64
+    labels: torch.Tensor  # [batch] for classification, [batch, seq] for LM (-100 = ignore)
+    attention_mask: torch.Tensor | None = None  # [batch, seq], 1 = real token
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        moved = {
+            f.name: None if (t := getattr(self, f.name)) is None else t.to(device, non_blocking=non_blocking)
+            for f in fields(self)
+        }
+        return MicroBatch(**moved)
+
+    def pin_memory(self) -> MicroBatch:
+        pinned = {f.name: None if (t := getattr(self, f.name)) is None else t.pin_memory() for f in fields(self)}
+        return MicroBatch(**pinned)
+
+    @property
+    def num_samples(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel() if self.attention_mask is None else int(self.attention_mask.sum())
+
+
+class Block(nn.Module):
+    """One transformer layer with a uniform call: `block(hidden, ctx) -> hidden`.
+
+    `ctx` holds what every block of a micro-batch shares (the attention mask), computed once
+    per micro-batch by `LayeredModel.context`.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
+        out = self.layer(hidden, **ctx)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class LayeredModel(nn.Module):
+    """A Hugging Face model seen as embed -> blocks -> head.
+
+    Subclasses (one per model family) provide the parts and three small functions:
+    `context` (per-micro-batch inputs of the blocks), `head_loss` (summed loss) and
+    `loss_items` (how many items that sum is over).
+    """
+
+    family: str = ""
+
+    def __init__(self, hf_model: nn.Module, embed: nn.Module, blocks: list[nn.Module], head: nn.Module, task: str):
+        super().__init__()
+        # Kept outside the module tree: its parameters are reachable through the parts,
+        # and registering it too would list every parameter under two names.
+        object.__setattr__(self, "hf_model", hf_model)
+        self.embed = embed
+        self.blocks = nn.ModuleList(Block(layer) for layer in blocks)
+        self.head = head
+        self.task = task
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    # -- per-family hooks -------------------------------------------------------------
+    def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed loss of the micro-batch (fp32)."""
+        raise NotImplementedError
+
+    def loss_items(self, labels: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        """Pairs of (embed parameter name, head parameter name) that are one tensor."""
+        return []
+
+    # -- whole-model helpers ------------------------------------------------------------
+    def forward(self, mb: MicroBatch, loss_items: int | None = None) -> torch.Tensor:
+        """Loss of one micro-batch divided by `loss_items` (default: its own item count)."""
+        hidden = self.embed(mb.input_ids)
+        ctx = self.context(mb, hidden)
+        for block in self.blocks:
+            hidden = block(hidden, ctx)
+        items = self.loss_items(mb.labels) if loss_items is None else loss_items
+        return self.head_loss(hidden, mb.labels) / items
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def sum_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over items, in fp32 like Hugging Face's losses; -100 is ignored."""
+    return nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )

@@ -1,0 +1,95 @@
+"""What a run tells its user: progress while it trains, results.json and a table at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(stderr=False)
+
+
+class StepProgress:
+    """A rich progress bar on an interactive terminal; plain periodic lines otherwise (CI, pipes)."""
+
+    def __init__(self, total: int, log_every: int, title: str):
+        self.total, self.log_every, self.title = total, max(log_every, 1), title
+        self.interactive = console.is_terminal and not os.environ.get("CI")
+        self._bar = None
+
+    def __enter__(self) -> StepProgress:
+        if self.interactive:
+            self._bar = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(), console=console, transient=True,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(self.title, total=self.total, loss="-")
+        else:
+            console.print(f"{self.title}: {self.total} steps", highlight=False)
+        return self
+
+    def update(self, step: int, loss: float, step_time: float, skipped: bool = False) -> None:
+        note = " (skipped: fp16 overflow)" if skipped else ""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}{note}")
+        elif step % self.log_every == 0 or step == self.total or step == 1:
+            console.print(f"step {step}/{self.total}  loss {loss:.4f}  {step_time:.3f} s/step{note}", highlight=False)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def write_results(run_dir: Path, results: dict) -> Path:
+    path = Path(run_dir) / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _si(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {prefix}{unit}"
+    return f"{value:.2f} {unit}".rstrip()
+
+
+def _gib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+def print_summary(results: dict, path: Path) -> None:
+    t = results["throughput"]
+    table = Table(title=f"relaytrain · {results['strategy']} · {results['model']['name']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    losses = results["loss"]
+    rows = [
+        ("parameters", _si(results["model"]["parameters"])),
+        ("device", results["device"]),
+        ("precision", results["precision"]),
+        ("steps", f"{results['steps']} (throughput over the last {results['measured_steps']})"),
+        ("loss first → last", f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "n/a"),
+        ("samples/s", _si(t["samples_per_s"])),
+        ("tokens/s", _si(t["tokens_per_s"])),
+        ("step time", "n/a" if t["step_time_s"] is None else f"{t['step_time_s']:.3f} s"),
+        ("model FLOP/s (estimate)", _si(t["model_flops_per_s"], "FLOP/s")),
+        ("peak device memory", _gib(results["memory"]["device"]["peak_allocated_bytes"])
+         if results["memory"]["device"]["peak_allocated_bytes"] is not None else results["memory"]["device"]["note"]),
+        ("peak host RSS", _gib(results["memory"]["host_peak_rss_bytes"])),
+    ]
+    for key, value in results.get("strategy_report", {}).get("summary", {}).items():
+        rows.append((key, str(value)))
+    rows.append(("results", str(path)))
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
