@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import os
+import re
 import sys
 
 from relaytrain.errors import ConfigError
@@ -137,9 +138,22 @@ def check_overrides(overrides: list[str], multirun: bool = False) -> None:
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             for combo in itertools.islice(combos, MAX_SWEEP_CHECKS):
-                validate(_compose(compose, combo))
+                cfg = _compose(compose, combo)
+                validate(cfg)
+                _check_fits(cfg)
     finally:
         GlobalHydra.instance().clear()
+
+
+def _check_fits(cfg) -> None:
+    """Refuse a run the host cannot hold before Hydra creates its run directory."""
+    if not cfg.train.check_memory:
+        return
+    from relaytrain.budget import check_host_memory
+    from relaytrain.models import count_parameters
+    from relaytrain.train import pick_device
+
+    check_host_memory(cfg, count_parameters(cfg.model), pick_device(cfg.train.device).type)
 
 
 def _combinations(parsed) -> itertools.product:
@@ -167,7 +181,7 @@ def _compose(compose, overrides):
 
 def _missing_option_message(err) -> str:
     options = list(getattr(err, "options", None) or [])
-    group = getattr(err, "config_name", "") or ""
+    group = getattr(err, "missing_cfg_file", "") or ""
     if "/" in group:
         group, option = group.rsplit("/", 1)
         hint = difflib.get_close_matches(option, options, n=1)
@@ -195,6 +209,10 @@ def _omegaconf_message(err) -> str:
         hint = difflib.get_close_matches(leaf, known, n=1)
         fix = f"did you mean {section + '.' if section else ''}{hint[0]}?" if hint else "see `relaytrain train --help` for the keys"
         return f"unknown key {key}; {fix}"
+    expected = re.search(r"could not be converted to (\w+)", msg)
+    if expected:
+        value = getattr(err, "value", None)
+        return f"{key}={value} is not a valid {expected.group(1).lower()}; give one (see relaytrain train --help)"
     return f"{key}: {msg}" if key else msg
 
 

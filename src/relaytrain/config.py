@@ -219,3 +219,20 @@ def validate(cfg) -> None:
 def _a_divisor(n: int, near: int) -> int:
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     return min(divisors, key=lambda k: abs(k - near))
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()):
+    """The config `relaytrain train OVERRIDES...` would run with (no validation, no Hydra run dir).
+
+    For tests, benchmarks and helper commands that need a config exactly as the CLI builds it.
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="relaytrain.configs", version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()

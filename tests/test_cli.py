@@ -1,0 +1,140 @@
+"""The `relaytrain` command on good and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relaytrain.cli import main
+
+SMALL = ["+exp=tiny_baseline"]
+
+
+def relaytrain(*args, cwd, env_extra=None, check=True):
+    env = {**os.environ, "CI": "1", **(env_extra or {})}
+    proc = subprocess.run([sys.executable, "-m", "relaytrain.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=240)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_train_writes_results_and_prints_the_report(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = relaytrain("train", *SMALL, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["strategy"] == "baseline"
+    assert results["steps"] == 4 and len(results["loss"]) == 4
+    assert results["measured_steps"] == 3
+    assert results["model"]["parameters"] > 0
+    assert results["throughput"]["samples_per_s"] > 0
+    assert results["throughput"]["tokens_per_s"] == pytest.approx(results["throughput"]["samples_per_s"] * 32)
+    assert results["memory"]["host_peak_rss_bytes"] > 0
+    assert results["memory"]["device"]["peak_allocated_bytes"] is None  # CPU: no device memory to report
+    assert "+exp=tiny_baseline" in results["overrides"]
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+    assert "samples/s" in proc.stdout and "peak host RSS" in proc.stdout
+
+
+def test_multirun_writes_one_result_per_job(tmp_path):
+    relaytrain("train", "-m", *SMALL, "optim.lr=1e-4,1e-3", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    results = sorted((tmp_path / "sweep").glob("*/results.json"))
+    assert len(results) == 2
+    lrs = {r for f in results for r in json.loads(f.read_text())["overrides"] if r.startswith("optim.lr")}
+    assert lrs == {"optim.lr=0.0001", "optim.lr=0.001"}
+
+
+def test_saved_model_loads_with_hugging_face_and_keeps_parameter_names(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    run_dir = tmp_path / "run"
+    relaytrain("train", *SMALL, "train.save_model=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(run_dir / "model")
+    names = {n for n, _ in loaded.named_parameters()}
+    assert "bert.encoder.layer.1.attention.self.query.weight" in names and "classifier.weight" in names
+
+    # ... and trains again from there as model.pretrained, weights and all.
+    again = tmp_path / "again"
+    relaytrain("train", *SMALL, f"model.pretrained={run_dir / 'model'}", "train.steps=2", "train.warmup_steps=0",
+               f"hydra.run.dir={again}", cwd=tmp_path)
+    assert json.loads((again / "results.json").read_text())["model"]["parameters"] == loaded.num_parameters()
+
+
+def test_bad_input_is_one_line_exit_2_and_no_traceback(tmp_path):
+    proc = relaytrain("train", "model.num_heads=5", cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "relaytrain: error: model.num_heads=5 does not divide model.hidden_size=128; "
+        "pick heads that divide it (e.g. model.num_heads=4)"
+    ]
+    full = relaytrain("train", "model.num_heads=5", cwd=tmp_path, check=False, env_extra={"HYDRA_FULL_ERROR": "1"})
+    assert "Traceback" in full.stderr
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("model=bert_huge", "model=bert_huge is not a known option"),
+        ("strategy=nope", "strategy=nope is not a known option"),
+        ("model.num_layerz=3", "unknown key model.num_layerz; did you mean model.num_layers?"),
+        ("model.num_layers=abc", "model.num_layers=abc is not a valid integer"),
+        ("train.save_model=maybe", "train.save_model"),
+        ("model.hidden_size=0", "model.hidden_size=0 must be positive"),
+        ("data.seq_len=1024", "data.seq_len=1024 exceeds the model's positions"),
+        ("data=jsonl", "data=jsonl needs a file"),
+        ("data.path=/no/such.jsonl", "data.path=/no/such.jsonl does not exist"),
+        ("train.device=cuda", "no CUDA device"),
+        ("precision=cmp_bf16", "needs the eager param server"),
+        ("model=gpt2_tiny model.task=classification", "not available for GPT-2"),
+        ("train.warmup_steps=400", "train.warmup_steps=400 leaves no measured step"),
+    ],
+)
+def test_bad_overrides_name_the_key_and_the_fix(override, expected, capsys):
+    if override == "train.device=cuda":
+        pytest.importorskip("torch")
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is visible")
+    if override.startswith("data.path"):
+        override = f"data=jsonl {override}"
+    if override.startswith("precision=cmp"):
+        override = f"{override} strategy=baseline"
+    assert main(["train", *override.split()]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("relaytrain: error: ")
+    assert expected in err[0]
+
+
+def test_every_job_of_a_sweep_is_checked_before_any_runs(capsys):
+    assert main(["train", "-m", "model=bert_tiny,bert_wrong"]) == 2
+    assert "model=bert_wrong is not a known option" in capsys.readouterr().err
+
+
+def test_run_that_cannot_fit_in_host_memory_is_refused(capsys):
+    assert main(["train", "model=bert_large", "model.num_layers=4000", "model.hidden_size=4096"]) == 2
+    err = capsys.readouterr().err
+    assert "GiB of host memory (estimate)" in err and "model.num_layers" in err
+
+
+def test_help_lists_commands_strategies_and_config_groups(tmp_path, capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for word in ("relaytrain train", "relaytrain schedule", "baseline", "l2l", "pipe_2bw", "+exp="):
+        assert word in out
+    proc = relaytrain("train", "--help", cwd=tmp_path)
+    for word in ("model: ", "bert_large", "strategy: ", "optim: ", "train:", "microbatch_size"):
+        assert word in proc.stdout
+
+
+def test_unknown_command_exits_2(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_configs_are_found_from_any_working_directory(tmp_path):
+    proc = relaytrain("train", "--cfg", "job", cwd=Path("/"))
+    assert "num_layers: 4" in proc.stdout

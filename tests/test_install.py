@@ -1,0 +1,34 @@
+"""The configs ship inside the wheel: an installed relaytrain finds them from any directory."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_wheel_install_finds_its_configs_from_any_directory(tmp_path):
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(wheel_dir), str(ROOT)], check=True, timeout=300)
+    wheel, = wheel_dir.glob("relaytrain-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    where = subprocess.run([sys.executable, "-c", "import relaytrain; print(relaytrain.__file__)"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, check=True)
+    assert where.stdout.startswith(str(target))  # the wheel, not the checkout
+    cfg = subprocess.run([sys.executable, "-m", "relaytrain.cli", "train", "+exp=tiny_baseline", "--cfg", "job"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert cfg.returncode == 0, cfg.stderr
+    assert "num_layers: 2" in cfg.stdout and "name: bert_tiny" in cfg.stdout
+
+
+def test_editable_install_reads_the_checkouts_configs():
+    import relaytrain.configs
+
+    assert Path(relaytrain.configs.__file__).resolve().parent == ROOT / "configs"
