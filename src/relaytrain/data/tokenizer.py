@@ -13,6 +13,7 @@ be reloaded with the tokenizer it was trained with.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,7 +33,9 @@ def load_tokenizer(cfg, corpus: Iterable[str], tokenizer_dir: str | None) -> Pre
     tokenizer = find_tokenizer(cfg)
     if tokenizer is None:
         tokenizer = train_tokenizer(corpus, cfg.model.family, cfg.model.vocab_size, cfg.model.max_seq_len)
-        check_vocab_size(tokenizer, cfg.model.vocab_size, f"the tokenizer trained for model.family={cfg.model.family}")
+        check_vocab_size(
+            tokenizer, cfg.model.vocab_size, f"the tokenizer trained for model.family={cfg.model.family}"
+        )
     if tokenizer_dir:
         tokenizer.save_pretrained(str(Path(tokenizer_dir) / "tokenizer"))
     return tokenizer
@@ -85,14 +88,18 @@ def _from_pretrained(location: str, key: str) -> PreTrainedTokenizerFast:
             f"saved with save_pretrained"
         ) from e
     if not tokenizer.is_fast:
-        raise ConfigError(f"{key}={location} has only a slow (Python) tokenizer; save a fast one (tokenizer.json)")
+        raise ConfigError(
+            f"{key}={location} has only a slow (Python) tokenizer; save a fast one (tokenizer.json)"
+        )
     return tokenizer
 
 
 # --------------------------------------------------------------------------- training
 
 
-def train_tokenizer(corpus: Iterable[str], family: str, vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    corpus: Iterable[str], family: str, vocab_size: int, max_length: int
+) -> PreTrainedTokenizerFast:
     """A fresh tokenizer for `family` ("bert" or "gpt2") trained on `corpus`; at most `vocab_size`
     tokens, fewer when the corpus is small (byte-level BPE never has fewer than 257)."""
     if family == "gpt2":
@@ -101,26 +108,28 @@ def train_tokenizer(corpus: Iterable[str], family: str, vocab_size: int, max_len
 
 
 def _train_wordpiece(corpus: Iterable[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import models, trainers
 
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece()
-    # Keep the alphabet within the budget, or rare characters alone could overflow vocab_size.
+    texts = list(corpus)  # read twice: once for the alphabet, once to train
+    scratch = _bert_pipeline(models.WordPiece(unk_token="[UNK]"))
+    alphabet = _alphabet(
+        texts, scratch.normalizer, limit=max((vocab_size - len(BERT_SPECIAL_TOKENS)) // 2, 1)
+    )
+    # The trainer creates the "##x" continuation pieces in hash-map order, so the same corpus can
+    # give different ids on every run (huggingface/tokenizers#1794). Registering them up front,
+    # sorted, makes training reproducible; the vocabulary is then rebuilt so they are ordinary
+    # pieces rather than special tokens.
+    continuations = ["##" + char for char in alphabet]
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(BERT_SPECIAL_TOKENS),
-        limit_alphabet=max(vocab_size // 4, 1),
+        special_tokens=list(BERT_SPECIAL_TOKENS) + continuations,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus, trainer)
-    cls, sep = BERT_SPECIAL_TOKENS.index("[CLS]"), BERT_SPECIAL_TOKENS.index("[SEP]")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
-    )
+    scratch.train_from_iterator(texts, trainer)
+    vocab = scratch.get_vocab(with_added_tokens=False)
+    tokenizer = _bert_pipeline(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token="[PAD]",
@@ -130,6 +139,37 @@ def _train_wordpiece(corpus: Iterable[str], vocab_size: int, max_length: int) ->
         unk_token="[UNK]",
         model_max_length=max_length,
     )
+
+
+def _bert_pipeline(model):
+    """A BERT-style (uncased) tokenizer around `model`: [CLS] a [SEP] (b [SEP])."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
+
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[(token, BERT_SPECIAL_TOKENS.index(token)) for token in ("[CLS]", "[SEP]")],
+    )
+    return tokenizer
+
+
+def _alphabet(texts: list[str], normalizer, limit: int) -> list[str]:
+    """The `limit` most frequent characters after normalization, sorted; ties break by character
+    so the result does not depend on the corpus order. Capped so that each character and its
+    "##" continuation fit in the vocabulary; rarer ones become [UNK]."""
+    raw = Counter()
+    for text in texts:
+        raw.update(text)
+    counts = Counter()
+    for char, count in raw.items():
+        for normalized in normalizer.normalize_str(char):  # lowercased, accents stripped
+            if not normalized.isspace():
+                counts[normalized] += count
+    return sorted(sorted(counts, key=lambda char: (-counts[char], char))[:limit])
 
 
 def _train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
