@@ -101,11 +101,14 @@ def _run_hydra(args: list[str]) -> None:
     def train_app(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        from relaytrain.train import run
+        from relaytrain.train import Interrupted, run
 
         hydra_cfg = HydraConfig.get()
         try:
             run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
+        except Interrupted as stop:
+            print(f"relaytrain: {stop}", file=sys.stderr)
+            sys.exit(128 + stop.signum)  # the shell's convention for "ended by this signal"
         except ConfigError as err:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 import platform
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from relaytrain import metrics
+from relaytrain import checkpoint, metrics
 from relaytrain.budget import check_host_memory
 from relaytrain.config import validate
 from relaytrain.data import build_dataset, build_loader
@@ -23,6 +26,15 @@ from relaytrain.strategies import PIPELINE_STRATEGIES, build_strategy
 
 class TrainingDiverged(ConfigError):
     """The loss became NaN or infinite under a precision that cannot skip steps."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived; a checkpoint of the last finished step was saved."""
+
+    def __init__(self, signum: int, step: int, path: Path):
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved to {path}; "
+                         f"continue with train.resume={path}")
+        self.signum = signum
 
 
 def pick_device(name: str) -> torch.device:
@@ -48,12 +60,14 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None) -> dict:
     host = metrics.HostMemory()
     host.reset_peak()
     metrics.reset_device_peak(device)
+    resume_from = checkpoint.find(cfg.train.resume, run_dir) if cfg.train.resume else None
+    resumed = checkpoint.load(resume_from, cfg) if resume_from else None
     model = build_model(cfg.model, cfg.train.seed)
     loader = build_loader(cfg, build_dataset(cfg, tokenizer_dir=str(run_dir)))
     precision = Precision.from_name(cfg.precision.name)
     strategy = build_strategy(model, cfg, device, precision)
     try:
-        history = train_steps(cfg, strategy, loader, device)
+        history = train_steps(cfg, strategy, loader, device, run_dir, resumed)
         strategy.sync_model()
         if cfg.train.save_model:
             save_model(model, run_dir)
@@ -65,28 +79,69 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None) -> dict:
     return results
 
 
-def train_steps(cfg, strategy, loader, device) -> dict:
-    """The loop: one `strategy.step` per minibatch; times whole steps with the device synchronised."""
-    torch.manual_seed(cfg.train.seed)  # dropout masks: the same stream whichever strategy runs
+def train_steps(cfg, strategy, loader, device, run_dir: Path, resumed: dict | None = None) -> dict:
+    """The loop: one `strategy.step` per minibatch; times whole steps with the device synchronised.
+
+    Checkpoints every `train.checkpoint_every` steps, and on SIGINT/SIGTERM after the step in
+    flight (then raises Interrupted). A resumed run continues the loss history, data stream,
+    RNG streams and LR schedule exactly where the checkpoint left them.
+    """
     steps = cfg.train.steps
-    losses, step_times, skipped = [], [], 0
+    if resumed is None:
+        torch.manual_seed(cfg.train.seed)  # dropout masks: the same stream whichever strategy runs
+        history, first = {"losses": [], "step_times": [], "skipped": 0}, 0
+    else:
+        checkpoint.restore(resumed, strategy)
+        history, first = resumed["history"], resumed["step"]
+        loader.position = resumed["data_position"]
+    every = cfg.train.checkpoint_every
     title = f"{cfg.strategy.name} · {cfg.model.name}"
-    with StepProgress(steps, cfg.train.log_every, title) as progress:
-        for step, minibatch in zip(range(steps), loader, strict=False):
+    with StepProgress(steps, cfg.train.log_every, title) as progress, _stop_requests() as stop:
+        for step in range(first, steps):
+            minibatch = next(loader)
             start = time.perf_counter()
             result = strategy.step(minibatch, lr_at(step, cfg.optim, steps))
             metrics.synchronize(device)
-            step_times.append(time.perf_counter() - start)
+            history["step_times"].append(time.perf_counter() - start)
             if result.skipped:
-                skipped += 1
+                history["skipped"] += 1
             elif not math.isfinite(result.loss):
                 raise TrainingDiverged(
                     f"the loss became {result.loss} at step {step + 1} under precision={cfg.precision.name}; "
+                    f"the last good checkpoint stays in {checkpoint.checkpoint_dir(run_dir)}; "
                     f"lower optim.lr or use precision=fp32"
                 )
-            losses.append(result.loss)
-            progress.update(step + 1, result.loss, step_times[-1], result.skipped)
-    return {"losses": losses, "step_times": step_times, "skipped": skipped}
+            history["losses"].append(result.loss)
+            progress.update(step + 1, result.loss, history["step_times"][-1], result.skipped)
+            if stop.signum or (every and (step + 1) % every == 0 and step + 1 < steps):
+                state = checkpoint.capture(cfg, strategy, step + 1, loader.position, history)
+                path = checkpoint.save(state, checkpoint.checkpoint_dir(run_dir), cfg.train.keep_checkpoints)
+                if stop.signum:
+                    raise Interrupted(stop.signum, step + 1, path)
+    return history
+
+
+class _StopRequest:
+    signum: int = 0
+
+
+@contextmanager
+def _stop_requests():
+    """Turn SIGINT/SIGTERM into a request the loop honours between steps (a step is never torn)."""
+    request = _StopRequest()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield request
+        return
+
+    def handler(signum, frame):
+        request.signum = signum
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield request
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def save_model(model, run_dir: Path) -> Path:

@@ -72,7 +72,9 @@ class MicroBatchLoader:
         ]
 
     def __iter__(self) -> Iterator[list[MicroBatch]]:
-        while True:
-            batch = self.minibatch(self.position)
-            self.position += 1
-            yield batch
+        return self
+
+    def __next__(self) -> list[MicroBatch]:
+        batch = self.minibatch(self.position)
+        self.position += 1
+        return batch

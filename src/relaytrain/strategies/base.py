@@ -37,6 +37,13 @@ class Strategy(ABC):
     def sync_model(self) -> None:
         """Make `model.hf_model` hold the current trained weights (before saving or comparing)."""
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer the strategy steps; their state is checkpointed by parameter name."""
+        return []
+
+    def weights_loaded(self) -> None:
+        """Called after a checkpoint overwrote the weights: refresh anything derived from them."""
+
     def report(self) -> dict:
         """Strategy-specific figures for results.json (phase times, resident blocks, ...)."""
         return {}

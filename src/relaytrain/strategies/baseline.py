@@ -38,6 +38,9 @@ class Baseline(Strategy):
         skipped = self._update(lr)
         return StepResult(loss=float(loss_sum), skipped=skipped)
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
     def _loss(self, mb: MicroBatch, items: int) -> torch.Tensor:
         with self.precision.autocast_context(self.device):
             hidden = self.model.embed(mb.input_ids)

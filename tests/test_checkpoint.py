@@ -1,0 +1,136 @@
+"""Checkpoints: nothing lost, exact resume, atomic writes, clear failures."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relaytrain import checkpoint
+from relaytrain.cli import main
+
+# bert_tiny at this batch takes ~0.1 s a step on 2 cores: slow enough to kill mid-run.
+RUN = ["train", "train.steps=30", "train.warmup_steps=1", "strategy.microbatch_size=8",
+       "strategy.num_microbatches=2", "data.num_samples=512", "model.dropout=0.1", "train.save_model=true"]
+
+
+def start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "CI": "1"}
+    return subprocess.Popen([sys.executable, "-m", "relaytrain.cli", *RUN, f"hydra.run.dir={run_dir}", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(run_dir: Path, *extra: str) -> dict:
+    proc = start(run_dir, *extra)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def weights(run_dir: Path) -> dict:
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("whole")
+    return run_dir, finish(run_dir)
+
+
+@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_resumes_to_the_same_weights_and_losses(uninterrupted, tmp_path, kill):
+    whole_dir, whole = uninterrupted
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "train.checkpoint_every=5", "train.resume=auto")
+    wait_for(run_dir / "checkpoints" / "step-00000010.pt", proc)
+    proc.send_signal(kill)
+    _, err = proc.communicate(timeout=60)
+    if kill == signal.SIGTERM:
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "SIGTERM at step" in err and "checkpoint saved to" in err and "Traceback" not in err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert not (run_dir / "results.json").exists()  # it really stopped early
+
+    resumed = finish(run_dir, "train.checkpoint_every=5", "train.resume=auto")
+    assert resumed["loss"] == whole["loss"]  # bit-for-bit, every step before and after the resume
+    ours, theirs = weights(run_dir), weights(whole_dir)
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path):
+    run_dir = tmp_path / "run"
+    assert main([*RUN, "train.steps=6", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]) == 0
+    directory = checkpoint.checkpoint_dir(run_dir)
+    assert [p.name for p in checkpoint.list_checkpoints(directory)] == ["step-00000002.pt", "step-00000004.pt"]
+
+    crash = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from relaytrain import checkpoint\n"
+        "def half_then_die(f):\n"
+        "    f.write(b'x' * 1_000_000); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"checkpoint.atomic_write(Path({str(directory / 'step-00000006.pt')!r}), half_then_die)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert any(p.name.endswith(".tmp") for p in directory.iterdir())  # the torn write is there ...
+    latest = checkpoint.find("auto", run_dir)
+    assert latest.name == "step-00000004.pt"  # ... but nothing reads it
+    from relaytrain.config import compose_config
+
+    cfg = compose_config(RUN[1:])
+    assert checkpoint.load(latest, cfg)["step"] == 4
+
+
+def test_keeps_only_the_last_k_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    assert main([*RUN, "train.steps=9", "train.checkpoint_every=2", "train.keep_checkpoints=2",
+                 f"hydra.run.dir={run_dir}"]) == 0
+    names = [p.name for p in checkpoint.list_checkpoints(checkpoint.checkpoint_dir(run_dir))]
+    assert names == ["step-00000006.pt", "step-00000008.pt"]
+
+
+def test_a_checkpoint_that_does_not_fit_the_config_is_refused(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main([*RUN, "train.steps=4", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main([*RUN, "model.num_layers=3", f"train.resume={run_dir}", f"hydra.run.dir={tmp_path / 'b'}"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not fit this config (num_layers: checkpoint 4 vs config 3)" in err
+
+    corrupt = tmp_path / "step-00000002.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit) as stop:
+        main([*RUN, f"train.resume={corrupt}", f"hydra.run.dir={tmp_path / 'c'}"])
+    assert stop.value.code == 2
+    assert "cannot be read" in capsys.readouterr().err
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([*RUN, "optim=sgd", "optim.lr=1e30", "train.checkpoint_every=1", f"hydra.run.dir={tmp_path}"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the loss became nan at step" in err[0] or "the loss became inf at step" in err[0]
+    step = int(err[0].split(" at step ")[1].split()[0])
+    kept = checkpoint.list_checkpoints(checkpoint.checkpoint_dir(tmp_path))
+    assert kept and all(int(p.stem.split("-")[1]) < step for p in kept)  # only good steps were saved
