@@ -39,6 +39,8 @@ Examples:
   relaytrain train strategy=l2l model=bert_base train.steps=50
   relaytrain train +exp=bert_large_l2l
   relaytrain train -m strategy=baseline,l2l optim.lr=1e-4,3e-4
+  relaytrain train strategy=pipe_2bw strategy.stages=2 strategy.replicas=2
+  relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8 [--schedule gpipe] [--out t.svg]
 """
 
 

@@ -150,6 +150,7 @@ def validate(cfg) -> None:
     _choice("data.source", d.source, DATA_SOURCES)
     _choice("strategy.name", s.name, STRATEGIES)
     _choice("strategy.stash", s.stash, ("device", "cpu"))
+    _choice("strategy.backend", s.backend, ("auto", "gloo", "nccl"))
     _choice("optim.name", o.name, OPTIMIZERS)
     _choice("optim.schedule", o.schedule, SCHEDULES)
     _choice("precision.name", p.name, PRECISIONS)

@@ -1,0 +1,197 @@
+"""Pipeline benchmarks (not a test): throughput ratios from one run of each contestant.
+
+1. pipe_flush against PyTorch's own torch.distributed.pipelining.Schedule1F1B: same model,
+   same partition (relaytrain's stage modules), same micro-batches, same threads per worker.
+   Target ratio (ours / torch) >= 1.0.
+2. pipe_2bw against pipe_flush at m = d, printed beside what the bubble formula predicts:
+   a flush idles (d-1)/(m+d-1) of the time, 2BW (almost) never, so at most
+   (m+d-1)/m times faster. Target >= 1.2.
+
+    .venv/bin/python scripts/bench_pipeline.py [--steps 14] [--rounds 2] [--json bench_pipeline.json]
+
+Throughput is mean step time after warm-up steps, from results.json (ours) or the same
+clock around `schedule.step` (torch); each contestant's best of `--rounds` alternating rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from relaytrain.config import compose_config
+from relaytrain.models.layered import MicroBatch
+from relaytrain.strategies.pipeline import run_pipeline
+from relaytrain.strategies.pipeline.validate import bubble_formula
+
+MODEL = [
+    "model=gpt2_tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
+    "model.intermediate_size=1024", "model.vocab_size=2048", "model.dropout=0.0",
+    "data.seq_len=64", "data.num_samples=2048", "optim=sgd", "optim.lr=0.01",
+]
+
+
+def bench_cfg(strategy: str, stages: int, m: int, steps: int, warmup: int):
+    return compose_config([
+        *MODEL, f"strategy={strategy}", f"strategy.stages={stages}", f"strategy.num_microbatches={m}",
+        "strategy.microbatch_size=4", f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.log_every=1000",
+    ])
+
+
+def ours(cfg) -> float:
+    """Mean measured step time of a relaytrain pipeline run."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        return run_pipeline(cfg, run_dir, [])["throughput"]["step_time_s"]
+
+
+# ----------------------------------------------------------------- torch.distributed.pipelining
+
+
+class TorchStage(torch.nn.Module):
+    """relaytrain's stage module behind the single-tensor interface torch's pipelining wants."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: input ids on the first stage, hidden states elsewhere. The last stage returns its
+        # hidden state; the loss function applies the head.
+        mb = MicroBatch(input_ids=x, labels=x)
+        model = self.stage.model
+        hidden = model.embed(x) if self.stage.first else x
+        ctx = model.context(mb, hidden)
+        for block in model.blocks:
+            hidden = block(hidden, ctx)
+        return hidden
+
+
+def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out) -> None:
+    from omegaconf import OmegaConf
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from relaytrain.data import build_dataset, build_loader
+    from relaytrain.optim import build_optimizer
+    from relaytrain.strategies.pipeline.worker import build_stage
+
+    cfg = OmegaConf.create(cfg_dict)
+    s = cfg.strategy
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    stage = build_stage(cfg, rank)
+    optimizer = build_optimizer(stage.named_parameters(), cfg.optim)
+    items = {"n": 1}
+
+    def loss_fn(hidden, labels):
+        return stage.model.head_loss(hidden, labels) / items["n"]
+
+    pipe = PipelineStage(TorchStage(stage), rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(pipe, n_microbatches=s.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    loader = iter(build_loader(cfg, build_dataset(cfg)))
+    times = []
+    dist.barrier()
+    for _ in range(cfg.train.steps):
+        minibatch = next(loader)
+        ids = torch.cat([mb.input_ids for mb in minibatch])
+        labels = torch.cat([mb.labels for mb in minibatch])
+        items["n"] = int((labels[:, 1:] != -100).sum())
+        start = time.perf_counter()
+        if rank == 0:
+            schedule.step(ids)
+        elif rank == world - 1:
+            schedule.step(target=labels)
+        else:
+            schedule.step()
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    if rank == world - 1:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def torch_1f1b(cfg) -> float:
+    import socket
+
+    from omegaconf import OmegaConf
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    world = cfg.strategy.stages
+    config = OmegaConf.to_container(cfg, resolve=True)
+    procs = [ctx.Process(target=_torch_worker, args=(r, world, config, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    times = out.get()
+    for p in procs:
+        p.join()
+    measured = times[cfg.train.warmup_steps:]
+    return sum(measured) / len(measured)
+
+
+# ----------------------------------------------------------------- main
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="alternate the contestants; keep each one's best")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    d = args.stages
+
+    flush_cfg = bench_cfg("pipe_flush", d, 2 * d, args.steps, args.warmup)
+    contestants = {
+        "ours_flush": lambda: ours(flush_cfg),
+        "torch_flush": lambda: torch_1f1b(flush_cfg),
+        "flush_md": lambda: ours(bench_cfg("pipe_flush", d, d, args.steps, args.warmup)),
+        "2bw_md": lambda: ours(bench_cfg("pipe_2bw", d, d, args.steps, args.warmup)),
+    }
+    # Best of several alternating rounds: on a shared machine, other load only ever slows a run down.
+    rounds = [{name: run() for name, run in contestants.items()} for _ in range(args.rounds)]
+    best = {name: min(r[name] for r in rounds) for name in contestants}
+    ours_flush, torch_flush, flush_md, two_bw_md = (best[n] for n in contestants)
+
+    predicted = 1.0 / (1.0 - bubble_formula(d, d))
+    figures = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "rounds": rounds,
+        "torch": torch.__version__,
+        "model": MODEL,
+        "flush_vs_torch_1f1b": {
+            "stages": d, "microbatches": 2 * d, "ours_step_s": ours_flush, "torch_step_s": torch_flush,
+            "ratio": torch_flush / ours_flush, "target": 1.0,
+        },
+        "2bw_vs_flush_at_m_eq_d": {
+            "stages": d, "microbatches": d, "flush_step_s": flush_md, "2bw_step_s": two_bw_md,
+            "ratio": flush_md / two_bw_md, "predicted_by_bubble_formula": predicted, "target": 1.2,
+        },
+    }
+    a, b = figures["flush_vs_torch_1f1b"], figures["2bw_vs_flush_at_m_eq_d"]
+    print(f"pipe_flush vs torch Schedule1F1B (d={d}, m={2 * d}): {a['ours_step_s']:.3f} s vs "
+          f"{a['torch_step_s']:.3f} s per step -> ratio {a['ratio']:.2f} (target >= 1.0)")
+    print(f"pipe_2bw vs pipe_flush (d=m={d}): {b['2bw_step_s']:.3f} s vs {b['flush_step_s']:.3f} s per step -> "
+          f"ratio {b['ratio']:.2f} (target >= 1.2; bubble formula predicts {predicted:.2f})")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,188 @@
+"""Pipeline schedules as data: what each stage does, step by step (no torch, no processes).
+
+A schedule is a pure function of (kind, stages d, micro-batches per update m, batches n).
+Each stage gets a *program*: a list of steps, each step a short list of `Action`s around
+one unit of work (receive, compute, send), as DeepSpeed's instruction generators yield
+them. The runtime (`worker.py`) executes a program through a dispatch table; the validator
+(`validate.py`) dry-runs all programs together; the viewer (`view.py`) draws them.
+
+Micro-batches are numbered globally, k = b*m + j for micro-batch j of batch b, so the 2BW
+rule "micro-batch k of batch b = k // m uses weight version max(b - 1, 0)" reads directly
+off the actions.
+
+Kinds:
+- `pipe_flush` (PipeDream-Flush): 1F1B within each batch, then a flush: reduce gradients,
+  one optimizer step, and the next batch starts on the new weights (version b for batch b).
+- `pipe_2bw` (PipeDream-2BW): 1F1B over all n*m micro-batches without flushes. After a
+  stage's last backward of batch b its gradients are reduced; the optimizer step that makes
+  version b+1 runs just before the stage's first forward that uses it (the first
+  micro-batch of batch b+2), which is the version switch. Waiting until then lets the
+  reduction run behind later micro-batches instead of stalling the pipeline.
+- `gpipe`: all forwards of a batch, then all backwards, then the flush (the comparison the
+  paper draws in Figures 1a and 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from relaytrain.errors import ConfigError
+
+KINDS = ("pipe_flush", "pipe_2bw", "gpipe")
+
+
+class Op(Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECV_ACT = "recv_act"  # activation of micro-batch k from the previous stage
+    SEND_ACT = "send_act"
+    RECV_GRAD = "recv_grad"  # gradient of this stage's output from the next stage
+    SEND_GRAD = "send_grad"
+    REDUCE_GRADS = "reduce_grads"  # start summing batch b's gradients over replicas and tied copies
+    OPTIMIZER_STEP = "optimizer_step"  # wait for that sum, apply it: weight version `version` exists
+
+
+COMPUTE = (Op.FORWARD, Op.BACKWARD)
+
+
+@dataclass(frozen=True)
+class Action:
+    op: Op
+    microbatch: int | None = None  # global micro-batch id k (compute and transfers)
+    batch: int | None = None
+    version: int | None = None  # weights a forward/backward uses; the version a step creates
+
+    def __str__(self) -> str:
+        what = f"{self.op.value}(mb={self.microbatch}" if self.microbatch is not None else f"{self.op.value}(b={self.batch}"
+        return what + (f", v={self.version})" if self.version is not None else ")")
+
+
+Step = list[Action]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str
+    stages: int
+    num_microbatches: int  # m: micro-batches per weight update
+    num_batches: int  # n: weight updates
+    programs: tuple[tuple[tuple[Action, ...], ...], ...]  # [stage][step] -> actions
+
+    @property
+    def total_microbatches(self) -> int:
+        return self.num_microbatches * self.num_batches
+
+    def actions(self, stage: int) -> list[Action]:
+        """The stage's program flattened in execution order."""
+        return [action for step in self.programs[stage] for action in step]
+
+
+def weight_version(kind: str, microbatch: int, m: int) -> int:
+    """The weight version micro-batch k computes with (forward and backward alike)."""
+    batch = microbatch // m
+    return max(batch - 1, 0) if kind == "pipe_2bw" else batch
+
+
+def check_shape(kind: str, stages: int, m: int, batches: int) -> None:
+    """Refuse (stages, micro-batches) a schedule cannot run, naming the keys to change."""
+    if kind not in KINDS:
+        raise ConfigError(f"schedule {kind!r} is not one of {', '.join(KINDS)}")
+    if stages < 1 or m < 1 or batches < 1:
+        raise ConfigError(f"stages={stages}, micro-batches={m} and batches={batches} must be positive")
+    if kind == "pipe_2bw" and m < stages:
+        # With fewer micro-batches than stages, stage 0 would start batch b+2 before its own
+        # last backward of batch b: a third weight version would be needed.
+        raise ConfigError(
+            f"pipe_2bw needs strategy.num_microbatches >= strategy.stages (got {m} < {stages}); "
+            f"raise strategy.num_microbatches to at least {stages}"
+        )
+
+
+def build_schedule(kind: str, stages: int, num_microbatches: int, num_batches: int = 1) -> Schedule:
+    check_shape(kind, stages, num_microbatches, num_batches)
+    programs = tuple(
+        tuple(tuple(step) for step in stage_program(kind, stages, num_microbatches, stage, num_batches))
+        for stage in range(stages)
+    )
+    return Schedule(kind, stages, num_microbatches, num_batches, programs)
+
+
+def stage_program(kind: str, stages: int, m: int, stage: int, batches: int) -> list[Step]:
+    """Steps of one stage: each forward/backward with its transfers, plus the update steps."""
+    order = _compute_order(kind, stages, m, stage, batches)
+    steps: list[Step] = []
+    for op, k in order:
+        steps.append(_compute_step(op, k, stage, stages, weight_version(kind, k, m), m))
+        if op is Op.BACKWARD and k % m == m - 1:  # this stage's last backward of batch b
+            steps.append([Action(Op.REDUCE_GRADS, batch=k // m)])
+    return _place_optimizer_steps(kind, steps, m, batches)
+
+
+def _compute_order(kind: str, stages: int, m: int, stage: int, batches: int) -> list[tuple[Op, int]]:
+    if kind == "pipe_2bw":  # one 1F1B stream over every micro-batch of the run: no flushes
+        return _one_f_one_b(stages, stage, 0, m * batches)
+    per_batch = _one_f_one_b if kind == "pipe_flush" else _all_forward_all_backward
+    return [item for b in range(batches) for item in per_batch(stages, stage, b * m, m)]
+
+
+def _one_f_one_b(stages: int, stage: int, first: int, count: int) -> list[tuple[Op, int]]:
+    """Warm-up forwards, then alternate forward/backward, then drain the backwards.
+
+    Stage i runs d - i - 1 forwards ahead, so it never holds more than min(d - i, count)
+    activations: the memory bound of 1F1B.
+    """
+    warmup = min(stages - stage - 1, count)
+    order = [(Op.FORWARD, first + j) for j in range(warmup)]
+    for j in range(count - warmup):
+        order += [(Op.FORWARD, first + warmup + j), (Op.BACKWARD, first + j)]
+    order += [(Op.BACKWARD, first + j) for j in range(count - warmup, count)]
+    return order
+
+
+def _all_forward_all_backward(stages: int, stage: int, first: int, count: int) -> list[tuple[Op, int]]:
+    return [(Op.FORWARD, first + j) for j in range(count)] + [(Op.BACKWARD, first + j) for j in range(count)]
+
+
+def _compute_step(op: Op, k: int, stage: int, stages: int, version: int, m: int) -> Step:
+    first, last = stage == 0, stage == stages - 1
+    work = Action(op, k, k // m, version)
+    if op is Op.FORWARD:
+        recv = [] if first else [Action(Op.RECV_ACT, k, k // m)]
+        send = [] if last else [Action(Op.SEND_ACT, k, k // m)]
+    else:
+        recv = [] if last else [Action(Op.RECV_GRAD, k, k // m)]
+        send = [] if first else [Action(Op.SEND_GRAD, k, k // m)]
+    return [*recv, work, *send]
+
+
+def _place_optimizer_steps(kind: str, steps: list[Step], m: int, batches: int) -> list[Step]:
+    """Insert OPTIMIZER_STEP(b), which creates version b + 1.
+
+    Flush kinds step right after the reduction (the next batch needs version b + 1 at
+    once). 2BW steps just before the first forward that uses version b + 1, or at the end
+    of the run for the last updates.
+    """
+    placed: list[Step] = []
+    pending: list[int] = []  # 2BW: batches reduced but not yet applied
+    for step in steps:
+        head = step[-1] if step[-1].op is Op.REDUCE_GRADS else _compute_of(step)
+        if kind == "pipe_2bw" and head.op is Op.FORWARD:
+            while pending and pending[0] + 1 <= head.version:
+                placed.append([_optimizer_step(pending.pop(0))])
+        placed.append(step)
+        if head.op is Op.REDUCE_GRADS:
+            if kind == "pipe_2bw":
+                pending.append(head.batch)
+            else:
+                placed.append([_optimizer_step(head.batch)])
+    placed += [[_optimizer_step(b)] for b in pending]
+    return placed
+
+
+def _optimizer_step(batch: int) -> Action:
+    return Action(Op.OPTIMIZER_STEP, batch=batch, version=batch + 1)
+
+
+def _compute_of(step: Step) -> Action:
+    return next(a for a in step if a.op in COMPUTE)

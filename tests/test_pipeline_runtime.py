@@ -1,0 +1,211 @@
+"""Pipelines on real gloo process groups on localhost, against single-process references.
+
+Each launch starts stages x replicas worker processes, so every test checks as much as one
+launch can: final weights (through the saved Hugging Face model, which also checks
+`train.save_model`), losses and results.json.
+"""
+
+import copy
+import json
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from relaytrain.data import build_dataset, build_loader
+from relaytrain.errors import ConfigError
+from relaytrain.models import build_model
+from relaytrain.optim import build_optimizer, lr_at, set_lr
+from relaytrain.precision import Precision
+from relaytrain.strategies import build_strategy
+from relaytrain.strategies.base import minibatch_items
+from relaytrain.strategies.pipeline import run_pipeline
+from relaytrain.strategies.pipeline.comms import Topology
+from relaytrain.strategies.pipeline.launch import _failure_line, check_runnable
+from relaytrain.train import run
+from tests.conftest import tiny_cfg
+
+STEPS = 4
+
+
+def pipeline_cfg(family, *overrides):
+    return tiny_cfg(family, f"train.steps={STEPS}", "train.save_model=true", "strategy.timeout_s=60", *overrides)
+
+
+def trained_by_pipeline(cfg, run_dir):
+    """Run the pipeline; return its results and the model it saved, loaded back."""
+    results = run_pipeline(cfg, run_dir, [])
+    saved = copy.deepcopy(cfg)
+    OmegaConf.update(saved, "model.pretrained", str(run_dir / "model"))
+    return results, build_model(saved.model).hf_model
+
+
+def whole_minibatch_cfg(cfg, name="baseline"):
+    """`cfg` for one process that sees every replica's rows: micro-batches replicas times larger."""
+    single = copy.deepcopy(cfg)
+    OmegaConf.update(single, "strategy.name", name)
+    OmegaConf.update(single, "strategy.microbatch_size", cfg.strategy.microbatch_size * cfg.strategy.replicas)
+    return single
+
+
+def trained_by_baseline(cfg):
+    cfg = whole_minibatch_cfg(cfg)
+    model = build_model(cfg.model, cfg.train.seed)
+    strategy = build_strategy(model, cfg, torch.device("cpu"), Precision.from_name("fp32"))
+    loader = iter(build_loader(cfg, build_dataset(cfg)))
+    losses = [strategy.step(next(loader), lr_at(s, cfg.optim, STEPS)).loss for s in range(STEPS)]
+    return model.hf_model, losses
+
+
+def trained_by_plain_loop(cfg):
+    """Plain PyTorch: the whole model, loss of each micro-batch over the minibatch's items."""
+    cfg = whole_minibatch_cfg(cfg)
+    model = build_model(cfg.model, cfg.train.seed)
+    optimizer = build_optimizer(model.named_parameters(), cfg.optim)
+    loader = iter(build_loader(cfg, build_dataset(cfg)))
+    for step in range(STEPS):
+        minibatch = next(loader)
+        items = minibatch_items(model, minibatch)
+        for mb in minibatch:
+            model(mb, items).backward()
+        set_lr(optimizer, lr_at(step, cfg.optim, STEPS))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.hf_model
+
+
+def trained_by_delayed_gradients(cfg):
+    """The 2BW rule in one process: W(b+1) = W(b) - lr * grad f_b(W(max(b-1, 0))), via the optimizer."""
+    cfg = whole_minibatch_cfg(cfg)
+    model = build_model(cfg.model, cfg.train.seed)
+    stale = copy.deepcopy(model)  # holds the version the gradients are taken at
+    optimizer = build_optimizer(model.named_parameters(), cfg.optim)
+    loader = iter(build_loader(cfg, build_dataset(cfg)))
+    previous = copy.deepcopy(model.state_dict())  # W(b-1), W(0) for the first batch
+    for step in range(STEPS):
+        minibatch = next(loader)
+        stale.load_state_dict(previous)
+        previous = copy.deepcopy(model.state_dict())
+        items = minibatch_items(stale, minibatch)
+        for mb in minibatch:
+            stale(mb, items).backward()
+        for p, q in zip(model.parameters(), stale.parameters(), strict=True):
+            p.grad = q.grad
+        set_lr(optimizer, lr_at(step, cfg.optim, STEPS))
+        optimizer.step()
+        optimizer.zero_grad()
+        stale.zero_grad()
+    return model.hf_model
+
+
+def assert_same_weights(a, b, atol=2e-5):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=atol, rtol=1e-4, msg=name)
+
+
+def test_flush_gpt2_tied_across_two_stages_and_two_replicas_equals_baseline(tmp_path):
+    # 3 blocks over 2 stages: [2, 1]; wte on stage 0 and lm_head on stage 1 are one tied weight.
+    cfg = pipeline_cfg("gpt2", "strategy=pipe_flush", "strategy.stages=2", "strategy.replicas=2",
+                       "strategy.microbatch_size=2", "strategy.num_microbatches=3", "optim=sgd", "optim.lr=0.05")
+    results, ours = trained_by_pipeline(cfg, tmp_path / "pipe")
+    baseline, baseline_losses = trained_by_baseline(cfg)
+    assert_same_weights(ours, baseline)
+    assert_same_weights(ours, trained_by_plain_loop(cfg))
+    assert torch.equal(ours.transformer.wte.weight, ours.lm_head.weight)
+    assert results["loss"] == pytest.approx(baseline_losses, rel=1e-5)
+
+    baseline_run = run(whole_minibatch_cfg(cfg), tmp_path / "baseline", [])
+    assert results.keys() == baseline_run.keys()
+    report = results["strategy_report"]
+    assert report["layout"] == [2, 1] and len(report["per_stage"]) == 4
+    assert results["samples_per_step"] == baseline_run["samples_per_step"] == 2 * 3 * 2
+    assert all(stage["host_peak_rss_bytes"] > 0 for stage in report["per_stage"])
+    assert report["bubble_fraction_formula"] == pytest.approx(1 / 4)
+    assert json.loads((tmp_path / "pipe" / "results.json").read_text())["strategy"] == "pipe_flush"
+
+
+def test_flush_bert_three_uneven_stages_with_recompute_equals_baseline(tmp_path):
+    cfg = pipeline_cfg("bert", "model.num_layers=4", "strategy=pipe_flush", "strategy.stages=3",
+                       "strategy.layout=[1,2,1]", "strategy.recompute=true", "strategy.microbatch_size=2",
+                       "strategy.num_microbatches=4", "optim.lr=1e-3")
+    results, ours = trained_by_pipeline(cfg, tmp_path)
+    baseline, baseline_losses = trained_by_baseline(cfg)
+    assert_same_weights(ours, baseline)
+    assert_same_weights(ours, trained_by_plain_loop(cfg))
+    assert results["loss"] == pytest.approx(baseline_losses, rel=1e-5)
+    assert [s["blocks"] for s in results["strategy_report"]["per_stage"]] == [1, 2, 1]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_2bw_equals_the_delayed_gradient_rule(tmp_path, optimizer):
+    # m = 3 >= d = 2, 4 updates: versions 0, 0, 1, 2 are used by batches 0..3.
+    family = "gpt2" if optimizer == "sgd" else "bert"
+    cfg = pipeline_cfg(family, "strategy=pipe_2bw", "strategy.stages=2", "strategy.microbatch_size=2",
+                       "strategy.num_microbatches=3", f"optim={optimizer}",
+                       "optim.lr=0.05" if optimizer == "sgd" else "optim.lr=1e-3")
+    _, ours = trained_by_pipeline(cfg, tmp_path)
+    assert_same_weights(ours, trained_by_delayed_gradients(cfg))
+    with pytest.raises(AssertionError):  # and the delay is real: not the baseline's weights
+        assert_same_weights(ours, trained_by_baseline(cfg)[0])
+
+
+def test_killing_a_worker_ends_the_run_with_a_clear_error_in_bounded_time(tmp_path):
+    cfg = pipeline_cfg("bert", "strategy=pipe_flush", "strategy.stages=2", "train.steps=100000",
+                       "train.save_model=false", "strategy.timeout_s=30")
+    killed_at = []
+    killer = threading.Thread(target=kill_a_worker_once_training, args=(killed_at,), daemon=True)
+    killer.start()
+    with pytest.raises(ConfigError) as failure:
+        run_pipeline(cfg, tmp_path, [])
+    ended_at = time.monotonic()
+    assert killed_at, "the run ended before a worker was killed"
+    assert ended_at - killed_at[0] < 15
+    message = str(failure.value)
+    assert "\n" not in message
+    assert "rank" in message and "killed by SIGKILL" in message
+    assert not [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
+
+
+def kill_a_worker_once_training(killed_at: list) -> None:
+    """Wait until both workers have worked a while (past start-up), then SIGKILL the newer one."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        workers = [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
+        if len(workers) == 2 and min(w.cpu_times().user for w in workers) > 5.0:
+            time.sleep(1.0)
+            killed_at.append(time.monotonic())
+            max(workers, key=lambda w: w.pid).kill()
+            return
+        time.sleep(0.2)
+
+
+def test_the_first_error_is_the_one_reported(tmp_path):
+    """A rank that raised is the cause; the peers that lost it failed later."""
+    topology = Topology(stages=3, replicas=1)
+    for rank, when, error in ((2, 5.0, "RuntimeError: Connection closed by peer"), (1, 4.0, "ValueError: boom")):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "time": when, "error": error}))
+
+    class Exited:
+        exitcode = 1
+
+    line = _failure_line([Exited(), Exited(), Exited()], [1, 2], topology, tmp_path)
+    assert line.startswith("pipeline worker rank 1 (stage 1 of 3, replica 0) failed: ValueError: boom")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["strategy=pipe_2bw", "strategy.stages=3", "strategy.num_microbatches=2"], "num_microbatches >= "),
+        (["strategy=pipe_flush", "strategy.stages=3", "strategy.replicas=100"], "workers on"),
+        (["strategy=pipe_flush", "precision=amp_fp16"], "amp_fp16"),
+        (["strategy=pipe_flush", "optim.grad_clip=1.0"], "grad_clip"),
+        (["strategy=pipe_flush", "strategy.backend=nccl", "train.device=cpu"], "nccl"),
+        (["strategy=pipe_flush", "strategy.backend=mpi"], "backend=mpi"),
+    ],
+)
+def test_bad_configs_are_refused_before_any_process_starts(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        check_runnable(tiny_cfg("bert", *overrides), "cpu")

@@ -1,0 +1,217 @@
+"""Pipeline schedules as data: invariants for many (stages, micro-batches), no processes, no torch."""
+
+import dataclasses
+
+import pytest
+
+from relaytrain.cli import main
+from relaytrain.errors import ConfigError
+from relaytrain.strategies.pipeline.schedule import (
+    COMPUTE,
+    Action,
+    Op,
+    Schedule,
+    build_schedule,
+    stage_program,
+)
+from relaytrain.strategies.pipeline.validate import ScheduleError, bubble_formula, check_schedule
+from relaytrain.strategies.pipeline.view import render_svg
+
+SHAPES = [(d, m) for d in range(1, 7) for m in range(1, 11)]
+
+
+def shapes_for(kind):
+    return [(d, m) for d, m in SHAPES if kind != "pipe_2bw" or m >= d]
+
+
+def stash_peaks(schedule, stage):
+    """Most activations a stage holds at once (forwards whose backward has not run)."""
+    in_flight, peak = set(), 0
+    for a in schedule.actions(stage):
+        if a.op is Op.FORWARD:
+            in_flight.add(a.microbatch)
+            peak = max(peak, len(in_flight))
+        elif a.op is Op.BACKWARD:
+            in_flight.remove(a.microbatch)
+    return peak
+
+
+@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw", "gpipe"])
+def test_every_shape_validates_and_runs_each_microbatch_once(kind):
+    for d, m in shapes_for(kind):
+        schedule = build_schedule(kind, d, m, num_batches=3)
+        check_schedule(schedule)
+        for stage in range(d):
+            actions = schedule.actions(stage)
+            for op in COMPUTE:
+                assert sorted(a.microbatch for a in actions if a.op is op) == list(range(3 * m))
+            assert [a.batch for a in actions if a.op is Op.OPTIMIZER_STEP] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw"])
+def test_one_f_one_b_stashes_at_most_d_minus_i_activations(kind):
+    for d, m in shapes_for(kind):
+        schedule = build_schedule(kind, d, m, num_batches=2)
+        assert [stash_peaks(schedule, i) for i in range(d)] == [min(d - i, m if kind == "pipe_flush" else 2 * m)
+                                                                 for i in range(d)]
+
+
+def test_gpipe_stashes_every_microbatch():
+    schedule = build_schedule("gpipe", 3, 5)
+    assert [stash_peaks(schedule, i) for i in range(3)] == [5, 5, 5]
+
+
+@pytest.mark.parametrize("kind", ["pipe_flush", "gpipe"])
+def test_flushed_schedules_idle_exactly_as_the_bubble_formula_says(kind):
+    for d, m in SHAPES:
+        timeline = check_schedule(build_schedule(kind, d, m, num_batches=1))
+        assert timeline.bubble_fraction() == pytest.approx(bubble_formula(d, m)), (d, m)
+
+
+def test_2bw_follows_the_version_rule_action_by_action():
+    for d, m in shapes_for("pipe_2bw"):
+        schedule = build_schedule("pipe_2bw", d, m, num_batches=4)
+        for stage in range(d):
+            made = 0  # versions this stage has made so far (version 0 is the initial weights)
+            last_backward_of = {}
+            for i, a in enumerate(schedule.actions(stage)):
+                if a.op in COMPUTE:
+                    assert a.version == max(a.microbatch // m - 1, 0), (d, m, stage, a)
+                    assert a.version in (made, made - 1), "only the two newest versions exist"
+                    if a.op is Op.BACKWARD:
+                        last_backward_of[a.batch] = i
+                elif a.op is Op.OPTIMIZER_STEP:
+                    assert a.version == a.batch + 1 == made + 1
+                    assert a.batch in last_backward_of and last_backward_of[a.batch] < i
+                    made += 1
+            assert made == 4
+
+
+def test_2bw_keeps_at_most_two_versions_live():
+    for d, m in shapes_for("pipe_2bw"):
+        schedule = build_schedule("pipe_2bw", d, m, num_batches=4)
+        for stage in range(d):
+            latest, in_flight = 0, {}
+            for a in schedule.actions(stage):
+                if a.op is Op.OPTIMIZER_STEP:
+                    latest = a.version
+                elif a.op is Op.FORWARD:
+                    in_flight[a.microbatch] = a.version
+                elif a.op is Op.BACKWARD:
+                    assert in_flight.pop(a.microbatch) == a.version, "forward and backward share a version"
+                assert len(set(in_flight.values()) | {latest}) <= 2
+
+
+def test_2bw_pipeline_never_drains_between_updates():
+    flush = check_schedule(build_schedule("pipe_flush", 4, 4, num_batches=8)).bubble_fraction()
+    two_bw = check_schedule(build_schedule("pipe_2bw", 4, 4, num_batches=8)).bubble_fraction()
+    assert flush == pytest.approx(bubble_formula(4, 4))
+    assert two_bw < flush / 3  # only the run's start and end idle
+
+
+def test_2bw_needs_at_least_as_many_microbatches_as_stages():
+    with pytest.raises(ConfigError, match="num_microbatches >= strategy.stages"):
+        build_schedule("pipe_2bw", 4, 3)
+
+
+# ----------------------------------------------------------------- broken schedules are caught
+
+
+def edit(schedule, stage, change):
+    """A copy of `schedule` whose stage program is change(flat action list), one action per step."""
+    programs = list(schedule.programs)
+    programs[stage] = tuple((a,) for a in change(schedule.actions(stage)))
+    return dataclasses.replace(schedule, programs=tuple(programs))
+
+
+def swap(actions, first, second):
+    i, j = actions.index(first), actions.index(second)
+    actions[i], actions[j] = actions[j], actions[i]
+    return actions
+
+
+def test_validator_catches_a_backward_before_its_forward():
+    schedule = build_schedule("pipe_flush", 1, 2)
+    broken = edit(schedule, 0, lambda a: swap(a, Action(Op.FORWARD, 1, 0, 0), Action(Op.BACKWARD, 1, 0, 0)))
+    with pytest.raises(ScheduleError, match="before its forward"):
+        check_schedule(broken)
+
+
+def test_validator_catches_a_missing_send():
+    schedule = build_schedule("pipe_flush", 2, 2)
+    broken = edit(schedule, 0, lambda a: [x for x in a if x != Action(Op.SEND_ACT, 1, 0)])
+    with pytest.raises(ScheduleError, match="send_act"):
+        check_schedule(broken)
+
+
+def test_validator_catches_receives_out_of_send_order():
+    schedule = build_schedule("gpipe", 2, 2)
+    broken = edit(schedule, 1, lambda a: swap(a, Action(Op.RECV_ACT, 0, 0), Action(Op.RECV_ACT, 1, 0)))
+    with pytest.raises(ScheduleError, match="sent micro-batch 0 first"):
+        check_schedule(broken)
+
+
+def test_validator_catches_a_deadlock():
+    # Stage 0 waits for a gradient before sending the activation that would produce it.
+    schedule = build_schedule("pipe_flush", 2, 1)
+    deadlocked = edit(schedule, 0, lambda a: [Action(Op.RECV_GRAD, 0, 0)] + [x for x in a if x.op is not Op.RECV_GRAD])
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        check_schedule(deadlocked)
+
+
+def test_validator_catches_a_wrong_version():
+    schedule = build_schedule("pipe_2bw", 2, 2, num_batches=3)
+    wrong = Action(Op.FORWARD, 4, 2, 0)  # batch 2 must use version 1
+    broken = edit(schedule, 1, lambda a: [wrong if x == Action(Op.FORWARD, 4, 2, 1) else x for x in a])
+    with pytest.raises(ScheduleError, match="version rule"):
+        check_schedule(broken)
+
+
+def test_validator_catches_2bw_needing_a_third_version():
+    # m < d: stage 0 would start batch b+2 before finishing batch b (build_schedule refuses it).
+    d, m, n = 4, 2, 4
+    programs = tuple(tuple(tuple(step) for step in stage_program("pipe_2bw", d, m, s, n)) for s in range(d))
+    with pytest.raises(ScheduleError, match="stashed activations exceed|version"):
+        check_schedule(Schedule("pipe_2bw", d, m, n, programs))
+
+
+# ----------------------------------------------------------------- the viewer
+
+
+def test_schedule_command_prints_the_grid_and_writes_svg(tmp_path, capsys):
+    out = tmp_path / "2bw.svg"
+    code = main(["schedule", "strategy=pipe_2bw", "strategy.stages=4", "strategy.num_microbatches=8",
+                 "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "pipe_2bw: 4 stages, 8 micro-batches" in printed
+    assert all(f"stage {s}" in printed for s in range(4))
+    assert "v1 made at" in printed and "first used by micro-batch 17" in printed
+    svg = out.read_text()
+    assert svg.startswith("<svg") and svg.count("<rect") > 4 * 2 * 24
+
+
+def test_schedule_command_refuses_bad_input_in_one_line(capsys):
+    assert main(["schedule", "strategy=pipe_2bw", "strategy.stages=4", "strategy.num_microbatches=2"]) == 2
+    assert main(["schedule", "strategy=pipe_flush", "strategy.stagez=2"]) == 2
+    assert main(["schedule", "strategy=pipe_flush", "--out", "plot.gif"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3 and all(line.startswith("relaytrain: error: ") for line in errors)
+    assert "did you mean strategy.stages" in errors[1]
+
+
+def test_png_needs_matplotlib_or_names_the_fix(tmp_path, capsys):
+    out = tmp_path / "flush.png"
+    code = main(["schedule", "strategy=pipe_flush", "--out", str(out)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 2 and "pip install matplotlib" in capsys.readouterr().err
+    else:
+        assert code == 0 and out.stat().st_size > 0
+
+
+def test_svg_marks_every_version_switch():
+    schedule = build_schedule("pipe_flush", 2, 3, num_batches=2)
+    svg = render_svg(schedule, check_schedule(schedule))
+    assert svg.count('fill="black"') == 2 * 2  # one optimizer step per stage per batch
