@@ -1,0 +1,216 @@
+"""L2L against the in-memory baseline with recompute, in one process, as ratios.
+
+Both strategies train the same model (default: bert_base, 12 blocks of hidden 768, seq 128)
+on the same minibatches with the same thread count. After warm-up, their steps are
+interleaved in ABBA order so drift of the machine (other load, thermal) hits both alike; the
+throughput ratio is L2L's samples/s over the baseline's. Also reported: the EPS optimizer's
+parameters per second (inside the run, where it shares the cores with backward, and alone),
+and how much of the EPS's work stays exposed after overlapping with backward.
+
+    .venv/bin/python scripts/bench_l2l.py --json bench_l2l.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from relaytrain import metrics
+from relaytrain.config import compose_config
+from relaytrain.data import build_dataset, build_loader
+from relaytrain.eps import EagerParamServer, EpsStats
+from relaytrain.models import build_model
+from relaytrain.precision import LossScaler, Precision
+from relaytrain.strategies import build_strategy
+from relaytrain.strategies.l2l import L2L, HeadLoss
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="bert_base")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--microbatch-size", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--optim", default="adamw")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--rounds", type=int, default=10, help="ABBA rounds; each runs one step of both")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="torch threads for both; 0 keeps torch's default")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="also write the figures to this file")
+    return p.parse_args()
+
+
+def configs(args) -> dict:
+    common = [f"model={args.model}", "model.dropout=0.0", f"data.seq_len={args.seq_len}",
+              f"strategy.microbatch_size={args.microbatch_size}", f"strategy.num_microbatches={args.microbatches}",
+              f"optim={args.optim}", f"precision={args.precision}", f"train.device={args.device}"]
+    baseline_precision = args.precision.replace("cmp_", "amp_")  # the baseline's nearest mixed precision
+    return {
+        "baseline": compose_config([*common, "strategy=baseline", "strategy.recompute=true",
+                                    f"precision={baseline_precision}"]),
+        "l2l": compose_config([*common, "strategy=l2l"]),
+    }
+
+
+class Runner:
+    """One strategy on its own copy of the model, timing whole synchronised steps."""
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.model = build_model(cfg.model, seed=0)
+        self.strategy = build_strategy(self.model, cfg, device, Precision.from_name(cfg.precision.name))
+        self.step_times: list[float] = []
+        self.optimizer_s = 0.0
+        if cfg.strategy.name == "baseline":
+            self._time_baseline_optimizer()
+
+    def _time_baseline_optimizer(self) -> None:
+        optimizer, started = self.strategy.optimizer, []
+        optimizer.register_step_pre_hook(lambda *_: started.append(time.perf_counter()))
+
+        def add(*_):
+            self.optimizer_s += time.perf_counter() - started.pop()
+
+        optimizer.register_step_post_hook(add)
+
+    def reset_measurements(self) -> None:
+        """Forget the warm-up steps' figures (first steps allocate optimizer state and buffers)."""
+        self.optimizer_s = 0.0
+        if isinstance(self.strategy, L2L):
+            self.strategy.timer.reset()
+            self.strategy.transfers.wait_s = 0.0
+            self.strategy.eps.stats = EpsStats()
+
+    def step(self, minibatch, measured: bool) -> None:
+        metrics.synchronize(self.device)
+        start = time.perf_counter()
+        self.strategy.step(minibatch, self.cfg.optim.lr)
+        metrics.synchronize(self.device)
+        if measured:
+            self.step_times.append(time.perf_counter() - start)
+
+
+def isolated_eps_rate(cfg, repeats: int = 3) -> float:
+    """Parameters/s of the EPS alone (no backward competing): every part's update, then wait.
+
+    One unmeasured round first: the first update allocates the optimizer state.
+    """
+    model = build_model(cfg.model, seed=0)
+    modules = [("embed", model.embed), *((f"block.{i}", b) for i, b in enumerate(model.blocks)),
+               ("head", HeadLoss(model))]
+    eps = EagerParamServer(modules, cfg.optim, LossScaler(False))
+    grads = [[torch.randn_like(p) * 1e-3 for p in part.masters] for part in eps.parts]
+    try:
+        for repeat in range(repeats + 1):
+            if repeat == 1:
+                eps.stats = EpsStats()
+            fresh = [[g.clone() for g in part_grads] for part_grads in grads]  # before the worker starts
+            for index in reversed(range(len(eps.parts))):
+                eps.submit(index, fresh[index])
+            eps.wait()
+    finally:
+        eps.close()
+    return eps.stats.as_dict()["parameters_per_s"]
+
+
+def run(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfgs = configs(args)
+    runners = {name: Runner(cfg, device) for name, cfg in cfgs.items()}
+    loader = iter(build_loader(cfgs["l2l"], build_dataset(cfgs["l2l"])))
+    for _ in range(args.warmup):
+        minibatch = next(loader)
+        for runner in runners.values():
+            runner.step(minibatch, measured=False)
+    for runner in runners.values():
+        runner.reset_measurements()
+    for r in range(args.rounds):
+        minibatch = next(loader)
+        order = ["baseline", "l2l"] if r % 2 == 0 else ["l2l", "baseline"]
+        for name in order:
+            runners[name].step(minibatch, measured=True)
+    results = summarize(args, cfgs, runners)
+    for runner in runners.values():
+        runner.strategy.close()
+    results["eps_isolated_parameters_per_s"] = isolated_eps_rate(cfgs["l2l"])
+    return results
+
+
+def summarize(args, cfgs, runners) -> dict:
+    samples = args.microbatch_size * args.microbatches
+    base, l2l = runners["baseline"], runners["l2l"]
+    report = l2l.strategy.report()
+    per_round = [b / t for b, t in zip(base.step_times, l2l.step_times, strict=True)]
+    mean = {name: statistics.mean(r.step_times) for name, r in runners.items()}
+    measured_steps = args.rounds
+    return {
+        "command": "python scripts/bench_l2l.py " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in
+                                                           vars(args).items() if v is not None and k != "json"),
+        "model": args.model,
+        "parameters": l2l.model.num_parameters(),
+        "blocks": l2l.model.num_blocks,
+        "samples_per_step": samples,
+        "seq_len": args.seq_len,
+        "optimizer": args.optim,
+        "precision": {"l2l": cfgs["l2l"].precision.name, "baseline": cfgs["baseline"].precision.name},
+        "threads": torch.get_num_threads(),
+        "device": args.device,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "rounds": args.rounds,
+        "step_time_s": mean,
+        "samples_per_s": {name: samples / t for name, t in mean.items()},
+        "throughput_ratio": mean["baseline"] / mean["l2l"],
+        "throughput_ratio_per_round": per_round,
+        "throughput_ratio_median_round": statistics.median(per_round),
+        "baseline_optimizer_s_per_step": base.optimizer_s / measured_steps,
+        "baseline_optimizer_parameters_per_s": base.model.num_parameters() * measured_steps / base.optimizer_s,
+        "l2l_phase_s_per_step": {k: v / measured_steps for k, v in report["phase_times_s"].items()},
+        "eps": report["eps"],
+        "peak_resident_blocks": report["peak_resident_blocks"],
+    }
+
+
+def print_table(results: dict) -> None:
+    eps = results["eps"]
+    rows = [
+        ("model", f"{results['model']} ({results['blocks']} blocks, {results['parameters'] / 1e6:.1f} M params)"),
+        ("minibatch", f"{results['samples_per_step']} samples x seq {results['seq_len']}, {results['optimizer']}"),
+        ("threads / device", f"{results['threads']} / {results['device']}"),
+        ("baseline (recompute) samples/s", f"{results['samples_per_s']['baseline']:.3f}"),
+        ("l2l samples/s", f"{results['samples_per_s']['l2l']:.3f}"),
+        ("throughput ratio l2l / baseline", f"{results['throughput_ratio']:.3f} "
+                                            f"(median round {results['throughput_ratio_median_round']:.3f})"),
+        ("l2l phases s/step", " · ".join(f"{k} {v:.2f}" for k, v in results["l2l_phase_s_per_step"].items())),
+        ("baseline optimizer", f"{results['baseline_optimizer_parameters_per_s'] / 1e6:.0f} M params/s, "
+                               f"{results['baseline_optimizer_s_per_step']:.3f} s/step, all exposed"),
+        ("EPS optimizer in run", f"{eps['parameters_per_s'] / 1e6:.0f} M params/s (sharing cores with backward)"),
+        ("EPS optimizer alone", f"{results['eps_isolated_parameters_per_s'] / 1e6:.0f} M params/s"),
+        ("EPS work exposed", f"{eps['exposed_fraction']:.0%} of {eps['busy_s'] / max(eps['steps'], 1):.3f} s/step"),
+        ("peak resident blocks", str(results["peak_resident_blocks"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def main() -> None:
+    args = parse_args()
+    results = run(args)
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Eager param server: per-part updates on the worker equal one whole-model optimizer step."""
+
+import threading
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from relaytrain.config import OptimConfig
+from relaytrain.eps import EagerParamServer
+from relaytrain.optim import build_optimizer
+from relaytrain.precision import LossScaler
+
+
+def optim_cfg(name="adamw", grad_clip=0.0, **overrides):
+    cfg = OmegaConf.structured(OptimConfig(name=name, grad_clip=grad_clip, lr=1e-2, momentum=0.9))
+    return OmegaConf.merge(cfg, overrides)
+
+
+class Chain(nn.Module):
+    """Three parts; `tied` makes the last part reuse the first part's weight, as GPT-2's LM head."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.parts = nn.ModuleList([nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), nn.Linear(8, 8)])
+        if tied:
+            self.parts[2].weight = self.parts[0].weight
+
+    def named_modules_in_order(self):
+        return [(f"part.{i}", m) for i, m in enumerate(self.parts)]
+
+
+def random_grads(module: nn.Module, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) for p in module.parameters()]
+
+
+def run_eps(model: Chain, cfg, steps=3, scaler=None, grad_scale=1.0, wire_dtype=torch.float32):
+    eps = EagerParamServer(model.named_modules_in_order(), cfg, scaler or LossScaler(False), wire_dtype)
+    overflows = []
+    try:
+        for step in range(steps):
+            eps.set_lr(cfg.lr)
+            for index in reversed(range(len(eps.parts))):
+                grads = [g * grad_scale for g in random_grads(model.parts[index], 100 * step + index)]
+                eps.submit(index, grads)
+            overflows.append(eps.wait())
+    finally:
+        eps.close()
+    return eps, overflows
+
+
+def run_whole_model(model: Chain, cfg, steps=3):
+    """The reference: one optimizer over the whole model; tied gradients summed by hand."""
+    optimizer = build_optimizer(model.named_parameters(), cfg)
+    for step in range(steps):
+        for index in reversed(range(len(model.parts))):
+            for p, g in zip(model.parts[index].parameters(), random_grads(model.parts[index], 100 * step + index),
+                            strict=True):
+                p.grad = g if p.grad is None else p.grad + g
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def assert_same(a: nn.Module, b: nn.Module):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_per_part_updates_equal_a_whole_model_step(name, tied):
+    cfg = optim_cfg(name)
+    ours, reference = Chain(tied), Chain(tied)
+    eps, _ = run_eps(ours, cfg)
+    run_whole_model(reference, cfg)
+    assert_same(ours, reference)
+    assert not eps.defer
+
+
+def test_tied_weight_has_one_master_updated_once():
+    model = Chain(tied=True)
+    eps = EagerParamServer(model.named_modules_in_order(), optim_cfg("sgd"), LossScaler(False))
+    try:
+        shared = model.parts[0].weight
+        owners = [part.name for part in eps.parts if any(p is shared for p in part.owned)]
+        users = [part.name for part in eps.parts if any(p is shared for p in part.masters)]
+        assert owners == ["part.0"] and users == ["part.0", "part.2"]
+        assert sum(p.numel() for part in eps.parts for p in part.owned) == sum(p.numel() for p in model.parameters())
+    finally:
+        eps.close()
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_global_norm_clipping_defers_updates_and_matches_clip_grad_norm(name):
+    cfg = optim_cfg(name, grad_clip=0.1)  # random unit-variance gradients: the clip always acts
+    ours, reference = Chain(tied=True), Chain(tied=True)
+    eps, _ = run_eps(ours, cfg)
+    run_whole_model(reference, cfg)
+    assert eps.defer
+    assert_same(ours, reference)
+
+
+def test_fp16_overflow_skips_every_update_and_lowers_the_scale():
+    model, before = Chain(), Chain()
+    scaler = LossScaler(True, init_scale=1024.0)
+    eps = EagerParamServer(model.named_modules_in_order(), optim_cfg(), scaler)
+    try:
+        eps.set_lr(1e-2)
+        for index in reversed(range(3)):
+            grads = random_grads(model.parts[index], index)
+            if index == 0:  # the last part to arrive overflows: the parts above must not have moved
+                grads[0][0, 0] = float("inf")
+            eps.submit(index, grads)
+        assert eps.wait() is True
+    finally:
+        eps.close()
+    assert_same(model, before)
+    assert scaler.scale == 512.0 and scaler.skipped_steps == 1
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fp16_loss_scale_is_divided_out_before_the_update():
+    scale = 1024.0
+    ours, reference = Chain(), Chain()
+    _, overflows = run_eps(ours, optim_cfg("sgd"), scaler=LossScaler(True, init_scale=scale), grad_scale=scale)
+    run_whole_model(reference, optim_cfg("sgd"))
+    assert overflows == [False, False, False]
+    assert_same(ours, reference)
+
+
+def test_updates_run_on_the_worker_thread_and_are_counted():
+    model = Chain()
+    threads = []
+    eps = EagerParamServer(model.named_modules_in_order(), optim_cfg(), LossScaler(False))
+    try:
+        for part in eps.parts:
+            part.optimizer.register_step_pre_hook(lambda *_: threads.append(threading.current_thread().name))
+        for index in reversed(range(3)):
+            eps.submit(index, random_grads(model.parts[index], index))
+        eps.wait()
+    finally:
+        eps.close()
+    assert threads == ["eps-worker"] * 3
+    stats = eps.stats.as_dict()
+    assert stats["updated_parameters"] == sum(p.numel() for p in model.parameters())
+    assert stats["parameters_per_s"] > 0 and 0.0 <= stats["exposed_fraction"] <= 1.0
+
+
+def test_half_wires_follow_the_fp32_masters():
+    model = Chain(tied=True)
+    eps, _ = run_eps(model, optim_cfg(), wire_dtype=torch.bfloat16, steps=1)
+    for part in eps.parts:
+        for wire, master in zip(part.wires, part.masters, strict=True):
+            assert wire.dtype == torch.bfloat16 and master.dtype == torch.float32
+            torch.testing.assert_close(wire, master.detach().to(torch.bfloat16), rtol=0, atol=0)
+    head = eps.parts[2]
+    head_wire = next(w for w, p in zip(head.wires, head.masters, strict=True) if p is model.parts[0].weight)
+    assert head_wire is eps.parts[0].wires[0]  # one wire per tied master, refreshed by its owner
+
+
+def test_a_failed_update_is_raised_by_wait():
+    model = Chain()
+    eps = EagerParamServer(model.named_modules_in_order(), optim_cfg(), LossScaler(False))
+    try:
+        eps.submit(0, [torch.zeros(3), torch.zeros(3)])  # wrong shapes
+        with pytest.raises(RuntimeError):
+            eps.wait()
+        eps.submit(0, random_grads(model.parts[0], 0))  # the server keeps working afterwards
+        assert eps.wait() is False
+    finally:
+        eps.close()
