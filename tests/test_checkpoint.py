@@ -134,3 +134,31 @@ def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path, capsys):
     step = int(err[0].split(" at step ")[1].split()[0])
     kept = checkpoint.list_checkpoints(checkpoint.checkpoint_dir(tmp_path))
     assert kept and all(int(p.stem.split("-")[1]) < step for p in kept)  # only good steps were saved
+
+
+def test_l2l_killed_run_resumes_bit_for_bit(tmp_path):
+    whole_dir, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
+    l2l = ("strategy=l2l", "train.steps=12")
+    whole = finish(whole_dir, *l2l)
+    proc = start(resumed_dir, *l2l, "train.checkpoint_every=3", "train.resume=auto")
+    wait_for(resumed_dir / "checkpoints" / "step-00000003.pt", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    resumed = finish(resumed_dir, *l2l, "train.checkpoint_every=3", "train.resume=auto")
+    assert resumed["loss"] == whole["loss"]
+    ours, theirs = weights(resumed_dir), weights(whole_dir)
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_a_baseline_checkpoint_resumes_under_l2l(tmp_path, family):
+    model = ["model=gpt2_tiny"] if family == "gpt2" else []
+    steps = [*RUN, *model, "train.steps=6", "model.dropout=0.0"]
+    assert main([*steps, f"hydra.run.dir={tmp_path / 'whole'}"]) == 0
+    assert main([*steps, "train.checkpoint_every=3", f"hydra.run.dir={tmp_path / 'first'}"]) == 0
+    half = checkpoint.checkpoint_dir(tmp_path / "first") / "step-00000003.pt"
+    assert main([*steps, "strategy=l2l", f"train.resume={half}", f"hydra.run.dir={tmp_path / 'then'}"]) == 0
+    ours, theirs = weights(tmp_path / "then"), weights(tmp_path / "whole")
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=1e-5, msg=name)

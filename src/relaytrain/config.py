@@ -63,7 +63,7 @@ class StrategyConfig:
     name: str = "baseline"
     microbatch_size: int = 8
     num_microbatches: int = 4
-    recompute: bool = False  # activation checkpointing per block (baseline, pipelines)
+    recompute: bool = False  # activation checkpointing per block (baseline, pipelines; L2L always recomputes)
     # l2l
     stash: str = "device"  # device | cpu: where L2L keeps the per-block input stash
     prefetch: bool = True  # L2L: relay the next block in while the current one computes
@@ -196,6 +196,11 @@ def validate(cfg) -> None:
             f"precision={p.name} (cross mixed precision) needs the eager param server; "
             f"use strategy=l2l or precision=amp_{p.name.split('_')[1]}"
         )
+    if s.name.startswith("l2l"):
+        if s.max_resident_blocks < 1:
+            raise ConfigError(f"strategy.max_resident_blocks={s.max_resident_blocks} must be at least 1")
+        if s.name == "l2l_stash_cpu" and s.stash != "cpu":
+            raise ConfigError(f"strategy=l2l_stash_cpu keeps the stash on the host; drop strategy.stash={s.stash}")
     if s.name.startswith("pipe"):
         _positive(cfg, "strategy", "stages", "replicas")
         if s.stages > m.num_layers:
