@@ -42,11 +42,12 @@ class HostMemory:
 
     def peak_bytes(self) -> int:
         try:
-            for line in _STATUS.read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
+            status = _STATUS.read_text()
+        except OSError:  # no procfs (not Linux): the sampled peak is all there is
+            status = ""
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
         self.sample()
         return self._sampled_peak
 

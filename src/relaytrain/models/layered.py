@@ -12,6 +12,7 @@ tokens.
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass, fields
 
 import torch
@@ -60,7 +61,7 @@ class Block(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-class LayeredModel(nn.Module):
+class LayeredModel(nn.Module, metaclass=ABCMeta):
     """A Hugging Face model seen as embed -> blocks -> head.
 
     Subclasses (one per model family) provide the parts and three small functions:
@@ -85,15 +86,17 @@ class LayeredModel(nn.Module):
         return len(self.blocks)
 
     # -- per-family hooks -------------------------------------------------------------
+    @abstractmethod
     def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
-        raise NotImplementedError
+        """What every block of this micro-batch shares (the attention mask)."""
 
+    @abstractmethod
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed loss of the micro-batch (fp32)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def loss_items(self, labels: torch.Tensor) -> int:
-        raise NotImplementedError
+        """How many items `head_loss` sums over."""
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         """Pairs of (embed parameter name, head parameter name) that are one tensor."""
