@@ -104,7 +104,7 @@ class TrainConfig:
     device: str = "auto"
     save_model: bool = False
     warmup_steps: int = 2  # steps left out of the throughput figures
-    log_every: int = 5  # plain-progress lines when not on a terminal
+    log_every: int = 25  # plain-progress lines when not on a terminal
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     check_memory: bool = True  # refuse runs the host cannot hold
     # checkpoints
