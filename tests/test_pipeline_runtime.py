@@ -209,3 +209,28 @@ def test_the_first_error_is_the_one_reported(tmp_path):
 def test_bad_configs_are_refused_before_any_process_starts(overrides, match):
     with pytest.raises(ConfigError, match=match):
         check_runnable(tiny_cfg("bert", *overrides), "cpu")
+
+
+def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "relaytrain.cli", "train", "strategy=pipe_flush", "train.steps=100000",
+         "train.warmup_steps=1", f"hydra.run.dir={tmp_path}"],
+        env={**os.environ, "CI": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    workers = []
+    while len(workers) < 2:
+        assert time.monotonic() < deadline and launcher.poll() is None, "the workers never started"
+        workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "python" in p.name().lower()]
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGKILL)  # the launcher alone, not its process group
+    launcher.wait(timeout=30)
+    _, alive = psutil.wait_procs(workers, timeout=20)
+    for orphan in alive:  # leave no stray trainer behind, even when the check fails
+        orphan.kill()
+    assert not alive, f"workers still running after their launcher died: {[p.pid for p in alive]}"

@@ -162,6 +162,9 @@ def find(resume: str, run_dir: Path) -> Path | None:
     path = Path(resume).expanduser()
     if path.is_file():
         return path
+    if (path / "manifest.json").is_file():
+        raise ConfigError(f"train.resume={resume} is a pipeline checkpoint (one part per stage); "
+                          f"resume it with the strategy that wrote it (strategy=pipe_flush or pipe_2bw)")
     for directory in (path, checkpoint_dir(path)):
         found = list_checkpoints(directory)
         if found:

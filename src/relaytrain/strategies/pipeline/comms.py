@@ -108,3 +108,36 @@ class GradReduction:
         sizes = [s.numel() for s in self.shapes]
         grads = [g.view(shape) for g, shape in zip(flat.split(sizes), self.shapes, strict=True)]
         return (float(self.flat[0]) if self.has_loss else None), grads
+
+
+class StopVotes:
+    """Every rank agrees on whether to stop (SIGINT/SIGTERM asked for it) without pausing the pipeline.
+
+    Each rank votes at its REDUCE_GRADS(b) with the signal it was asked to stop by (0: none);
+    the votes are combined (max) in the background and read a batch or two later, when every
+    rank has long voted (`schedule.stop_vote_lag`), so all ranks read the same answer. The
+    votes travel on their own gloo group: CPU tensors whatever the backend, and never queued
+    behind a gradient sum.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float):
+        self.timeout = timedelta(seconds=timeout_s)
+        self.group = dist.new_group(list(range(world_size)), timeout=self.timeout, backend="gloo")
+        self.pending: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+
+    def cast(self, batch: int, signum: int) -> None:
+        ballot = torch.tensor([signum], dtype=torch.int64)
+        self.pending[batch] = ballot, dist.all_reduce(ballot, dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def result(self, batch: int) -> int:
+        ballot, work = self.pending.pop(batch)
+        work.wait(self.timeout)
+        return int(ballot)
+
+    def settle(self, signum: int) -> int:
+        """All ranks at once: read the votes still out, vote once more; the signal to stop with, or 0."""
+        for batch in list(self.pending):
+            signum = max(signum, self.result(batch))
+        ballot = torch.tensor([signum], dtype=torch.int64)
+        dist.all_reduce(ballot, dist.ReduceOp.MAX, group=self.group)
+        return int(ballot)

@@ -3,22 +3,31 @@
 `relaytrain train strategy=pipe_flush` on one machine spawns stages x replicas workers
 itself. Under `torchrun` (RANK and WORLD_SIZE set) the same command *is* one worker.
 
-A failure anywhere ends the whole run quickly: the parent watches its children and stops
+A failure anywhere ends the whole run quickly: the parent watches its children and kills
 every worker as soon as one exits badly; inside the workers every transfer and reduction
 waits at most `strategy.timeout_s`. The error shown is the failing rank's own, one line:
 a rank killed by a signal is the cause before any rank that merely lost a peer, otherwise
 the earliest error wins (peers fail after the rank that broke).
+
+SIGINT/SIGTERM to the parent is a request to stop: the workers ignore both signals (a
+terminal's Ctrl-C reaches the whole process group) and read the request from shared
+memory; they agree on a step, save a checkpoint and exit, and the parent raises
+`Interrupted` naming it. Under torchrun each worker takes the signal itself.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -29,17 +38,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from relaytrain.checkpoint import checkpoint_dir
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.errors import ConfigError
 from relaytrain.models import count_parameters
 from relaytrain.report import StepProgress, print_summary, write_results
+from relaytrain.strategies.pipeline import checkpoints
 from relaytrain.strategies.pipeline.comms import Topology
 from relaytrain.strategies.pipeline.schedule import build_schedule, check_shape
 from relaytrain.strategies.pipeline.validate import check_schedule
+from relaytrain.train import Interrupted
 
 WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time out, not progress
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each worker
-STOP_GRACE_S = 5.0
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class PipelineFailed(ConfigError):
@@ -53,9 +65,12 @@ def run_pipeline(cfg, run_dir: str | Path, overrides: list[str]) -> dict:
         return _run_as_torchrun_worker(cfg, run_dir, overrides)
     device_type = _device_type(cfg)
     check_runnable(cfg, device_type)
+    resume = find_resume(cfg, run_dir)
     dataset = build_dataset(cfg, tokenizer_dir=str(run_dir))  # once, before any worker: data errors end here
     build_loader(cfg, dataset)  # refuses a dataset smaller than one minibatch
-    _spawn_and_watch(cfg, run_dir, overrides, dataset)
+    relay = _spawn_and_watch(cfg, run_dir, overrides, dataset, resume)
+    if relay.stopped_at.value:
+        raise _interrupted(relay.signum.value, relay.stopped_at.value, run_dir)
     path = run_dir / "results.json"
     results = json.loads(path.read_text())
     print_summary(results, path)
@@ -115,6 +130,19 @@ def _check_machine(cfg, device_type: str) -> None:
         )
 
 
+def find_resume(cfg, run_dir: Path) -> Path | None:
+    """The checkpoint `train.resume` names, checked against the config before any worker starts."""
+    path = checkpoints.find(cfg.train.resume, run_dir) if cfg.train.resume else None
+    if path is not None:
+        step = checkpoints.check_fits(path, cfg)
+        print(f"resuming from {path} at step {step}", flush=True)
+    return path
+
+
+def _interrupted(signum: int, step: int, run_dir: Path) -> Interrupted:
+    return Interrupted(signum, step, checkpoints.step_dir(checkpoint_dir(run_dir), step))
+
+
 def _device_type(cfg) -> str:
     if cfg.train.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,7 +152,22 @@ def _device_type(cfg) -> str:
 # ----------------------------------------------------------------------- local launch
 
 
-def _spawn_and_watch(cfg, run_dir: Path, overrides: list[str], dataset) -> None:
+@dataclass
+class _Relay:
+    """Shared memory between the parent and its workers (no lock: one writer each)."""
+
+    signum: object  # the stop signal the parent received, 0 if none
+    stopped_at: object  # written by rank 0: the step the workers stopped and saved at, 0 if they finished
+
+    @classmethod
+    def create(cls, context) -> _Relay:
+        return cls(context.RawValue("i", 0), context.RawValue("q", 0))
+
+    def request(self, signum, frame) -> None:
+        self.signum.value = signum
+
+
+def _spawn_and_watch(cfg, run_dir: Path, overrides: list[str], dataset, resume: Path | None) -> _Relay:
     topology = Topology(cfg.strategy.stages, cfg.strategy.replicas)
     errors = run_dir / "pipeline_errors"  # written only when a worker fails
     for old in errors.glob("rank*"):
@@ -132,20 +175,54 @@ def _spawn_and_watch(cfg, run_dir: Path, overrides: list[str], dataset) -> None:
     config = OmegaConf.to_container(cfg, resolve=True)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")
+    relay = _Relay.create(context)
     procs = [
         context.Process(
             target=_spawned_worker,
-            args=(rank, topology.world_size, config, dataset, str(run_dir), init_method, overrides),
+            args=(rank, topology.world_size, config, dataset, str(run_dir), init_method, overrides, resume, relay),
             name=f"relaytrain-{topology.describe(rank)}",
         )
         for rank in range(topology.world_size)
     ]
-    for p in procs:
-        p.start()
     try:
-        _watch(procs, topology, errors)
+        _start_and_watch(procs, relay, topology, errors)
     finally:
         _stop(procs)
+    return relay
+
+
+def _start_and_watch(procs, relay: _Relay, topology: Topology, errors: Path) -> None:
+    """Start the workers deaf to SIGINT/SIGTERM, then turn both into `relay.signum` while watching.
+
+    The workers start while the parent ignores both signals, so they inherit SIG_IGN through
+    exec: a Ctrl-C (sent to the whole process group) cannot kill one even during its start-up.
+    Meanwhile the signals are blocked, so one sent then waits for the parent's handler.
+    """
+    if threading.current_thread() is not threading.main_thread():  # only the main thread can take signals
+        for p in procs:
+            p.start()
+        _watch(procs, topology, errors)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        with _signal_handlers(signal.SIG_IGN):
+            for p in procs:
+                p.start()
+        with _signal_handlers(relay.request):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            _watch(procs, topology, errors)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextmanager
+def _signal_handlers(handler):
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _watch(procs, topology: Topology, errors: Path) -> None:
@@ -162,15 +239,12 @@ def _watch(procs, topology: Topology, errors: Path) -> None:
 
 
 def _stop(procs) -> None:
+    """SIGKILL: the workers ignore SIGTERM, and one that lost a peer has nothing left to save."""
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
-        p.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
+        p.kill()
     for p in alive:
-        p.join(max(deadline - time.monotonic(), 0.0))
-        if p.is_alive():
-            p.kill()
-            p.join()
+        p.join()
 
 
 def _failure_line(procs, failed: list[int], topology: Topology, errors: Path) -> str:
@@ -194,11 +268,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned_worker(rank, world, config, dataset, run_dir, init_method, overrides) -> None:
+def _die_with_launcher() -> None:
+    """A worker must not outlive its launcher: one SIGKILLed (by an out-of-memory killer, say)
+    cannot stop its workers, so on Linux the kernel does it (PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    launcher = mp.parent_process()
+    if launcher is not None and os.getppid() != launcher.pid:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _spawned_worker(rank, world, config, dataset, run_dir, init_method, overrides, resume, relay) -> None:
+    # Stop requests come through `relay` (a Ctrl-C to the process group must not kill a worker
+    # mid-step); SIG_IGN is inherited already, set here for a parent outside the main thread.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    _die_with_launcher()
     try:
         cfg = OmegaConf.create(config)
         threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // world)
-        _serve(cfg, rank, world, rank, threads, dataset, Path(run_dir), init_method, overrides)
+        place = _Place(rank, world, rank, threads, init_method)
+        stopped = _serve(cfg, place, dataset, Path(run_dir), overrides, resume, lambda: relay.signum.value)
+        if stopped is not None and rank == 0:
+            relay.stopped_at.value = stopped.step
     except Exception as err:
         _record_failure(Path(run_dir) / "pipeline_errors", rank, err)
         raise SystemExit(1) from None
@@ -226,11 +321,17 @@ def _run_as_torchrun_worker(cfg, run_dir: Path, overrides: list[str]) -> dict:
             f"make them equal"
         )
     check_runnable(cfg, _device_type(cfg))
+    resume = find_resume(cfg, run_dir)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world)
     dataset = build_dataset(cfg, tokenizer_dir=str(run_dir))
-    _serve(cfg, rank, world, local_rank, threads, dataset, run_dir, "env://", overrides)
+    relay = _Relay.create(mp.get_context("spawn"))  # torchrun passes SIGINT/SIGTERM to each worker
+    with _signal_handlers(relay.request):
+        place = _Place(rank, world, local_rank, threads, "env://")
+        stopped = _serve(cfg, place, dataset, run_dir, overrides, resume, lambda: relay.signum.value)
+    if stopped is not None:
+        raise _interrupted(stopped.signum, stopped.step, run_dir)
     if rank != 0:
         return {}
     path = run_dir / "results.json"
@@ -242,37 +343,54 @@ def _run_as_torchrun_worker(cfg, run_dir: Path, overrides: list[str]) -> dict:
 # ----------------------------------------------------------------------- one worker
 
 
-def _serve(cfg, rank, world, local_rank, threads, dataset, run_dir: Path, init_method, overrides) -> None:
-    """Join the process group, run this rank's program, and on rank 0 write the results."""
+@dataclass(frozen=True)
+class _Place:
+    """Where a worker runs: its rank of `world`, its GPU on this machine, its threads, the rendezvous."""
+
+    rank: int
+    world: int
+    local_rank: int
+    threads: int
+    init_method: str
+
+
+def _serve(cfg, place: _Place, dataset, run_dir: Path, overrides, resume: Path | None, stop_requested):
+    """Join the process group, train this rank's stage and on rank 0 write the results.
+
+    Returns `Stopped` if the ranks agreed to stop early (their checkpoint is saved), else None.
+    """
     from relaytrain.strategies.pipeline.results import pipeline_results
     from relaytrain.strategies.pipeline.worker import StageWorker
 
     s = cfg.strategy
-    torch.set_num_threads(threads)
+    torch.set_num_threads(place.threads)
     device_type = _device_type(cfg)
-    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if device_type == "cuda" else "cpu")
+    device = torch.device(f"cuda:{place.local_rank % torch.cuda.device_count()}" if device_type == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = s.backend if s.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=place.init_method, rank=place.rank, world_size=place.world,
                             timeout=timedelta(seconds=s.timeout_s))
     try:
         topology = Topology(s.stages, s.replicas)
-        worker = StageWorker(cfg, topology, rank, dataset, device)
-        program = build_schedule(s.name, s.stages, s.num_microbatches, cfg.train.steps).actions(worker.stage)
+        worker = StageWorker(cfg, topology, place.rank, dataset, device, run_dir, stop_requested)
+        first = worker.restore(checkpoints.load_part(resume, worker.stage)) if resume else 0
         shows_progress = worker.last and worker.replica == 0
         progress = StepProgress(cfg.train.steps, cfg.train.log_every, f"{s.name} · {cfg.model.name}")
         with progress if shows_progress else nullcontext():
-            report = worker.run(program, progress if shows_progress else None)
-        reports = _gather(report, rank, world)
+            report = worker.run(first, progress if shows_progress else None)
+        if worker.stopped is not None:
+            return worker.stopped
+        reports = _gather(report, place.rank, place.world)
         states = None
         if cfg.train.save_model:  # replica 0's stages hold one whole model between them
             state = worker.versions.latest().global_state_dict() if worker.replica == 0 else None
-            states = _gather(state, rank, world)
-        if rank == 0:
+            states = _gather(state, place.rank, place.world)
+        if place.rank == 0:
             write_results(run_dir, pipeline_results(cfg, reports, device, overrides))
             if states is not None:
                 _save_gathered_model(cfg, states, run_dir)
+        return None
     finally:
         dist.destroy_process_group()
 

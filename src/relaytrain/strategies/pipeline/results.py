@@ -46,9 +46,7 @@ def pipeline_results(cfg, reports: list[dict], device, overrides: list[str]) -> 
     s = cfg.strategy
     reports = sorted(reports, key=lambda r: r["rank"])
     clock = reports[s.stages - 1]  # last stage, replica 0
-    done = clock["done_at"]
-    step_times = [end - start for start, end in zip([0.0, *done[:-1]], done, strict=True)]
-    history = {"losses": clock["losses"], "step_times": step_times, "skipped": 0}
+    history = {"losses": clock["losses"], "step_times": clock["step_times"], "skipped": 0}
     model = _ModelFacts(cfg.model.family, cfg.model.num_layers, count_parameters(cfg.model))
     figures = _Figures(strategy_report(cfg, reports), max(r["host_peak_rss_bytes"] for r in reports))
     results = assemble_results(cfg, model, figures, device, history, figures, overrides)

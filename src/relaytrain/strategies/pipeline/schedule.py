@@ -1,6 +1,7 @@
 """Pipeline schedules as data: what each stage does, step by step (no torch, no processes).
 
-A schedule is a pure function of (kind, stages d, micro-batches per update m, batches n).
+A schedule is a pure function of (kind, stages d, micro-batches per update m, batches n), or
+of the batches [first, n) a run resumed from a checkpoint at step `first` still has to do.
 Each stage gets a *program*: a list of steps, each step a short list of `Action`s around
 one unit of work (receive, compute, send), as DeepSpeed's instruction generators yield
 them. The runtime (`worker.py`) executes a program through a dispatch table; the validator
@@ -68,10 +69,16 @@ class Schedule:
     num_microbatches: int  # m: micro-batches per weight update
     num_batches: int  # n: weight updates
     programs: tuple[tuple[tuple[Action, ...], ...], ...]  # [stage][step] -> actions
+    first_batch: int = 0  # the programs run batches [first_batch, num_batches)
 
     @property
     def total_microbatches(self) -> int:
         return self.num_microbatches * self.num_batches
+
+    @property
+    def microbatches(self) -> range:
+        """The global ids of the micro-batches the programs run."""
+        return range(self.num_microbatches * self.first_batch, self.total_microbatches)
 
     def actions(self, stage: int) -> list[Action]:
         """The stage's program flattened in execution order."""
@@ -99,18 +106,22 @@ def check_shape(kind: str, stages: int, m: int, batches: int) -> None:
         )
 
 
-def build_schedule(kind: str, stages: int, num_microbatches: int, num_batches: int = 1) -> Schedule:
+def build_schedule(kind: str, stages: int, num_microbatches: int, num_batches: int = 1, first_batch: int = 0) -> Schedule:
     check_shape(kind, stages, num_microbatches, num_batches)
+    if not 0 <= first_batch < num_batches:
+        raise ConfigError(f"a schedule's first batch {first_batch} must be in [0, {num_batches})")
     programs = tuple(
-        tuple(tuple(step) for step in stage_program(kind, stages, num_microbatches, stage, num_batches))
+        tuple(tuple(step) for step in stage_program(kind, stages, num_microbatches, stage, num_batches, first_batch))
         for stage in range(stages)
     )
-    return Schedule(kind, stages, num_microbatches, num_batches, programs)
+    return Schedule(kind, stages, num_microbatches, num_batches, programs, first_batch)
 
 
-def stage_program(kind: str, stages: int, m: int, stage: int, batches: int) -> list[Step]:
-    """Steps of one stage: each forward/backward with its transfers, plus the update steps."""
-    order = _compute_order(kind, stages, m, stage, batches)
+def stage_program(kind: str, stages: int, m: int, stage: int, batches: int, first: int = 0) -> list[Step]:
+    """Steps of one stage for batches [first, batches): each forward/backward with its transfers,
+    plus the update steps. Ids and versions are the whole run's, so a resumed run's program is
+    the rest of the uninterrupted run's work (2BW starts on versions first - 1 and first)."""
+    order = _compute_order(kind, stages, m, stage, batches, first)
     steps: list[Step] = []
     for op, k in order:
         steps.append(_compute_step(op, k, stage, stages, weight_version(kind, k, m), m))
@@ -119,11 +130,11 @@ def stage_program(kind: str, stages: int, m: int, stage: int, batches: int) -> l
     return _place_optimizer_steps(kind, steps, m, batches)
 
 
-def _compute_order(kind: str, stages: int, m: int, stage: int, batches: int) -> list[tuple[Op, int]]:
+def _compute_order(kind: str, stages: int, m: int, stage: int, batches: int, first: int) -> list[tuple[Op, int]]:
     if kind == "pipe_2bw":  # one 1F1B stream over every micro-batch of the run: no flushes
-        return _one_f_one_b(stages, stage, 0, m * batches)
+        return _one_f_one_b(stages, stage, first * m, m * (batches - first))
     per_batch = _one_f_one_b if kind == "pipe_flush" else _all_forward_all_backward
-    return [item for b in range(batches) for item in per_batch(stages, stage, b * m, m)]
+    return [item for b in range(first, batches) for item in per_batch(stages, stage, b * m, m)]
 
 
 def _one_f_one_b(stages: int, stage: int, first: int, count: int) -> list[tuple[Op, int]]:
@@ -186,3 +197,35 @@ def _optimizer_step(batch: int) -> Action:
 
 def _compute_of(step: Step) -> Action:
     return next(a for a in step if a.op in COMPUTE)
+
+
+# ----------------------------------------------------------------------- stopping early
+
+
+def stop_vote_lag(kind: str) -> int:
+    """Stages vote on stopping at each REDUCE_GRADS(b); the vote that decides whether batch c
+    starts is batch c - lag's, the newest one every stage has cast before any stage starts c.
+    With flushes no stage starts c before every stage finished c - 1. 2BW's first stage starts
+    c while the last one is still in c - 1 (m >= d keeps it there), past c - 2's reduction."""
+    return 2 if kind == "pipe_2bw" else 1
+
+
+def stop_points(actions: list[Action], m: int) -> dict[int, int]:
+    """Where a stage's program (batches [first, n)) can end after batch c - 1 instead: index -> c,
+    for every batch c after the first.
+
+    Up to that index the program equals the one for batches [first, c), so a stage that
+    decides there switches to that program and only finishes what it has begun. The index is
+    the stage's first action of batch c, moved back over the 2BW optimizer steps placed just
+    before it: the shorter program runs those at its end, after the last backwards.
+    """
+    starts: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.op in (Op.RECV_ACT, Op.FORWARD) and a.microbatch % m == 0:
+            starts.setdefault(a.batch, i)
+    points = {}
+    for c, i in sorted(starts.items())[1:]:
+        while actions[i - 1].op is Op.OPTIMIZER_STEP and actions[i - 1].batch < c - 1:
+            i -= 1
+        points[i] = c
+    return points

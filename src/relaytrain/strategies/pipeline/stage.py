@@ -68,10 +68,18 @@ class StageModule(nn.Module):
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's tensors under the whole layered model's names (blocks renumbered)."""
-        renamed = {}
-        for name, tensor in self.model.state_dict().items():
-            if name.startswith("blocks."):
-                index, rest = name[len("blocks."):].split(".", 1)
-                name = f"blocks.{int(index) + self.block_offset}.{rest}"
-            renamed[name] = tensor.detach().cpu().clone()
-        return renamed
+        return {
+            _renumber(name, self.block_offset): tensor.detach().cpu().clone()
+            for name, tensor in self.model.state_dict().items()
+        }
+
+    def load_global_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """The inverse of `global_state_dict`: exactly this stage's tensors, or an error."""
+        self.model.load_state_dict({_renumber(name, -self.block_offset): t for name, t in state.items()}, strict=True)
+
+
+def _renumber(name: str, shift: int) -> str:
+    if not name.startswith("blocks."):
+        return name
+    index, rest = name[len("blocks."):].split(".", 1)
+    return f"blocks.{int(index) + shift}.{rest}"

@@ -68,7 +68,7 @@ def _check_stage(schedule: Schedule, stage: int) -> None:
 
 
 def _check_counts(schedule: Schedule, stage: int, actions: list[Action]) -> None:
-    expected = list(range(schedule.total_microbatches))
+    expected = list(schedule.microbatches)
     for op in COMPUTE:
         seen = sorted(a.microbatch for a in actions if a.op is op)
         if seen != expected:
@@ -86,7 +86,7 @@ def _check_versions_and_stash(schedule: Schedule, stage: int, actions: list[Acti
     d, m, kind = schedule.stages, schedule.num_microbatches, schedule.kind
     stash_limit = m if kind == "gpipe" else min(d - stage, m)
     in_flight: dict[int, int] = {}  # micro-batch -> version its forward used
-    latest = 0  # the newest version this stage holds: optimizer steps done
+    latest = schedule.first_batch  # the newest version this stage holds: optimizer steps done
     for action in actions:
         if action.op is Op.OPTIMIZER_STEP:
             latest = action.version
@@ -114,10 +114,11 @@ def _check_updates(schedule: Schedule, stage: int, actions: list[Action]) -> Non
     m = schedule.num_microbatches
     reduces = [i for i, a in enumerate(actions) if a.op is Op.REDUCE_GRADS]
     steps = [i for i, a in enumerate(actions) if a.op is Op.OPTIMIZER_STEP]
-    if [actions[i].batch for i in reduces] != list(range(schedule.num_batches)) or len(steps) != len(reduces):
+    batches = range(schedule.first_batch, schedule.num_batches)
+    if [actions[i].batch for i in reduces] != list(batches) or len(steps) != len(reduces):
         raise ScheduleError(f"stage {stage}: expected one reduction and one step per batch, in order")
     last_backward = {a.microbatch // m: i for i, a in enumerate(actions) if a.op is Op.BACKWARD}
-    for b, (reduce_at, step_at) in enumerate(zip(reduces, steps, strict=True)):
+    for b, reduce_at, step_at in zip(batches, reduces, steps, strict=True):
         if not last_backward[b] < reduce_at < step_at or actions[step_at].batch != b:
             raise ScheduleError(f"stage {stage}: batch {b}'s update runs before its gradients are complete")
 

@@ -8,13 +8,18 @@ how to do each kind of work.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from relaytrain import metrics
+from relaytrain.checkpoint import checkpoint_dir
 from relaytrain.data.dataset import MicroBatchLoader, TokenDataset
 from relaytrain.models import build_model
 from relaytrain.models.layered import MicroBatch
@@ -22,9 +27,27 @@ from relaytrain.optim import build_optimizer, lr_at, set_lr
 from relaytrain.precision import Precision
 from relaytrain.report import StepProgress
 from relaytrain.strategies.base import minibatch_items
-from relaytrain.strategies.pipeline.comms import Comms, GradReduction, Topology
-from relaytrain.strategies.pipeline.schedule import Action, Op, weight_version
+from relaytrain.strategies.pipeline import checkpoints
+from relaytrain.strategies.pipeline.comms import Comms, GradReduction, StopVotes, Topology
+from relaytrain.strategies.pipeline.schedule import (
+    Action,
+    Op,
+    build_schedule,
+    stop_points,
+    stop_vote_lag,
+    weight_version,
+)
 from relaytrain.strategies.pipeline.stage import StageModule, partition
+from relaytrain.train import TrainingDiverged
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The ranks agreed to stop on `signum` after `step` steps and saved the checkpoint at `path`."""
+
+    signum: int
+    step: int
+    path: Path
 
 
 class WeightVersions:
@@ -74,6 +97,28 @@ class WeightVersions:
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
 
+    def state(self) -> dict:
+        """The live versions (2BW: the newest and the one the next batch still computes with),
+        under the whole model's names, and the optimizer state (by position, as torch keeps it)."""
+        live = range(max(self.updates - len(self.buffers) + 1, 0), self.updates + 1)
+        return {
+            "updates": self.updates,
+            "weights": {version: self.module(version).global_state_dict() for version in live},
+            "optimizer": self.optimizer.state_dict()["state"],
+        }
+
+    def load_state(self, state: dict) -> None:
+        for version, weights in state["weights"].items():
+            self.module(version).load_global_state_dict(weights)
+        self.updates = state["updates"]
+        newest = self.params[self.updates % len(self.buffers)]
+        if newest is not self.params[0]:  # the optimizer follows the newest buffer
+            self._rekey_optimizer(self.params[0], newest)
+        # The config's hyperparameters stay; only the per-parameter state comes from the checkpoint.
+        state_dict = self.optimizer.state_dict()
+        state_dict["state"] = state["optimizer"]
+        self.optimizer.load_state_dict(state_dict)
+
     def _rekey_optimizer(self, source: list[torch.Tensor], target: list[torch.Tensor]) -> None:
         position = {id(p): i for i, p in enumerate(source)}
         for group in self.optimizer.param_groups:
@@ -92,13 +137,27 @@ def build_stage(cfg, stage: int) -> StageModule:
 
 
 class StageWorker:
-    def __init__(self, cfg, topology: Topology, rank: int, dataset: TokenDataset, device: torch.device):
+    """Runs its stage's program one segment at a time: the batches up to the next checkpoint,
+    or fewer when the ranks vote to stop (SIGINT/SIGTERM), then saves its part of the checkpoint.
+
+    `stop_requested()` returns the signal this rank was asked to stop by, 0 if none.
+    """
+
+    def __init__(self, cfg, topology: Topology, rank: int, dataset: TokenDataset, device: torch.device,
+                 run_dir: Path, stop_requested: Callable[[], int]):
         s = cfg.strategy
         self.cfg, self.device, self.rank = cfg, device, rank
         self.stage, self.replica = topology.position(rank)
         self.first, self.last = self.stage == 0, self.stage == s.stages - 1
         self.m = s.num_microbatches
+        self.checkpoints = checkpoint_dir(run_dir)
+        self.stop_requested = stop_requested
+        self.stopped: Stopped | None = None
         stage = build_stage(cfg, self.stage).to(device)
+        # Before Comms: only the end stages create the tied group, and every rank must create
+        # the groups it shares in the same order.
+        self.votes = StopVotes(topology.world_size, s.timeout_s)
+        self.votes_until = 0  # REDUCE_GRADS(b) votes for b < votes_until (the segment's last decisions)
         self.comms = Comms(topology, rank, bool(stage.tied_names), s.timeout_s)
         self.versions = WeightVersions(stage, s.name == "pipe_2bw", cfg.optim)
         self.precision = Precision.from_name(cfg.precision.name)
@@ -114,7 +173,9 @@ class StageWorker:
         self.batch_loss: dict[int, torch.Tensor] = {}
         self.reductions: dict[int, GradReduction] = {}
         self.losses: list[float] = []
+        self.earlier_step_times: list[float] = []  # steps before the checkpoint this run resumed from
         self.timer = metrics.PhaseTimer()
+        self.paused = 0.0  # seconds spent saving checkpoints: left out of the step times
         self.done_at: list[float] = []  # per batch: seconds since start when its last backward ended here
         self.busy_at: list[float] = []  # per batch: forward+backward seconds spent by then
         self.dispatch = {
@@ -125,17 +186,102 @@ class StageWorker:
         }
 
     # ------------------------------------------------------------------ the loop
-    def run(self, program: list[Action], progress: StepProgress | None) -> dict:
+    def run(self, first: int, progress: StepProgress | None) -> dict:
+        """Train batches [first, train.steps); sets `stopped` if the ranks agreed to stop early."""
         self.progress = progress
+        steps = self.cfg.train.steps
+        if self.rank == 0:
+            checkpoints.remove_staging(self.checkpoints)  # before the barrier: no rank writes parts yet
         dist.barrier()  # start the clock together
         metrics.synchronize(self.device)
         self.start = time.perf_counter()
-        for action in program:
-            self.dispatch[action.op](action)
-        for work, _ in self.sends:
-            work.wait(self.comms.timeout)
+        step = first
+        while step < steps:
+            step, voted = self._run_segment(step, self._segment_end(step))
+            self._wait_for_sends()
+            signum = self.votes.settle(max(voted, self.stop_requested()))
+            if step < steps and (signum or self._checkpoint_due(step)):
+                path = self._save(step)
+                if signum:
+                    self.stopped = Stopped(signum, step, path)
+                    break
         metrics.synchronize(self.device)
         return self.report()
+
+    def _segment_end(self, step: int) -> int:
+        every = self.cfg.train.checkpoint_every
+        return min(self.cfg.train.steps, (step // every + 1) * every) if every else self.cfg.train.steps
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.train.checkpoint_every
+        return bool(every) and step % every == 0
+
+    def _run_segment(self, first: int, end: int) -> tuple[int, int]:
+        """Run batches [first, end), or [first, c) if the vote read before batch c says stop.
+
+        Returns the batch reached and the signal voted for (0: none). The programs for
+        [first, end) and [first, c) agree up to this stage's stop point for c (see
+        `schedule.stop_points`), so switching there is exact: the stage finishes what it began.
+        """
+        lag = stop_vote_lag(self.cfg.strategy.name)
+        program = self._program(first, end)
+        points = {i: c for i, c in stop_points(program, self.m).items() if c - lag >= first}
+        self.votes_until = end - lag
+        i, voted = 0, 0
+        while i < len(program):
+            if i in points and not voted:
+                with self.timer.phase("wait"):
+                    voted = self.votes.result(points[i] - lag)
+                if voted:
+                    end = points[i]
+                    program = self._program(first, end)
+                    continue  # with the shorter program, which may end right here
+            self.dispatch[program[i].op](program[i])
+            i += 1
+        return end, voted
+
+    def _program(self, first: int, end: int) -> list[Action]:
+        s = self.cfg.strategy
+        return build_schedule(s.name, s.stages, self.m, end, first).actions(self.stage)
+
+    def _wait_for_sends(self) -> None:
+        for work, _ in self.sends:
+            work.wait(self.comms.timeout)
+        self.sends = []
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, step: int) -> Path:
+        began = time.perf_counter()
+        if self.replica == 0:  # replicas hold bit-identical weights, optimizer state and RNG streams
+            checkpoints.write_part(self.checkpoints, step, self.stage, self.capture(step))
+        dist.barrier()  # every stage's part is on disk
+        if self.rank == 0:
+            checkpoints.publish(self.checkpoints, step, checkpoints.manifest(self.cfg, step),
+                                self.cfg.train.keep_checkpoints)
+        dist.barrier()  # and the checkpoint is complete before any rank may report it
+        self.paused += time.perf_counter() - began
+        return checkpoints.step_dir(self.checkpoints, step)
+
+    def capture(self, step: int) -> dict:
+        """Everything this stage's next step depends on. The data position is the step itself:
+        every worker reads minibatch b of the deterministic loader for batch b."""
+        return {
+            "format": checkpoints.FORMAT,
+            "step": step,
+            "stage": self.stage,
+            **self.versions.state(),
+            "rng": checkpoints.rng_state(self.device),
+            "history": {"losses": self.losses, "step_times": self.step_times()} if self.last else None,
+        }
+
+    def restore(self, part: dict) -> int:
+        """Continue from a checkpoint part (built like a fresh worker first); return its step."""
+        self.versions.load_state(part)
+        checkpoints.set_rng_state(part["rng"], self.device)
+        if self.last:
+            self.losses = list(part["history"]["losses"])
+            self.earlier_step_times = list(part["history"]["step_times"])
+        return part["step"]
 
     # ------------------------------------------------------------------ compute
     def forward(self, a: Action) -> None:
@@ -182,15 +328,23 @@ class StageWorker:
     # ------------------------------------------------------------------ updates
     def reduce_grads(self, a: Action) -> None:
         metrics.synchronize(self.device)
-        self.done_at.append(time.perf_counter() - self.start)
+        self.done_at.append(time.perf_counter() - self.start - self.paused)
         self.busy_at.append(self.timer.totals.get("forward", 0.0) + self.timer.totals.get("backward", 0.0))
         grads = self.versions.take_grads(weight_version(self.cfg.strategy.name, a.batch * self.m, self.m))
         loss = self.batch_loss.pop(a.batch) if self.last else None
         self.reductions[a.batch] = GradReduction(self.comms, grads, len(self.versions.buffers[0].tied_names), loss)
+        if a.batch < self.votes_until:
+            self.votes.cast(a.batch, self.stop_requested())
 
     def optimizer_step(self, a: Action) -> None:
         with self.timer.phase("wait"):
             loss, grads = self.reductions.pop(a.batch).finish()
+        if loss is not None and not math.isfinite(loss):
+            # Raised before the update and before this step's checkpoint part: no checkpoint holds it.
+            raise TrainingDiverged(
+                f"the loss became {loss} at step {a.batch + 1} under precision={self.cfg.precision.name}; "
+                f"the last good checkpoint stays in {self.checkpoints}; lower optim.lr or use precision=fp32"
+            )
         with self.timer.phase("optimizer"):
             self.versions.apply(grads, lr_at(a.batch, self.cfg.optim, self.cfg.train.steps))
         if loss is not None:
@@ -214,6 +368,11 @@ class StageWorker:
         return rows.to(self.device, non_blocking=True), items
 
     # ------------------------------------------------------------------ report
+    def step_times(self) -> list[float]:
+        """Seconds per step, the steps before the resumed checkpoint included; the clock is the
+        end of each batch's last backward here."""
+        return self.earlier_step_times + [b - a for a, b in zip([0.0, *self.done_at], self.done_at, strict=False)]
+
     def report(self) -> dict:
         return {
             "rank": self.rank,
@@ -223,6 +382,7 @@ class StageWorker:
             "busy_at": self.busy_at,
             "phases_s": dict(self.timer.totals),
             "losses": self.losses if self.last else None,
+            "step_times": self.step_times() if self.last else None,
             "parameters": sum(p.numel() for p in self.versions.params[0]),
             "blocks": len(self.versions.buffers[0].model.blocks),
             "host_peak_rss_bytes": metrics.HostMemory().peak_bytes(),

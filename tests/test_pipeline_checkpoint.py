@@ -1,0 +1,239 @@
+"""Pipeline checkpoints: killed or stopped runs resume to the uninterrupted run's weights and
+losses bit for bit; incomplete checkpoints are ignored, mismatched ones refused, NaN stops.
+
+Every run is the real CLI with real gloo workers (2 stages, dropout on, so the RNG streams
+matter), launched in its own process group so a SIGKILL of the group takes the workers too.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relaytrain.checkpoint import checkpoint_dir
+from relaytrain.cli import main
+from relaytrain.errors import ConfigError
+from relaytrain.strategies.pipeline import checkpoints
+from relaytrain.strategies.pipeline.schedule import Op, build_schedule, stop_points, stop_vote_lag
+from relaytrain.strategies.pipeline.validate import check_schedule
+
+TINY = ["model.num_layers=3", "model.hidden_size=32", "model.num_heads=4", "model.intermediate_size=64",
+        "model.vocab_size=300", "model.dropout=0.1", "data.seq_len=16", "data.num_samples=256"]
+# About 10 ms a step on 2 cores: 60 steps leave time to kill a run between two checkpoints.
+RUN = ["train", *TINY, "train.steps=60", "train.warmup_steps=1", "train.log_every=10", "train.save_model=true",
+       "strategy.stages=2", "strategy.microbatch_size=2", "strategy.num_microbatches=4", "strategy.timeout_s=60"]
+FLUSH = ["model=bert_tiny", "strategy=pipe_flush"]
+TWO_BW = ["model=gpt2_tiny", "strategy=pipe_2bw"]  # GPT-2: the tied wte/lm_head sit on both stages
+
+
+def start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "relaytrain.cli", *RUN, *extra, f"hydra.run.dir={run_dir}"],
+                            env={**os.environ, "CI": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(run_dir: Path, *extra: str) -> str:
+    proc = start(run_dir, *extra)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return out
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers, mid-step
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """Every loss and every saved weight equal, bit for bit."""
+    losses = json.loads((run_dir / "results.json").read_text())["loss"]
+    assert losses == json.loads((reference / "results.json").read_text())["loss"]
+    ours, theirs = (load_file(d / "model" / "model.safetensors") for d in (run_dir, reference))
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def steps_of(directory: Path) -> list[int]:
+    return [int(p.name.split("-")[1]) for p in checkpoints.list_checkpoints(directory)]
+
+
+@pytest.fixture(scope="module")
+def flush_reference(tmp_path_factory) -> Path:
+    # Checkpoints every 20 steps: the refusal tests resume from them.
+    run_dir = tmp_path_factory.mktemp("flush")
+    finish(run_dir, *FLUSH, "train.checkpoint_every=20")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def two_bw_reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("2bw")
+    finish(run_dir, *TWO_BW)
+    return run_dir
+
+
+# ------------------------------------------------------------------------------ resume
+
+
+def test_flush_killed_resumes_exactly_past_an_incomplete_checkpoint(flush_reference, tmp_path):
+    run_dir, every = tmp_path / "run", ["train.checkpoint_every=8", "train.resume=auto"]
+    proc = start(run_dir, *FLUSH, *every)
+    wait_for(checkpoint_dir(run_dir) / "step-00000016", proc)
+    kill_group(proc)
+    assert not (run_dir / "results.json").exists()  # it really stopped early
+    *earlier, latest = checkpoints.list_checkpoints(checkpoint_dir(run_dir))
+    (latest / "stage-1.pt").unlink()  # as if the last stage never finished writing
+
+    out = finish(run_dir, *FLUSH, *every)
+    assert f"resuming from {earlier[-1]} at step" in out
+    assert_same_run(run_dir, flush_reference)
+
+
+def test_2bw_killed_resumes_exactly_with_both_weight_versions(two_bw_reference, tmp_path):
+    # From step 21: at an odd step the newest weight version sits in the second buffer.
+    run_dir, every = tmp_path / "run", ["train.checkpoint_every=7", "train.resume=auto"]
+    proc = start(run_dir, *TWO_BW, *every)
+    odd = checkpoint_dir(run_dir) / "step-00000021"
+    wait_for(odd, proc)
+    kill_group(proc)
+    assert not (run_dir / "results.json").exists()
+    for later in checkpoints.list_checkpoints(checkpoint_dir(run_dir)):
+        if later.name > odd.name:  # saved before the kill landed: as if it had landed sooner
+            shutil.rmtree(later)
+
+    out = finish(run_dir, *TWO_BW, *every)
+    assert f"resuming from {odd} at step 21" in out
+    assert_same_run(run_dir, two_bw_reference)
+
+
+def test_sigterm_to_the_launcher_stops_every_worker_at_one_step_and_saves(two_bw_reference, tmp_path):
+    # No periodic checkpoints: the workers agree on the step to stop at while the pipeline runs.
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *TWO_BW, "train.resume=auto")
+    while "step 10/60" not in proc.stdout.readline():
+        assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(signal.SIGTERM)  # to the launcher only, as `kill PID` does
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    (step,) = steps_of(checkpoint_dir(run_dir))
+    path = checkpoint_dir(run_dir) / f"step-{step:08d}"
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"relaytrain: SIGTERM at step {step}: checkpoint saved to {path}; "
+                                            f"continue with train.resume={path}")
+
+    finish(run_dir, *TWO_BW, "train.resume=auto")
+    assert_same_run(run_dir, two_bw_reference)
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.num_layers=4"], "does not fit this config (num_layers: checkpoint 3 vs config 4)"),
+        (["strategy.stages=3"], "holds 2 stages with blocks [2, 1], this config splits them [1, 1, 1]; "
+                                "resume with strategy.stages=2 strategy.layout=[2,1]"),
+        (["strategy=pipe_2bw"], "was saved by strategy=pipe_flush"),
+    ],
+)
+def test_a_mismatched_resume_is_refused_with_one_line(flush_reference, tmp_path, capsys, overrides, message):
+    with pytest.raises(SystemExit) as stop:
+        main([*RUN, *FLUSH, *overrides, f"train.resume={flush_reference}", f"hydra.run.dir={tmp_path}"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert "checkpoints/step-00000040" in err[0]  # the latest of the run directory given
+
+
+def test_resume_refuses_single_process_and_corrupt_checkpoints(flush_reference, tmp_path):
+    single = tmp_path / "step-00000004.pt"
+    single.write_bytes(b"a baseline checkpoint")
+    with pytest.raises(ConfigError, match="is a single-process checkpoint"):
+        checkpoints.find(str(single), tmp_path)
+
+    corrupt = tmp_path / "step-00000020"
+    corrupt.mkdir()
+    for f in (checkpoint_dir(flush_reference) / "step-00000020").iterdir():
+        (corrupt / f.name).write_bytes(f.read_bytes())
+    (corrupt / "stage-1.pt").write_bytes(b"x" * (corrupt / "stage-1.pt").stat().st_size)  # same size, garbage
+    assert checkpoints.find(str(corrupt), tmp_path) == corrupt
+    assert checkpoints.load_part(corrupt, 0)["step"] == 20
+    with pytest.raises(ConfigError, match="stage-1.pt cannot be read .* it is corrupt"):
+        checkpoints.load_part(corrupt, 1)
+
+
+def test_only_complete_checkpoints_count_and_the_last_k_are_kept(tmp_path):
+    """Parts staged but not published, a missing part or one cut short: never a checkpoint."""
+    directory = tmp_path / "checkpoints"
+    contents = {"layout": [2, 1]}
+    for step in (4, 8, 12):
+        for stage in (0, 1):
+            checkpoints.write_part(directory, step, stage, {"stage": stage})
+        checkpoints.publish(directory, step, {**contents, "step": step}, keep=2)
+    assert steps_of(directory) == [8, 12]  # step 4 pruned
+    checkpoints.write_part(directory, 16, 0, {"stage": 0})  # stage 1 never wrote: not published
+    assert checkpoints.find("auto", tmp_path).name == "step-00000012"
+
+    with open(directory / "step-00000012" / "stage-0.pt", "ab") as part:
+        part.write(b"more")  # no longer the size the manifest recorded
+    assert checkpoints.find("auto", tmp_path).name == "step-00000008"
+    (directory / "step-00000008" / "stage-1.pt").unlink()
+    assert checkpoints.find("auto", tmp_path) is None  # a fresh start
+    with pytest.raises(ConfigError, match="incomplete"):
+        checkpoints.find(str(directory / "step-00000008"), tmp_path)
+
+
+# ------------------------------------------------------------------------------ divergence
+
+
+def test_a_nan_loss_stops_the_pipeline_naming_the_step(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([*RUN, *TWO_BW, "optim=sgd", "optim.lr=1e30", "train.checkpoint_every=1", f"hydra.run.dir={tmp_path}"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "TrainingDiverged: the loss became" in err[0]
+    step = int(err[0].split(" at step ")[1].split()[0])
+    kept = steps_of(checkpoint_dir(tmp_path))
+    assert kept and max(kept) < step  # only good steps were saved
+
+
+# ------------------------------------------------------------------------------ schedules
+
+
+@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw"])
+def test_stopping_early_runs_exactly_the_shorter_schedule(kind):
+    """At a stop point for batch c, a stage has run exactly the start of the program for
+    batches [first, c), and has cast the vote that decides it; resumed programs are valid."""
+    lag = stop_vote_lag(kind)
+    for stages in range(1, 5):
+        for m in range(stages if kind == "pipe_2bw" else 1, 7):
+            for first in (0, 1, 2):
+                full = build_schedule(kind, stages, m, first + 6, first)
+                check_schedule(full)
+                for stage in range(stages):
+                    program = full.actions(stage)
+                    points = stop_points(program, m)
+                    assert sorted(points.values()) == list(range(first + 1, first + 6))
+                    for i, c in points.items():
+                        assert build_schedule(kind, stages, m, c, first).actions(stage)[:i] == program[:i]
+                        voted = [a for a in program[:i] if a.op is Op.REDUCE_GRADS and a.batch == c - lag]
+                        assert voted or c - lag < first
