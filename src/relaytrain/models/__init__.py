@@ -54,6 +54,9 @@ def hf_config(m) -> BertConfig | GPT2Config:
         resid_pdrop=m.dropout,
         embd_pdrop=m.dropout,
         attn_pdrop=m.dropout,
+        # GPT-2's <|endoftext|> is id 50256; a smaller vocabulary keeps it as its last id.
+        bos_token_id=m.vocab_size - 1,
+        eos_token_id=m.vocab_size - 1,
         attn_implementation=m.attn_implementation,
     )
 
