@@ -49,6 +49,18 @@ class Comms:
         self.timeout = timedelta(seconds=timeout_s)
         self.replica_group = self._replica_group()
         self.tied_group = self._tied_group() if has_tied_weights else None
+        # gloo's point-to-point operations are independent of each other (each irecv is its own
+        # posted buffer, matched by source and tag in posting order), so receives may be posted
+        # ahead of time and the tied copies' sum exchanged point to point. NCCL queues all of a
+        # pair's operations on one stream: there a receive posted early would block the sends
+        # behind it, so those paths are gloo only.
+        self.async_p2p = dist.get_backend() == "gloo"
+        # One pipeline (replicas == 1): the tied weights have exactly two copies, on the first and
+        # the last stage; each sends its gradient to the other, which adds it (a + b == b + a
+        # exactly, so both copies get bit-identical sums, as the all-reduce gives them).
+        self.tied_peer = None
+        if self.async_p2p and has_tied_weights and self.tied_group is not None and topology.replicas == 1:
+            self.tied_peer = topology.rank(topology.stages - 1 if self.stage == 0 else 0, 0)
 
     def _replica_group(self):
         # Every rank must create every group, in the same order (torch.distributed's rule).
@@ -77,6 +89,23 @@ class Comms:
         dist.irecv(buffer, source).wait(self.timeout)
         return buffer
 
+    def post_recv(self, buffer: torch.Tensor, source: int) -> dist.Work:
+        """Start receiving into `buffer`; `wait(timeout)` on the result before reading it."""
+        return dist.irecv(buffer, source)
+
+
+TIED_TAG = 1  # the tied-gradient exchange, apart from activations and gradients (tag 0)
+
+
+class TiedExchange:
+    """The receiving half of one batch's tied-gradient exchange (`Comms.tied_peer`), posted
+    before this stage's last backward of the batch so the partner's gradient arrives while
+    that backward runs."""
+
+    def __init__(self, comms: Comms, like: list[torch.Tensor]):
+        self.buffers = [torch.empty_like(t) for t in like]
+        self.works = [dist.irecv(b, comms.tied_peer, tag=TIED_TAG) for b in self.buffers]
+
 
 class GradReduction:
     """One batch's gradients (and the last stage's loss) being summed in the background.
@@ -84,14 +113,25 @@ class GradReduction:
     Everything travels in one flat buffer laid out [loss?, untied grads, tied grads]: the
     replica group sums the first part, the tied group (all copies of the tied weights) the
     second, so each tensor is reduced exactly once, with one collective per group.
+
+    With one pipeline there is nothing to sum over replicas, so no flat copy is made: the
+    untied gradients and the loss stay as they are, and on gloo (`Comms.tied_peer`) the two
+    tied copies swap gradients point to point (`TiedExchange`), each adding the other's.
     """
 
-    def __init__(self, comms: Comms, grads: list[torch.Tensor], num_tied: int, loss: torch.Tensor | None):
+    def __init__(self, comms: Comms, grads: list[torch.Tensor], num_tied: int, loss: torch.Tensor | None,
+                 tied: TiedExchange | None = None):
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # the caller keeps these alive until delivered
+        self.timeout = comms.timeout
+        # Nothing to sum over replicas, and the tied copies (if any) swap point to point.
+        self.p2p = comms.replica_group is None and (comms.tied_peer is not None or comms.tied_group is None or not num_tied)
+        if self.p2p:
+            self._exchange(comms, grads, num_tied, loss, tied)
+            return
         parts = ([loss.reshape(1).float()] if loss is not None else []) + [g.reshape(-1) for g in grads]
         self.flat = torch.cat(parts)
         self.shapes = [g.shape for g in grads]
         self.has_loss = loss is not None
-        self.timeout = comms.timeout
         tied_elems = sum(g.numel() for g in grads[len(grads) - num_tied:]) if num_tied else 0
         split = self.flat.numel() - tied_elems
         self.works = []
@@ -100,8 +140,28 @@ class GradReduction:
         if comms.tied_group is not None and tied_elems:
             self.works.append(dist.all_reduce(self.flat[split:], group=comms.tied_group, async_op=True))
 
+    def _exchange(self, comms: Comms, grads: list[torch.Tensor], num_tied: int, loss: torch.Tensor | None,
+                  tied: TiedExchange | None) -> None:
+        """One pipeline: nothing to sum over replicas, so no flat copy; the tied gradients go to
+        the partner as they are and the partner's come back into `tied`'s buffers."""
+        split = len(grads) - num_tied
+        self.grads, self.loss, self.exchange = grads, loss, None
+        if num_tied and comms.tied_peer is not None:
+            self.exchange = tied if tied is not None else TiedExchange(comms, grads[split:])
+            for g in grads[split:]:
+                g = g.contiguous()
+                self.sends.append((dist.isend(g, comms.tied_peer, tag=TIED_TAG), g))
+
     def finish(self) -> tuple[float | None, list[torch.Tensor]]:
         """Wait for the sums; return (summed loss or None, gradients shaped like the parameters)."""
+        if self.p2p:
+            grads = list(self.grads)
+            if self.exchange is not None:
+                split = len(grads) - len(self.exchange.buffers)
+                for i, (work, theirs) in enumerate(zip(self.exchange.works, self.exchange.buffers, strict=True)):
+                    work.wait(self.timeout)
+                    grads[split + i] = theirs.add_(grads[split + i])
+            return (float(self.loss.float()) if self.loss is not None else None), grads
         for work in self.works:
             work.wait(self.timeout)
         flat = self.flat[1:] if self.has_loss else self.flat

@@ -7,6 +7,7 @@ how to do each kind of work.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 import time
@@ -28,7 +29,7 @@ from relaytrain.precision import Precision
 from relaytrain.report import StepProgress
 from relaytrain.strategies.base import minibatch_items
 from relaytrain.strategies.pipeline import checkpoints
-from relaytrain.strategies.pipeline.comms import Comms, GradReduction, StopVotes, Topology
+from relaytrain.strategies.pipeline.comms import Comms, GradReduction, StopVotes, TiedExchange, Topology
 from relaytrain.strategies.pipeline.schedule import (
     Action,
     Op,
@@ -39,6 +40,9 @@ from relaytrain.strategies.pipeline.schedule import (
 )
 from relaytrain.strategies.pipeline.stage import StageModule, partition
 from relaytrain.train import TrainingDiverged
+
+RECEIVE = (Op.RECV_ACT, Op.RECV_GRAD)
+RECVS_AHEAD = 1  # receives posted ahead of their action, per direction (gloo; see Comms.async_p2p)
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,7 @@ class StageWorker:
         self.votes_until = 0  # REDUCE_GRADS(b) votes for b < votes_until (the segment's last decisions)
         self.comms = Comms(topology, rank, bool(stage.tied_names), s.timeout_s)
         self.versions = WeightVersions(stage, s.name == "pipe_2bw", cfg.optim)
+        self.num_tied = len(stage.tied_names)
         self.precision = Precision.from_name(cfg.precision.name)
         # One loader over the whole (all replicas) minibatch; each replica reads its rows.
         self.loader = MicroBatchLoader(dataset, s.microbatch_size * s.replicas, self.m, cfg.data.shuffle, cfg.data.seed)
@@ -168,6 +173,8 @@ class StageWorker:
         self.minibatches: dict[int, tuple[list[MicroBatch], int]] = {}
         self.stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # k -> (input, output)
         self.inbox: dict[tuple[Op, int], torch.Tensor] = {}
+        self.posted: dict[tuple[Op, int], tuple[dist.Work, torch.Tensor]] = {}  # receives under way
+        self.tied_recvs: dict[int, TiedExchange] = {}  # per batch: the partner's tied gradients, posted early
         self.grads_out: dict[int, torch.Tensor] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until delivered
         self.batch_loss: dict[int, torch.Tensor] = {}
@@ -227,7 +234,8 @@ class StageWorker:
         program = self._program(first, end)
         points = {i: c for i, c in stop_points(program, self.m).items() if c - lag >= first}
         self.votes_until = end - lag
-        i, voted = 0, 0
+        undecided = sorted(points)  # receives are posted ahead only up to the next undecided stop point
+        i, voted, ahead = 0, 0, 0
         while i < len(program):
             if i in points and not voted:
                 with self.timer.phase("wait"):
@@ -235,10 +243,33 @@ class StageWorker:
                 if voted:
                     end = points[i]
                     program = self._program(first, end)
+                    undecided = []
                     continue  # with the shorter program, which may end right here
+            if self.comms.async_p2p:
+                nxt = bisect.bisect_right(undecided, i)
+                horizon = undecided[nxt] if nxt < len(undecided) else len(program)
+                ahead = self._post_receives(program, max(ahead, i), horizon)
             self.dispatch[program[i].op](program[i])
             i += 1
         return end, voted
+
+    def _post_receives(self, program: list[Action], start: int, horizon: int) -> int:
+        """Post the receives of program[start:horizon] in program order (each peer sends in that
+        order), at most RECVS_AHEAD per direction outstanding, so the data arrives while this
+        stage computes instead of after it asks. Returns the index up to which all are posted.
+
+        Never past `horizon`, the next stop point not yet decided: a stop there would leave a
+        receive posted for a transfer that never comes. Up to it, the stopped program equals this one.
+        """
+        i = start
+        while i < horizon:
+            a = program[i]
+            if a.op in RECEIVE and (a.op, a.microbatch) not in self.posted:
+                if sum(1 for op, _ in self.posted if op is a.op) >= RECVS_AHEAD:
+                    break
+                self.posted[(a.op, a.microbatch)] = self._post_recv(a)
+            i += 1
+        return i
 
     def _program(self, first: int, end: int) -> list[Action]:
         s = self.cfg.strategy
@@ -295,6 +326,10 @@ class StageWorker:
 
     def backward(self, a: Action) -> None:
         hidden, out = self.stash.pop(a.microbatch)
+        if self.comms.tied_peer is not None and a.microbatch % self.m == self.m - 1:
+            # This stage's last backward of the batch: the partner's tied gradients may come during it.
+            tied = self.versions.params[a.version % len(self.versions.buffers)][len(self.versions.names) - self.num_tied:]
+            self.tied_recvs[a.batch] = TiedExchange(self.comms, tied)
         with self.timer.phase("backward"):
             grad = None if self.last else self.inbox.pop((Op.RECV_GRAD, a.microbatch))
             out.backward(grad)
@@ -309,21 +344,27 @@ class StageWorker:
         self._send(self.grads_out.pop(a.microbatch), self.comms.prev)
 
     def recv_act(self, a: Action) -> None:
-        self._recv(a, self.comms.prev, requires_grad=True)
+        self._recv(a, requires_grad=True)
 
     def recv_grad(self, a: Action) -> None:
-        self._recv(a, self.comms.next, requires_grad=False)
+        self._recv(a, requires_grad=False)
 
     def _send(self, tensor: torch.Tensor, to: int) -> None:
         tensor = tensor.contiguous()
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
         self.sends.append((self.comms.send(tensor, to), tensor))
 
-    def _recv(self, a: Action, source: int, requires_grad: bool) -> None:
+    def _post_recv(self, a: Action) -> tuple[dist.Work, torch.Tensor]:
         buffer = torch.empty(self.hidden_shape, dtype=torch.float32, device=self.device)
+        source = self.comms.prev if a.op is Op.RECV_ACT else self.comms.next
+        return self.comms.post_recv(buffer, source), buffer
+
+    def _recv(self, a: Action, requires_grad: bool) -> None:
+        key = (a.op, a.microbatch)
+        work, buffer = self.posted.pop(key) if key in self.posted else self._post_recv(a)
         with self.timer.phase("wait"):
-            self.comms.recv(buffer, source)
-        self.inbox[(a.op, a.microbatch)] = buffer.requires_grad_(requires_grad)
+            work.wait(self.comms.timeout)
+        self.inbox[key] = buffer.requires_grad_(requires_grad)
 
     # ------------------------------------------------------------------ updates
     def reduce_grads(self, a: Action) -> None:
@@ -332,7 +373,9 @@ class StageWorker:
         self.busy_at.append(self.timer.totals.get("forward", 0.0) + self.timer.totals.get("backward", 0.0))
         grads = self.versions.take_grads(weight_version(self.cfg.strategy.name, a.batch * self.m, self.m))
         loss = self.batch_loss.pop(a.batch) if self.last else None
-        self.reductions[a.batch] = GradReduction(self.comms, grads, len(self.versions.buffers[0].tied_names), loss)
+        reduction = GradReduction(self.comms, grads, self.num_tied, loss, self.tied_recvs.pop(a.batch, None))
+        self.reductions[a.batch] = reduction
+        self.sends.extend(reduction.sends)
         if a.batch < self.votes_until:
             self.votes.cast(a.batch, self.stop_requested())
 
