@@ -144,6 +144,19 @@ def _positive(cfg, section: str, *keys: str) -> None:
 
 def validate(cfg) -> None:
     """Checks involving several keys; raise ConfigError on the first problem."""
+    _check_choices(cfg)
+    _positive(cfg, "model", "num_layers", "hidden_size", "num_heads", "intermediate_size", "max_seq_len", "vocab_size")
+    _positive(cfg, "data", "seq_len")
+    _positive(cfg, "strategy", "microbatch_size", "num_microbatches")
+    _positive(cfg, "train", "steps")
+    _positive(cfg, "optim", "lr")
+    _check_model(cfg.model, cfg.data)
+    _check_data(cfg.data)
+    _check_strategy(cfg)
+    _check_train(cfg.train)
+
+
+def _check_choices(cfg) -> None:
     m, d, s, o, p, t = cfg.model, cfg.data, cfg.strategy, cfg.optim, cfg.precision, cfg.train
     _choice("model.task", m.task, MODEL_TASKS)
     _choice("model.family", m.family, ("bert", "gpt2"))
@@ -156,11 +169,8 @@ def validate(cfg) -> None:
     _choice("precision.name", p.name, PRECISIONS)
     _choice("train.device", t.device, DEVICES)
 
-    _positive(cfg, "model", "num_layers", "hidden_size", "num_heads", "intermediate_size", "max_seq_len", "vocab_size")
-    _positive(cfg, "data", "seq_len")
-    _positive(cfg, "strategy", "microbatch_size", "num_microbatches")
-    _positive(cfg, "train", "steps")
-    _positive(cfg, "optim", "lr")
+
+def _check_model(m, d) -> None:
     if m.hidden_size % m.num_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} does not divide model.hidden_size={m.hidden_size}; "
@@ -179,11 +189,9 @@ def validate(cfg) -> None:
         raise ConfigError(f"model.num_labels={m.num_labels} must be at least 2 for classification")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-    if t.warmup_steps < 0 or t.warmup_steps >= t.steps and t.steps > 1:
-        raise ConfigError(
-            f"train.warmup_steps={t.warmup_steps} leaves no measured step of train.steps={t.steps}; "
-            f"lower train.warmup_steps"
-        )
+
+
+def _check_data(d) -> None:
     if d.source == "jsonl":
         if not d.path:
             raise ConfigError("data=jsonl needs a file: set data.path=/path/to/train.jsonl")
@@ -191,6 +199,10 @@ def validate(cfg) -> None:
             raise ConfigError(f"data.path={d.path} does not exist; point data.path at a JSONL file")
     if d.path and d.source in ("glue", "wikitext") and not Path(d.path).expanduser().exists():
         raise ConfigError(f"data.path={d.path} does not exist; give a `datasets` directory or drop data.path")
+
+
+def _check_strategy(cfg) -> None:
+    s, m, p = cfg.strategy, cfg.model, cfg.precision
     if p.name.startswith("cmp") and not s.name.startswith("l2l"):
         raise ConfigError(
             f"precision={p.name} (cross mixed precision) needs the eager param server; "
@@ -207,12 +219,19 @@ def validate(cfg) -> None:
             raise ConfigError(
                 f"strategy.stages={s.stages} exceeds model.num_layers={m.num_layers}; every stage needs a block"
             )
-        if s.layout is not None:
-            if len(s.layout) != s.stages or sum(s.layout) != m.num_layers or min(s.layout) < 1:
-                raise ConfigError(
-                    f"strategy.layout={list(s.layout)} must give {s.stages} positive block counts "
-                    f"summing to model.num_layers={m.num_layers}"
-                )
+        if s.layout is not None and (len(s.layout) != s.stages or sum(s.layout) != m.num_layers or min(s.layout) < 1):
+            raise ConfigError(
+                f"strategy.layout={list(s.layout)} must give {s.stages} positive block counts "
+                f"summing to model.num_layers={m.num_layers}"
+            )
+
+
+def _check_train(t) -> None:
+    if t.warmup_steps < 0 or t.warmup_steps >= t.steps and t.steps > 1:
+        raise ConfigError(
+            f"train.warmup_steps={t.warmup_steps} leaves no measured step of train.steps={t.steps}; "
+            f"lower train.warmup_steps"
+        )
     if t.threads < 0:
         raise ConfigError(f"train.threads={t.threads} must be 0 (torch's default) or positive")
     if t.device == "cuda":
