@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,3 +37,12 @@ def tiny_cfg(family: str = "bert", *overrides: str):
 def _deterministic_threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     yield
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Wait until a running training process has written `path` (e.g. a checkpoint)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 
 from relaytrain import checkpoint
 from relaytrain.cli import main
+from tests.conftest import wait_for
 
 # bert_tiny at this batch takes ~0.1 s a step on 2 cores: slow enough to kill mid-run.
 RUN = ["train", "train.steps=30", "train.warmup_steps=1", "strategy.microbatch_size=8",
@@ -31,14 +31,6 @@ def finish(run_dir: Path, *extra: str) -> dict:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     return json.loads((run_dir / "results.json").read_text())
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
 
 
 def weights(run_dir: Path) -> dict:

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from relaytrain.errors import ConfigError
 from relaytrain.strategies.pipeline import checkpoints
 from relaytrain.strategies.pipeline.schedule import Op, build_schedule, stop_points, stop_vote_lag
 from relaytrain.strategies.pipeline.validate import check_schedule
+from tests.conftest import wait_for
 
 TINY = ["model.num_layers=3", "model.hidden_size=32", "model.num_heads=4", "model.intermediate_size=64",
         "model.vocab_size=300", "model.dropout=0.1", "data.seq_len=16", "data.num_samples=256"]
@@ -45,14 +45,6 @@ def finish(run_dir: Path, *extra: str) -> str:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     return out
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
