@@ -11,6 +11,10 @@ import pytest
 import torch
 
 from relaytrain.config import compose_config
+from relaytrain.data import build_dataset, build_loader
+from relaytrain.models import build_model
+from relaytrain.optim import build_optimizer, lr_at, set_lr
+from relaytrain.strategies.base import minibatch_items
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -46,3 +50,23 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         assert proc.poll() is None, proc.communicate()[1]
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.01)
+
+
+def train_plain_loop(cfg, steps: int):
+    """The reference the strategies must equal: the whole layered model under autograd, each
+    micro-batch's loss over the minibatch's items, one optimizer, the configured LR schedule
+    and clipping. Returns the trained layered model."""
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    optimizer = build_optimizer(model.named_parameters(), cfg.optim)
+    loader = build_loader(cfg, build_dataset(cfg))
+    for step in range(steps):
+        minibatch = next(loader)
+        items = minibatch_items(model, minibatch)
+        for mb in minibatch:
+            model(mb, loss_items=items).backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        set_lr(optimizer, lr_at(step, cfg.optim, steps))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model

@@ -13,11 +13,10 @@ from torch import nn
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.errors import ConfigError
 from relaytrain.models import build_model
-from relaytrain.optim import build_optimizer
 from relaytrain.precision import Precision
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.base import minibatch_items
-from tests.conftest import tiny_cfg
+from tests.conftest import tiny_cfg, train_plain_loop
 
 CPU = torch.device("cpu")
 
@@ -45,23 +44,6 @@ def train(cfg, steps=STEPS, device=CPU):
     return model, results, report
 
 
-def train_plain_pytorch(cfg, steps=STEPS):
-    """The reference: the layered model's own forward, autograd over the whole model, one optimizer."""
-    model = build_model(cfg.model, seed=cfg.train.seed)
-    optimizer = build_optimizer(model.named_parameters(), cfg.optim)
-    loader = iter(build_loader(cfg, build_dataset(cfg)))
-    for _ in range(steps):
-        minibatch = next(loader)
-        items = minibatch_items(model, minibatch)
-        for mb in minibatch:
-            model(mb, loss_items=items).backward()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
-
-
 def assert_same_weights(a: nn.Module, b: nn.Module, rtol=1e-5, atol=1e-6):
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol, msg=name)
@@ -87,7 +69,7 @@ def test_weights_equal_the_baseline_and_a_plain_loop(strategy, family, blocks, m
     ours, results, _ = train(l2l_cfg(family, strategy, *common))
     baseline, baseline_results, _ = train(l2l_cfg(family, "baseline", "strategy.recompute=true", *common))
     assert_same_weights(ours, baseline)
-    assert_same_weights(ours, train_plain_pytorch(l2l_cfg(family, "baseline", *common)))
+    assert_same_weights(ours, train_plain_loop(l2l_cfg(family, "baseline", *common), STEPS))
     assert [r.loss for r in results] == pytest.approx([r.loss for r in baseline_results], rel=1e-5)
     assert not any(r.skipped for r in results)
 

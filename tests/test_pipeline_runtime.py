@@ -26,7 +26,7 @@ from relaytrain.strategies.pipeline import run_pipeline
 from relaytrain.strategies.pipeline.comms import Topology
 from relaytrain.strategies.pipeline.launch import _failure_line, check_runnable
 from relaytrain.train import run
-from tests.conftest import tiny_cfg
+from tests.conftest import tiny_cfg, train_plain_loop
 
 STEPS = 4
 
@@ -58,23 +58,6 @@ def trained_by_baseline(cfg):
     loader = iter(build_loader(cfg, build_dataset(cfg)))
     losses = [strategy.step(next(loader), lr_at(s, cfg.optim, STEPS)).loss for s in range(STEPS)]
     return model.hf_model, losses
-
-
-def trained_by_plain_loop(cfg):
-    """Plain PyTorch: the whole model, loss of each micro-batch over the minibatch's items."""
-    cfg = whole_minibatch_cfg(cfg)
-    model = build_model(cfg.model, cfg.train.seed)
-    optimizer = build_optimizer(model.named_parameters(), cfg.optim)
-    loader = iter(build_loader(cfg, build_dataset(cfg)))
-    for step in range(STEPS):
-        minibatch = next(loader)
-        items = minibatch_items(model, minibatch)
-        for mb in minibatch:
-            model(mb, items).backward()
-        set_lr(optimizer, lr_at(step, cfg.optim, STEPS))
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.hf_model
 
 
 def trained_by_delayed_gradients(cfg):
@@ -113,7 +96,7 @@ def test_flush_gpt2_tied_across_two_stages_and_two_replicas_equals_baseline(tmp_
     results, ours = trained_by_pipeline(cfg, tmp_path / "pipe")
     baseline, baseline_losses = trained_by_baseline(cfg)
     assert_same_weights(ours, baseline)
-    assert_same_weights(ours, trained_by_plain_loop(cfg))
+    assert_same_weights(ours, train_plain_loop(whole_minibatch_cfg(cfg), STEPS).hf_model)
     assert torch.equal(ours.transformer.wte.weight, ours.lm_head.weight)
     assert results["loss"] == pytest.approx(baseline_losses, rel=1e-5)
 
@@ -134,7 +117,7 @@ def test_flush_bert_three_uneven_stages_with_recompute_equals_baseline(tmp_path)
     results, ours = trained_by_pipeline(cfg, tmp_path)
     baseline, baseline_losses = trained_by_baseline(cfg)
     assert_same_weights(ours, baseline)
-    assert_same_weights(ours, trained_by_plain_loop(cfg))
+    assert_same_weights(ours, train_plain_loop(whole_minibatch_cfg(cfg), STEPS).hf_model)
     assert results["loss"] == pytest.approx(baseline_losses, rel=1e-5)
     assert [s["blocks"] for s in results["strategy_report"]["per_stage"]] == [1, 2, 1]
 

@@ -152,23 +152,31 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if NAME.match(p.name))
 
 
+def latest_under(path: Path, listing) -> Path | None:
+    """The newest checkpoint `listing` finds in `path` itself or in its checkpoints folder
+    (so `path` may be a checkpoints folder or a run directory); None when there is none."""
+    for directory in (path, checkpoint_dir(path)):
+        found = listing(directory)
+        if found:
+            return found[-1]
+    return None
+
+
 def find(resume: str, run_dir: Path) -> Path | None:
     """`auto`: the latest checkpoint of this run directory, None if there is none yet (a fresh
     start, so one command serves the first launch and every relaunch). Otherwise a checkpoint
     file, a checkpoints directory, or a run directory (its latest)."""
     if resume == "auto":
-        found = list_checkpoints(checkpoint_dir(run_dir))
-        return found[-1] if found else None
+        return latest_under(run_dir, list_checkpoints)
     path = Path(resume).expanduser()
     if path.is_file():
         return path
     if (path / "manifest.json").is_file():
         raise ConfigError(f"train.resume={resume} is a pipeline checkpoint (one part per stage); "
                           f"resume it with the strategy that wrote it (strategy=pipe_flush or pipe_2bw)")
-    for directory in (path, checkpoint_dir(path)):
-        found = list_checkpoints(directory)
-        if found:
-            return found[-1]
+    latest = latest_under(path, list_checkpoints)
+    if latest is not None:
+        return latest
     raise ConfigError(f"train.resume={resume}: no checkpoint there; give a step-*.pt file, its directory or a run directory")
 
 

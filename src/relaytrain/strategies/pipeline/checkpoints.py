@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from relaytrain.checkpoint import atomic_write, checkpoint_dir, identity
+from relaytrain.checkpoint import atomic_write, identity, latest_under
 from relaytrain.errors import ConfigError
 from relaytrain.strategies.pipeline.stage import partition
 
@@ -128,8 +128,7 @@ def find(resume: str, run_dir: Path) -> Path | None:
     checkpoint (None if there is none yet); otherwise a step-N directory, a checkpoints
     directory or a run directory (its latest complete one)."""
     if resume == "auto":
-        found = list_checkpoints(checkpoint_dir(run_dir))
-        return found[-1] if found else None
+        return latest_under(run_dir, list_checkpoints)
     path = Path(resume).expanduser()
     if STEP.match(path.name) and path.is_dir():
         if not is_complete(path):
@@ -139,10 +138,9 @@ def find(resume: str, run_dir: Path) -> Path | None:
     if path.is_file():
         raise ConfigError(f"train.resume={resume} is a single-process checkpoint; pipe_flush and pipe_2bw resume "
                           f"from a pipeline checkpoint (a step-N directory of stage parts)")
-    for directory in (path, checkpoint_dir(path)):
-        found = list_checkpoints(directory)
-        if found:
-            return found[-1]
+    latest = latest_under(path, list_checkpoints)
+    if latest is not None:
+        return latest
     raise ConfigError(f"train.resume={resume}: no complete pipeline checkpoint there; give a step-N directory, "
                       f"its checkpoints directory or a run directory")
 

@@ -129,8 +129,7 @@ def _check_updates(schedule: Schedule, stage: int, actions: list[Action]) -> Non
 def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
     """Run every stage's program together; raise ScheduleError on a deadlock or unpaired transfer."""
     run = _DryRun(schedule, {Op.FORWARD: forward_time, Op.BACKWARD: backward_time})
-    while run.advance():
-        pass
+    run.run_until_stuck()
     stalled = [(s, run.programs[s][p]) for s, p in enumerate(run.position) if p < len(run.programs[s])]
     if stalled:
         waits = "; ".join(f"stage {s} waits at {a}" for s, a in stalled)
@@ -154,14 +153,16 @@ class _DryRun:
         last = schedule.stages - 1
         self.partners = {0: {0, last}, last: {0, last}}  # tied embeddings couple the end stages
 
-    def advance(self) -> bool:
-        """Run every stage as far as it can go; False when nothing moved."""
-        moved = False
-        for stage, program in enumerate(self.programs):
-            while self.position[stage] < len(program) and self._try(stage, program[self.position[stage]]):
-                self.position[stage] += 1
-                moved = True
-        return moved
+    def run_until_stuck(self) -> None:
+        """Run the stages round after round, each as far as it can go, until none moves:
+        every program is then finished, or the ones that are not are deadlocked."""
+        moved = True
+        while moved:
+            moved = False
+            for stage, program in enumerate(self.programs):
+                while self.position[stage] < len(program) and self._try(stage, program[self.position[stage]]):
+                    self.position[stage] += 1
+                    moved = True
 
     def _try(self, stage: int, action: Action) -> bool:
         op, now = action.op, self.clock[stage]
