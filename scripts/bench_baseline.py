@@ -21,7 +21,6 @@ from relaytrain.config import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer
-from relaytrain.precision import Precision
 from relaytrain.strategies import build_strategy
 
 DEFAULT = [
@@ -49,7 +48,7 @@ def plain_step_fn(cfg):
 
 def relaytrain_step_fn(cfg):
     model = build_model(cfg.model, seed=0)
-    strategy = build_strategy(model, cfg, torch.device("cpu"), Precision.from_name("fp32"))
+    strategy = build_strategy(model, cfg)
     return lambda minibatch: strategy.step(minibatch, cfg.optim.lr).loss
 
 

@@ -25,7 +25,7 @@ from relaytrain.config import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.eps import EagerParamServer, EpsStats
 from relaytrain.models import build_model
-from relaytrain.precision import LossScaler, Precision
+from relaytrain.precision import LossScaler
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.l2l import L2L, HeadLoss
 
@@ -52,7 +52,7 @@ def configs(args) -> dict:
               f"optim={args.optim}", f"precision={args.precision}", f"train.device={args.device}"]
     baseline_precision = args.precision.replace("cmp_", "amp_")  # the baseline's nearest mixed precision
     return {
-        "baseline": compose_config([*common, "strategy=baseline", "strategy.recompute=true",
+        "baseline": compose_config([*common, "strategy=baseline", "strategy.recompute=block",
                                     f"precision={baseline_precision}"]),
         "l2l": compose_config([*common, "strategy=l2l"]),
     }
@@ -65,7 +65,7 @@ class Runner:
         self.cfg = cfg
         self.device = device
         self.model = build_model(cfg.model, seed=0)
-        self.strategy = build_strategy(self.model, cfg, device, Precision.from_name(cfg.precision.name))
+        self.strategy = build_strategy(self.model, cfg, device)
         self.step_times: list[float] = []
         self.optimizer_s = 0.0
         if cfg.strategy.name == "baseline":

@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 
 from relaytrain.config import compose_config
 from relaytrain.models.layered import MicroBatch
-from relaytrain.strategies.pipeline import run_pipeline
 from relaytrain.strategies.pipeline.validate import bubble_formula
+from relaytrain.train import run
 
 MODEL = [
     "model=gpt2_tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
@@ -52,7 +52,7 @@ def bench_cfg(strategy: str, stages: int, m: int, steps: int, warmup: int):
 def ours(cfg) -> float:
     """Mean measured step time of a relaytrain pipeline run."""
     with tempfile.TemporaryDirectory() as run_dir:
-        return run_pipeline(cfg, run_dir, [])["throughput"]["step_time_s"]
+        return run(cfg, run_dir)["throughput"]["step_time_s"]
 
 
 # ----------------------------------------------------------------- torch.distributed.pipelining
@@ -79,11 +79,11 @@ class TorchStage(torch.nn.Module):
 
 def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out) -> None:
     from omegaconf import OmegaConf
+    from relaytrain.strategies.pipeline.worker import build_stage
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from relaytrain.data import build_dataset, build_loader
     from relaytrain.optim import build_optimizer
-    from relaytrain.strategies.pipeline.worker import build_stage
 
     cfg = OmegaConf.create(cfg_dict)
     s = cfg.strategy

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def test_killed_run_resumes_to_the_same_weights_and_losses(uninterrupted, tmp_pa
     whole_dir, whole = uninterrupted
     run_dir = tmp_path / "run"
     proc = start(run_dir, "train.checkpoint_every=5", "train.resume=auto")
-    wait_for(run_dir / "checkpoints" / "step-00000010.pt", proc)
+    wait_for(run_dir / "checkpoints" / "step-00000010", proc)
     proc.send_signal(kill)
     _, err = proc.communicate(timeout=60)
     if kill == signal.SIGTERM:
@@ -68,27 +69,32 @@ def test_killed_run_resumes_to_the_same_weights_and_losses(uninterrupted, tmp_pa
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path):
     run_dir = tmp_path / "run"
-    assert main([*RUN, "train.steps=6", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]) == 0
+    assert main([*RUN, "train.steps=7", "train.checkpoint_every=2", "train.keep_checkpoints=2",
+                 f"hydra.run.dir={run_dir}"]) == 0
     directory = checkpoint.checkpoint_dir(run_dir)
-    assert [p.name for p in checkpoint.list_checkpoints(directory)] == ["step-00000002.pt", "step-00000004.pt"]
+    # Every 2 steps and after the last one, the last 2 kept.
+    assert [p.name for p in checkpoint.list_checkpoints(directory)] == ["step-00000006", "step-00000007"]
 
+    staging = directory / "step-00000008.parts"
+    staging.mkdir()
     crash = (
         "import os, signal, sys\n"
         "from pathlib import Path\n"
         "from relaytrain import checkpoint\n"
         "def half_then_die(f):\n"
         "    f.write(b'x' * 1_000_000); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"checkpoint.atomic_write(Path({str(directory / 'step-00000006.pt')!r}), half_then_die)\n"
+        f"checkpoint.atomic_write(Path({str(staging / 'part-0.pt')!r}), half_then_die)\n"
     )
     proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    assert any(p.name.endswith(".tmp") for p in directory.iterdir())  # the torn write is there ...
+    assert any(p.name.endswith(".tmp") for p in staging.iterdir())  # the torn write is there ...
     latest = checkpoint.find("auto", run_dir)
-    assert latest.name == "step-00000004.pt"  # ... but nothing reads it
+    assert latest.name == "step-00000007"  # ... but nothing reads it
     from relaytrain.config import compose_config
 
-    cfg = compose_config(RUN[1:])
-    assert checkpoint.load(latest, cfg)["step"] == 4
+    cfg = compose_config([*RUN[1:], "train.steps=9"])
+    found = checkpoint.read(latest, cfg, "baseline", {"processes": 1})
+    assert found.step == 7 and found.exact and found.trainer()["step"] == 7
 
 
 def test_keeps_only_the_last_k_checkpoints(tmp_path):
@@ -96,7 +102,7 @@ def test_keeps_only_the_last_k_checkpoints(tmp_path):
     assert main([*RUN, "train.steps=9", "train.checkpoint_every=2", "train.keep_checkpoints=2",
                  f"hydra.run.dir={run_dir}"]) == 0
     names = [p.name for p in checkpoint.list_checkpoints(checkpoint.checkpoint_dir(run_dir))]
-    assert names == ["step-00000006.pt", "step-00000008.pt"]
+    assert names == ["step-00000008", "step-00000009"]  # every 2 steps, and the last step always
 
 
 def test_a_checkpoint_that_does_not_fit_the_config_is_refused(tmp_path, capsys):
@@ -109,12 +115,19 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "does not fit this config (num_layers: checkpoint 4 vs config 3)" in err
 
-    corrupt = tmp_path / "step-00000002.pt"
-    corrupt.write_bytes(b"not a checkpoint")
+    corrupt = tmp_path / "step-00000002"
+    shutil.copytree(checkpoint.checkpoint_dir(run_dir) / "step-00000002", corrupt)
+    part = corrupt / "part-0.pt"
+    part.write_bytes(b"x" * part.stat().st_size)  # the size the manifest recorded, garbage inside
     with pytest.raises(SystemExit) as stop:
-        main([*RUN, f"train.resume={corrupt}", f"hydra.run.dir={tmp_path / 'c'}"])
+        main([*RUN, "train.steps=4", f"train.resume={corrupt}", f"hydra.run.dir={tmp_path / 'c'}"])
     assert stop.value.code == 2
-    assert "cannot be read" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "part-0.pt cannot be read" in err[0] and "it is corrupt" in err[0]
+
+    with pytest.raises(SystemExit) as stop:
+        main([*RUN, "train.steps=4", f"train.resume={part}", f"hydra.run.dir={tmp_path / 'd'}"])
+    assert "is a file; give a checkpoint directory" in capsys.readouterr().err
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path, capsys):
@@ -133,7 +146,7 @@ def test_l2l_killed_run_resumes_bit_for_bit(tmp_path):
     l2l = ("strategy=l2l", "train.steps=12")
     whole = finish(whole_dir, *l2l)
     proc = start(resumed_dir, *l2l, "train.checkpoint_every=3", "train.resume=auto")
-    wait_for(resumed_dir / "checkpoints" / "step-00000003.pt", proc)
+    wait_for(resumed_dir / "checkpoints" / "step-00000003", proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     resumed = finish(resumed_dir, *l2l, "train.checkpoint_every=3", "train.resume=auto")
@@ -149,7 +162,7 @@ def test_a_baseline_checkpoint_resumes_under_l2l(tmp_path, family):
     steps = [*RUN, *model, "train.steps=6", "model.dropout=0.0"]
     assert main([*steps, f"hydra.run.dir={tmp_path / 'whole'}"]) == 0
     assert main([*steps, "train.checkpoint_every=3", f"hydra.run.dir={tmp_path / 'first'}"]) == 0
-    half = checkpoint.checkpoint_dir(tmp_path / "first") / "step-00000003.pt"
+    half = checkpoint.checkpoint_dir(tmp_path / "first") / "step-00000003"
     assert main([*steps, "strategy=l2l", f"train.resume={half}", f"hydra.run.dir={tmp_path / 'then'}"]) == 0
     ours, theirs = weights(tmp_path / "then"), weights(tmp_path / "whole")
     for name in theirs:

@@ -7,14 +7,15 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from relaytrain.config import OptimConfig
+from relaytrain.config import OPTIMIZER_CONFIGS
 from relaytrain.eps import EagerParamServer
 from relaytrain.optim import build_optimizer
 from relaytrain.precision import LossScaler
 
 
 def optim_cfg(name="adamw", grad_clip=0.0, **overrides):
-    cfg = OmegaConf.structured(OptimConfig(name=name, grad_clip=grad_clip, lr=1e-2, momentum=0.9))
+    extra = {"momentum": 0.9} if name == "sgd" else {}
+    cfg = OmegaConf.structured(OPTIMIZER_CONFIGS[name](grad_clip=grad_clip, lr=1e-2, **extra))
     return OmegaConf.merge(cfg, overrides)
 
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from relaytrain.cli import main
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.errors import ConfigError
 from relaytrain.models import build_model
-from relaytrain.precision import Precision
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.base import minibatch_items
 from tests.conftest import tiny_cfg, train_plain_loop
@@ -32,12 +31,11 @@ STEPS = 3
 def train(cfg, steps=STEPS, device=CPU):
     """(model, step results, strategy report) after `steps` steps of `cfg.strategy`."""
     model = build_model(cfg.model, seed=cfg.train.seed)
-    strategy = build_strategy(model, cfg, device, Precision.from_name(cfg.precision.name))
+    strategy = build_strategy(model, cfg, device)
     loader = iter(build_loader(cfg, build_dataset(cfg)))
     torch.manual_seed(cfg.train.seed)
     try:
         results = [strategy.step(next(loader), cfg.optim.lr) for _ in range(steps)]
-        strategy.sync_model()
         report = strategy.report()
     finally:
         strategy.close()
@@ -67,7 +65,7 @@ CASES = [
 def test_weights_equal_the_baseline_and_a_plain_loop(strategy, family, blocks, microbatches, optim):
     common = [f"model.num_layers={blocks}", f"strategy.num_microbatches={microbatches}", f"optim={optim}"]
     ours, results, _ = train(l2l_cfg(family, strategy, *common))
-    baseline, baseline_results, _ = train(l2l_cfg(family, "baseline", "strategy.recompute=true", *common))
+    baseline, baseline_results, _ = train(l2l_cfg(family, "baseline", "strategy.recompute=block", *common))
     assert_same_weights(ours, baseline)
     assert_same_weights(ours, train_plain_loop(l2l_cfg(family, "baseline", *common), STEPS))
     assert [r.loss for r in results] == pytest.approx([r.loss for r in baseline_results], rel=1e-5)
@@ -114,7 +112,7 @@ def test_recompute_draws_the_first_forwards_dropout_masks():
     for name, module in model.blocks.named_modules():
         if isinstance(module, nn.Dropout):
             module.register_forward_hook(lambda _m, _i, out, name=name: masks.setdefault(name, []).append(out.eq(0)))
-    strategy = build_strategy(model, cfg, CPU, Precision.from_name("fp32"))
+    strategy = build_strategy(model, cfg)
     try:
         strategy.step(next(iter(build_loader(cfg, build_dataset(cfg)))), 1e-3)
     finally:
@@ -161,7 +159,7 @@ def test_resident_blocks_never_exceed_the_bound(blocks, bound):
     cfg = l2l_cfg("bert", "l2l", f"model.num_layers={blocks}", "strategy.num_microbatches=2",
                   f"strategy.max_resident_blocks={bound}")
     model = build_model(cfg.model, seed=0)
-    strategy = build_strategy(model, cfg, CPU, Precision.from_name("fp32"))
+    strategy = build_strategy(model, cfg)
     uploads = []
     relay = strategy.relay
     upload = relay.transfers.upload
@@ -180,11 +178,13 @@ def test_resident_blocks_never_exceed_the_bound(blocks, bound):
     assert len(uploads) == 2 * per_step
 
 
-def test_bad_l2l_settings_are_refused():
-    with pytest.raises(ConfigError, match="max_resident_blocks"):
-        train(l2l_cfg("bert", "l2l", "strategy.max_resident_blocks=0"), steps=0)
-    with pytest.raises(ConfigError, match="stash"):
-        train(l2l_cfg("bert", "l2l_stash_cpu", "strategy.stash=device"), steps=0)
+def test_bad_l2l_settings_are_refused_with_one_line(capsys):
+    assert main(["train", "strategy=l2l", "strategy.max_resident_blocks=0"]) == 2
+    assert "strategy.max_resident_blocks=0 must be at least 1" in capsys.readouterr().err
+    assert main(["train", "strategy=l2l_stash_cpu", "strategy.stash=device"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["relaytrain: error: strategy.stash is not a key of strategy=l2l_stash_cpu; only strategy=l2l "
+                   "has it (see relaytrain train --help)"]
 
 
 # ----------------------------------------------------------------------------- precision
@@ -205,7 +205,7 @@ def test_cmp_bf16_trains_with_falling_loss_close_to_fp32():
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     cfg = l2l_cfg("bert", "l2l", "precision=cmp_fp16", "precision.loss_scale=1e30", "strategy.num_microbatches=2")
     model = build_model(cfg.model, seed=0)
-    strategy = build_strategy(model, cfg, CPU, Precision.from_name("cmp_fp16"))
+    strategy = build_strategy(model, cfg)
     loader = iter(build_loader(cfg, build_dataset(cfg)))
     before = [p.detach().clone() for p in model.parameters()]
     try:
@@ -236,7 +236,8 @@ def test_cli_trains_with_l2l_and_writes_the_report(tmp_path):
     report = results["strategy_report"]
     assert results["strategy"] == "l2l_stash_cpu" and results["steps"] == 3
     assert report["peak_resident_blocks"] == 2 and report["stash"] == "cpu"
-    assert set(report["phase_times_s"]) == {"forward", "recompute_backward", "transfer_wait", "optimizer_exposed"}
+    assert set(report["phase_times_s"]) == {"forward", "recompute_backward", "optimizer_exposed"}
+    assert report["transfer_wait_s"] >= 0
     assert report["eps"]["parameters_per_s"] > 0
     assert "resident blocks (peak / bound)" in proc.stdout
 
@@ -251,7 +252,7 @@ def test_cuda_weights_equal_the_cuda_baseline(strategy):
     cuda = torch.device("cuda")
     common = ["model.num_layers=5", "strategy.num_microbatches=3", "optim=lamb"]
     ours, _, report = train(l2l_cfg("gpt2", strategy, *common), device=cuda)
-    baseline, _, _ = train(l2l_cfg("gpt2", "baseline", "strategy.recompute=true", *common), device=cuda)
+    baseline, _, _ = train(l2l_cfg("gpt2", "baseline", "strategy.recompute=block", *common), device=cuda)
     assert report["peak_resident_blocks"] == 2
     assert all(p.is_pinned() for p in ours.parameters())
     assert_same_weights(ours, baseline.cpu(), rtol=1e-4, atol=1e-5)

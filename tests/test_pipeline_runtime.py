@@ -15,16 +15,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from relaytrain.cli import main
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.errors import ConfigError
+from relaytrain.launch import failure
 from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer, lr_at, set_lr
-from relaytrain.precision import Precision
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.base import minibatch_items
-from relaytrain.strategies.pipeline import run_pipeline
 from relaytrain.strategies.pipeline.comms import Topology
-from relaytrain.strategies.pipeline.launch import _failure_line, check_runnable
 from relaytrain.train import run
 from tests.conftest import tiny_cfg, train_plain_loop
 
@@ -37,7 +36,7 @@ def pipeline_cfg(family, *overrides):
 
 def trained_by_pipeline(cfg, run_dir):
     """Run the pipeline; return its results and the model it saved, loaded back."""
-    results = run_pipeline(cfg, run_dir, [])
+    results = run(cfg, run_dir)
     saved = copy.deepcopy(cfg)
     OmegaConf.update(saved, "model.pretrained", str(run_dir / "model"))
     return results, build_model(saved.model).hf_model
@@ -54,7 +53,7 @@ def whole_minibatch_cfg(cfg, name="baseline"):
 def trained_by_baseline(cfg):
     cfg = whole_minibatch_cfg(cfg)
     model = build_model(cfg.model, cfg.train.seed)
-    strategy = build_strategy(model, cfg, torch.device("cpu"), Precision.from_name("fp32"))
+    strategy = build_strategy(model, cfg)
     loader = iter(build_loader(cfg, build_dataset(cfg)))
     losses = [strategy.step(next(loader), lr_at(s, cfg.optim, STEPS)).loss for s in range(STEPS)]
     return model.hf_model, losses
@@ -105,14 +104,15 @@ def test_flush_gpt2_tied_across_two_stages_and_two_replicas_equals_baseline(tmp_
     report = results["strategy_report"]
     assert report["layout"] == [2, 1] and len(report["per_stage"]) == 4
     assert results["samples_per_step"] == baseline_run["samples_per_step"] == 2 * 3 * 2
-    assert all(stage["host_peak_rss_bytes"] > 0 for stage in report["per_stage"])
+    assert [p["rank"] for p in results["memory"]["per_process"]] == [0, 1, 2, 3]
+    assert all(p["host_peak_rss_bytes"] > 0 for p in results["memory"]["per_process"])
     assert report["bubble_fraction_formula"] == pytest.approx(1 / 4)
     assert json.loads((tmp_path / "pipe" / "results.json").read_text())["strategy"] == "pipe_flush"
 
 
 def test_flush_bert_three_uneven_stages_with_recompute_equals_baseline(tmp_path):
     cfg = pipeline_cfg("bert", "model.num_layers=4", "strategy=pipe_flush", "strategy.stages=3",
-                       "strategy.layout=[1,2,1]", "strategy.recompute=true", "strategy.microbatch_size=2",
+                       "strategy.layout=[1,2,1]", "strategy.recompute=block", "strategy.microbatch_size=2",
                        "strategy.num_microbatches=4", "optim.lr=1e-3")
     results, ours = trained_by_pipeline(cfg, tmp_path)
     baseline, baseline_losses = trained_by_baseline(cfg)
@@ -141,12 +141,12 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error_in_bounded_time(tmp_pa
     killed_at = []
     killer = threading.Thread(target=kill_a_worker_once_training, args=(killed_at,), daemon=True)
     killer.start()
-    with pytest.raises(ConfigError) as failure:
-        run_pipeline(cfg, tmp_path, [])
+    with pytest.raises(ConfigError) as failed:
+        run(cfg, tmp_path)
     ended_at = time.monotonic()
     assert killed_at, "the run ended before a worker was killed"
     assert ended_at - killed_at[0] < 15
-    message = str(failure.value)
+    message = str(failed.value)
     assert "\n" not in message
     assert "rank" in message and "killed by SIGKILL" in message
     assert not [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
@@ -166,32 +166,42 @@ def kill_a_worker_once_training(killed_at: list) -> None:
 
 
 def test_the_first_error_is_the_one_reported(tmp_path):
-    """A rank that raised is the cause; the peers that lost it failed later."""
+    """A rank that raised is the cause; the peers that lost it failed later. A user's error
+    (a ConfigError, e.g. a NaN loss) is shown as it is."""
     topology = Topology(stages=3, replicas=1)
-    for rank, when, error in ((2, 5.0, "RuntimeError: Connection closed by peer"), (1, 4.0, "ValueError: boom")):
-        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "time": when, "error": error}))
+    records = ((2, 5.0, "RuntimeError", "Connection closed by peer", False), (1, 4.0, "ValueError", "boom", False))
+    for rank, when, error, message, user in records:
+        record = {"rank": rank, "time": when, "error": error, "message": message, "user_error": user}
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(record))
 
     class Exited:
         exitcode = 1
 
-    line = _failure_line([Exited(), Exited(), Exited()], [1, 2], topology, tmp_path)
-    assert line.startswith("pipeline worker rank 1 (stage 1 of 3, replica 0) failed: ValueError: boom")
+    line = str(failure([Exited(), Exited(), Exited()], [1, 2], topology.describe, tmp_path))
+    assert line.startswith("worker rank 1 (stage 1 of 3, replica 0) failed: ValueError: boom")
+    record = {"rank": 0, "time": 1.0, "error": "TrainingDiverged", "message": "the loss became nan at step 3",
+              "user_error": True}
+    (tmp_path / "rank0.json").write_text(json.dumps(record))
+    assert str(failure([Exited(), Exited(), Exited()], [0, 1, 2], topology.describe, tmp_path)) == record["message"]
 
 
 @pytest.mark.parametrize(
-    ("overrides", "match"),
+    ("overrides", "message"),
     [
         (["strategy=pipe_2bw", "strategy.stages=3", "strategy.num_microbatches=2"], "num_microbatches >= "),
-        (["strategy=pipe_flush", "strategy.stages=3", "strategy.replicas=100"], "workers on"),
-        (["strategy=pipe_flush", "precision=amp_fp16"], "amp_fp16"),
-        (["strategy=pipe_flush", "optim.grad_clip=1.0"], "grad_clip"),
-        (["strategy=pipe_flush", "strategy.backend=nccl", "train.device=cpu"], "nccl"),
-        (["strategy=pipe_flush", "strategy.backend=mpi"], "backend=mpi"),
+        (["strategy=pipe_flush", "strategy.stages=3", "strategy.replicas=100"], "300 workers on"),
+        (["strategy=pipe_flush", "precision=amp_fp16"], "precision=amp_fp16 needs one loss-scale decision"),
+        (["strategy=pipe_flush", "optim.grad_clip=1.0"], "optim.grad_clip=1.0: global-norm clipping"),
+        (["strategy=pipe_flush", "strategy.backend=nccl", "train.device=cpu"], "backend=nccl needs CUDA"),
+        (["strategy=pipe_flush", "strategy.backend=mpi"], "strategy.backend=mpi is not one of auto, gloo, nccl"),
+        (["strategy=pipe_2bw", "strategy.stages=1"], "one stage is not a pipeline; use strategy=baseline"),
+        (["strategy=pipe_gpipe", "strategy.stages=5"], "strategy.stages=5 exceeds model.num_layers=4"),
     ],
 )
-def test_bad_configs_are_refused_before_any_process_starts(overrides, match):
-    with pytest.raises(ConfigError, match=match):
-        check_runnable(tiny_cfg("bert", *overrides), "cpu")
+def test_bad_configs_are_refused_before_any_process_starts(overrides, message, capsys):
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
 
 
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path):

@@ -1,129 +1,170 @@
-"""Checkpoints that lose nothing: atomic writes, exact resume, strategy-neutral contents.
+"""Checkpoints that lose nothing, for every strategy: atomic, exact, keyed by parameter name.
 
-A checkpoint holds everything the next step depends on: weights and optimizer state keyed by
-the Hugging Face parameter names (so a baseline checkpoint resumes under L2L, whose eager
-param server holds the same weights and state), the loss scaler, the step count (the LR
-schedule is a function of it), the data position, every RNG state, and the loss history.
+    RUN_DIR/checkpoints/step-00000010/        complete: manifest.json, trainer.pt, part-0.pt ... part-{n-1}.pt
+    RUN_DIR/checkpoints/step-00000020.parts/  a save in progress, or one a crash cut short: ignored
 
-Writes go to a temporary file in the same directory, are fsync'ed, then renamed over the
-final name, and the directory is fsync'ed: a crash during a save leaves the previous
-checkpoint intact and the half-written file under a name nothing reads.
+Every process writes its *part* (`Strategy.state_dict()` plus its RNG streams): weights and
+optimizer state keyed by Hugging Face parameter name, the loss scaler, and the strategy's own
+name-keyed sections (`extra`, e.g. 2BW's second weight version). The reporting process also
+writes `trainer.pt` (the step, the data position and the run's history). Each file is written
+atomically (temporary file, fsync, rename); after a barrier, rank 0 writes the manifest (what
+was saved, by which config and layout, every file's size) and renames the directory: a
+`step-N` directory whose manifest's files are all there, at their recorded sizes, is a
+complete checkpoint, and nothing else is.
+
+Loading reads only what a process needs: every part is opened with `mmap` (and
+`weights_only=True`), so a process picks its parameters by name from whichever parts hold
+them. That is why checkpoints are strategy-neutral: a baseline checkpoint resumes under
+`l2l`, a 2-stage pipeline's under 3 stages or under `l2l`. Under the same strategy and layout
+the resume is exact, RNG streams included; otherwise weights, optimizer state and the step are
+exact, and the RNG streams start afresh (this is said in one line).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from relaytrain.errors import ConfigError
 
-FORMAT = 1
-NAME = re.compile(r"^step-(\d{8})\.pt$")
+FORMAT = 2
+MANIFEST = "manifest.json"
+TRAINER = "trainer.pt"
+STEP = re.compile(r"^step-(\d{8})$")
+STAGING = re.compile(r"^step-(\d{8})\.parts$")
+NAME_KEYED = ("weights", "optimizer")  # part sections merged by parameter name (plus every `extra` section)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-# ------------------------------------------------------------------------------ contents
+def step_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}"
 
 
-def capture(cfg, strategy, step: int, data_position: int, history: dict) -> dict:
-    names = _names(strategy.model)
+def part_name(rank: int) -> str:
+    return f"part-{rank}.pt"
+
+
+# ------------------------------------------------------------------------------ contents by name
+
+
+def unique_named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(Hugging Face name, parameter) for every parameter the layered model holds, each tied one once."""
+    seen = set()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield model.hf_name(p), p
+
+
+def optimizer_state(optimizers, name_of: Callable[[torch.Tensor], str]) -> dict:
+    """Every optimizer's per-parameter state, keyed by parameter name."""
+    by_name = {}
+    for optimizer in optimizers:
+        for p, state in optimizer.state.items():
+            by_name[name_of(p)] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    return by_name
+
+
+def load_optimizer_state(optimizers, name_of: Callable[[torch.Tensor], str], by_name: dict) -> None:
+    # Rebuilt in torch's own (index-keyed) format so `load_state_dict` applies torch's rules for
+    # where each state tensor lives (fused kernels keep `step` on the device, others on the CPU);
+    # the config's hyperparameters stay, only per-parameter state comes from the checkpoint.
+    for optimizer in optimizers:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state_dict = optimizer.state_dict()
+        state_dict["state"] = {i: by_name[name_of(p)] for i, p in enumerate(params) if name_of(p) in by_name}
+        optimizer.load_state_dict(state_dict)
+
+
+def model_state(model, params, optimizers, scaler) -> dict:
+    """A process's part for a strategy whose weights are the layered model's own parameters:
+    `params` (by name), the optimizers' state for them, the loss scaler."""
     return {
-        "format": FORMAT,
-        "step": step,
-        "data_position": data_position,
-        "history": history,
-        "identity": identity(cfg),
-        "strategy": cfg.strategy.name,
-        "weights": {name: p.detach().clone() for name, p in _named_masters(strategy.model)},
-        "optimizer": _optimizer_state_by_name(strategy.optimizers(), names),
-        "scaler": strategy.scaler.state_dict() if getattr(strategy, "scaler", None) else None,
-        "rng": _rng_state(),
+        "weights": {model.hf_name(p): p.detach().cpu().clone() for p in params},
+        "optimizer": optimizer_state(optimizers, model.hf_name),
+        "scaler": scaler.state_dict(),
+        "extra": None,
     }
 
 
-def restore(state: dict, strategy) -> None:
-    """Load weights, optimizer and scaler state into a freshly built strategy; set the RNGs."""
+def load_model_state(model, optimizers, scaler, state: dict) -> None:
+    """The inverse of `model_state`, for every parameter of the model (each tied one once)."""
     with torch.no_grad():
-        for name, p in _named_masters(strategy.model):
+        for name, p in unique_named_parameters(model):
             p.copy_(state["weights"][name])
-    _load_optimizer_state_by_name(strategy.optimizers(), _names(strategy.model), state["optimizer"])
-    if state["scaler"] is not None and getattr(strategy, "scaler", None):
-        strategy.scaler.load_state_dict(state["scaler"])
-    strategy.weights_loaded()
-    _set_rng_state(state["rng"])
+    load_optimizer_state(optimizers, model.hf_name, state["optimizer"])
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's RNG streams: the CPU one, its own GPU's, and Python's."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    random.setstate(state["python"])
 
 
 def identity(cfg) -> dict:
     """What must match for a checkpoint to fit a run: the model's shape and the update rule."""
     m = cfg.model
     return {
-        "family": m.family, "task": m.task, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+        "family": str(m.family), "task": str(m.task), "num_layers": m.num_layers, "hidden_size": m.hidden_size,
         "num_heads": m.num_heads, "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
-        "optim": cfg.optim.name, "precision": cfg.precision.name,
+        "optim": str(cfg.optim.name), "precision": str(cfg.precision.name),
     }
 
 
-def _named_masters(model):
-    """(Hugging Face name, parameter) for every parameter, each tied one once."""
-    seen = set()
-    for name, p in model.hf_model.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield name, p
+# ------------------------------------------------------------------------------ writing
 
 
-def _names(model) -> dict[int, str]:
-    return {id(p): name for name, p in _named_masters(model)}
+def save(world, directory: Path, step: int, part: dict, trainer: dict | None, manifest: dict, keep: int) -> Path:
+    """Write this process's part (every process calls this at the same step) and, on the
+    process given `trainer`, the trainer's state; rank 0 publishes once all are on disk."""
+    staging = _staging_dir(directory, step)
+    staging.mkdir(parents=True, exist_ok=True)
+    atomic_write(staging / part_name(world.rank), lambda f: torch.save(part, f))
+    if trainer is not None:
+        atomic_write(staging / TRAINER, lambda f: torch.save(trainer, f))
+    world.barrier()  # every part is on disk
+    if world.rank == 0:
+        publish(directory, step, {**manifest, "processes": world.size}, keep)
+    world.barrier()  # and the checkpoint is complete before any process may report it
+    return step_dir(directory, step)
 
 
-def _optimizer_state_by_name(optimizers, names: dict[int, str]) -> dict:
-    by_name = {}
-    for optimizer in optimizers:
-        for p, state in optimizer.state.items():
-            by_name[names[id(p)]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
-    return by_name
-
-
-def _load_optimizer_state_by_name(optimizers, names: dict[int, str], by_name: dict) -> None:
-    # Rebuilt in torch's own (index-keyed) format so `load_state_dict` applies torch's rules
-    # for where each state tensor lives (fused kernels keep `step` on the device, others on CPU).
-    for optimizer in optimizers:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        state_dict = optimizer.state_dict()
-        state_dict["state"] = {i: by_name[names[id(p)]] for i, p in enumerate(params) if names[id(p)] in by_name}
-        optimizer.load_state_dict(state_dict)
-
-
-def _rng_state() -> dict:
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "python": random.getstate(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(state["python"])
-
-
-# ------------------------------------------------------------------------------ files
-
-
-def save(state: dict, directory: Path, keep: int) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"step-{state['step']:08d}.pt"
-    atomic_write(final, lambda f: torch.save(state, f))
-    _prune(directory, keep)
+def publish(directory: Path, step: int, contents: dict, keep: int) -> Path:
+    """Make the staged files of `step` a complete checkpoint; call once every file is written."""
+    staging, final = _staging_dir(directory, step), step_dir(directory, step)
+    files = [part_name(rank) for rank in range(contents["processes"])] + [TRAINER]
+    record = {**contents, "format": FORMAT, "step": step,
+              "files": {name: (staging / name).stat().st_size for name in files}}
+    atomic_write(staging / MANIFEST, lambda f: f.write(json.dumps(record, indent=1).encode()))
+    if final.exists():  # saved before by a run that was resumed from an earlier step
+        _remove(final)
+    os.replace(staging, final)
+    _fsync_dir(directory)
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        _remove(old)
     return final
 
 
@@ -134,65 +175,157 @@ def atomic_write(final: Path, write) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    dir_fd = os.open(final.parent, os.O_RDONLY)
+    _fsync_dir(final.parent)
+
+
+def remove_staging(directory: Path) -> None:
+    """Drop the files of saves a crash cut short (before any process writes new ones)."""
+    if directory.is_dir():
+        for path in directory.iterdir():
+            if STAGING.match(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _staging_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}.parts"
+
+
+def _remove(path: Path) -> None:
+    (path / MANIFEST).unlink(missing_ok=True)  # first: from here on it is incomplete
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
-def _prune(directory: Path, keep: int) -> None:
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
+# ------------------------------------------------------------------------------ finding
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    if not directory.is_dir():
+    """Complete checkpoints in `directory`, oldest first."""
+    if not Path(directory).is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if NAME.match(p.name))
+    return sorted(p for p in Path(directory).iterdir() if STEP.match(p.name) and is_complete(p))
 
 
-def latest_under(path: Path, listing) -> Path | None:
-    """The newest checkpoint `listing` finds in `path` itself or in its checkpoints folder
-    (so `path` may be a checkpoints folder or a run directory); None when there is none."""
-    for directory in (path, checkpoint_dir(path)):
-        found = listing(directory)
+def is_complete(path: Path) -> bool:
+    try:
+        record = json.loads((path / MANIFEST).read_text())
+        return record["format"] == FORMAT and all(
+            (path / name).stat().st_size == size for name, size in record["files"].items()
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory (or of a checkpoints directory)."""
+    for directory in (Path(run_dir), checkpoint_dir(run_dir)):
+        found = list_checkpoints(directory)
         if found:
             return found[-1]
     return None
 
 
 def find(resume: str, run_dir: Path) -> Path | None:
-    """`auto`: the latest checkpoint of this run directory, None if there is none yet (a fresh
-    start, so one command serves the first launch and every relaunch). Otherwise a checkpoint
-    file, a checkpoints directory, or a run directory (its latest)."""
+    """`auto`: the latest complete checkpoint of this run directory, None if there is none yet
+    (a fresh start, so one command serves the first launch and every relaunch). Otherwise a
+    step-N directory, a checkpoints directory or a run directory (its latest)."""
     if resume == "auto":
-        return latest_under(run_dir, list_checkpoints)
+        return latest(run_dir)
     path = Path(resume).expanduser()
-    if path.is_file():
+    if STEP.match(path.name) and path.is_dir():
+        if not is_complete(path):
+            raise ConfigError(f"train.resume={resume}: this checkpoint is incomplete (a process's part is missing "
+                              f"or cut short); resume from an earlier one")
         return path
-    if (path / "manifest.json").is_file():
-        raise ConfigError(f"train.resume={resume} is a pipeline checkpoint (one part per stage); "
-                          f"resume it with the strategy that wrote it (strategy=pipe_flush or pipe_2bw)")
-    latest = latest_under(path, list_checkpoints)
-    if latest is not None:
-        return latest
-    raise ConfigError(f"train.resume={resume}: no checkpoint there; give a step-*.pt file, its directory or a run directory")
+    if path.is_file():
+        raise ConfigError(f"train.resume={resume} is a file; give a checkpoint directory (step-N), "
+                          f"its checkpoints directory or a run directory")
+    found = latest(path)
+    if found is not None:
+        return found
+    raise ConfigError(f"train.resume={resume}: no complete checkpoint there; give a step-N directory, "
+                      f"its checkpoints directory or a run directory")
 
 
-def load(path: Path, cfg) -> dict:
+# ------------------------------------------------------------------------------ loading
+
+
+@dataclass
+class Checkpoint:
+    """A complete checkpoint, checked against the run's config; reads parts lazily."""
+
+    path: Path
+    manifest: dict
+    exact: bool  # same strategy and layout: every process finds its own part (RNG streams included)
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    @property
+    def strategy(self) -> str:
+        return self.manifest["strategy"]
+
+    def trainer(self) -> dict:
+        return _load(self.path / TRAINER)
+
+    def rng(self, rank: int) -> dict | None:
+        return _load(self.path / part_name(rank))["rng"] if self.exact else None
+
+    def state_for(self, names: list[str], rank: int) -> dict:
+        """`weights`, `optimizer` and every `extra` section, for `names`, from whichever parts hold
+        them; `scaler` from any part. `extra` is None unless the resume is exact."""
+        wanted = set(names)
+        out: dict = {"weights": {}, "optimizer": {}, "scaler": None, "extra": {} if self.exact else None}
+        parts = [f for f in self.manifest["files"] if f.startswith("part-")]
+        own = part_name(rank)
+        for name in sorted(parts, key=lambda f: f != own):  # its own part first, where it has one
+            part = _load(self.path / name)
+            for section in NAME_KEYED:
+                out[section].update({k: v for k, v in part[section].items() if k in wanted})
+            if self.exact:
+                for section, values in (part["extra"] or {}).items():
+                    out["extra"].setdefault(section, {}).update({k: v for k, v in values.items() if k in wanted})
+            out["scaler"] = out["scaler"] or part["scaler"]
+            if wanted <= out["weights"].keys():  # a parameter's sections live in the part that holds it
+                break
+        missing = sorted(wanted - out["weights"].keys())
+        if missing:
+            raise ConfigError(f"checkpoint {self.path} holds no weights for {missing[0]} (and {len(missing) - 1} more); "
+                              f"resume with the model it was saved with")
+        return out
+
+
+def read(path: Path, cfg, strategy: str, layout: dict) -> Checkpoint:
+    """The checkpoint at `path`, refused with one line unless it fits `cfg`."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # truncated or foreign file: torch raises many kinds
-        raise ConfigError(f"checkpoint {path} cannot be read ({type(err).__name__}); it is corrupt or not a "
-                          f"relaytrain checkpoint: resume from an earlier one") from err
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint {path} is not a relaytrain checkpoint (format {FORMAT})")
-    mismatched = {k: (v, identity(cfg)[k]) for k, v in state["identity"].items() if identity(cfg)[k] != v}
-    if mismatched:
-        diffs = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in mismatched.items())
-        raise ConfigError(f"checkpoint {path} does not fit this config ({diffs}); resume with the config it was saved with")
-    if state["step"] >= cfg.train.steps:
-        raise ConfigError(f"checkpoint {path} is at step {state['step']}, not before train.steps={cfg.train.steps}; "
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"checkpoint {path} has no readable manifest ({type(err).__name__}); resume from another") from err
+    if manifest.get("format") != FORMAT:
+        raise ConfigError(f"checkpoint {path} is not a relaytrain checkpoint (format {FORMAT}); resume from another")
+    ours = identity(cfg)
+    diffs = [f"{k}: checkpoint {v} vs config {ours[k]}" for k, v in manifest["identity"].items() if ours.get(k) != v]
+    if diffs:
+        raise ConfigError(f"checkpoint {path} does not fit this config ({', '.join(diffs)}); "
+                          f"resume with the config it was saved with")
+    if manifest["step"] >= cfg.train.steps:
+        raise ConfigError(f"checkpoint {path} is at step {manifest['step']}, not before train.steps={cfg.train.steps}; "
                           f"raise train.steps to train further")
-    return state
+    exact = manifest["strategy"] == strategy and manifest["layout"] == layout
+    return Checkpoint(path, manifest, exact)
+
+
+def _load(file: Path) -> dict:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # truncated or foreign file: torch raises many kinds
+        raise ConfigError(f"checkpoint file {file} cannot be read ({type(err).__name__}); it is corrupt: "
+                          f"resume from an earlier checkpoint") from err

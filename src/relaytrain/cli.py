@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import itertools
 import os
-import re
 import sys
 
 from relaytrain.errors import ConfigError
@@ -30,7 +29,7 @@ Usage:
   relaytrain schedule [KEY=VALUE ...] [--out FILE]    show a pipeline schedule as a timeline
   relaytrain --version
 
-Strategies (strategy=NAME): baseline, l2l, l2l_stash_cpu, pipe_flush, pipe_2bw.
+Strategies (strategy=NAME): {strategies}.
 Config groups: model, data, strategy, optim, precision; experiments: +exp=NAME.
 `relaytrain train --help` lists every option and key with its default.
 
@@ -40,14 +39,17 @@ Examples:
   relaytrain train +exp=bert_large_l2l
   relaytrain train -m strategy=baseline,l2l optim.lr=1e-4,3e-4
   relaytrain train strategy=pipe_2bw strategy.stages=2 strategy.replicas=2
-  relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8 [--schedule gpipe] [--out t.svg]
+  relaytrain train strategy=l2l strategy.replicas=2
+  relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8 [--out t.svg]
 """
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE, end="")
+        from relaytrain.strategies import registry
+
+        print(USAGE.format(strategies=", ".join(registry())), end="")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "--version":
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "schedule":
         from relaytrain.strategies.pipeline.view import schedule_command
 
-        return _guard(lambda: schedule_command(rest))
+        return _guard(lambda: schedule_command(rest, checked_config))
     _fail(f"unknown command {command!r}; use `relaytrain train` or `relaytrain schedule` (see relaytrain --help)")
     return EXIT_USAGE
 
@@ -103,12 +105,13 @@ def _run_hydra(args: list[str]) -> None:
     def train_app(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        from relaytrain.train import Interrupted, run
+        from relaytrain.errors import Aborted, Interrupted
+        from relaytrain.train import run
 
         hydra_cfg = HydraConfig.get()
         try:
             run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
-        except Interrupted as stop:
+        except (Interrupted, Aborted) as stop:
             print(f"relaytrain: {stop}", file=sys.stderr)
             sys.exit(128 + stop.signum)  # the shell's convention for "ended by this signal"
         except ConfigError as err:
@@ -151,14 +154,31 @@ def check_overrides(overrides: list[str], multirun: bool = False) -> None:
 
 
 def _check_fits(cfg) -> None:
-    """Refuse a run the host cannot hold before Hydra creates its run directory."""
-    if not cfg.train.check_memory:
-        return
+    """Refuse a run this machine cannot start or hold before Hydra creates its run directory."""
     from relaytrain.budget import check_host_memory
-    from relaytrain.models import count_parameters
-    from relaytrain.train import pick_device
+    from relaytrain.launch import check_machine
+    from relaytrain.strategies import strategy_class
 
-    check_host_memory(cfg, count_parameters(cfg.model), pick_device(cfg.train.device).type)
+    cls = strategy_class(cfg.strategy.name)
+    check_machine(cfg, cls.processes(cfg))
+    if cfg.train.check_memory:
+        check_host_memory(cfg, cls)
+
+
+def checked_config(overrides: list[str]):
+    """The config these overrides compose (no cross-key checks), or one ConfigError line."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from relaytrain.config import register_schema
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return _compose(compose, overrides)
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def _combinations(parsed) -> itertools.product:
@@ -197,41 +217,77 @@ def _missing_option_message(err) -> str:
 
 def _composition_message(err) -> str:
     cause = err.__cause__
-    text = str(err)
     if cause is not None and hasattr(cause, "full_key"):
         return _omegaconf_message(cause)
+    text = str(err)
     if "Could not find" in text or "Could not load" in text:
         return _first_line(err).replace("Could not find", "no config option").rstrip(".") + " (see relaytrain train --help)"
     return _first_line(err)
 
 
+_NODE_KINDS = {"IntegerNode": "integer", "FloatNode": "number", "BooleanNode": "boolean (true or false)",
+               "StringNode": "string"}
+
+
 def _omegaconf_message(err) -> str:
+    """One line from OmegaConf's structured error: which key, what it expected, the close match."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
     key = getattr(err, "full_key", "") or ""
-    msg = getattr(err, "msg", str(err)).splitlines()[0]
-    if "not in struct" in msg or "Key '" in msg and "not" in msg:
-        section, _, leaf = key.rpartition(".")
-        known = _keys_of(section)
-        hint = difflib.get_close_matches(leaf, known, n=1)
-        fix = f"did you mean {section + '.' if section else ''}{hint[0]}?" if hint else "see `relaytrain train --help` for the keys"
-        return f"unknown key {key}; {fix}"
-    expected = re.search(r"could not be converted to (\w+)", msg)
-    if expected:
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+        return _unknown_key_message(key, getattr(err, "object_type", None))
+    if isinstance(err, ValidationError):
         value = getattr(err, "value", None)
-        return f"{key}={value} is not a valid {expected.group(1).lower()}; give one (see relaytrain train --help)"
+        node = getattr(err, "child_node", None)
+        enum_type = getattr(node, "enum_type", None)
+        if enum_type is not None:
+            choices = [member.name for member in enum_type]
+            hint = difflib.get_close_matches(str(value), choices, n=1)
+            fix = f"did you mean {key}={hint[0]}? " if hint else ""
+            return f"{key}={value} is not one of {', '.join(choices)}; {fix}".rstrip("; ").rstrip()
+        kind = _NODE_KINDS.get(type(node).__name__, "value of the key's type")
+        return f"{key}={value} is not a valid {kind}; give one (see relaytrain train --help)"
+    msg = getattr(err, "msg", str(err)).splitlines()[0]
     return f"{key}: {msg}" if key else msg
 
 
-def _keys_of(section: str) -> list[str]:
+def _unknown_key_message(key: str, schema) -> str:
+    """An unknown key: a close match among the keys of its section, and for the strategy and
+    optim groups, which options do have the key."""
+    from dataclasses import fields, is_dataclass
+
+    section, _, leaf = key.rpartition(".")
+    owners = _options_with_key(section, leaf)
+    chosen = getattr(schema, "name", None) if schema is not None else None
+    if owners and chosen:
+        return (f"{key} is not a key of {section}={chosen}; only {section}={'/'.join(owners)} "
+                f"{'has' if len(owners) == 1 else 'have'} it (see relaytrain train --help)")
+    known = [f.name for f in fields(schema)] if schema is not None and is_dataclass(schema) else _keys_of(section)
+    hint = difflib.get_close_matches(leaf, known, n=1)
+    if hint:
+        return f"unknown key {key}; did you mean {section + '.' if section else ''}{hint[0]}?"
+    return f"unknown key {key}; see `relaytrain train --help` for the keys"
+
+
+def _options_with_key(section: str, leaf: str) -> list[str]:
     from dataclasses import fields
+
+    from relaytrain.config import OPTIMIZER_CONFIGS
+    from relaytrain.strategies import registry
+
+    schemas = {"strategy": {n: c.Config for n, c in registry().items()}, "optim": OPTIMIZER_CONFIGS}.get(section, {})
+    return [name for name, schema in schemas.items() if leaf in {f.name for f in fields(schema)}]
+
+
+def _keys_of(section: str) -> list[str]:
+    from dataclasses import fields, is_dataclass
 
     from relaytrain.config import RelayTrainConfig
 
-    node = RelayTrainConfig
-    if section:
-        for f in fields(RelayTrainConfig):
-            if f.name == section:
-                node = f.default_factory
-    return [f.name for f in fields(node)]
+    for f in fields(RelayTrainConfig):
+        if f.name == section and f.default_factory is not None and is_dataclass(f.default_factory):
+            return [g.name for g in fields(f.default_factory)]
+    return [f.name for f in fields(RelayTrainConfig)] if not section else []
 
 
 def _first_line(err: BaseException) -> str:

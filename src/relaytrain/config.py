@@ -1,35 +1,87 @@
 """Typed config schema and the checks that run before any work.
 
-The dataclasses below are registered in Hydra's ConfigStore as the schema of the whole
-config tree (see `configs/config.yaml`, whose first default is `relaytrain_schema`). Hydra
-then rejects unknown keys and wrong types while composing; `validate` adds the checks that
-involve several keys (heads dividing the hidden size, sequence length within the model's
-positions, ...). Every failure is a `ConfigError` naming the key and the fix.
+The dataclasses below are registered in Hydra's ConfigStore. The root schema
+(`relaytrain_schema`, the first default of `configs/config.yaml`) types the groups every run
+shares; the `strategy` and `optim` groups are typed per option: each strategy class brings its
+own config dataclass (`Strategy.Config`) and each optimizer its own here, registered as
+`strategy/<name>_schema` and `optim/<name>_schema` and extended by the option's YAML file. So
+Hydra itself refuses a key the chosen strategy or optimizer does not have
+(`strategy.stages` under `baseline`, `optim.momentum` under `lamb`), a wrong type, or a
+value outside an enum, while composing. `validate` adds the checks that involve several keys,
+then the chosen strategy's own rules. Every failure is a `ConfigError` naming the key and the fix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from relaytrain.errors import ConfigError
 
-MODEL_TASKS = ("classification", "masked_lm", "causal_lm")
-DATA_SOURCES = ("synthetic", "jsonl", "glue", "wikitext")
-STRATEGIES = ("baseline", "l2l", "l2l_stash_cpu", "pipe_2bw", "pipe_flush")
-OPTIMIZERS = ("adamw", "lamb", "sgd")
-SCHEDULES = ("constant", "linear", "cosine")
-PRECISIONS = ("fp32", "amp_bf16", "amp_fp16", "cmp_bf16", "cmp_fp16")
-DEVICES = ("auto", "cpu", "cuda")
+
+class Choice(str, Enum):
+    """An enum whose members read and print as their plain value (`model.task=causal_lm`)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Task(Choice):
+    classification = "classification"
+    masked_lm = "masked_lm"
+    causal_lm = "causal_lm"
+
+
+class Family(Choice):
+    bert = "bert"
+    gpt2 = "gpt2"
+
+
+class Source(Choice):
+    synthetic = "synthetic"
+    jsonl = "jsonl"
+    glue = "glue"
+    wikitext = "wikitext"
+
+
+class Schedule(Choice):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class PrecisionName(Choice):
+    fp32 = "fp32"
+    amp_bf16 = "amp_bf16"
+    amp_fp16 = "amp_fp16"
+    cmp_bf16 = "cmp_bf16"
+    cmp_fp16 = "cmp_fp16"
+
+
+class Device(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Backend(Choice):
+    auto = "auto"  # nccl on CUDA devices, gloo on the CPU
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+# --------------------------------------------------------------------------- shared groups
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    family: str = MISSING  # "bert" or "gpt2": which adapter builds the layered model
+    family: Family = MISSING  # which adapter builds the layered model
     num_layers: int = MISSING
     hidden_size: int = MISSING
     num_heads: int = MISSING
@@ -37,7 +89,7 @@ class ModelConfig:
     max_seq_len: int = 512  # the model's position table (max_position_embeddings)
     vocab_size: int = 30522
     num_labels: int = 2  # classification only
-    task: str = "classification"
+    task: Task = Task.classification
     dropout: float = 0.1  # hidden and attention dropout; 0 makes runs deterministic
     pretrained: str | None = None  # local Hugging Face directory, or a hub id when online
     attn_implementation: str = "sdpa"
@@ -45,7 +97,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"
+    source: Source = Source.synthetic
     path: str | None = None  # jsonl file, or a local `datasets` directory for glue/wikitext
     name: str | None = None  # hub dataset config, e.g. "sst2" or "wikitext-2-raw-v1"
     split: str = "train"
@@ -60,39 +112,64 @@ class DataConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = "baseline"
-    microbatch_size: int = 8
-    num_microbatches: int = 4
-    recompute: bool = False  # activation checkpointing per block (baseline, pipelines; L2L always recomputes)
-    # l2l
-    stash: str = "device"  # device | cpu: where L2L keeps the per-block input stash
-    prefetch: bool = True  # L2L: relay the next block in while the current one computes
-    max_resident_blocks: int = 2  # L2L: executing + prefetched
-    # pipelines
-    stages: int = 2
-    replicas: int = 1
-    layout: list[int] | None = None  # blocks per stage, overriding the even split
-    backend: str = "auto"  # auto | gloo | nccl
+    """Keys every strategy has; each strategy's own config extends it (strategies/*.py)."""
+
+    name: str = MISSING
+    microbatch_size: int = 8  # samples per micro-batch (per replica where there are replicas)
+    num_microbatches: int = 4  # micro-batches per minibatch: one weight update each
+
+
+@dataclass
+class WorkersConfig:
+    """Keys of strategies that run several worker processes (one launcher starts them all)."""
+
+    replicas: int = 1  # data-parallel copies, each on its own share of every minibatch
+    backend: Backend = Backend.auto
     timeout_s: float = 120.0  # a worker silent this long ends the run
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    """Keys every optimizer has; each optimizer's config below extends it."""
+
+    name: str = MISSING
     lr: float = 3e-4
     weight_decay: float = 0.01
-    eps: float = 1e-6
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    momentum: float = 0.0  # sgd
-    schedule: str = "constant"
+    schedule: Schedule = Schedule.constant
     warmup_steps: int = 0
     grad_clip: float = 0.0  # global-norm clipping; 0 disables
-    fused: bool = True  # torch's fused kernels where the optimizer and device have them
+
+
+@dataclass
+class AdamWConfig(OptimConfig):
+    name: str = "adamw"
+    eps: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    fused: bool = True  # torch's fused kernel, on CPU and CUDA
+
+
+@dataclass
+class LambConfig(OptimConfig):
+    name: str = "lamb"
+    lr: float = 1e-3
+    eps: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    name: str = "sgd"
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+
+
+OPTIMIZER_CONFIGS = {"adamw": AdamWConfig, "lamb": LambConfig, "sgd": SGDConfig}
 
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"
+    name: PrecisionName = PrecisionName.fp32
     loss_scale: float = 65536.0  # fp16: the initial dynamic loss scale
     growth_interval: int = 2000
 
@@ -101,11 +178,11 @@ class PrecisionConfig:
 class TrainConfig:
     steps: int = 300
     seed: int = 0
-    device: str = "auto"
+    device: Device = Device.auto
     save_model: bool = False
     warmup_steps: int = 2  # steps left out of the throughput figures
     log_every: int = 25  # plain-progress lines when not on a terminal
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: cores / workers)
     check_memory: bool = True  # refuse runs the host cannot hold
     # checkpoints
     checkpoint_every: int = 0
@@ -117,25 +194,28 @@ class TrainConfig:
 class RelayTrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: Any = MISSING  # typed by the chosen option's schema (strategy/<name>_schema)
+    optim: Any = MISSING  # typed by the chosen option's schema (optim/<name>_schema)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
 def register_schema() -> None:
-    ConfigStore.instance().store(name="relaytrain_schema", node=RelayTrainConfig)
+    """Store the root schema and every strategy's and optimizer's schema in Hydra's ConfigStore."""
+    from relaytrain.strategies import registry
+
+    store = ConfigStore.instance()
+    store.store(name="relaytrain_schema", node=RelayTrainConfig)
+    for name, schema in OPTIMIZER_CONFIGS.items():
+        store.store(group="optim", name=f"{name}_schema", node=schema)
+    for name, cls in registry().items():
+        store.store(group="strategy", name=f"{name}_schema", node=cls.Config)
 
 
 # --------------------------------------------------------------------------- checks
 
 
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value} is not one of {', '.join(allowed)}")
-
-
-def _positive(cfg, section: str, *keys: str) -> None:
+def positive(cfg, section: str, *keys: str) -> None:
     for key in keys:
         value = getattr(getattr(cfg, section), key)
         if value is None or value <= 0:
@@ -143,31 +223,20 @@ def _positive(cfg, section: str, *keys: str) -> None:
 
 
 def validate(cfg) -> None:
-    """Checks involving several keys; raise ConfigError on the first problem."""
-    _check_choices(cfg)
-    _positive(cfg, "model", "num_layers", "hidden_size", "num_heads", "intermediate_size", "max_seq_len", "vocab_size")
-    _positive(cfg, "data", "seq_len")
-    _positive(cfg, "strategy", "microbatch_size", "num_microbatches")
-    _positive(cfg, "train", "steps")
-    _positive(cfg, "optim", "lr")
+    """Checks involving several keys, then the strategy's own rules; raise ConfigError on the first problem."""
+    from relaytrain.strategies import strategy_class
+
+    cls = strategy_class(cfg.strategy.name)
+    positive(cfg, "model", "num_layers", "hidden_size", "num_heads", "intermediate_size", "max_seq_len", "vocab_size")
+    positive(cfg, "data", "seq_len")
+    positive(cfg, "strategy", "microbatch_size", "num_microbatches")
+    positive(cfg, "train", "steps")
+    positive(cfg, "optim", "lr")
     _check_model(cfg.model, cfg.data)
     _check_data(cfg.data)
-    _check_strategy(cfg)
+    _check_capabilities(cfg, cls)
     _check_train(cfg.train)
-
-
-def _check_choices(cfg) -> None:
-    m, d, s, o, p, t = cfg.model, cfg.data, cfg.strategy, cfg.optim, cfg.precision, cfg.train
-    _choice("model.task", m.task, MODEL_TASKS)
-    _choice("model.family", m.family, ("bert", "gpt2"))
-    _choice("data.source", d.source, DATA_SOURCES)
-    _choice("strategy.name", s.name, STRATEGIES)
-    _choice("strategy.stash", s.stash, ("device", "cpu"))
-    _choice("strategy.backend", s.backend, ("auto", "gloo", "nccl"))
-    _choice("optim.name", o.name, OPTIMIZERS)
-    _choice("optim.schedule", o.schedule, SCHEDULES)
-    _choice("precision.name", p.name, PRECISIONS)
-    _choice("train.device", t.device, DEVICES)
+    cls.check_config(cfg)
 
 
 def _check_model(m, d) -> None:
@@ -181,49 +250,44 @@ def _check_model(m, d) -> None:
             f"data.seq_len={d.seq_len} exceeds the model's positions (model.max_seq_len={m.max_seq_len}); "
             f"lower data.seq_len or raise model.max_seq_len"
         )
-    if m.family == "gpt2" and m.task != "causal_lm":
+    if m.family == Family.gpt2 and m.task != Task.causal_lm:
         raise ConfigError(f"model.task={m.task} is not available for GPT-2; use model.task=causal_lm")
-    if m.family == "bert" and m.task == "causal_lm":
+    if m.family == Family.bert and m.task == Task.causal_lm:
         raise ConfigError("model.task=causal_lm needs a decoder; use model=gpt2_small or model.task=masked_lm")
-    if m.task == "classification" and m.num_labels < 2:
+    if m.task == Task.classification and m.num_labels < 2:
         raise ConfigError(f"model.num_labels={m.num_labels} must be at least 2 for classification")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
 
 
 def _check_data(d) -> None:
-    if d.source == "jsonl":
+    if d.source == Source.jsonl:
         if not d.path:
             raise ConfigError("data=jsonl needs a file: set data.path=/path/to/train.jsonl")
         if not Path(d.path).expanduser().is_file():
             raise ConfigError(f"data.path={d.path} does not exist; point data.path at a JSONL file")
-    if d.path and d.source in ("glue", "wikitext") and not Path(d.path).expanduser().exists():
+    if d.path and d.source in (Source.glue, Source.wikitext) and not Path(d.path).expanduser().exists():
         raise ConfigError(f"data.path={d.path} does not exist; give a `datasets` directory or drop data.path")
 
 
-def _check_strategy(cfg) -> None:
-    s, m, p = cfg.strategy, cfg.model, cfg.precision
-    if p.name.startswith("cmp") and not s.name.startswith("l2l"):
+def _check_capabilities(cfg, cls) -> None:
+    """What the precision and optimizer ask of a strategy, against what the strategy can do."""
+    can, precision, name = cls.capabilities, cfg.precision.name, cfg.strategy.name
+    if precision.value.startswith("cmp") and not can.cross_precision:
         raise ConfigError(
-            f"precision={p.name} (cross mixed precision) needs the eager param server; "
-            f"use strategy=l2l or precision=amp_{p.name.split('_')[1]}"
+            f"precision={precision} (cross mixed precision) needs the eager param server; "
+            f"use strategy=l2l or precision=amp_{precision.value.split('_')[1]}"
         )
-    if s.name.startswith("l2l"):
-        if s.max_resident_blocks < 1:
-            raise ConfigError(f"strategy.max_resident_blocks={s.max_resident_blocks} must be at least 1")
-        if s.name == "l2l_stash_cpu" and s.stash != "cpu":
-            raise ConfigError(f"strategy=l2l_stash_cpu keeps the stash on the host; drop strategy.stash={s.stash}")
-    if s.name.startswith("pipe"):
-        _positive(cfg, "strategy", "stages", "replicas")
-        if s.stages > m.num_layers:
-            raise ConfigError(
-                f"strategy.stages={s.stages} exceeds model.num_layers={m.num_layers}; every stage needs a block"
-            )
-        if s.layout is not None and (len(s.layout) != s.stages or sum(s.layout) != m.num_layers or min(s.layout) < 1):
-            raise ConfigError(
-                f"strategy.layout={list(s.layout)} must give {s.stages} positive block counts "
-                f"summing to model.num_layers={m.num_layers}"
-            )
+    if precision.value.endswith("fp16") and not can.fp16:
+        raise ConfigError(
+            f"precision={precision} needs one loss-scale decision across every weight, which strategy={name} "
+            f"does not make; use precision=amp_bf16 or fp32"
+        )
+    if cfg.optim.grad_clip > 0 and not can.grad_clip:
+        raise ConfigError(
+            f"optim.grad_clip={cfg.optim.grad_clip}: global-norm clipping across stages would stall "
+            f"strategy={name} at every update; set optim.grad_clip=0"
+        )
 
 
 def _check_train(t) -> None:
@@ -234,7 +298,7 @@ def _check_train(t) -> None:
         )
     if t.threads < 0:
         raise ConfigError(f"train.threads={t.threads} must be 0 (torch's default) or positive")
-    if t.device == "cuda":
+    if t.device == Device.cuda:
         import torch
 
         if not torch.cuda.is_available():

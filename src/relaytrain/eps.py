@@ -24,6 +24,18 @@ the overlap of optimizer and backward.
 Tied weights (GPT-2's `wte` and LM head) are one Parameter: the first part that uses it
 (the embeddings) owns it, the head only uses it. Both parts' gradients are added into the
 one master `.grad` (the head's arrives first), and only the owner's optimizer updates it.
+
+Replicas (`Peers`, L2L's `strategy.replicas`). Several workers relay the same parts over
+their own rows of every minibatch; a part's gradients are summed over them as soon as its
+backward has finished (the collective runs while the parts below compute), then the part is
+updated once. Two placements of the EPS state:
+- `replicated`: every worker all-reduces the gradients and steps every part: R copies of
+  the gradients and optimizer state, no further traffic;
+- `sharded` (ZeRO-style): each part has one owner worker, balanced by size. Its gradients
+  are reduced to the owner only, the owner alone keeps the part's gradients and optimizer
+  state and steps it, then broadcasts the updated fp32 weights. Host memory per worker falls
+  from 4 to 1 + 3/R fp32 words per parameter (AdamW), and each update runs once, not R
+  times, for the same traffic (a reduce plus a broadcast is an all-reduce's volume).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from relaytrain.optim import build_optimizer, set_lr
@@ -50,12 +63,17 @@ class Part:
     names: list[str]  # parameter names inside `module`, for functional calls on the device
     masters: list[nn.Parameter]  # fp32 host parameters the module uses (tied ones included)
     owned: list[nn.Parameter]  # the subset this part's optimizer updates
+    owned_names: list[str]
     wires: list[torch.Tensor]  # host copies in the device's dtype (the masters themselves in fp32)
-    optimizer: torch.optim.Optimizer | None
+    optimizer: torch.optim.Optimizer | None = None  # None on a replica that does not own the part
 
     @property
     def num_owned(self) -> int:
         return sum(p.numel() for p in self.owned)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.masters)
 
 
 @dataclass
@@ -112,6 +130,90 @@ class _Worker:
         self._tasks.task_done()
 
 
+class Peers:
+    """This worker among the replicas: who owns which part, and the collectives between them.
+
+    Two process groups, because two threads issue collectives and each group must see the
+    same order on every worker: the caller's (gradient sums, in backward order) and the EPS
+    worker's (updated weights, clipping norms, overflow votes, in its task order).
+    """
+
+    def __init__(self, rank: int, size: int, sharded: bool, timeout):
+        self.rank, self.size, self.sharded = rank, size, sharded
+        self.timeout = timeout
+        self.grads_group = dist.new_group(list(range(size)), timeout=timeout)
+        self.updates_group = dist.new_group(list(range(size)), timeout=timeout)
+        self.reduce_s = 0.0  # wall time the gradient sums ran (one after another on their group)
+        self.exposed_s = 0.0  # the part of it after the backward had finished: what the step waited for
+        self._last_done = 0.0
+        self._backward_end = 0.0
+
+    def assign(self, parts: list[Part]) -> list[int]:
+        """Owner rank of every part: all local when replicated; else parts that share a master
+        (tied weights) go together, largest first, to the least-loaded worker."""
+        if not self.sharded:
+            return [self.rank] * len(parts)
+        groups: list[list[int]] = []
+        for index, part in enumerate(parts):
+            ids = {id(p) for p in part.masters}
+            joined = [g for g in groups if ids & {id(p) for i in g for p in parts[i].masters}]
+            merged = [index] + [i for g in joined for i in g]
+            groups = [g for g in groups if g not in joined] + [sorted(merged)]
+        load = [0] * self.size
+        owners = [0] * len(parts)
+        for group in sorted(groups, key=lambda g: (-sum(parts[i].num_params for i in g), g[0])):
+            rank = min(range(self.size), key=lambda r: (load[r], r))
+            load[rank] += sum(parts[i].num_params for i in group)
+            for i in group:
+                owners[i] = rank
+        return owners
+
+    def start_reduce(self, flat: torch.Tensor, owner: int) -> dist.Work:
+        """Sum `flat` over the replicas, on every worker (replicated) or on the owner (sharded)."""
+        issued = time.perf_counter()
+        if self.sharded:
+            work = dist.reduce(flat, dst=owner, group=self.grads_group, async_op=True)
+        else:
+            work = dist.all_reduce(flat, group=self.grads_group, async_op=True)
+        work.get_future().add_done_callback(lambda _: self._done(issued))
+        return work
+
+    def _done(self, issued: float) -> None:
+        now = time.perf_counter()
+        self.reduce_s += now - max(issued, self._last_done)  # sums queue behind each other on the group
+        self._last_done = now
+
+    def backward_finished(self, at: float) -> None:
+        """Called once the step's last gradients are handed over; what runs after is exposed."""
+        self._backward_end = at
+
+    def step_finished(self) -> None:
+        self.exposed_s += max(0.0, self._last_done - self._backward_end)
+
+    def wait(self, work: dist.Work | None) -> None:
+        if work is not None:
+            work.wait(self.timeout)
+
+    def broadcast(self, tensors: list[torch.Tensor], owner: int) -> None:
+        works = [dist.broadcast(t, src=owner, group=self.updates_group, async_op=True) for t in tensors]
+        for work in works:
+            work.wait(self.timeout)
+
+    def total(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        dist.all_reduce(value, op=op, group=self.updates_group)
+        return value
+
+
+@dataclass
+class Shipment:
+    """One part's minibatch gradients on their way to the EPS."""
+
+    grads: list[torch.Tensor | None]  # aligned with the part's masters; host tensors once `ready`
+    ready: torch.cuda.Event | None = None  # the device-to-host copy completes at this event
+    reduction: dist.Work | None = None  # the sum over replicas completes with this work (then `flat` holds it)
+    flat: torch.Tensor | None = None  # the gradients flattened for the sum; `grads` are views of it
+
+
 class EagerParamServer:
     """fp32 masters + optimizer state per part on the host, updated on a background worker.
 
@@ -121,30 +223,47 @@ class EagerParamServer:
     """
 
     def __init__(self, modules: list[tuple[str, nn.Module]], optim_cfg, scaler: LossScaler,
-                 wire_dtype: torch.dtype = torch.float32, pin: bool = False):
+                 wire_dtype: torch.dtype = torch.float32, pin: bool = False, peers: Peers | None = None):
         self.scaler = scaler
         self.grad_clip = optim_cfg.grad_clip
         self.defer = self.grad_clip > 0 or scaler.enabled
-        self.parts = _build_parts(modules, optim_cfg, wire_dtype, pin)
+        self.peers = peers
+        self.parts = _build_parts(modules, wire_dtype, pin)
+        self.owners = peers.assign(self.parts) if peers else [0] * len(self.parts)
+        self.rank = peers.rank if peers else 0
+        for part, owner in zip(self.parts, self.owners, strict=True):
+            if owner == self.rank and part.owned:
+                part.optimizer = build_optimizer(zip(part.owned_names, part.owned, strict=True), optim_cfg)
         # The baseline's parameter order (model.parameters()), so clipping sums the same way.
         self.all_masters = [p for part in self.parts for p in part.owned]
+        self.my_masters = [p for part in self.local_parts() for p in part.owned]
         self.stats = EpsStats()
         self._overflow = False
         self._worker = _Worker()
 
     # -- caller side --------------------------------------------------------------------
+    def local_parts(self) -> list[Part]:
+        """The parts whose update this worker runs (all of them without sharding)."""
+        return [part for part, owner in zip(self.parts, self.owners, strict=True) if owner == self.rank]
+
+    def owns(self, index: int) -> bool:
+        return self.owners[index] == self.rank
+
     def set_lr(self, lr: float) -> None:
         for part in self.parts:
             if part.optimizer is not None:
                 set_lr(part.optimizer, lr)
 
-    def submit(self, index: int, grads: list[torch.Tensor | None], ready: torch.cuda.Event | None = None) -> None:
+    def submit(self, index: int, grads: list[torch.Tensor | None] | Shipment,
+               ready: torch.cuda.Event | None = None) -> None:
         """Queue part `index`'s minibatch gradients (aligned with its masters, host tensors).
 
         `ready`: an event the copies into `grads` complete at; the worker waits on it. The
         EPS takes ownership of `grads` (fp32 ones become the master `.grad` without a copy).
+        With replicas, a `Shipment` also carries the sum over them still under way.
         """
-        self._worker.put(lambda: self._apply(self.parts[index], grads, ready))
+        shipment = grads if isinstance(grads, Shipment) else Shipment(grads, ready)
+        self._worker.put(lambda: self._apply(index, shipment))
 
     def wait(self) -> bool:
         """Finish the step's updates; True when an fp16 overflow skipped the step."""
@@ -166,13 +285,20 @@ class EagerParamServer:
         self._worker.close()
 
     # -- worker side --------------------------------------------------------------------
-    def _apply(self, part: Part, grads: list[torch.Tensor | None], ready) -> None:
-        if ready is not None:
-            ready.synchronize()  # the gradients' download has landed in host memory
+    def _apply(self, index: int, shipment: Shipment) -> None:
+        part = self.parts[index]
+        if self.peers is not None:
+            self.peers.wait(shipment.reduction)
+        if not self.owns(index):  # sharded: the owner steps this part; its update comes by broadcast
+            if not self.defer:
+                self._receive(index)
+            return
+        if shipment.ready is not None:
+            shipment.ready.synchronize()  # the gradients' download has landed in host memory
         start = time.perf_counter()
-        _accumulate(part.masters, grads)
+        _accumulate(part.masters, shipment.grads)
         if not self.defer:
-            self._step(part)
+            self._step(index)
         self.stats.busy_s += time.perf_counter() - start
 
     def _deferred_update(self) -> None:
@@ -181,30 +307,56 @@ class EagerParamServer:
         self.stats.busy_s += time.perf_counter() - start
 
     def _deferred_step(self) -> None:
-        grads = [p.grad for p in self.all_masters if p.grad is not None]
-        self._overflow = self.scaler.unscale_and_check(grads)
+        grads = [p.grad for p in self.my_masters if p.grad is not None]
+        self._overflow = self._any_replica(self.scaler.unscale_and_check(grads))
         if self._overflow:
-            for p in self.all_masters:
+            for p in self.my_masters:
                 p.grad = None
         else:
             if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.all_masters, self.grad_clip, foreach=True)
-            for part in self.parts:
-                self._step(part)
+                self._clip(grads)
+            for index in range(len(self.parts)):
+                self._step(index) if self.owns(index) else self._receive(index)
         self.scaler.update(self._overflow)
 
-    def _step(self, part: Part) -> None:
-        if part.optimizer is None:
+    def _clip(self, grads: list[torch.Tensor]) -> None:
+        """The baseline's global-norm clipping over every master gradient (of every owner)."""
+        if self.peers is None or not self.peers.sharded:
+            torch.nn.utils.clip_grad_norm_(self.my_masters, self.grad_clip, foreach=True)
             return
-        start = time.perf_counter()
-        part.optimizer.step()
-        self.stats.optimizer_s += time.perf_counter() - start
-        self.stats.updated_parameters += part.num_owned
-        part.optimizer.zero_grad(set_to_none=True)
+        squares = torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads else torch.zeros(())
+        total = float(self.peers.total(squares.reshape(1).double()).sqrt())
+        coefficient = min(self.grad_clip / (total + 1e-6), 1.0)
+        if grads and coefficient < 1.0:
+            torch._foreach_mul_(grads, coefficient)
+
+    def _any_replica(self, found: bool) -> bool:
+        """An fp16 overflow on any owner skips the step everywhere (sharded: each sees its own parts)."""
+        if self.peers is None or not self.peers.sharded or not self.scaler.enabled:
+            return found
+        return bool(self.peers.total(torch.tensor([float(found)]), dist.ReduceOp.MAX))
+
+    def _step(self, index: int) -> None:
+        part = self.parts[index]
+        if part.optimizer is not None:
+            start = time.perf_counter()
+            part.optimizer.step()
+            self.stats.optimizer_s += time.perf_counter() - start
+            self.stats.updated_parameters += part.num_owned
+            part.optimizer.zero_grad(set_to_none=True)
+            _refresh_wires(part)
+        if self.peers is not None and self.peers.sharded:
+            self.peers.broadcast(part.owned, self.rank)
+
+    def _receive(self, index: int) -> None:
+        """Sharded, not the owner: the owner's updated weights of part `index`."""
+        part = self.parts[index]
+        with torch.no_grad():
+            self.peers.broadcast([p.data for p in part.owned], self.owners[index])
         _refresh_wires(part)
 
 
-def _build_parts(modules, optim_cfg, wire_dtype: torch.dtype, pin: bool) -> list[Part]:
+def _build_parts(modules, wire_dtype: torch.dtype, pin: bool) -> list[Part]:
     parts, wire_of = [], {}  # wire_of: id(master) -> its one wire, shared by every part using it
     for name, module in modules:
         names, masters, owned = [], [], []
@@ -218,9 +370,8 @@ def _build_parts(modules, optim_cfg, wire_dtype: torch.dtype, pin: bool) -> list
                 owned.append((pname, p))
             names.append(pname)
             masters.append(p)
-        optimizer = build_optimizer(owned, optim_cfg) if owned else None
         wires = [wire_of[id(p)] for p in masters]
-        parts.append(Part(name, module, names, masters, [p for _, p in owned], wires, optimizer))
+        parts.append(Part(name, module, names, masters, [p for _, p in owned], [n for n, _ in owned], wires))
     return parts
 
 

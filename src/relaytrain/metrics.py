@@ -69,10 +69,15 @@ def device_memory(device: torch.device) -> dict:
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase, summed over a run (e.g. forward, backward, transfer wait)."""
+    """Wall-clock seconds per named phase, summed over the measured steps (e.g. forward, backward).
+
+    The trainer resets it when the warm-up steps end, so phase times cover the same steps as
+    the step time they are reported beside.
+    """
 
     def __init__(self):
         self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
 
     @contextmanager
     def phase(self, name: str):
@@ -84,9 +89,11 @@ class PhaseTimer:
 
     def add(self, name: str, seconds: float) -> None:
         self.totals[name] = self.totals.get(name, 0.0) + seconds
+        self.counts[name] = self.counts.get(name, 0) + 1
 
     def reset(self) -> None:
         self.totals.clear()
+        self.counts.clear()
 
 
 def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:

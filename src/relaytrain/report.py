@@ -16,12 +16,15 @@ console = Console(stderr=False)
 class StepProgress:
     """A rich progress bar on an interactive terminal; plain periodic lines otherwise (CI, pipes)."""
 
-    def __init__(self, total: int, log_every: int, title: str):
+    def __init__(self, total: int, log_every: int, title: str, enabled: bool = True):
         self.total, self.log_every, self.title = total, max(log_every, 1), title
+        self.enabled = enabled  # one process shows progress: the one that knows the loss
         self.interactive = console.is_terminal and not os.environ.get("CI")
         self._bar = None
 
     def __enter__(self) -> StepProgress:
+        if not self.enabled:
+            return self
         if self.interactive:
             self._bar = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -35,6 +38,8 @@ class StepProgress:
 
     def update(self, step: int, loss: float, step_time: float, skipped: bool = False) -> None:
         note = " (skipped: fp16 overflow)" if skipped else ""
+        if not self.enabled:
+            return
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}{note}")
         elif step % self.log_every == 0 or step == self.total or step == 1:

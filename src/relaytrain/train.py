@@ -1,13 +1,17 @@
-"""One training run: config -> model, data, strategy -> steps -> results.json and a table."""
+"""One training run: config -> model, data, strategy -> steps -> results.json and a table.
+
+`run` checks everything it can before any process starts, then hands `train_process` to the
+launcher, which runs it in every process of the strategy (one, or one per worker). Each
+process builds the model, its strategy and the data loader, and `Trainer` drives the
+strategy through the contract of `strategies/base.py`: one loop for every strategy, with the
+checkpoints, stop requests, progress and results written once, here.
+"""
 
 from __future__ import annotations
 
 import math
-import platform
-import signal
-import threading
 import time
-from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,179 +19,215 @@ import torch
 from relaytrain import checkpoint, metrics
 from relaytrain.budget import check_host_memory
 from relaytrain.config import validate
-from relaytrain.data import build_dataset, build_loader
-from relaytrain.errors import ConfigError
-from relaytrain.models import build_model, count_parameters
+from relaytrain.data import TokenDataset, build_dataset, build_loader
+from relaytrain.errors import ConfigError, Interrupted, TrainingDiverged
+from relaytrain.launch import check_machine, launch
+from relaytrain.models import build_model
 from relaytrain.optim import lr_at
-from relaytrain.precision import Precision
 from relaytrain.report import StepProgress, print_summary, write_results
-from relaytrain.strategies import PIPELINE_STRATEGIES, build_strategy
+from relaytrain.results import assemble_results, process_report
+from relaytrain.strategies import strategy_class
+from relaytrain.world import StopVotes, World
+
+EMPTY_PART = {"weights": {}, "optimizer": {}, "scaler": None, "extra": None}
 
 
-class TrainingDiverged(ConfigError):
-    """The loss became NaN or infinite under a precision that cannot skip steps."""
+@dataclass
+class Job:
+    """What every process of a run gets from the launcher, besides the config."""
 
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived; a checkpoint of the last finished step was saved."""
-
-    def __init__(self, signum: int, step: int, path: Path):
-        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved to {path}; "
-                         f"continue with train.resume={path}")
-        self.signum = signum
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    run_dir: Path
+    dataset: TokenDataset
+    resume: Path | None = None
+    overrides: list[str] = field(default_factory=list)
 
 
 def run(cfg, run_dir: str | Path, overrides: list[str] | None = None) -> dict:
-    """Train as `cfg` says, write `run_dir/results.json`, print the summary, return the results."""
+    """Train as `cfg` says, write `run_dir/results.json`, print the summary, return the results
+    (an empty dict on the processes of a torchrun launch that do not report)."""
     run_dir = Path(run_dir)
     validate(cfg)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = pick_device(cfg.train.device)
+    cls = strategy_class(cfg.strategy.name)
+    check_machine(cfg, cls.processes(cfg))
     if cfg.train.check_memory:
-        check_host_memory(cfg, count_parameters(cfg.model), device.type)
-    if cfg.strategy.name in PIPELINE_STRATEGIES:
-        from relaytrain.strategies.pipeline import run_pipeline
+        check_host_memory(cfg, cls)
+    resume = _find_resume(cfg, cls, run_dir)
+    dataset = build_dataset(cfg, tokenizer_dir=str(run_dir))  # once, before any worker: data errors end here
+    build_loader(cfg, dataset, cls.replicas(cfg))  # refuses a dataset smaller than one minibatch
+    job = Job(run_dir, dataset, resume, list(overrides or []))
 
-        return run_pipeline(cfg, run_dir, overrides or [])
+    def latest() -> Path | None:
+        return checkpoint.latest(run_dir)
 
-    host = metrics.HostMemory()
-    host.reset_peak()
-    metrics.reset_device_peak(device)
-    resume_from = checkpoint.find(cfg.train.resume, run_dir) if cfg.train.resume else None
-    resumed = checkpoint.load(resume_from, cfg) if resume_from else None
-    model = build_model(cfg.model, cfg.train.seed)
-    loader = build_loader(cfg, build_dataset(cfg, tokenizer_dir=str(run_dir)))
-    precision = Precision.from_name(cfg.precision.name)
-    strategy = build_strategy(model, cfg, device, precision)
-    try:
-        history = train_steps(cfg, strategy, loader, device, run_dir, resumed)
-        strategy.sync_model()
-        if cfg.train.save_model:
-            save_model(model, run_dir)
-        results = assemble_results(cfg, model, strategy, device, history, host, overrides or [])
-    finally:
-        strategy.close()
-    path = write_results(run_dir, results)
-    print_summary(results, path)
+    results = launch(train_process, cfg, cls.processes(cfg), lambda rank: cls.describe_process(cfg, rank),
+                     run_dir, job, latest)
+    if not results:
+        return {}
+    print_summary(results, run_dir / "results.json")
     return results
 
 
-def train_steps(cfg, strategy, loader, device, run_dir: Path, resumed: dict | None = None) -> dict:
-    """The loop: one `strategy.step` per minibatch; times whole steps with the device synchronised.
-
-    Checkpoints every `train.checkpoint_every` steps, and on SIGINT/SIGTERM after the step in
-    flight (then raises Interrupted). A resumed run continues the loss history, data stream,
-    RNG streams and LR schedule exactly where the checkpoint left them.
-    """
-    steps = cfg.train.steps
-    if resumed is None:
-        torch.manual_seed(cfg.train.seed)  # dropout masks: the same stream whichever strategy runs
-        history, first = {"losses": [], "step_times": [], "skipped": 0}, 0
-    else:
-        checkpoint.restore(resumed, strategy)
-        history, first = resumed["history"], resumed["step"]
-        loader.position = resumed["data_position"]
-    every = cfg.train.checkpoint_every
-    title = f"{cfg.strategy.name} · {cfg.model.name}"
-    with StepProgress(steps, cfg.train.log_every, title) as progress, _stop_requests() as stop:
-        for step in range(first, steps):
-            minibatch = next(loader)
-            start = time.perf_counter()
-            result = strategy.step(minibatch, lr_at(step, cfg.optim, steps))
-            metrics.synchronize(device)
-            history["step_times"].append(time.perf_counter() - start)
-            if result.skipped:
-                history["skipped"] += 1
-            elif not math.isfinite(result.loss):
-                raise TrainingDiverged(
-                    f"the loss became {result.loss} at step {step + 1} under precision={cfg.precision.name}; "
-                    f"the last good checkpoint stays in {checkpoint.checkpoint_dir(run_dir)}; "
-                    f"lower optim.lr or use precision=fp32"
-                )
-            history["losses"].append(result.loss)
-            progress.update(step + 1, result.loss, history["step_times"][-1], result.skipped)
-            if stop.signum or (every and (step + 1) % every == 0 and step + 1 < steps):
-                state = checkpoint.capture(cfg, strategy, step + 1, loader.position, history)
-                path = checkpoint.save(state, checkpoint.checkpoint_dir(run_dir), cfg.train.keep_checkpoints)
-                if stop.signum:
-                    raise Interrupted(stop.signum, step + 1, path)
-    return history
+def _find_resume(cfg, cls, run_dir: Path) -> Path | None:
+    """The checkpoint `train.resume` names, checked against the config before any process starts."""
+    path = checkpoint.find(cfg.train.resume, run_dir) if cfg.train.resume else None
+    if path is None:
+        return None
+    found = checkpoint.read(path, cfg, cls.name, cls.layout(cfg))
+    line = f"resuming from step {found.step} of {path}"
+    if not found.exact:
+        line += (f" (saved by strategy={found.strategy} with layout {found.manifest['layout']}: weights and "
+                 f"optimizer state carry over by name, the RNG streams start afresh)")
+    print(line, flush=True)
+    return path
 
 
-class _StopRequest:
-    signum: int = 0
-
-
-@contextmanager
-def _stop_requests():
-    """Turn SIGINT/SIGTERM into a request the loop honours between steps (a step is never torn)."""
-    request = _StopRequest()
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-        yield request
-        return
-
-    def handler(signum, frame):
-        request.signum = signum
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+def train_process(cfg, world: World, job: Job) -> dict | None:
+    """One process of the run: build, train, report. Returns the results on the reporter."""
+    cls = strategy_class(cfg.strategy.name)
+    host = metrics.HostMemory()
+    host.reset_peak()
+    metrics.reset_device_peak(world.device)
+    strategy = cls(build_model(cfg.model, cfg.train.seed), cfg, world)
     try:
-        yield request
+        return Trainer(cfg, cls, strategy, world, job, host).run()
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        strategy.close()
 
 
-def save_model(model, run_dir: Path) -> Path:
-    """Hugging Face `save_pretrained` into run_dir/model: loadable by AutoModel*.from_pretrained."""
+class Trainer:
+    """The loop: one `strategy.step` per minibatch, the same on every process.
+
+    Whole steps are timed with the device synchronised. Checkpoints every
+    `train.checkpoint_every` steps and after the last, and on SIGINT/SIGTERM at a step every
+    process agrees on (then raises Interrupted). A resumed run continues the loss history, data
+    stream, RNG streams and LR schedule exactly where the checkpoint left them.
+    """
+
+    def __init__(self, cfg, cls, strategy, world: World, job: Job, host: metrics.HostMemory):
+        self.cfg, self.cls, self.strategy, self.world, self.job, self.host = cfg, cls, strategy, world, job, host
+        self.reporter = world.rank == cls.reporter(cfg)
+        self.loader = build_loader(cfg, job.dataset, cls.replicas(cfg))
+        self.votes = StopVotes(world, cls.stop_lag)
+        self.directory = checkpoint.checkpoint_dir(job.run_dir)
+        self.history: dict = {"losses": [], "step_times": [], "skipped": 0}
+        self.first = 0
+
+    def run(self) -> dict | None:
+        steps = self.cfg.train.steps
+        self.first = step = self._restore()
+        if self.world.rank == 0:
+            checkpoint.remove_staging(self.directory)  # before the barrier: nobody writes parts yet
+        self.world.barrier()  # start the clock together
+        title = f"{self.cfg.strategy.name} · {self.cfg.model.name}"
+        with StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter) as progress:
+            while step < steps:
+                signum = self.votes.before(step)
+                if signum:
+                    raise self._stop(signum, step)
+                self._step(step, progress)
+                step += 1
+                if self._checkpoint_due(step) and step < steps:
+                    self.strategy.drain()
+                    signum = self.votes.settle()
+                    path = self._save(step)
+                    if signum:
+                        raise Interrupted(signum, step, path)
+        self.strategy.drain()
+        self.votes.settle()
+        if self.cfg.train.checkpoint_every:
+            self._save(steps)
+        return self._finish()
+
+    def _step(self, step: int, progress: StepProgress) -> None:
+        if step == self.first + self.cfg.train.warmup_steps:
+            self.strategy.timer.reset()  # phase times cover the measured steps, as the step time does
+        minibatch = self.loader.minibatch(step)
+        start = time.perf_counter()
+        result = self.strategy.step(minibatch, lr_at(step, self.cfg.optim, self.cfg.train.steps))
+        metrics.synchronize(self.world.device)
+        elapsed = time.perf_counter() - start
+        self.votes.after(step)
+        if not self.reporter:
+            return
+        self.history["step_times"].append(elapsed)
+        if result.skipped:
+            self.history["skipped"] += 1
+        elif not math.isfinite(result.loss):
+            raise TrainingDiverged(
+                f"the loss became {result.loss} at step {step + 1} under precision={self.cfg.precision.name}; "
+                f"the last good checkpoint stays in {self.directory}; lower optim.lr or use precision=fp32"
+            )
+        self.history["losses"].append(result.loss)
+        progress.update(step + 1, result.loss, elapsed, result.skipped)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.train.checkpoint_every
+        return bool(every) and step % every == 0
+
+    def _stop(self, signum: int, step: int) -> Interrupted:
+        """Every process decided to stop before `step`: finish what is in flight, save there."""
+        self.strategy.drain()
+        self.votes.settle()
+        return Interrupted(signum, step, self._save(step))
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _save(self, step: int) -> Path:
+        part = self.strategy.state_dict() or dict(EMPTY_PART)
+        part = {**part, "rng": checkpoint.rng_state(self.world.device)}
+        trainer = {"step": step, "history": self.history} if self.reporter else None
+        manifest = {"strategy": self.cls.name, "layout": self.cls.layout(self.cfg),
+                    "identity": checkpoint.identity(self.cfg)}
+        return checkpoint.save(self.world, self.directory, step, part, trainer, manifest,
+                               self.cfg.train.keep_checkpoints)
+
+    def _restore(self) -> int:
+        """Fresh: seed the dropout stream (the same whichever strategy runs). Resumed: the
+        checkpoint's weights, optimizer and scaler state, RNG streams and history."""
+        if self.job.resume is None:
+            torch.manual_seed(self.cfg.train.seed)
+            self.strategy.start(0)
+            return 0
+        found = checkpoint.read(self.job.resume, self.cfg, self.cls.name, self.cls.layout(self.cfg))
+        self.strategy.start(found.step)
+        self.strategy.load_state_dict(found.state_for(self.strategy.parameter_names(), self.world.rank))
+        rng = found.rng(self.world.rank)
+        if rng is not None:
+            checkpoint.set_rng_state(rng, self.world.device)
+        else:
+            torch.manual_seed(self.cfg.train.seed + found.step)
+        if self.reporter:
+            self.history = found.trainer()["history"]
+        return found.step
+
+    # -- the end --------------------------------------------------------------------------------
+    def _finish(self) -> dict | None:
+        if self.cfg.train.save_model:  # on rank 0: Hugging Face writes files only there once a group exists
+            weights = self.world.gather(self.strategy.weights(), 0)
+            if self.world.rank == 0:
+                save_model(self.cfg, self.strategy, weights, self.job.run_dir)
+        reports = self.world.gather(process_report(self.strategy, self.world, self.host), self.cls.reporter(self.cfg))
+        if not self.reporter:
+            return None
+        measured = self.history["step_times"][self.first + self.cfg.train.warmup_steps:]
+        results = assemble_results(self.cfg, self.cls, self.history, measured, reports, self.world, self.job.overrides)
+        write_results(self.job.run_dir, results)
+        return results
+
+
+def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Path:
+    """Hugging Face `save_pretrained` into run_dir/model, loadable by AutoModel*.from_pretrained,
+    from the weights every process holds (by name); the run's trained tokenizer travels with it."""
+    merged = {name: t for weights in gathered if weights is not None for name, t in weights.items()}
+    hf_model = strategy.model.hf_model if strategy.world.size == 1 else build_model(cfg.model, cfg.train.seed).hf_model
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name not in merged:
+                raise ConfigError(f"no process holds the weights of {name}; the model cannot be saved")
+            p.copy_(merged[name])
     out = run_dir / "model"
-    model.hf_model.save_pretrained(out)
+    hf_model.save_pretrained(out)
     tokenizer = run_dir / "tokenizer"
     if tokenizer.is_dir():  # a tokenizer trained for this run travels with the model
         for f in tokenizer.iterdir():
             (out / f.name).write_bytes(f.read_bytes())
     return out
-
-
-def assemble_results(cfg, model, strategy, device, history, host, overrides) -> dict:
-    s, d = cfg.strategy, cfg.data
-    samples = s.microbatch_size * s.num_microbatches
-    measured = history["step_times"][cfg.train.warmup_steps:] or history["step_times"]
-    flops_per_token = metrics.model_flops_per_token(
-        model.num_parameters(), model.num_blocks, cfg.model.hidden_size, d.seq_len
-    )
-    return {
-        "strategy": s.name,
-        "model": {
-            "name": cfg.model.name,
-            "family": model.family,
-            "task": cfg.model.task,
-            "parameters": model.num_parameters(),
-            "num_layers": model.num_blocks,
-            "hidden_size": cfg.model.hidden_size,
-        },
-        "device": str(device),
-        "precision": cfg.precision.name,
-        "steps": len(history["losses"]),
-        "measured_steps": len(measured),
-        "microbatch_size": s.microbatch_size,
-        "num_microbatches": s.num_microbatches,
-        "samples_per_step": samples,
-        "tokens_per_step": samples * d.seq_len,
-        "loss": history["losses"],
-        "skipped_steps": history["skipped"],
-        "step_times_s": history["step_times"],
-        "throughput": metrics.throughput(measured, samples, samples * d.seq_len, flops_per_token),
-        "memory": {"device": metrics.device_memory(device), "host_peak_rss_bytes": host.peak_bytes()},
-        "strategy_report": strategy.report(),
-        "threads": metrics.cpu_threads(),
-        "overrides": list(overrides),
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }

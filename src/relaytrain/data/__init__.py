@@ -26,6 +26,7 @@ def build_dataset(cfg, tokenizer_dir: str | None = None) -> TokenDataset:
     return load_source(cfg, tokenizer_dir)
 
 
-def build_loader(cfg, dataset: TokenDataset) -> MicroBatchLoader:
+def build_loader(cfg, dataset: TokenDataset, replicas: int = 1) -> MicroBatchLoader:
+    """Minibatches of `replicas` shares: each micro-batch holds every replica's rows."""
     s = cfg.strategy
-    return MicroBatchLoader(dataset, s.microbatch_size, s.num_microbatches, cfg.data.shuffle, cfg.data.seed)
+    return MicroBatchLoader(dataset, s.microbatch_size * replicas, s.num_microbatches, cfg.data.shuffle, cfg.data.seed)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_bidirectional_mask
 
-from relaytrain.models.layered import LayeredModel, MicroBatch, sum_cross_entropy
+from relaytrain.models.layered import LayeredModel, MicroBatch
 
 
 class BertEmbed(nn.Module):
@@ -48,17 +48,13 @@ class LayeredBert(LayeredModel):
         else:
             head = BertMLMHead(hf_model.cls)
         super().__init__(hf_model, BertEmbed(bert.embeddings), list(bert.encoder.layer), head, task)
-        object.__setattr__(self, "_hf_config", hf_model.config)
 
     def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
-        mask = create_bidirectional_mask(config=self._hf_config, inputs_embeds=hidden, attention_mask=mb.attention_mask)
+        mask = create_bidirectional_mask(config=self.hf_config, inputs_embeds=hidden, attention_mask=mb.attention_mask)
         return {"attention_mask": mask}
 
-    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return sum_cross_entropy(self.head(hidden), labels)
-
-    def loss_items(self, labels: torch.Tensor) -> int:
-        return labels.numel() if self.task == "classification" else int((labels != -100).sum())
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         if self.task == "classification":

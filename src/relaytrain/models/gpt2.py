@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from relaytrain.models.layered import LayeredModel, MicroBatch, sum_cross_entropy
+from relaytrain.models.layered import LayeredModel, MicroBatch
 
 
 class GPT2Embed(nn.Module):
@@ -36,12 +36,11 @@ class LayeredGPT2(LayeredModel):
     def __init__(self, hf_model: nn.Module, task: str):
         t = hf_model.transformer
         super().__init__(hf_model, GPT2Embed(t.wte, t.wpe, t.drop), list(t.h), GPT2Head(t.ln_f, hf_model.lm_head), task)
-        object.__setattr__(self, "_hf_config", hf_model.config)
 
     def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(
-            config=self._hf_config,
+            config=self.hf_config,
             inputs_embeds=hidden,
             attention_mask=mb.attention_mask,
             past_key_values=None,
@@ -49,13 +48,12 @@ class LayeredGPT2(LayeredModel):
         )
         return {"attention_mask": mask}
 
-    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # Tokens < n predict token n, as in Hugging Face's causal LM loss.
-        logits = self.head(hidden)[:, :-1]
-        return sum_cross_entropy(logits, labels[:, 1:])
+    # Tokens < n predict token n, as in Hugging Face's causal LM loss.
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)[:, :-1]
 
-    def loss_items(self, labels: torch.Tensor) -> int:
-        return int((labels[:, 1:] != -100).sum())
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        return labels[:, 1:]
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         return [("embed.wte.weight", "head.lm_head.weight")]

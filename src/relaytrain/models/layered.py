@@ -13,10 +13,13 @@ tokens.
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
+
+from relaytrain.evaluation import EvalStats
 
 
 @dataclass
@@ -31,6 +34,10 @@ class MicroBatch:
             for f in fields(self)
         }
         return MicroBatch(**moved)
+
+    def rows(self, index: slice) -> MicroBatch:
+        """These rows of every tensor (a replica's share of a micro-batch)."""
+        return MicroBatch(*(None if t is None else t[index] for t in (self.input_ids, self.labels, self.attention_mask)))
 
     def pin_memory(self) -> MicroBatch:
         pinned = {f.name: None if (t := getattr(self, f.name)) is None else t.pin_memory() for f in fields(self)}
@@ -64,9 +71,10 @@ class Block(nn.Module):
 class LayeredModel(nn.Module, metaclass=ABCMeta):
     """A Hugging Face model seen as embed -> blocks -> head.
 
-    Subclasses (one per model family) provide the parts and three small functions:
-    `context` (per-micro-batch inputs of the blocks), `head_loss` (summed loss) and
-    `loss_items` (how many items that sum is over).
+    Subclasses (one per model family) provide the parts and two small functions: `context`
+    (per-micro-batch inputs of the blocks) and `logits` (the head's output), plus `targets`
+    where the labels are not aligned with the logits as they come (GPT-2 predicts the next
+    token). The loss, its item count and the evaluation sums follow from those.
     """
 
     family: str = ""
@@ -76,6 +84,9 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         # Kept outside the module tree: its parameters are reachable through the parts,
         # and registering it too would list every parameter under two names.
         object.__setattr__(self, "hf_model", hf_model)
+        object.__setattr__(self, "hf_config", hf_model.config)
+        # Hugging Face names, fixed before any strategy splits the model (tied weights: the first name).
+        object.__setattr__(self, "_hf_names", {id(p): n for n, p in hf_model.named_parameters()})
         self.embed = embed
         self.blocks = nn.ModuleList(Block(layer) for layer in blocks)
         self.head = head
@@ -91,12 +102,32 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         """What every block of this micro-batch shares (the attention mask)."""
 
     @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits for the last block's output."""
+
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels aligned item by item with `logits` (-100: no item); GPT-2 shifts them."""
+        return labels
+
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed loss of the micro-batch (fp32)."""
+        return sum_cross_entropy(self.logits(hidden), self.targets(labels))
 
-    @abstractmethod
+    def eval_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> EvalStats:
+        """The evaluation sums of one micro-batch (loss, items, correct, confusion)."""
+        return EvalStats.of(self.logits(hidden), self.targets(labels), self.num_labels)
+
     def loss_items(self, labels: torch.Tensor) -> int:
         """How many items `head_loss` sums over."""
+        return int((self.targets(labels) != -100).sum())
+
+    @property
+    def num_labels(self) -> int | None:
+        """Classes of a classification head; None for language models."""
+        return self.hf_config.num_labels if self.task == "classification" else None
+
+    def hf_name(self, param: torch.Tensor) -> str:
+        return self._hf_names[id(param)]
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         """Pairs of (embed parameter name, head parameter name) that are one tensor."""
@@ -121,3 +152,14 @@ def sum_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
     )
+
+
+@contextmanager
+def eval_mode(module: nn.Module):
+    """Dropout off while evaluating; the module's training flag restored afterwards."""
+    training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(training)

@@ -1,57 +1,192 @@
-"""What every strategy offers the training loop.
+"""The strategy contract: everything the trainer, the launcher, the checkpoints and the report
+need to know about a way of training, in one class per strategy.
 
-A strategy owns *where the weights live* and *in what order work runs*; the loop only hands
-it one minibatch (a list of micro-batches) and the learning rate per step.
+A strategy owns *where the weights live* and *in what order work runs*. The class answers,
+before any process starts, what it needs (`processes`, `replicas`, `check_config`,
+`estimate_host_bytes`, `layout`, `capabilities`); an instance, one per process, does the work
+(`step`, `evaluate`, `drain`) and hands over its state (`state_dict`, `load_state_dict`,
+`weights`) and figures (`report`, then the class's `summarize` over every process's report).
+
+The trainer (`relaytrain.train`) drives every strategy through this interface alone: it never
+asks for a strategy's name. A new strategy is one module with a registered subclass, its
+config file in `configs/strategy/`, and its tests.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from relaytrain import metrics
+from relaytrain.config import StrategyConfig
+from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.precision import Precision
+from relaytrain.world import World
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a strategy can honour; the shared config checks refuse the rest with one line."""
+
+    weight_versions: int = 1  # weight versions a process keeps (2BW: 2)
+    grad_clip: bool = True  # global-norm clipping (needs every gradient before any update)
+    fp16: bool = True  # fp16 loss scaling (one overflow decision across every weight)
+    cross_precision: bool = False  # cmp_*: fp32 masters apart from the half weights computed with
 
 
 @dataclass
 class StepResult:
-    loss: float  # mean loss of the minibatch (over its loss items)
+    loss: float | None  # mean loss of the minibatch (over its loss items); None where this process cannot know it
     skipped: bool = False  # fp16 overflow: no weight changed
 
 
 class Strategy(ABC):
-    name = ""
+    name: ClassVar[str] = ""  # set by `register`
+    Config: ClassVar[type] = StrategyConfig  # the typed config group: keys no other strategy needs
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    stop_lag: ClassVar[int] = 1  # steps a process may run ahead of the slowest (see world.StopVotes)
 
-    def __init__(self, model: LayeredModel, cfg, device: torch.device, precision: Precision):
+    # -- what it needs: class level, no process and no tensor --------------------------------
+    @classmethod
+    def processes(cls, cfg) -> int:
+        """Worker processes a run starts (one launcher starts them all)."""
+        return 1
+
+    @classmethod
+    def replicas(cls, cfg) -> int:
+        """Data-parallel width: each step trains on `replicas` minibatches of the config's shape."""
+        return 1
+
+    @classmethod
+    def reporter(cls, cfg) -> int:
+        """The rank that knows each step's loss: it shows progress and writes the results."""
+        return 0
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The strategy's own rules, beyond what its typed config and the shared checks enforce."""
+
+    @classmethod
+    def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
+        """Host memory of the whole run (every process), an estimate that errs high."""
+        return weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live_blocks=cfg.model.num_layers)
+
+    @classmethod
+    def layout(cls, cfg) -> dict:
+        """How the run's state is split over processes: a checkpoint resumes exactly (RNG streams
+        and all) only under the same strategy and layout; otherwise by parameter name."""
+        return {"processes": cls.processes(cfg)}
+
+    @classmethod
+    def describe_process(cls, cfg, rank: int) -> str:
+        return f"rank {rank}"
+
+    @classmethod
+    def summarize(cls, cfg, reports: list[dict]) -> dict:
+        """results.json's `strategy_report`, from every process's `report()` (rank order)."""
+        return reports[0]
+
+    # -- one process's work -------------------------------------------------------------------
+    def __init__(self, model: LayeredModel, cfg, world: World):
         self.model = model
         self.cfg = cfg
-        self.device = device
-        self.precision = precision
+        self.world = world
+        self.device = world.device
+        self.precision = Precision.from_name(str(cfg.precision.name))
+        self.timer = metrics.PhaseTimer()  # phases of the measured steps: the trainer resets it after warm-up
+
+    def start(self, step: int) -> None:
+        """The run continues from `step` (0, or a checkpoint's): called before `load_state_dict`
+        and before the first `step`."""
 
     @abstractmethod
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
-        """Forward and backward over every micro-batch, then one update of every weight."""
+        """Forward and backward over every micro-batch of the (global) minibatch, then one update
+        of every weight (work that overlaps the next step may finish during it: see `drain`)."""
 
-    def sync_model(self) -> None:
-        """Make `model.hf_model` hold the current trained weights (before saving or comparing)."""
+    def drain(self) -> None:
+        """Finish all work in flight, so that `state_dict`, `weights` and `evaluate` see the
+        weights after every step taken. Called by every process at the same step."""
 
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """Every optimizer the strategy steps; their state is checkpointed by parameter name."""
-        return []
+    @abstractmethod
+    def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats | None:
+        """Forward only, no gradient state, on the newest weights; the summed figures of every
+        process on the reporter (None elsewhere). Called after `drain`."""
 
-    def weights_loaded(self) -> None:
-        """Called after a checkpoint overwrote the weights: refresh anything derived from them."""
+    @abstractmethod
+    def parameter_names(self) -> list[str]:
+        """Hugging Face names of the parameters this process computes with."""
+
+    @abstractmethod
+    def state_dict(self) -> dict | None:
+        """This process's share of the checkpoint: `weights` and `optimizer` state keyed by Hugging
+        Face name, `scaler`, and `extra` (the strategy's own, e.g. a second weight version);
+        None when another process holds exactly the same (a replica)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """The inverse: `weights`/`optimizer` hold (at least) `parameter_names()`; `extra` is
+        None when the checkpoint came from another strategy or layout."""
+
+    @abstractmethod
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """Current weights by Hugging Face name, for saving the model; None from a replica."""
 
     def report(self) -> dict:
-        """Strategy-specific figures for results.json (phase times, resident blocks, ...)."""
+        """This process's figures (JSON-able): phase times, memory, the strategy's own."""
         return {}
 
     def close(self) -> None:
-        """Release workers and buffers."""
+        """Release workers, buffers and process groups."""
+
+
+# --------------------------------------------------------------------------- shared helpers
 
 
 def minibatch_items(model: LayeredModel, minibatch: list[MicroBatch]) -> int:
     """Loss items of the whole minibatch: each micro-batch's summed loss is divided by this."""
     return sum(model.loss_items(mb.labels) for mb in minibatch)
+
+
+def replica_rows(minibatch: list[MicroBatch], replica: int, replicas: int) -> list[MicroBatch]:
+    """This replica's share of every micro-batch of a global minibatch (equal consecutive rows)."""
+    if replicas == 1:
+        return minibatch
+    size = minibatch[0].num_samples // replicas
+    rows = slice(replica * size, (replica + 1) * size)
+    return [mb.rows(rows) for mb in minibatch]
+
+
+def optimizer_words(cfg) -> int:
+    """fp32 words of optimizer state per parameter: two moments for AdamW and LAMB, SGD's momentum."""
+    if cfg.optim.name == "sgd":
+        return 1 if cfg.optim.momentum else 0
+    return 2
+
+
+def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
+    return num_params * FP32 * (2 + optimizer_words(cfg))
+
+
+def activation_bytes_per_block(cfg, dtype_bytes: int) -> int:
+    """Activations one block keeps for backward, for one micro-batch (Korthikanti et al., 2022)."""
+    m, s, b = cfg.model, cfg.data.seq_len, cfg.strategy.microbatch_size
+    return dtype_bytes * (17 * s * b * m.hidden_size + 5 * m.num_heads * s * s * b // 2)
+
+
+def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries: int = 0) -> int:
+    """Activations in host memory when the device *is* the host: `live_blocks` blocks' worth of
+    one micro-batch, `stash_entries` block inputs, and the logits of an LM head."""
+    if device_type != "cpu":
+        return 0
+    m, b, s = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len
+    activations = activation_bytes_per_block(cfg, FP32) * live_blocks + stash_entries * b * s * m.hidden_size * FP32
+    if m.task != "classification":
+        activations += b * s * m.vocab_size * FP32 * 3
+    return activations

@@ -2,55 +2,107 @@
 
 All weights on the device; for each micro-batch, forward and backward through the whole
 model; gradients accumulate over the micro-batches; one optimizer step per minibatch.
-`strategy.recompute=true` checkpoints each block (its activations are recomputed in
+`strategy.recompute=block` checkpoints each block (its activations are recomputed in
 backward), the fair in-memory comparison for L2L, which always recomputes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from relaytrain.models.layered import MicroBatch
+from relaytrain.checkpoint import load_model_state, model_state, unique_named_parameters
+from relaytrain.config import Choice, StrategyConfig
+from relaytrain.errors import ConfigError
+from relaytrain.evaluation import EvalStats
+from relaytrain.models.layered import MicroBatch, eval_mode
 from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler
-from relaytrain.strategies.base import StepResult, Strategy, minibatch_items
+from relaytrain.strategies import register
+from relaytrain.strategies.base import (
+    StepResult,
+    Strategy,
+    cpu_activation_bytes,
+    minibatch_items,
+    weights_grads_optimizer_bytes,
+)
 
 
+class Recompute(Choice):
+    none = "none"  # keep every activation for backward
+    block = "block"  # keep each block's input, recompute the block in backward
+    stage = "stage"  # pipelines: keep each stage's input, recompute the stage in backward
+
+
+@dataclass
+class BaselineConfig(StrategyConfig):
+    name: str = "baseline"
+    recompute: Recompute = Recompute.none
+
+
+@register("baseline")
 class Baseline(Strategy):
-    name = "baseline"
+    Config = BaselineConfig
 
-    def __init__(self, model, cfg, device, precision):
-        super().__init__(model, cfg, device, precision)
-        model.to(device)
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.strategy.recompute == Recompute.stage:
+            raise ConfigError("strategy.recompute=stage is for pipelines (the baseline is one stage); "
+                              "use strategy.recompute=block")
+
+    @classmethod
+    def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
+        # One micro-batch at a time: every block's activations, or (recompute) one block's and every block's input.
+        recompute = cfg.strategy.recompute == Recompute.block
+        live, stash = (1, cfg.model.num_layers) if recompute else (cfg.model.num_layers, 0)
+        return weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live, stash)
+
+    def __init__(self, model, cfg, world):
+        super().__init__(model, cfg, world)
+        model.to(self.device)
         self.optimizer = build_optimizer(model.named_parameters(), cfg.optim)
-        self.scaler = LossScaler(precision.needs_loss_scaling, cfg.precision.loss_scale, cfg.precision.growth_interval)
-        self.recompute = cfg.strategy.recompute
+        self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
+                                 cfg.precision.growth_interval)
+        self.recompute = cfg.strategy.recompute == Recompute.block
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
         items = minibatch_items(self.model, minibatch)
         loss_sum = torch.zeros((), device=self.device)
-        for mb in minibatch:
-            loss = self._loss(mb.to(self.device, non_blocking=True), items)
-            self.scaler.scale_loss(loss).backward()
-            loss_sum += loss.detach()
-        skipped = self._update(lr)
+        with self.timer.phase("forward+backward"):
+            for mb in minibatch:
+                loss = self._loss(mb.to(self.device, non_blocking=True), items)
+                self.scaler.scale_loss(loss).backward()
+                loss_sum += loss.detach()
+        with self.timer.phase("optimizer"):
+            skipped = self._update(lr)
         return StepResult(loss=float(loss_sum), skipped=skipped)
 
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.optimizer]
+    def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats:
+        stats = EvalStats.zeros(self.model.num_labels)
+        with eval_mode(self.model), torch.no_grad(), self.precision.autocast_context(self.device):
+            for minibatch in batches:
+                for mb in minibatch:
+                    mb = mb.to(self.device)
+                    stats += self.model.eval_stats(self._trunk(mb), mb.labels)
+        return stats
+
+    def _trunk(self, mb: MicroBatch) -> torch.Tensor:
+        """Embeddings and every block: the last block's output."""
+        hidden = self.model.embed(mb.input_ids)
+        ctx = self.model.context(mb, hidden)
+        for block in self.model.blocks:
+            if self.recompute and torch.is_grad_enabled():
+                hidden = checkpoint(block, hidden, ctx, use_reentrant=False)
+            else:
+                hidden = block(hidden, ctx)
+        return hidden
 
     def _loss(self, mb: MicroBatch, items: int) -> torch.Tensor:
         with self.precision.autocast_context(self.device):
-            hidden = self.model.embed(mb.input_ids)
-            ctx = self.model.context(mb, hidden)
-            for block in self.model.blocks:
-                if self.recompute:
-                    hidden = checkpoint(block, hidden, ctx, use_reentrant=False)
-                else:
-                    hidden = block(hidden, ctx)
-            return self.model.head_loss(hidden, mb.labels) / items
+            return self.model.head_loss(self._trunk(mb), mb.labels) / items
 
     def _update(self, lr: float) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -63,3 +115,17 @@ class Baseline(Strategy):
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         return overflow
+
+    # -- state ----------------------------------------------------------------------------------
+    def parameter_names(self) -> list[str]:
+        return list(self.weights())
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in unique_named_parameters(self.model)}
+
+    def state_dict(self) -> dict:
+        params = [p for _, p in unique_named_parameters(self.model)]
+        return model_state(self.model, params, [self.optimizer], self.scaler)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_model_state(self.model, [self.optimizer], self.scaler, state)

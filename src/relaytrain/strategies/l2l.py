@@ -23,24 +23,44 @@ embedding table is the largest single part (31 M parameters in BERT-Large, the s
 blocks; GPT-2's is also the LM head), so holding it through the step would cost more
 device memory than the executing block itself, and it has to cross after every update
 anyway. Relaying it costs one extra upload per step, prefetched during block 0's backward.
+
+With `strategy.replicas=R` (the paper's multi-GPU runs), R workers relay the same parts over
+their own rows of every minibatch; each part's gradients are summed over the workers while
+the parts below compute, and the part is updated once (`eps.Peers`: the EPS state
+replicated on every worker, or sharded across them).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
 from relaytrain import metrics
-from relaytrain.eps import EagerParamServer, Part
+from relaytrain.checkpoint import load_model_state, model_state, unique_named_parameters
+from relaytrain.config import Choice, StrategyConfig, WorkersConfig
+from relaytrain.eps import EagerParamServer, Part, Peers, Shipment
 from relaytrain.errors import ConfigError
-from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.evaluation import EvalStats
+from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
 from relaytrain.precision import LossScaler
-from relaytrain.strategies.base import StepResult, Strategy, minibatch_items
+from relaytrain.strategies import register
+from relaytrain.strategies.base import (
+    FP32,
+    Capabilities,
+    StepResult,
+    Strategy,
+    cpu_activation_bytes,
+    minibatch_items,
+    optimizer_words,
+    replica_rows,
+)
 from relaytrain.strategies.relay import Transfer, Transfers
 
 _PHASE_LABELS = {"forward": "forward", "recompute_backward": "recompute+backward",
@@ -48,7 +68,8 @@ _PHASE_LABELS = {"forward": "forward", "recompute_backward": "recompute+backward
 
 
 class HeadLoss(nn.Module):
-    """The head as a part: `(hidden, labels) -> summed loss`, computed by the model's `head_loss`.
+    """The head as a part: `(hidden, labels) -> summed loss` (the model's `head_loss`), or the
+    evaluation sums of the micro-batch with `evaluate=True`.
 
     `head` is registered so a functional call swaps the head's parameters for device copies;
     `head_loss` reaches the same module object through the model.
@@ -59,7 +80,9 @@ class HeadLoss(nn.Module):
         self.head = model.head
         object.__setattr__(self, "_model", model)  # not a child: its parameters are not the head's
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, evaluate: bool = False) -> torch.Tensor:
+        if evaluate:
+            return self._model.eval_stats(hidden, labels).sums
         return self._model.head_loss(hidden, labels)
 
 
@@ -192,35 +215,130 @@ def replayed_rng(state, device: torch.device):
 # --------------------------------------------------------------------------- the strategy
 
 
+class Stash(Choice):
+    device = "device"
+    cpu = "cpu"
+
+
+class EpsPlacement(Choice):
+    replicated = "replicated"  # every replica keeps all gradients and optimizer state and steps every part
+    sharded = "sharded"  # each part's gradients and optimizer state live on one owner replica (ZeRO-style)
+
+
+@dataclass
+class RelayConfig(WorkersConfig, StrategyConfig):
+    prefetch: bool = True  # relay the next part in while the current one computes
+    max_resident_blocks: int = 2  # parts on the device at once: the executing one and the prefetched one
+    eps: EpsPlacement = EpsPlacement.sharded  # with replicas: where the EPS state lives
+
+
+@dataclass
+class L2LConfig(RelayConfig):
+    name: str = "l2l"
+    stash: Stash = Stash.device  # where each block's input waits for the backward
+
+
+@dataclass
+class L2LStashCpuConfig(RelayConfig):
+    name: str = "l2l_stash_cpu"
+
+
+WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each extra worker
+
+
+@register("l2l")
 class L2L(Strategy):
     """Algorithm 2 over the eager param server. The EPS's masters *are* the model's parameters,
-    so `sync_model` has nothing to copy; `step` returns only after every update has landed."""
+    so the model always holds the trained weights; `step` returns only after every update has landed."""
 
-    name = "l2l"
+    Config = L2LConfig
+    capabilities = Capabilities(cross_precision=True)
 
-    def __init__(self, model, cfg, device, precision):
-        super().__init__(model, cfg, device, precision)
+    @classmethod
+    def stash_on_host(cls, cfg) -> bool:
+        return cfg.strategy.stash == Stash.cpu
+
+    @classmethod
+    def processes(cls, cfg) -> int:
+        return cfg.strategy.replicas
+
+    @classmethod
+    def replicas(cls, cfg) -> int:
+        return cfg.strategy.replicas
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
         s = cfg.strategy
-        self.stash_on_host = _stash_on_host(s)
+        if s.replicas < 1:
+            raise ConfigError(f"strategy.replicas={s.replicas} must be at least 1")
         if s.max_resident_blocks < 1:
             raise ConfigError(f"strategy.max_resident_blocks={s.max_resident_blocks} must be at least 1")
-        self.scaler = LossScaler(precision.needs_loss_scaling, cfg.precision.loss_scale, cfg.precision.growth_interval)
+
+    @classmethod
+    def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
+        s, m = cfg.strategy, cfg.model
+        sharded = s.replicas > 1 and s.eps == EpsPlacement.sharded
+        # fp32 masters on every worker; gradients and optimizer state on all, or on the owners only.
+        state_words = (1 + optimizer_words(cfg)) / (s.replicas if sharded else 1)
+        per_worker = num_params * FP32 * (1 + state_words + 1)  # + transit copies of what crosses to the device
+        stash_entries = m.num_layers * s.num_microbatches
+        per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=stash_entries)
+        if device_type != "cpu" and cls.stash_on_host(cfg):  # the stash waits in host memory
+            half = str(cfg.precision.name).startswith("cmp")
+            per_worker += stash_entries * s.microbatch_size * cfg.data.seq_len * m.hidden_size * (2 if half else FP32)
+        if s.replicas > 1:
+            per_worker += WORKER_OVERHEAD_BYTES
+        return int(s.replicas * per_worker)
+
+    @classmethod
+    def layout(cls, cfg) -> dict:
+        s = cfg.strategy
+        return {"replicas": s.replicas, "eps": str(s.eps) if s.replicas > 1 else "local"}
+
+    @classmethod
+    def describe_process(cls, cfg, rank: int) -> str:
+        return f"rank {rank} (replica {rank} of {cfg.strategy.replicas})"
+
+    @classmethod
+    def summarize(cls, cfg, reports: list[dict]) -> dict:
+        summary = dict(reports[0])
+        if len(reports) > 1:
+            summary["per_worker"] = [r["replica"] for r in reports]
+            exposed = sum(r["replica"]["reduction_exposed_s"] for r in reports) / len(reports)
+            total = sum(r["replica"]["reduction_s"] for r in reports) / len(reports)
+            steps = max(summary["eps"]["steps"], 1)
+            summary["summary"] = {
+                **summary["summary"],
+                "replicas": f"{len(reports)}, EPS {cfg.strategy.eps}",
+                "gradient sums s/step (exposed)": f"{total / steps:.3f} ({exposed / steps:.3f})",
+            }
+        return summary
+
+    # -- one worker ---------------------------------------------------------------------------
+    def __init__(self, model, cfg, world):
+        super().__init__(model, cfg, world)
+        s = cfg.strategy
+        self.replica, self.num_replicas = world.rank, s.replicas
+        self.stash_host = self.stash_on_host(cfg)
+        self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
+                                 cfg.precision.growth_interval)
+        peers = Peers(world.rank, world.size, s.eps == EpsPlacement.sharded, world.timeout) if world.distributed else None
         modules = [("embed", model.embed), *((f"block.{i}", b) for i, b in enumerate(model.blocks)),
                    ("head", HeadLoss(model))]
-        self.eps = EagerParamServer(modules, cfg.optim, self.scaler, precision.weight_dtype,
-                                    pin=device.type == "cuda")
-        self.transfers = Transfers(device)
-        self.relay = WeightRelay(self.eps.parts, self.transfers, device, s.max_resident_blocks, s.prefetch)
-        self.timer = metrics.PhaseTimer()
+        self.eps = EagerParamServer(modules, cfg.optim, self.scaler, self.precision.weight_dtype,
+                                    pin=self.device.type == "cuda", peers=peers)
+        self.peers = peers
+        self.transfers = Transfers(self.device)
+        self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch)
         self.head_index = len(self.eps.parts) - 1
 
     # -- one step -----------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
         self.eps.set_lr(lr)
-        items = minibatch_items(self.model, minibatch)
-        mbs = [mb.to(self.device, non_blocking=True) for mb in minibatch]
+        items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every replica's rows
+        mbs = [mb.to(self.device, non_blocking=True) for mb in replica_rows(minibatch, self.replica, self.num_replicas)]
         self.relay.start_step()
-        stash = ActivationStash(self.transfers, self.stash_on_host)
+        stash = ActivationStash(self.transfers, self.stash_host)
         with self.timer.phase("forward"):
             hidden, ctxs, rng = self._forward(mbs, stash)
             metrics.synchronize(self.device)
@@ -229,7 +347,12 @@ class L2L(Strategy):
             self._backward(grads, mbs, ctxs, rng, stash)
             metrics.synchronize(self.device)
         with self.timer.phase("optimizer_exposed"):
+            if self.peers is not None:
+                self.peers.backward_finished(time.perf_counter())
+                loss = self._sum_over_replicas(loss)
             skipped = self.eps.wait()
+            if self.peers is not None:
+                self.peers.step_finished()
         return StepResult(loss=float(loss), skipped=skipped)
 
     def _forward(self, mbs: list[MicroBatch], stash: ActivationStash):
@@ -249,13 +372,15 @@ class L2L(Strategy):
                 ctxs = [self.model.context(mb, h) for mb, h in zip(mbs, hidden, strict=True)]
         return hidden, ctxs, rng
 
-    def _turnaround(self, hidden: list[torch.Tensor], mbs: list[MicroBatch], items: int):
-        """Head forward and backward per micro-batch: the loss and its gradient w.r.t. the last block's output."""
+    def _turnaround(self, hidden: list[torch.Tensor | None], mbs: list[MicroBatch], items: int):
+        """Head forward and backward per micro-batch: the loss and its gradient w.r.t. the last
+        block's output. Each output is dropped as soon as its gradient exists: only the gradients
+        travel on into the backward."""
         weights, leaves = self.relay.next_visit()
         module = self.eps.parts[self.head_index].module
         grads, loss_sum = [], torch.zeros((), device=self.device)
-        for x, mb in zip(hidden, mbs, strict=True):
-            x = x.requires_grad_(True)
+        for u, mb in enumerate(mbs):
+            x, hidden[u] = hidden[u].requires_grad_(True), None
             with self._autocast():
                 loss = functional_call(module, weights, (x, mb.labels)) / items
             self.scaler.scale_loss(loss).backward()
@@ -285,52 +410,140 @@ class L2L(Strategy):
             return functional_call(self.eps.parts[index].module, weights, args)
 
     def _ship(self, index: int, leaves: list[torch.Tensor]) -> None:
-        """Hand a part's minibatch gradients to the EPS (downloaded on the offload stream on CUDA)."""
+        """Hand a part's minibatch gradients to the EPS (downloaded on the offload stream on CUDA),
+        summed over the replicas first where there are several."""
         present = [i for i, t in enumerate(leaves) if t.grad is not None]
-        transfer = self.transfers.offload([leaves[i].grad for i in present])
+        grads = [leaves[i].grad for i in present]
         for t in leaves:
             t.grad = None
-        grads: list[torch.Tensor | None] = [None] * len(leaves)
-        for i, g in zip(present, transfer.tensors, strict=True):
-            grads[i] = g
-        self.eps.submit(index, grads, transfer.done)
+        if self.peers is None:
+            transfer = self.transfers.offload(grads)
+            self.eps.submit(index, _aligned(len(leaves), present, transfer.tensors), transfer.done)
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        del grads
+        owner = self.eps.owners[index]
+        work = self.transfers.collective(lambda: self.peers.start_reduce(flat, owner), flat)
+        if not self.eps.owns(index):  # sharded: only the owner needs the sum
+            self.eps.submit(index, Shipment([], reduction=work, flat=flat))
+            return
+        transfer = self.transfers.offload([flat])
+        host = transfer.tensors[0]
+        shapes = [leaves[i].shape for i in present]
+        views = [v.view(shape) for v, shape in zip(host.split([s.numel() for s in shapes]), shapes, strict=True)]
+        self.eps.submit(index, Shipment(_aligned(len(leaves), present, views), transfer.done, work, host))
+
+    def _sum_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(loss, group=self.peers.grads_group)  # after every gradient sum, in the same order everywhere
+        return loss
 
     def _autocast(self):
         return self.precision.autocast_context(self.device)
 
-    # -- checkpoints, reporting and lifetime --------------------------------------------------
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [part.optimizer for part in self.eps.parts if part.optimizer is not None]
+    # -- evaluation -----------------------------------------------------------------------
+    def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats:
+        """Forward-only relay: each part over every micro-batch of an evaluation batch, no stash,
+        no gradients; the head adds up the evaluation sums."""
+        stats = EvalStats.zeros(self.model.num_labels)
+        head = self.eps.parts[self.head_index].module
+        with eval_mode(self.model), torch.no_grad():
+            for minibatch in batches:
+                mbs = [mb.to(self.device) for mb in replica_rows(minibatch, self.replica, self.num_replicas)]
+                self.relay.start_step()
+                hidden: list[torch.Tensor | None] = [None] * len(mbs)
+                ctxs: list[dict | None] = [None] * len(mbs)
+                for index in range(self.head_index):
+                    weights, _ = self.relay.next_visit()
+                    hidden = [self._compute(index, weights, mb, h, c) for mb, h, c in zip(mbs, hidden, ctxs, strict=True)]
+                    if index == 0:
+                        ctxs = [self.model.context(mb, h) for mb, h in zip(mbs, hidden, strict=True)]
+                weights, _ = self.relay.next_visit()
+                for mb, h in zip(mbs, hidden, strict=True):
+                    with self._autocast():
+                        stats += EvalStats(functional_call(head, weights, (h, mb.labels), {"evaluate": True}).cpu())
+        self.relay.start_step()
+        if self.peers is not None:
+            dist.all_reduce(stats.sums, group=self.world.control)
+        return stats
 
-    def weights_loaded(self) -> None:
+    # -- state ------------------------------------------------------------------------------
+    def parameter_names(self) -> list[str]:
+        return [name for name, _ in unique_named_parameters(self.model)]
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        if self.replica != 0:  # every replica holds the same current weights
+            return None
+        return {name: p.detach() for name, p in unique_named_parameters(self.model)}
+
+    def state_dict(self) -> dict | None:
+        """Replicated: replica 0 holds it all. Sharded: every replica its own parts' masters and
+        optimizer state."""
+        mine = [p for part in self.eps.local_parts() for p in part.owned]
+        if not mine or (self.peers is not None and not self.peers.sharded and self.replica != 0):
+            return None
+        return model_state(self.model, mine, self._optimizers(), self.scaler)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_model_state(self.model, self._optimizers(), self.scaler, state)
         self.eps.refresh_wires()
 
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [part.optimizer for part in self.eps.parts if part.optimizer is not None]
+
+    # -- reporting and lifetime ---------------------------------------------------------------
     def report(self) -> dict:
         phases = dict(self.timer.totals)
-        phases["transfer_wait"] = self.transfers.wait_s
         eps = self.eps.stats.as_dict()
         steps = max(eps["steps"], 1)
         rate = eps["parameters_per_s"]
         summary = {
             "resident blocks (peak / bound)": f"{self.relay.peak_resident} / {self.relay.capacity}",
-            "activation stash": "host" if self.stash_on_host else "device",
-            **{f"{label} s/step": f"{phases.get(key, 0.0) / steps:.3f}" for key, label in _PHASE_LABELS.items()},
+            "activation stash": "host" if self.stash_host else "device",
+            **{f"{label} s/step": f"{phases.get(key, 0.0) / steps:.3f}" for key, label in _PHASE_LABELS.items()
+               if key in phases},
+            "transfer wait s/step (within the phases)": f"{self.transfers.wait_s / steps:.3f}",
             "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s",
             "EPS updates": "deferred to end of backward (clipping / fp16 check)" if self.eps.defer else "eager",
         }
-        return {
-            "stash": "cpu" if self.stash_on_host else "device",
+        report = {
+            "stash": "cpu" if self.stash_host else "device",
             "max_resident_blocks": self.relay.capacity,
             "peak_resident_blocks": self.relay.peak_resident,
             "deferred_updates": self.eps.defer,
             "phase_times_s": phases,
+            "transfer_wait_s": self.transfers.wait_s,
             "eps": eps,
             "loss_scale": self.scaler.scale,
             "summary": summary,
         }
+        if self.peers is not None:
+            owned = sum(part.num_owned for part in self.eps.local_parts())
+            report["replica"] = {"rank": self.replica, "owned_parameters": owned,
+                                 "reduction_s": self.peers.reduce_s, "reduction_exposed_s": self.peers.exposed_s,
+                                 "eps_busy_s": eps["busy_s"]}
+        return report
 
     def close(self) -> None:
         self.eps.close()
+
+
+@register("l2l_stash_cpu")
+class L2LStashCpu(L2L):
+    """L2L with every block input offloaded to host memory: device memory constant in depth."""
+
+    Config = L2LStashCpuConfig
+
+    @classmethod
+    def stash_on_host(cls, cfg) -> bool:
+        return True
+
+
+def _aligned(size: int, present: list[int], tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """`tensors` at the positions `present` of a list of `size` (None where a leaf had no gradient)."""
+    out: list[torch.Tensor | None] = [None] * size
+    for i, t in zip(present, tensors, strict=True):
+        out[i] = t
+    return out
 
 
 def _next_stash_key(index: int, u: int, num_microbatches: int) -> tuple[int, int] | None:
@@ -338,9 +551,3 @@ def _next_stash_key(index: int, u: int, num_microbatches: int) -> tuple[int, int
     if u + 1 < num_microbatches:
         return index, u + 1
     return (index - 1, 0) if index > 1 else None
-
-
-def _stash_on_host(s) -> bool:
-    if s.name == "l2l_stash_cpu" and s.stash != "cpu":
-        raise ConfigError(f"strategy=l2l_stash_cpu keeps the stash on the host; drop strategy.stash={s.stash}")
-    return s.stash == "cpu"

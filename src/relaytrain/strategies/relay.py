@@ -57,6 +57,18 @@ class Transfers:
                 t.record_stream(self.offload_stream)
             return Transfer(host_out, _record(self.offload_stream))
 
+    def collective(self, start, tensor: torch.Tensor):
+        """Start a collective over `tensor` after the compute so far. On CUDA it runs on the offload
+        stream, which waits for it, so an `offload` queued next copies its result; the host
+        needs nothing more (None). On the CPU the caller gets the work to wait on."""
+        if not self.cuda:
+            return start()
+        self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.offload_stream):
+            tensor.record_stream(self.offload_stream)
+            start().wait()  # a stream wait (NCCL), not a host one
+        return None
+
     def acquire(self, transfer: Transfer) -> list[torch.Tensor]:
         """The uploaded tensors, safe to compute on from the current stream."""
         if transfer.done is not None:

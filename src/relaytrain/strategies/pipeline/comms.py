@@ -49,6 +49,7 @@ class Comms:
         self.timeout = timedelta(seconds=timeout_s)
         self.replica_group = self._replica_group()
         self.tied_group = self._tied_group() if has_tied_weights else None
+        self.loss_group = self._loss_group()
         # gloo's point-to-point operations are independent of each other (each irecv is its own
         # posted buffer, matched by source and tag in posting order), so receives may be posted
         # ahead of time and the tied copies' sum exchanged point to point. NCCL queues all of a
@@ -82,6 +83,15 @@ class Comms:
         group = dist.new_group(ranks, timeout=self.timeout)
         return group if self.stage in (0, last) else None
 
+    def _loss_group(self):
+        """The last stages of every replica, summing each batch's loss (gloo: a CPU scalar)."""
+        if self.topology.replicas == 1:
+            return None
+        last = self.topology.stages - 1
+        ranks = [self.topology.rank(last, r) for r in range(self.topology.replicas)]
+        group = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
+        return group if self.stage == last else None
+
     def send(self, tensor: torch.Tensor, to: int) -> dist.Work:
         return dist.isend(tensor, to)
 
@@ -108,31 +118,31 @@ class TiedExchange:
 
 
 class GradReduction:
-    """One batch's gradients (and the last stage's loss) being summed in the background.
+    """One batch's gradients being summed in the background.
 
-    Everything travels in one flat buffer laid out [loss?, untied grads, tied grads]: the
-    replica group sums the first part, the tied group (all copies of the tied weights) the
-    second, so each tensor is reduced exactly once, with one collective per group.
+    Everything travels in one flat buffer laid out [untied grads, tied grads]: the replica
+    group sums the first part, the tied group (all copies of the tied weights) the second, so
+    each tensor is reduced exactly once, with one collective per group. A parameter that got
+    no gradient (None, the same on every replica: it is the model's structure) takes no room
+and comes back as None.
 
     With one pipeline there is nothing to sum over replicas, so no flat copy is made: the
-    untied gradients and the loss stay as they are, and on gloo (`Comms.tied_peer`) the two
-    tied copies swap gradients point to point (`TiedExchange`), each adding the other's.
+    untied gradients stay as they are, and on gloo (`Comms.tied_peer`) the two tied copies
+    swap gradients point to point (`TiedExchange`), each adding the other's.
     """
 
-    def __init__(self, comms: Comms, grads: list[torch.Tensor], num_tied: int, loss: torch.Tensor | None,
-                 tied: TiedExchange | None = None):
+    def __init__(self, comms: Comms, grads: list[torch.Tensor | None], num_tied: int, tied: TiedExchange | None = None):
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # the caller keeps these alive until delivered
         self.timeout = comms.timeout
         # Nothing to sum over replicas, and the tied copies (if any) swap point to point.
         self.p2p = comms.replica_group is None and (comms.tied_peer is not None or comms.tied_group is None or not num_tied)
         if self.p2p:
-            self._exchange(comms, grads, num_tied, loss, tied)
+            self._exchange(comms, grads, num_tied, tied)
             return
-        parts = ([loss.reshape(1).float()] if loss is not None else []) + [g.reshape(-1) for g in grads]
-        self.flat = torch.cat(parts)
-        self.shapes = [g.shape for g in grads]
-        self.has_loss = loss is not None
-        tied_elems = sum(g.numel() for g in grads[len(grads) - num_tied:]) if num_tied else 0
+        self.shapes = [None if g is None else g.shape for g in grads]
+        like = next(g for g in grads if g is not None)
+        self.flat = torch.cat([like.new_zeros(0) if g is None else g.reshape(-1) for g in grads])
+        tied_elems = sum(g.numel() for g in grads[len(grads) - num_tied:] if g is not None) if num_tied else 0
         split = self.flat.numel() - tied_elems
         self.works = []
         if comms.replica_group is not None:
@@ -140,20 +150,25 @@ class GradReduction:
         if comms.tied_group is not None and tied_elems:
             self.works.append(dist.all_reduce(self.flat[split:], group=comms.tied_group, async_op=True))
 
-    def _exchange(self, comms: Comms, grads: list[torch.Tensor], num_tied: int, loss: torch.Tensor | None,
-                  tied: TiedExchange | None) -> None:
+    def _exchange(self, comms: Comms, grads: list[torch.Tensor | None], num_tied: int, tied: TiedExchange | None) -> None:
         """One pipeline: nothing to sum over replicas, so no flat copy; the tied gradients go to
         the partner as they are and the partner's come back into `tied`'s buffers."""
         split = len(grads) - num_tied
-        self.grads, self.loss, self.exchange = grads, loss, None
+        self.grads, self.exchange = grads, None
         if num_tied and comms.tied_peer is not None:
             self.exchange = tied if tied is not None else TiedExchange(comms, grads[split:])
             for g in grads[split:]:
                 g = g.contiguous()
                 self.sends.append((dist.isend(g, comms.tied_peer, tag=TIED_TAG), g))
 
-    def finish(self) -> tuple[float | None, list[torch.Tensor]]:
-        """Wait for the sums; return (summed loss or None, gradients shaped like the parameters)."""
+    def ready(self) -> bool:
+        """Whether `finish` would return without waiting."""
+        if self.p2p:
+            return self.exchange is None or all(w.is_completed() for w in self.exchange.works)
+        return all(w.is_completed() for w in self.works)
+
+    def finish(self) -> list[torch.Tensor | None]:
+        """Wait for the sums; return the gradients shaped like the parameters (None: none)."""
         if self.p2p:
             grads = list(self.grads)
             if self.exchange is not None:
@@ -161,43 +176,9 @@ class GradReduction:
                 for i, (work, theirs) in enumerate(zip(self.exchange.works, self.exchange.buffers, strict=True)):
                     work.wait(self.timeout)
                     grads[split + i] = theirs.add_(grads[split + i])
-            return (float(self.loss.float()) if self.loss is not None else None), grads
+            return grads
         for work in self.works:
             work.wait(self.timeout)
-        flat = self.flat[1:] if self.has_loss else self.flat
-        sizes = [s.numel() for s in self.shapes]
-        grads = [g.view(shape) for g, shape in zip(flat.split(sizes), self.shapes, strict=True)]
-        return (float(self.flat[0]) if self.has_loss else None), grads
-
-
-class StopVotes:
-    """Every rank agrees on whether to stop (SIGINT/SIGTERM asked for it) without pausing the pipeline.
-
-    Each rank votes at its REDUCE_GRADS(b) with the signal it was asked to stop by (0: none);
-    the votes are combined (max) in the background and read a batch or two later, when every
-    rank has long voted (`schedule.stop_vote_lag`), so all ranks read the same answer. The
-    votes travel on their own gloo group: CPU tensors whatever the backend, and never queued
-    behind a gradient sum.
-    """
-
-    def __init__(self, world_size: int, timeout_s: float):
-        self.timeout = timedelta(seconds=timeout_s)
-        self.group = dist.new_group(list(range(world_size)), timeout=self.timeout, backend="gloo")
-        self.pending: dict[int, tuple[torch.Tensor, dist.Work]] = {}
-
-    def cast(self, batch: int, signum: int) -> None:
-        ballot = torch.tensor([signum], dtype=torch.int64)
-        self.pending[batch] = ballot, dist.all_reduce(ballot, dist.ReduceOp.MAX, group=self.group, async_op=True)
-
-    def result(self, batch: int) -> int:
-        ballot, work = self.pending.pop(batch)
-        work.wait(self.timeout)
-        return int(ballot)
-
-    def settle(self, signum: int) -> int:
-        """All ranks at once: read the votes still out, vote once more; the signal to stop with, or 0."""
-        for batch in list(self.pending):
-            signum = max(signum, self.result(batch))
-        ballot = torch.tensor([signum], dtype=torch.int64)
-        dist.all_reduce(ballot, dist.ReduceOp.MAX, group=self.group)
-        return int(ballot)
+        sizes = [0 if shape is None else shape.numel() for shape in self.shapes]
+        pieces = self.flat.split(sizes)
+        return [None if shape is None else piece.view(shape) for piece, shape in zip(pieces, self.shapes, strict=True)]

@@ -3,7 +3,8 @@
 Stage 0 holds the embeddings, the last stage the head and the loss, and the blocks are
 split as evenly as possible (`strategy.layout` overrides the split). A stage is the layered
 model itself with the other stages' parts removed, so the family's own `context` and
-`head_loss` run unchanged and parameter names stay the layered model's.
+`head_loss` run unchanged, and every parameter keeps its Hugging Face name
+(`LayeredModel.hf_name`), which is what checkpoints and saved models use.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ class StageModule(nn.Module):
 
     `forward` maps the received hidden state (or the input ids on stage 0) to the hidden
     state to send on, or to the micro-batch's summed loss divided by the minibatch's item
-    count on the last stage.
+    count on the last stage. `recompute`: `block` keeps each block's input and recomputes the
+    block in backward; `stage` keeps only the stage's input (PipeDream-2BW's choice) and
+    recomputes the whole stage.
     """
 
-    def __init__(self, model: LayeredModel, blocks: range, first: bool, last: bool, recompute: bool):
+    def __init__(self, model: LayeredModel, blocks: range, first: bool, last: bool, recompute: str = "none"):
         super().__init__()
         self.block_offset = blocks.start
-        self.first, self.last, self.recompute = first, last, recompute
+        self.first, self.last, self.recompute = first, last, str(recompute)
         model.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
         if not first:
             model.embed = None
@@ -55,31 +58,23 @@ class StageModule(nn.Module):
         return [f"model.{pair[side]}" for pair in model.tied_parameters()]
 
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int) -> torch.Tensor:
+        if self.recompute == "stage" and torch.is_grad_enabled():
+            return checkpoint(self._forward, mb, hidden, loss_items, use_reentrant=False)
+        return self._forward(mb, hidden, loss_items)
+
+    def _forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int) -> torch.Tensor:
+        hidden = self.trunk(mb, hidden)
+        return self.model.head_loss(hidden, mb.labels) / loss_items if self.last else hidden
+
+    def trunk(self, mb: MicroBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The stage's embeddings (first stage) and blocks: the hidden state it passes on."""
         m = self.model
         if self.first:
             hidden = m.embed(mb.input_ids)
         ctx = m.context(mb, hidden)
         for block in m.blocks:
-            if self.recompute:
+            if self.recompute == "block" and torch.is_grad_enabled():
                 hidden = checkpoint(block, hidden, ctx, use_reentrant=False)
             else:
                 hidden = block(hidden, ctx)
-        return m.head_loss(hidden, mb.labels) / loss_items if self.last else hidden
-
-    def global_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's tensors under the whole layered model's names (blocks renumbered)."""
-        return {
-            _renumber(name, self.block_offset): tensor.detach().cpu().clone()
-            for name, tensor in self.model.state_dict().items()
-        }
-
-    def load_global_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """The inverse of `global_state_dict`: exactly this stage's tensors, or an error."""
-        self.model.load_state_dict({_renumber(name, -self.block_offset): t for name, t in state.items()}, strict=True)
-
-
-def _renumber(name: str, shift: int) -> str:
-    if not name.startswith("blocks."):
-        return name
-    index, rest = name[len("blocks."):].split(".", 1)
-    return f"blocks.{int(index) + shift}.{rest}"
+        return hidden

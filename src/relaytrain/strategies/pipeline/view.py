@@ -2,7 +2,7 @@
 
     relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8
     relaytrain schedule strategy=pipe_flush --batches 2 --out flush.svg
-    relaytrain schedule --schedule gpipe strategy.stages=2
+    relaytrain schedule strategy=pipe_gpipe strategy.stages=2
 
 Rows are stages, columns time units from the schedule's dry run with a backward costing
 twice a forward (the papers' convention). Each cell shows the micro-batch id, 1-based as in
@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.text import Text
 
 from relaytrain.errors import ConfigError
+from relaytrain.strategies import registry, strategy_class
 from relaytrain.strategies.pipeline.schedule import KINDS, Op, Schedule, build_schedule
 from relaytrain.strategies.pipeline.validate import Timeline, bubble_formula, check_schedule
 
@@ -29,13 +30,15 @@ SVG_FILL = {0: ("#3b6fd8", "#4caf50"), 1: ("#b04cc8", "#e6c229")}
 USAGE = "relaytrain schedule [KEY=VALUE ...] [--schedule pipe_flush|pipe_2bw|gpipe] [--batches N] [--out FILE.svg|.png]"
 
 
-def schedule_command(args: list[str]) -> int:
+def schedule_command(args: list[str], compose) -> int:
+    """`compose(overrides)` gives the config `relaytrain train` would compose (a ConfigError if it cannot)."""
     options, overrides = _parse_args(args)
-    s = _compose(overrides).strategy
-    kind = options.get("--schedule", s.name)
+    s = compose(overrides).strategy
+    kind = options.get("--schedule") or getattr(strategy_class(s.name), "schedule", None)
     if kind not in KINDS:
-        raise ConfigError(f"strategy={kind} has no pipeline schedule; use strategy=pipe_flush or pipe_2bw "
-                          f"(or --schedule gpipe)")
+        pipelines = [n for n, c in registry().items() if getattr(c, "schedule", None)]
+        raise ConfigError(f"strategy={s.name} has no pipeline schedule; use strategy={' or '.join(pipelines)} "
+                          f"(or --schedule {'|'.join(KINDS)})")
     # 2BW's first new version is used from batch 3 on: show enough batches to see it.
     batches = _positive_int(options.get("--batches", "3" if kind == "pipe_2bw" else "2"), "--batches")
     schedule = build_schedule(kind, s.stages, s.num_microbatches, batches)
@@ -70,18 +73,6 @@ def _positive_int(value: str, name: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise ConfigError(f"{name}={value} must be a positive integer")
     return int(value)
-
-
-def _compose(overrides: list[str]):
-    """The config `relaytrain train` would compose (a schedule needs no model, so no validation)."""
-    from relaytrain.cli import check_overrides
-    from relaytrain.config import compose_config
-
-    try:
-        return compose_config(overrides)
-    except Exception as err:  # Hydra's own error types: let the CLI's checker phrase them
-        check_overrides(overrides)
-        raise ConfigError(f"cannot compose the config: {(str(err).strip().splitlines() or [''])[0]}") from err
 
 
 # ----------------------------------------------------------------------- terminal

@@ -1,0 +1,308 @@
+"""One launcher for every strategy: one process in place, or one process per worker.
+
+`launch(entry, cfg, ...)` runs `entry(cfg, world, payload)` in every process of the run and
+returns what the reporting process returned:
+- one process (baseline, l2l): here, in this process;
+- several (pipelines, l2l with replicas) on one machine: spawned workers, watched from here;
+- under `torchrun` (RANK and WORLD_SIZE set): this process *is* one worker.
+
+A failure anywhere ends the whole run quickly: the launcher watches its workers and kills
+every one as soon as one exits badly; inside the workers every transfer and reduction waits
+at most `strategy.timeout_s`. The error shown is the failing worker's own, one line: a worker
+killed by a signal is the cause before any that merely lost a peer, otherwise the earliest
+error wins (peers fail after the worker that broke). A worker never outlives its launcher
+(`PR_SET_PDEATHSIG`).
+
+Stopping. SIGINT/SIGTERM to the launcher is a request to stop: spawned workers ignore both
+signals (a terminal's Ctrl-C reaches the whole process group) and read the request from
+shared memory; they agree on a step, save a checkpoint and exit, and the launcher raises
+`Interrupted` naming it. A second signal kills the workers at once (`Aborted`). Under torchrun
+each worker takes the signals itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from relaytrain.errors import Aborted, ConfigError, Interrupted
+from relaytrain.world import StopRequest, World, pick_device, threads_per_process
+
+WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time out, not progress
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class WorkerFailed(ConfigError):
+    """A worker failed; the message is that worker's error in one line (shown like a ConfigError)."""
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_machine(cfg, processes: int) -> None:
+    """Refuse, before any process starts, a run this machine cannot start."""
+    device = pick_device(cfg.train.device)
+    backend = str(getattr(cfg.strategy, "backend", "auto"))
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("strategy.backend=nccl needs CUDA devices; use strategy.backend=gloo or auto")
+    if processes == 1 or under_torchrun():
+        return
+    if device.type == "cuda" and processes > torch.cuda.device_count():
+        raise ConfigError(f"strategy={cfg.strategy.name} runs {processes} workers, one GPU each, and "
+                          f"{torch.cuda.device_count()} are visible; lower strategy.stages or strategy.replicas, "
+                          f"or run under torchrun on more machines")
+    cpus = os.cpu_count() or 1
+    if device.type == "cpu" and processes > WORKERS_PER_CPU * cpus:
+        raise ConfigError(f"strategy={cfg.strategy.name} runs {processes} workers on {cpus} CPU cores, more than "
+                          f"{WORKERS_PER_CPU} per core; lower strategy.stages or strategy.replicas")
+
+
+def launch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_checkpoint):
+    """Run `entry(cfg, world, payload)` in each of `processes`; return the reporter's result
+    (None on the other processes under torchrun). `describe(rank)` names a worker in errors;
+    `latest_checkpoint()` names the newest complete checkpoint when a second signal aborts."""
+    if under_torchrun():
+        return _as_torchrun_worker(entry, cfg, processes, payload)
+    if processes == 1:
+        return _in_this_process(entry, cfg, payload)
+    return _spawn_and_watch(entry, cfg, processes, describe, Path(run_dir), payload, latest_checkpoint)
+
+
+def announce_stop(signum: int) -> None:
+    print(f"relaytrain: {signal.Signals(signum).name}: stopping after the step in flight and saving a checkpoint; "
+          f"send it again to stop at once without saving", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------- one process
+
+
+def _in_this_process(entry, cfg, payload):
+    world = World(device=pick_device(cfg.train.device), stop=StopRequest(announce=announce_stop))
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        return entry(cfg, world, payload)
+    with _signal_handlers(world.stop.request):
+        return entry(cfg, world, payload)
+
+
+def _as_torchrun_worker(entry, cfg, processes: int, payload):
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if size != processes:
+        raise ConfigError(f"torchrun started {size} workers but strategy={cfg.strategy.name} needs {processes} "
+                          f"(strategy.stages x strategy.replicas); make them equal")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    torch.set_num_threads(threads_per_process(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", size))))
+    world = _world(cfg, rank, size, local_rank, StopRequest(announce=announce_stop))
+    with _signal_handlers(world.stop.request):
+        return _joined(entry, cfg, world, payload, "env://")
+
+
+def _world(cfg, rank: int, size: int, local_rank: int, stop: StopRequest) -> World:
+    timeout = float(getattr(cfg.strategy, "timeout_s", 120.0))
+    return World(rank, size, local_rank, pick_device(cfg.train.device, local_rank), stop, timeout)
+
+
+def _joined(entry, cfg, world: World, payload, init_method: str):
+    backend = str(getattr(cfg.strategy, "backend", "auto"))
+    if backend == "auto":
+        backend = "nccl" if world.device.type == "cuda" else "gloo"
+    world.join(backend, init_method)
+    try:
+        result = entry(cfg, world, payload)
+    except Interrupted:  # every process stopped at the same step, after its checkpoint: all in step
+        world.leave()
+        raise
+    # Left only when all agree: tearing the group down under peers still inside a collective
+    # aborts the process before it could say why it failed. A failing worker just exits.
+    world.leave()
+    return result
+
+
+# ----------------------------------------------------------------------- local workers
+
+
+@dataclass
+class _Relay:
+    """Shared memory between the launcher and its workers (no lock: one writer each)."""
+
+    signum: object  # the stop signal the launcher received, 0 if none
+    stopped_at: object  # written by the reporter: the step the workers stopped and saved at, 0 if they finished
+    stopped_by: object
+
+    @classmethod
+    def create(cls, context) -> _Relay:
+        return cls(context.RawValue("i", 0), context.RawValue("q", 0), context.RawValue("i", 0))
+
+
+def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_checkpoint):
+    from omegaconf import OmegaConf
+
+    errors = run_dir / "worker_errors"  # written only when a worker fails
+    for old in errors.glob("rank*"):
+        old.unlink()
+    config = OmegaConf.to_container(cfg, resolve=True)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = mp.get_context("spawn")
+    relay = _Relay.create(context)
+    procs = [
+        context.Process(target=_spawned_worker,
+                        args=(entry, rank, processes, config, payload, str(run_dir), init_method, relay),
+                        name=f"relaytrain-rank{rank}")
+        for rank in range(processes)
+    ]
+    stop = StopRequest(announce=announce_stop)
+    try:
+        _start_and_watch(procs, stop, relay, describe, errors)
+    except Aborted as abort:
+        _stop(procs)
+        raise Aborted(abort.signum, latest_checkpoint()) from None
+    finally:
+        _stop(procs)
+    if relay.stopped_at.value:
+        raise Interrupted(relay.stopped_by.value, relay.stopped_at.value, latest_checkpoint())
+    path = run_dir / "results.json"
+    return json.loads(path.read_text())
+
+
+def _start_and_watch(procs, stop: StopRequest, relay: _Relay, describe, errors: Path) -> None:
+    """Start the workers deaf to SIGINT/SIGTERM, then relay both to them while watching.
+
+    The workers start while the launcher ignores both signals, so they inherit SIG_IGN through
+    exec: a Ctrl-C (sent to the whole process group) cannot kill one even during its start-up.
+    Meanwhile the signals are blocked, so one sent then waits for the launcher's handler.
+    """
+    def request(signum, frame):
+        stop.request(signum)  # raises Aborted on the second one
+        relay.signum.value = signum
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread can take signals
+        for p in procs:
+            p.start()
+        _watch(procs, describe, errors)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        with _signal_handlers(signal.SIG_IGN):
+            for p in procs:
+                p.start()
+        with _signal_handlers(request):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+            _watch(procs, describe, errors)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextmanager
+def _signal_handlers(handler):
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _watch(procs, describe, errors: Path) -> None:
+    """Return when every worker succeeded; on the first failure stop them all and raise."""
+    while True:
+        failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            _stop(procs)
+            raise failure(procs, failed, describe, errors)
+        running = [p.sentinel for p in procs if p.exitcode is None]
+        if not running:
+            return
+        wait(running, timeout=1.0)
+
+
+def _stop(procs) -> None:
+    """SIGKILL: the workers ignore SIGTERM, and one that lost a peer has nothing left to save."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    for p in alive:
+        p.join()
+
+
+def failure(procs, failed: list[int], describe, errors: Path) -> ConfigError:
+    """The one error that explains a failed run (see the module's docstring)."""
+    killed = [rank for rank in failed if procs[rank].exitcode < 0]
+    if killed:
+        rank = killed[0]
+        name = signal.Signals(-procs[rank].exitcode).name
+        return WorkerFailed(f"worker {describe(rank)} was killed by {name}; the other workers were stopped")
+    records = [json.loads(f.read_text()) for f in errors.glob("rank*.json")]
+    if records:
+        first = min(records, key=lambda r: r["time"])
+        if first["user_error"]:  # a ConfigError: its message is the whole story
+            return ConfigError(first["message"])
+        trace = errors / f"rank{first['rank']}.txt"
+        return WorkerFailed(f"worker {describe(first['rank'])} failed: {first['error']}: {first['message']} "
+                            f"(traceback: {trace})")
+    rank = failed[0]
+    return WorkerFailed(f"worker {describe(rank)} exited with code {procs[rank].exitcode}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_launcher() -> None:
+    """A worker must not outlive its launcher: one SIGKILLed (by an out-of-memory killer, say)
+    cannot stop its workers, so on Linux the kernel does it (PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    launcher = mp.parent_process()
+    if launcher is not None and os.getppid() != launcher.pid:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, relay) -> None:
+    # Stop requests come through `relay` (a Ctrl-C to the process group must not kill a worker
+    # mid-step); SIG_IGN is inherited already, set here for a launcher outside the main thread.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    _die_with_launcher()
+    try:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.create(config)
+        torch.set_num_threads(threads_per_process(cfg.train.threads, size))
+        world = _world(cfg, rank, size, rank, StopRequest(read=lambda: relay.signum.value))
+        _joined(entry, cfg, world, payload, init_method)
+    except Interrupted as stop:
+        relay.stopped_by.value, relay.stopped_at.value = stop.signum, stop.step
+    except Exception as err:
+        _record_failure(Path(run_dir) / "worker_errors", rank, err)
+        os._exit(1)  # no teardown: the process group's destructor would abort under peers mid-collective
+
+
+def _record_failure(errors: Path, rank: int, err: Exception) -> None:
+    errors.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "time": time.time(), "error": type(err).__name__,
+              "message": (str(err).strip().splitlines() or [""])[0], "user_error": isinstance(err, ConfigError)}
+    (errors / f"rank{rank}.txt").write_text(traceback.format_exc())
+    tmp = errors / f"rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(errors / f"rank{rank}.json")

@@ -1,0 +1,86 @@
+"""results.json, assembled in one place for every strategy from every process's report.
+
+Each process reports its strategy's figures (`Strategy.report`) and its own memory; the
+reporting process gathers them, the strategy's class folds the strategy figures into
+`strategy_report` (`Strategy.summarize`), and this module adds what every run has: the model,
+the batch shape, the loss history, throughput over the measured steps, and memory.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+
+from relaytrain import metrics
+from relaytrain.models import count_parameters
+
+
+def process_report(strategy, world, host: metrics.HostMemory) -> dict:
+    """What one process contributes: its strategy's figures and its memory peaks."""
+    return {
+        "rank": world.rank,
+        "strategy": strategy.report(),
+        "host_peak_rss_bytes": host.peak_bytes(),
+        "device_memory": metrics.device_memory(world.device),
+    }
+
+
+def assemble_results(cfg, cls, history: dict, measured: list[float], reports: list[dict], world, overrides) -> dict:
+    s, d, m = cfg.strategy, cfg.data, cfg.model
+    replicas = cls.replicas(cfg)
+    samples = s.microbatch_size * s.num_microbatches * replicas
+    params = count_parameters(m)
+    measured = measured or history["step_times"]
+    flops_per_token = metrics.model_flops_per_token(params, m.num_layers, m.hidden_size, d.seq_len)
+    return {
+        "strategy": s.name,
+        "model": {
+            "name": m.name,
+            "family": str(m.family),
+            "task": str(m.task),
+            "parameters": params,
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+        },
+        "device": str(world.device),
+        "precision": str(cfg.precision.name),
+        "processes": cls.processes(cfg),
+        "replicas": replicas,
+        "steps": len(history["losses"]),
+        "measured_steps": len(measured),
+        "microbatch_size": s.microbatch_size,
+        "num_microbatches": s.num_microbatches,
+        "samples_per_step": samples,
+        "tokens_per_step": samples * d.seq_len,
+        "loss": history["losses"],
+        "skipped_steps": history["skipped"],
+        "step_times_s": history["step_times"],
+        "throughput": metrics.throughput(measured, samples, samples * d.seq_len, flops_per_token),
+        "memory": memory(cls, cfg, reports),
+        "strategy_report": cls.summarize(cfg, [r["strategy"] for r in reports]),
+        "threads": metrics.cpu_threads(),
+        "overrides": list(overrides),
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def memory(cls, cfg, reports: list[dict]) -> dict:
+    """The run's peaks: device memory of the fullest device, host RSS of the largest process
+    (and their sum), and every process's own figures when there are several."""
+    device = max((r["device_memory"] for r in reports),
+                 key=lambda dm: dm["peak_allocated_bytes"] or 0)
+    out = {
+        "device": device,
+        "host_peak_rss_bytes": max(r["host_peak_rss_bytes"] for r in reports),
+        "host_peak_rss_total_bytes": sum(r["host_peak_rss_bytes"] for r in reports),
+    }
+    if len(reports) > 1:
+        out["per_process"] = [
+            {"rank": r["rank"], "process": cls.describe_process(cfg, r["rank"]),
+             "host_peak_rss_bytes": r["host_peak_rss_bytes"], "device_peak_allocated_bytes": r["device_memory"]["peak_allocated_bytes"]}
+            for r in reports
+        ]
+    return out

@@ -1,0 +1,150 @@
+"""The processes of one run, seen from one of them: its rank, its device, and how they agree.
+
+A run is one process (baseline, l2l) or several (pipelines, l2l with replicas), started by
+`relaytrain.launch`. Each process gets a `World`: where it stands and what device it computes
+on, the stop request its launcher relays to it, and a gloo group of its own for the trainer's
+small agreements (stop votes, barriers, gathering reports), so those never queue behind a
+strategy's gradient traffic, whatever backend the strategy uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from relaytrain.errors import Aborted
+
+
+class StopRequest:
+    """The signal a stop was asked with (0: none): set by a signal handler, or read from the
+    launcher (its workers ignore signals). A second signal ends the run at once (`Aborted`)."""
+
+    def __init__(self, read: Callable[[], int] | None = None, announce: Callable[[int], None] | None = None):
+        self._signum = 0
+        self._read = read  # a shared value written by the launcher, for its workers
+        self.announce = announce  # tells the user what the first signal will do
+
+    @property
+    def signum(self) -> int:
+        return self._read() if self._read is not None else self._signum
+
+    def request(self, signum: int, frame=None) -> None:
+        """A signal handler: the first signal asks for a stop at the next safe point, a second
+        one raises `Aborted` in the main thread, wherever it is."""
+        if self._signum:
+            raise Aborted(signum)
+        self._signum = signum
+        if self.announce is not None:
+            self.announce(signum)
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    stop: StopRequest = field(default_factory=StopRequest)
+    timeout_s: float = 120.0
+    control: object = None  # the trainer's gloo group (None with one process)
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def join(self, backend: str, init_method: str) -> None:
+        """Join the run's process group (every strategy group is made after this)."""
+        if not self.distributed:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.size,
+                                timeout=self.timeout)
+        self.control = dist.new_group(list(range(self.size)), timeout=self.timeout, backend="gloo")
+
+    def leave(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.control)
+
+    def gather(self, obj, to: int) -> list | None:
+        """Every process's `obj`, on process `to` (None elsewhere); [obj] with one process."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.size if self.rank == to else None
+        dist.gather_object(obj, out, dst=to, group=self.control)
+        return out
+
+    def max_int(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        ballot = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(ballot, dist.ReduceOp.MAX, group=self.control)
+        return int(ballot)
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    name = str(name)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device(f"cuda:{local_rank % max(torch.cuda.device_count(), 1)}")
+    return torch.device(name)
+
+
+def threads_per_process(configured: int, local_processes: int) -> int:
+    """torch threads for each of `local_processes` on this machine: the cores shared out, unless set."""
+    return configured or max(1, (os.cpu_count() or 1) // local_processes)
+
+
+class StopVotes:
+    """Every process agrees on the step to stop at (SIGINT/SIGTERM asked for it) without pausing.
+
+    Each process casts its stop request after every step; the votes are combined (max) in the
+    background on the control group and read `lag` steps later, when every process has long
+    cast them, so all read the same answer before starting the same step. `lag` is the
+    strategy's (`Strategy.stop_lag`): how many steps a process may run ahead of the slowest.
+    With one process the request is read directly.
+    """
+
+    def __init__(self, world: World, lag: int):
+        self.world, self.lag = world, lag
+        self.pending: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+
+    def before(self, step: int) -> int:
+        """The signal to stop with instead of starting `step`, or 0."""
+        if not self.world.distributed:
+            return self.world.stop.signum
+        decided = step - self.lag
+        return self._result(decided) if decided in self.pending else 0
+
+    def after(self, step: int) -> None:
+        if self.world.distributed:
+            ballot = torch.tensor([self.world.stop.signum], dtype=torch.int64)
+            work = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=self.world.control, async_op=True)
+            self.pending[step] = ballot, work
+
+    def settle(self) -> int:
+        """All processes at once (at a checkpoint or the end): read every vote still out, vote
+        once more, and return the signal to stop with, or 0."""
+        signum = self.world.stop.signum
+        for step in list(self.pending):
+            signum = max(signum, self._result(step))
+        return self.world.max_int(signum)
+
+    def _result(self, step: int) -> int:
+        ballot, work = self.pending.pop(step)
+        work.wait(self.world.timeout)
+        return int(ballot)
