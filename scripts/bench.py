@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (a clean allocator and thread pool),
 then one summary table. Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,l2l,pipeline] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,l2l,pipeline,l2l_scaling] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "baseline": HERE / "bench_baseline.py",
     "l2l": HERE / "bench_l2l.py",
     "pipeline": HERE / "bench_pipeline.py",
+    "l2l_scaling": HERE / "bench_l2l_scaling.py",
 }
 # Each script writes its own JSON; these pick out its headline ratios: (what, ratio, target).
 HEADLINES = {
@@ -31,6 +32,7 @@ HEADLINES = {
         ("pipe_flush / torch Schedule1F1B", r["flush_vs_torch_1f1b"]["ratio"], r["flush_vs_torch_1f1b"]["target"]),
         ("pipe_2bw / pipe_flush at m = d", r["2bw_vs_flush_at_m_eq_d"]["ratio"], r["2bw_vs_flush_at_m_eq_d"]["target"]),
     ],
+    "l2l_scaling": lambda r: [("l2l, 2 replicas / (2 x one worker)", r["scaling_sharded"], r["target"])],
 }
 
 

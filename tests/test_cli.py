@@ -90,6 +90,13 @@ def test_bad_input_is_one_line_exit_2_and_no_traceback(tmp_path):
         ("precision=cmp_bf16", "needs the eager param server"),
         ("model=gpt2_tiny model.task=classification", "not available for GPT-2"),
         ("train.warmup_steps=400", "train.warmup_steps=400 leaves no measured step"),
+        ("strategy.stages=2", "strategy.stages is not a key of strategy=baseline; only "
+                              "strategy=pipe_2bw/pipe_flush/pipe_gpipe have it"),
+        ("optim=lamb optim.momentum=0.9", "optim.momentum is not a key of optim=lamb; only optim=sgd has it"),
+        ("strategy.recompute=true", "strategy.recompute=True is not one of none, block, stage"),
+        ("model.task=clasification", "model.task=clasification is not one of classification, masked_lm, "
+                                     "causal_lm; did you mean model.task=classification?"),
+        ("strategy=l2l strategy.stash=gpu", "strategy.stash=gpu is not one of device, cpu"),
     ],
 )
 def test_bad_overrides_name_the_key_and_the_fix(override, expected, capsys):
@@ -138,3 +145,12 @@ def test_unknown_command_exits_2(capsys):
 def test_configs_are_found_from_any_working_directory(tmp_path):
     proc = relaytrain("train", "--cfg", "job", cwd=Path("/"))
     assert "num_layers: 4" in proc.stdout
+
+
+def test_every_packaged_experiment_composes_and_passes_the_checks():
+    from relaytrain.config import compose_config, validate
+
+    experiments = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "exp").glob("*.yaml"))
+    assert "bert_large_l2l" in experiments
+    for name in experiments:
+        validate(compose_config([f"+exp={name}"]))

@@ -13,7 +13,7 @@ from torch import nn
 from relaytrain.cli import main
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
-from relaytrain.strategies import build_strategy
+from relaytrain.strategies import build_strategy, strategy_class
 from relaytrain.strategies.base import minibatch_items
 from tests.conftest import tiny_cfg, train_plain_loop
 
@@ -271,3 +271,14 @@ def test_cuda_stash_on_host_keeps_device_memory_flat_in_depth():
                        "strategy.num_microbatches=2"), steps=2, device=cuda)
         peaks[blocks] = torch.cuda.max_memory_allocated(cuda)
     assert peaks[16] <= 1.1 * peaks[4], peaks
+
+
+def test_the_host_stash_counts_in_the_host_estimate_on_a_gpu_machine():
+    """With the stash on the host, every block's input of every micro-batch waits in host memory
+    during a CUDA run: L x u x b x s x h words more than with the stash on the device."""
+    common = ["model.num_layers=6", "strategy.num_microbatches=3", "strategy.microbatch_size=4", "data.seq_len=16"]
+    on_host, on_device = (l2l_cfg("bert", name, *common) for name in ("l2l_stash_cpu", "l2l"))
+    params = 10**6
+    extra = (strategy_class("l2l_stash_cpu").estimate_host_bytes(on_host, params, "cuda")
+             - strategy_class("l2l").estimate_host_bytes(on_device, params, "cuda"))
+    assert extra == 6 * 3 * 4 * 16 * 32 * 4

@@ -151,15 +151,22 @@ def test_a_checkpoint_of_another_model_is_refused_with_one_line(flush_reference,
 DETERMINISTIC = ["model.dropout=0.0", "train.steps=6", "train.warmup_steps=1"]
 
 
+@pytest.fixture(scope="module")
+def flush_halfway(tmp_path_factory) -> tuple[Path, Path]:
+    """A deterministic 2-stage pipe_flush run, and the same run stopped (checkpointed) halfway."""
+    whole, first = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("first")
+    finish(whole, *FLUSH, *DETERMINISTIC)
+    finish(first, *FLUSH, *DETERMINISTIC, "train.steps=3", "train.checkpoint_every=3")
+    return whole, first
+
+
 @pytest.mark.parametrize("then", [["strategy=pipe_flush", "strategy.stages=3"], ["strategy=pipe_2bw"],
                                   ["strategy=l2l"], ["strategy=baseline"]])
-def test_a_pipeline_checkpoint_resumes_under_another_layout_or_strategy(tmp_path, then):
+def test_a_pipeline_checkpoint_resumes_under_another_layout_or_strategy(flush_halfway, tmp_path, then):
     """Weights and optimizer state are keyed by parameter name, so any strategy picks up a
     2-stage pipeline's checkpoint; with dropout off it continues to the same weights as the
     uninterrupted run (2BW: its first batch uses the current weights as the previous version)."""
-    whole, first, resumed = tmp_path / "whole", tmp_path / "first", tmp_path / "resumed"
-    finish(whole, *FLUSH, *DETERMINISTIC)
-    finish(first, *FLUSH, *DETERMINISTIC, "train.steps=3", "train.checkpoint_every=3")
+    (whole, first), resumed = flush_halfway, tmp_path / "resumed"
     pipeline = then[0].startswith("strategy=pipe")
     out = finish(resumed, "model=bert_tiny", *DETERMINISTIC, *then, f"train.resume={first}",
                  run=RUN if pipeline else COMMON)

@@ -24,6 +24,8 @@ from relaytrain.optim import build_optimizer, lr_at, set_lr
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.base import minibatch_items
 from relaytrain.strategies.pipeline.comms import Topology
+from relaytrain.strategies.pipeline.runtime import WeightVersions
+from relaytrain.strategies.pipeline.stage import StageModule
 from relaytrain.train import run
 from tests.conftest import tiny_cfg, train_plain_loop
 
@@ -110,9 +112,10 @@ def test_flush_gpt2_tied_across_two_stages_and_two_replicas_equals_baseline(tmp_
     assert json.loads((tmp_path / "pipe" / "results.json").read_text())["strategy"] == "pipe_flush"
 
 
-def test_flush_bert_three_uneven_stages_with_recompute_equals_baseline(tmp_path):
+@pytest.mark.parametrize("recompute", ["block", "stage"])
+def test_flush_bert_three_uneven_stages_with_recompute_equals_baseline(tmp_path, recompute):
     cfg = pipeline_cfg("bert", "model.num_layers=4", "strategy=pipe_flush", "strategy.stages=3",
-                       "strategy.layout=[1,2,1]", "strategy.recompute=block", "strategy.microbatch_size=2",
+                       "strategy.layout=[1,2,1]", f"strategy.recompute={recompute}", "strategy.microbatch_size=2",
                        "strategy.num_microbatches=4", "optim.lr=1e-3")
     results, ours = trained_by_pipeline(cfg, tmp_path)
     baseline, baseline_losses = trained_by_baseline(cfg)
@@ -120,6 +123,14 @@ def test_flush_bert_three_uneven_stages_with_recompute_equals_baseline(tmp_path)
     assert_same_weights(ours, train_plain_loop(whole_minibatch_cfg(cfg), STEPS).hf_model)
     assert results["loss"] == pytest.approx(baseline_losses, rel=1e-5)
     assert [s["blocks"] for s in results["strategy_report"]["per_stage"]] == [1, 2, 1]
+
+
+def test_gpipe_registered_from_its_own_module_equals_the_plain_loop(tmp_path):
+    cfg = pipeline_cfg("gpt2", "strategy=pipe_gpipe", "strategy.stages=3", "strategy.microbatch_size=2",
+                       "strategy.num_microbatches=3", "optim=adamw", "optim.lr=1e-3")
+    results, ours = trained_by_pipeline(cfg, tmp_path)
+    assert_same_weights(ours, train_plain_loop(whole_minibatch_cfg(cfg), STEPS).hf_model)
+    assert results["strategy"] == "pipe_gpipe" and results["strategy_report"]["layout"] == [1, 1, 1]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -133,6 +144,26 @@ def test_2bw_equals_the_delayed_gradient_rule(tmp_path, optimizer):
     assert_same_weights(ours, trained_by_delayed_gradients(cfg))
     with pytest.raises(AssertionError):  # and the delay is real: not the baseline's weights
         assert_same_weights(ours, trained_by_baseline(cfg)[0])
+
+
+def test_a_parameter_without_gradient_is_not_updated_as_in_the_baseline():
+    """take_grads hands None for it; the optimizer then skips it (no momentum, no weight decay),
+    as the baseline's optimizer does for a parameter whose .grad is None."""
+    cfg = tiny_cfg("bert", "strategy=pipe_2bw", "optim=adamw", "optim.weight_decay=0.1")
+    model = build_model(cfg.model, cfg.train.seed)
+    stage = StageModule(model, range(model.num_blocks), first=True, last=True)
+    versions = WeightVersions(stage, versions=2, optim_cfg=cfg.optim)
+    untouched = len(versions.params[0]) - 1
+    for i, p in enumerate(versions.params[0]):
+        p.grad = None if i == untouched else torch.ones_like(p)
+    before = [p.detach().clone() for p in versions.params[0]]
+    grads = versions.take_grads(0)
+    assert grads[untouched] is None and all(g is not None for g in grads[:untouched])
+    versions.apply(grads, lr=0.1)
+    after = versions.params[1]  # version 1 lives in the second buffer
+    assert torch.equal(after[untouched], before[untouched])
+    assert all(not torch.equal(a, b) for a, b in zip(after[:untouched], before[:untouched], strict=True))
+    assert after[untouched] not in versions.optimizer.state
 
 
 def test_killing_a_worker_ends_the_run_with_a_clear_error_in_bounded_time(tmp_path):
