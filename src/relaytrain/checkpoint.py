@@ -38,6 +38,7 @@ from relaytrain.errors import ConfigError
 FORMAT = 2
 MANIFEST = "manifest.json"
 TRAINER = "trainer.pt"
+BEST = "best.json"  # in the checkpoints directory: the step `train.keep_best` keeps
 STEP = re.compile(r"^step-(\d{8})$")
 STAGING = re.compile(r"^step-(\d{8})\.parts$")
 NAME_KEYED = ("weights", "optimizer")  # part sections merged by parameter name (plus every `extra` section)
@@ -137,9 +138,11 @@ def identity(cfg) -> dict:
 # ------------------------------------------------------------------------------ writing
 
 
-def save(world, directory: Path, step: int, part: dict, trainer: dict | None, manifest: dict, keep: int) -> Path:
+def save(world, directory: Path, step: int, part: dict, trainer: dict | None, manifest: dict, keep: int,
+         best: bool = False) -> Path:
     """Write this process's part (every process calls this at the same step) and, on the
-    process given `trainer`, the trainer's state; rank 0 publishes once all are on disk."""
+    process given `trainer`, the trainer's state; rank 0 publishes once all are on disk.
+    `best`: the checkpoint also becomes the best one, kept beside the latest `keep`."""
     staging = _staging_dir(directory, step)
     staging.mkdir(parents=True, exist_ok=True)
     atomic_write(staging / part_name(world.rank), lambda f: torch.save(part, f))
@@ -148,12 +151,23 @@ def save(world, directory: Path, step: int, part: dict, trainer: dict | None, ma
     world.barrier()  # every part is on disk
     if world.rank == 0:
         publish(directory, step, {**manifest, "processes": world.size}, keep)
+        if best:
+            atomic_write(Path(directory) / BEST, lambda f: f.write(json.dumps({"step": step}).encode()))
     world.barrier()  # and the checkpoint is complete before any process may report it
     return step_dir(directory, step)
 
 
+def best_step(directory: Path) -> int | None:
+    """The step of the checkpoint `train.keep_best` keeps, None when there is none."""
+    try:
+        return int(json.loads((Path(directory) / BEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def publish(directory: Path, step: int, contents: dict, keep: int) -> Path:
-    """Make the staged files of `step` a complete checkpoint; call once every file is written."""
+    """Make the staged files of `step` a complete checkpoint; call once every file is written.
+    Older complete ones beyond the newest `keep` are removed, except the best one."""
     staging, final = _staging_dir(directory, step), step_dir(directory, step)
     files = [part_name(rank) for rank in range(contents["processes"])] + [TRAINER]
     record = {**contents, "format": FORMAT, "step": step,
@@ -163,8 +177,10 @@ def publish(directory: Path, step: int, contents: dict, keep: int) -> Path:
         _remove(final)
     os.replace(staging, final)
     _fsync_dir(directory)
+    kept = step_dir(directory, best) if (best := best_step(directory)) is not None else None
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        _remove(old)
+        if old != kept:
+            _remove(old)
     return final
 
 

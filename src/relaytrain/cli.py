@@ -135,6 +135,7 @@ def check_overrides(overrides: list[str], multirun: bool = False) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from relaytrain.config import register_schema, validate
+    from relaytrain.models.pretrained import explicit_overrides, resolve
 
     register_schema()
     try:
@@ -146,7 +147,7 @@ def check_overrides(overrides: list[str], multirun: bool = False) -> None:
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             for combo in itertools.islice(combos, MAX_SWEEP_CHECKS):
-                cfg = _compose(compose, combo)
+                cfg = resolve(_compose(compose, combo), explicit_overrides(combo))
                 validate(cfg)
                 _check_fits(cfg)
     finally:

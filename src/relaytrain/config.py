@@ -93,6 +93,7 @@ class ModelConfig:
     dropout: float = 0.1  # hidden and attention dropout; 0 makes runs deterministic
     pretrained: str | None = None  # local Hugging Face directory, or a hub id when online
     attn_implementation: str = "sdpa"
+    resolved_from: str | None = None  # set by relaytrain: the checkpoint whose config filled these keys
 
 
 @dataclass
@@ -108,6 +109,10 @@ class DataConfig:
     seed: int = 1234
     num_samples: int = 4096  # synthetic: size of the generated set
     tokenizer: str | None = None  # a tokenizer directory; default: the model's, else one trained locally
+    # held-out data for evaluation: one of these
+    eval_path: str | None = None  # jsonl: a file of held-out samples, in the training file's format
+    eval_split: str | None = None  # glue / wikitext: the dataset's own split, e.g. validation
+    eval_fraction: float = 0.0  # any source without the above: this share of the data, held out
 
 
 @dataclass
@@ -185,9 +190,16 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: cores / workers)
     check_memory: bool = True  # refuse runs the host cannot hold
     # checkpoints
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0  # also after the last step when set
     keep_checkpoints: int = 3
+    keep_best: str | None = None  # also keep the checkpoint of the best evaluation by this metric (e.g. loss, accuracy)
     resume: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # evaluate every N steps (0: only after the last step); needs held-out data
+    max_batches: int = 0  # micro-batches of held-out data per evaluation (0: all of it)
 
 
 @dataclass
@@ -198,6 +210,7 @@ class RelayTrainConfig:
     optim: Any = MISSING  # typed by the chosen option's schema (optim/<name>_schema)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register_schema() -> None:
@@ -234,6 +247,7 @@ def validate(cfg) -> None:
     positive(cfg, "optim", "lr")
     _check_model(cfg.model, cfg.data)
     _check_data(cfg.data)
+    _check_eval(cfg)
     _check_capabilities(cfg, cls)
     _check_train(cfg.train)
     cls.check_config(cfg)
@@ -268,6 +282,47 @@ def _check_data(d) -> None:
             raise ConfigError(f"data.path={d.path} does not exist; point data.path at a JSONL file")
     if d.path and d.source in (Source.glue, Source.wikitext) and not Path(d.path).expanduser().exists():
         raise ConfigError(f"data.path={d.path} does not exist; give a `datasets` directory or drop data.path")
+
+
+def has_held_out_data(d) -> bool:
+    return bool(d.eval_path or d.eval_split or d.eval_fraction > 0)
+
+
+def _check_eval(cfg) -> None:
+    d, e = cfg.data, cfg.eval
+    given = [key for key, on in (("data.eval_path", d.eval_path), ("data.eval_split", d.eval_split),
+                                 ("data.eval_fraction", d.eval_fraction > 0)) if on]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} both name held-out data; keep one")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+    if d.eval_path and d.source != Source.jsonl:
+        raise ConfigError(f"data.eval_path is a jsonl file for data=jsonl; for data={d.source} use "
+                          f"data.eval_split (e.g. validation) or data.eval_fraction")
+    if d.eval_path and not Path(d.eval_path).expanduser().is_file():
+        raise ConfigError(f"data.eval_path={d.eval_path} does not exist; point it at a JSONL file of held-out samples")
+    if d.eval_split and d.source not in (Source.glue, Source.wikitext):
+        raise ConfigError(f"data.eval_split names a split of a hub dataset (glue, wikitext); for data={d.source} "
+                          f"use data.eval_fraction{' or data.eval_path' if d.source == Source.jsonl else ''}")
+    if e.every < 0 or e.max_batches < 0:
+        raise ConfigError(f"eval.every={e.every} and eval.max_batches={e.max_batches} must be 0 or positive")
+    if e.every and not has_held_out_data(d):
+        raise ConfigError(f"eval.every={e.every} needs held-out data: set data.eval_fraction (e.g. 0.1), "
+                          f"data.eval_path (jsonl) or data.eval_split (glue, wikitext)")
+    if cfg.train.keep_best:
+        _check_keep_best(cfg)
+
+
+def _check_keep_best(cfg) -> None:
+    from relaytrain.evaluation import metric_names
+
+    allowed = metric_names(cfg.model.task, cfg.data.name if cfg.data.source == Source.glue else None)
+    if cfg.train.keep_best not in allowed:
+        raise ConfigError(f"train.keep_best={cfg.train.keep_best} is not a metric of model.task={cfg.model.task}; "
+                          f"choose one of {', '.join(allowed)}")
+    if not has_held_out_data(cfg.data) or not cfg.train.checkpoint_every:
+        raise ConfigError(f"train.keep_best={cfg.train.keep_best} keeps the best evaluated checkpoint: it needs "
+                          f"held-out data (data.eval_fraction, eval_path or eval_split) and train.checkpoint_every")
 
 
 def _check_capabilities(cfg, cls) -> None:

@@ -22,6 +22,21 @@ _LOSS, _ITEMS, _CORRECT, _CONFUSION = 0, 1, 2, 3  # positions in the sums vector
 
 # GLUE tasks scored by something other than accuracy (the benchmark's own choice).
 GLUE_METRIC = {"cola": "matthews_correlation", "mrpc": "f1", "qqp": "f1"}
+LOWER_IS_BETTER = {"loss", "perplexity"}
+
+
+def metric_names(task: str, glue_task: str | None = None) -> list[str]:
+    """The figures `EvalStats.metrics` reports for this task (what train.keep_best may name)."""
+    names = ["loss", "perplexity" if str(task) == "causal_lm" else "accuracy"]
+    if str(task) == "classification" and glue_task in GLUE_METRIC:
+        names.append(GLUE_METRIC[glue_task])
+    return names
+
+
+def better(metric: str, value: float, than: float | None) -> bool:
+    if than is None:
+        return True
+    return value < than if metric in LOWER_IS_BETTER else value > than
 
 
 @dataclass

@@ -45,6 +45,11 @@ class StepProgress:
         elif step % self.log_every == 0 or step == self.total or step == 1:
             console.print(f"step {step}/{self.total}  loss {loss:.4f}  {step_time:.3f} s/step{note}", highlight=False)
 
+    def evaluated(self, step: int, figures: dict) -> None:
+        """One line per evaluation, on a terminal above the bar."""
+        if self.enabled:
+            console.print(f"eval after step {step}: {format_eval(figures)}", highlight=False)
+
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.stop()
@@ -57,6 +62,11 @@ def write_results(run_dir: Path, results: dict) -> Path:
     tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
     tmp.replace(path)
     return path
+
+
+def format_eval(figures: dict) -> str:
+    shown = [f"{name} {value:.4f}" for name, value in figures.items() if name not in ("step", "items") and value is not None]
+    return "  ".join(shown) + f"  ({figures.get('items', 0)} items)"
 
 
 def _si(value: float | None, unit: str = "") -> str:
@@ -84,6 +94,9 @@ def print_summary(results: dict, path: Path) -> None:
         ("precision", results["precision"]),
         ("steps", f"{results['steps']} (throughput over the last {results['measured_steps']})"),
         ("loss first → last", f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "n/a"),
+        *([("evaluation (held out)", f"after step {results['eval'][-1]['step']}: {format_eval(results['eval'][-1])}")]
+          if results.get("eval") else []),
+        *([("started from", results["model"]["pretrained"])] if results["model"].get("pretrained") else []),
         ("samples/s", _si(t["samples_per_s"])),
         ("tokens/s", _si(t["tokens_per_s"])),
         ("step time", "n/a" if t["step_time_s"] is None else f"{t['step_time_s']:.3f} s"),

@@ -43,6 +43,7 @@ def assemble_results(cfg, cls, history: dict, measured: list[float], reports: li
             "parameters": params,
             "num_layers": m.num_layers,
             "hidden_size": m.hidden_size,
+            "pretrained": m.pretrained,  # the checkpoint the run started from, None: fresh weights
         },
         "device": str(world.device),
         "precision": str(cfg.precision.name),
@@ -55,6 +56,7 @@ def assemble_results(cfg, cls, history: dict, measured: list[float], reports: li
         "samples_per_step": samples,
         "tokens_per_step": samples * d.seq_len,
         "loss": history["losses"],
+        "eval": history.get("eval", []),
         "skipped_steps": history["skipped"],
         "step_times_s": history["step_times"],
         "throughput": metrics.throughput(measured, samples, samples * d.seq_len, flops_per_token),

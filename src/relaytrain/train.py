@@ -15,14 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 
 from relaytrain import checkpoint, metrics
 from relaytrain.budget import check_host_memory
 from relaytrain.config import validate
-from relaytrain.data import TokenDataset, build_dataset, build_loader
+from relaytrain.data import TokenDataset, build_datasets, build_loader, eval_batches
 from relaytrain.errors import ConfigError, Interrupted, TrainingDiverged
+from relaytrain.evaluation import better
 from relaytrain.launch import check_machine, launch
 from relaytrain.models import build_model
+from relaytrain.models.pretrained import explicit_overrides
+from relaytrain.models.pretrained import resolve as resolve_pretrained
 from relaytrain.optim import lr_at
 from relaytrain.report import StepProgress, print_summary, write_results
 from relaytrain.results import assemble_results, process_report
@@ -38,6 +42,7 @@ class Job:
 
     run_dir: Path
     dataset: TokenDataset
+    eval_dataset: TokenDataset | None = None
     resume: Path | None = None
     overrides: list[str] = field(default_factory=list)
 
@@ -46,15 +51,17 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None) -> dict:
     """Train as `cfg` says, write `run_dir/results.json`, print the summary, return the results
     (an empty dict on the processes of a torchrun launch that do not report)."""
     run_dir = Path(run_dir)
+    cfg = resolve_pretrained(cfg, explicit_overrides(overrides or []))
     validate(cfg)
     cls = strategy_class(cfg.strategy.name)
     check_machine(cfg, cls.processes(cfg))
     if cfg.train.check_memory:
         check_host_memory(cfg, cls)
     resume = _find_resume(cfg, cls, run_dir)
-    dataset = build_dataset(cfg, tokenizer_dir=str(run_dir))  # once, before any worker: data errors end here
+    # Once, before any worker: data errors end here.
+    dataset, eval_dataset = build_datasets(cfg, tokenizer_dir=str(run_dir))
     build_loader(cfg, dataset, cls.replicas(cfg))  # refuses a dataset smaller than one minibatch
-    job = Job(run_dir, dataset, resume, list(overrides or []))
+    job = Job(run_dir, dataset, eval_dataset, resume, list(overrides or []))
 
     def latest() -> Path | None:
         return checkpoint.latest(run_dir)
@@ -87,7 +94,7 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
     host = metrics.HostMemory()
     host.reset_peak()
     metrics.reset_device_peak(world.device)
-    strategy = cls(build_model(cfg.model, cfg.train.seed), cfg, world)
+    strategy = cls(build_model(cfg.model, cfg.train.seed, quiet=world.rank != 0), cfg, world)
     try:
         return Trainer(cfg, cls, strategy, world, job, host).run()
     finally:
@@ -109,8 +116,13 @@ class Trainer:
         self.loader = build_loader(cfg, job.dataset, cls.replicas(cfg))
         self.votes = StopVotes(world, cls.stop_lag)
         self.directory = checkpoint.checkpoint_dir(job.run_dir)
-        self.history: dict = {"losses": [], "step_times": [], "skipped": 0}
+        self.history: dict = {"losses": [], "step_times": [], "skipped": 0, "eval": []}
         self.first = 0
+        s = cfg.strategy
+        self.eval_batches = None if job.eval_dataset is None else eval_batches(
+            job.eval_dataset, s.microbatch_size * cls.replicas(cfg), s.num_microbatches, cfg.eval.max_batches)
+        self.glue_task = cfg.data.name if str(cfg.data.source) == "glue" else None
+        self.progress: StepProgress | None = None
 
     def run(self) -> dict | None:
         steps = self.cfg.train.steps
@@ -119,26 +131,55 @@ class Trainer:
             checkpoint.remove_staging(self.directory)  # before the barrier: nobody writes parts yet
         self.world.barrier()  # start the clock together
         title = f"{self.cfg.strategy.name} · {self.cfg.model.name}"
-        with StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter) as progress:
+        with StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter) as self.progress:
             while step < steps:
                 signum = self.votes.before(step)
                 if signum:
                     raise self._stop(signum, step)
-                self._step(step, progress)
+                self._step(step)
                 step += 1
-                if self._checkpoint_due(step) and step < steps:
-                    self.strategy.drain()
-                    signum = self.votes.settle()
-                    path = self._save(step)
-                    if signum:
-                        raise Interrupted(signum, step, path)
-        self.strategy.drain()
-        self.votes.settle()
-        if self.cfg.train.checkpoint_every:
-            self._save(steps)
+                self._between_steps(step, last=step == steps)
         return self._finish()
 
-    def _step(self, step: int, progress: StepProgress) -> None:
+    def _between_steps(self, step: int, last: bool) -> None:
+        """The evaluation and checkpoint due after `step` steps, on every process at once; after
+        the last step always an evaluation (with held-out data) and a checkpoint (when saving)."""
+        every_eval, every_save = self.cfg.eval.every, self.cfg.train.checkpoint_every
+        evaluate = self.eval_batches is not None and (last or bool(every_eval) and step % every_eval == 0)
+        save = bool(every_save) and (last or step % every_save == 0)
+        if not (evaluate or save or last):
+            return
+        self.strategy.drain()
+        best = self._evaluate(step) if evaluate else False
+        signum = self.votes.settle()
+        if save or best:
+            path = self._save(step, best)
+            if signum and not last:
+                raise Interrupted(signum, step, path)
+        elif signum and not last:
+            raise Interrupted(signum, step, self._save(step))
+
+    def _evaluate(self, step: int) -> bool:
+        """Evaluate on the held-out set; True on every process when `train.keep_best`'s metric improved."""
+        stats = self.strategy.evaluate(self.eval_batches)
+        improved = False
+        if self.reporter:
+            figures = stats.metrics(self.cfg.model.task, self.glue_task)
+            self.history["eval"].append({"step": step, **figures})
+            self.progress.evaluated(step, figures)
+            metric = self.cfg.train.keep_best
+            improved = bool(metric) and better(metric, figures[metric], self._best_so_far(exclude_last=True))
+        return bool(self.world.max_int(int(improved))) if self.cfg.train.keep_best else False
+
+    def _best_so_far(self, exclude_last: bool = False) -> float | None:
+        metric = self.cfg.train.keep_best
+        values = [e[metric] for e in self.history["eval"][: -1 if exclude_last else None]]
+        best = None
+        for value in values:
+            best = value if better(metric, value, best) else best
+        return best
+
+    def _step(self, step: int) -> None:
         if step == self.first + self.cfg.train.warmup_steps:
             self.strategy.timer.reset()  # phase times cover the measured steps, as the step time does
         minibatch = self.loader.minibatch(step)
@@ -158,11 +199,7 @@ class Trainer:
                 f"the last good checkpoint stays in {self.directory}; lower optim.lr or use precision=fp32"
             )
         self.history["losses"].append(result.loss)
-        progress.update(step + 1, result.loss, elapsed, result.skipped)
-
-    def _checkpoint_due(self, step: int) -> bool:
-        every = self.cfg.train.checkpoint_every
-        return bool(every) and step % every == 0
+        self.progress.update(step + 1, result.loss, elapsed, result.skipped)
 
     def _stop(self, signum: int, step: int) -> Interrupted:
         """Every process decided to stop before `step`: finish what is in flight, save there."""
@@ -171,14 +208,15 @@ class Trainer:
         return Interrupted(signum, step, self._save(step))
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def _save(self, step: int) -> Path:
+    def _save(self, step: int, best: bool = False) -> Path:
+        """Every process's part at `step`; `best`: it also becomes the kept best checkpoint."""
         part = self.strategy.state_dict() or dict(EMPTY_PART)
         part = {**part, "rng": checkpoint.rng_state(self.world.device)}
         trainer = {"step": step, "history": self.history} if self.reporter else None
         manifest = {"strategy": self.cls.name, "layout": self.cls.layout(self.cfg),
                     "identity": checkpoint.identity(self.cfg)}
         return checkpoint.save(self.world, self.directory, step, part, trainer, manifest,
-                               self.cfg.train.keep_checkpoints)
+                               self.cfg.train.keep_checkpoints, best=best)
 
     def _restore(self) -> int:
         """Fresh: seed the dropout stream (the same whichever strategy runs). Resumed: the
@@ -196,7 +234,7 @@ class Trainer:
         else:
             torch.manual_seed(self.cfg.train.seed + found.step)
         if self.reporter:
-            self.history = found.trainer()["history"]
+            self.history = {"eval": [], **found.trainer()["history"]}
         return found.step
 
     # -- the end --------------------------------------------------------------------------------
@@ -225,6 +263,7 @@ def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Pat
                 raise ConfigError(f"no process holds the weights of {name}; the model cannot be saved")
             p.copy_(merged[name])
     out = run_dir / "model"
+    transformers.utils.logging.disable_progress_bar()  # one shard of a small model: a bar is noise
     hf_model.save_pretrained(out)
     tokenizer = run_dir / "tokenizer"
     if tokenizer.is_dir():  # a tokenizer trained for this run travels with the model

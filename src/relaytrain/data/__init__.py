@@ -6,24 +6,38 @@
 
 from __future__ import annotations
 
-from relaytrain.data.dataset import MicroBatchLoader, TokenDataset
+from relaytrain.data.dataset import MicroBatchLoader, TokenDataset, eval_batches, hold_out
 from relaytrain.data.synthetic import synthetic_dataset
+from relaytrain.errors import ConfigError
 
-__all__ = ["MicroBatchLoader", "TokenDataset", "build_dataset", "build_loader"]
+__all__ = ["MicroBatchLoader", "TokenDataset", "build_dataset", "build_datasets", "build_loader", "eval_batches"]
 
 
-def build_dataset(cfg, tokenizer_dir: str | None = None) -> TokenDataset:
-    """The dataset `cfg.data` describes, tokenized for `cfg.model`.
+def build_datasets(cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+    """The training set `cfg.data` describes, tokenized for `cfg.model`, and its held-out set
+    (None without one): the source's own (data.eval_path, data.eval_split), or
+    data.eval_fraction of the samples, held out by a seeded draw.
 
     `tokenizer_dir`: where a tokenizer trained here is saved (the run directory), so that a
     saved model ships with the tokenizer it was trained with.
     """
     d, m = cfg.data, cfg.model
     if d.source == "synthetic":
-        return synthetic_dataset(m.task, d.num_samples, d.seq_len, m.vocab_size, m.num_labels, d.seed)
-    from relaytrain.data.sources import load_source  # file and hub sources pull in `datasets`
+        train, held_out = synthetic_dataset(m.task, d.num_samples, d.seq_len, m.vocab_size, m.num_labels, d.seed), None
+    else:
+        from relaytrain.data.sources import load_sources  # file and hub sources pull in `datasets`
 
-    return load_source(cfg, tokenizer_dir)
+        train, held_out = load_sources(cfg, tokenizer_dir)
+    if held_out is None and d.eval_fraction > 0:
+        train, held_out = hold_out(train, d.eval_fraction, d.seed)
+    if held_out is not None and len(held_out) == 0:
+        raise ConfigError("the held-out set is empty; raise data.eval_fraction or give more held-out samples")
+    return train, held_out
+
+
+def build_dataset(cfg, tokenizer_dir: str | None = None) -> TokenDataset:
+    """The training set `cfg.data` describes (see `build_datasets`)."""
+    return build_datasets(cfg, tokenizer_dir)[0]
 
 
 def build_loader(cfg, dataset: TokenDataset, replicas: int = 1) -> MicroBatchLoader:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from relaytrain.errors import ConfigError
+from relaytrain.evaluation import IGNORE_INDEX
 from relaytrain.models.layered import MicroBatch
 
 
@@ -30,6 +33,46 @@ class TokenDataset:
         mask = None if self.attention_mask is None else self.attention_mask[index]
         return MicroBatch(self.input_ids[index], self.labels[index], mask)
 
+    def subset(self, index: torch.Tensor) -> TokenDataset:
+        return TokenDataset(*(None if t is None else t[index] for t in (self.input_ids, self.labels, self.attention_mask)))
+
+
+def hold_out(dataset: TokenDataset, fraction: float, seed: int) -> tuple[TokenDataset, TokenDataset]:
+    """`fraction` of the samples (at least one), drawn by `seed`, as a held-out set; the rest in order."""
+    count = max(1, round(len(dataset) * fraction))
+    if count >= len(dataset):
+        raise ConfigError(f"data.eval_fraction={fraction} would hold out all {len(dataset)} samples; lower it")
+    drawn = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + 7919))[:count]
+    keep = torch.ones(len(dataset), dtype=torch.bool)
+    keep[drawn] = False
+    return dataset.subset(keep.nonzero().squeeze(1)), dataset.subset(drawn.sort().values)
+
+
+def eval_batches(dataset: TokenDataset, microbatch_size: int, group: int, max_microbatches: int = 0) -> list[list[MicroBatch]]:
+    """The held-out set in order, as micro-batches of `microbatch_size` rows grouped `group` at a
+    time (what a strategy runs per relay or pipeline pass). The last micro-batch is filled up to
+    full size with copies of its first row labelled -100 (no item: they count nowhere), so every
+    micro-batch has the shape the strategies' buffers expect."""
+    count = math.ceil(len(dataset) / microbatch_size)
+    if max_microbatches:
+        count = min(count, max_microbatches)
+    micro = []
+    for k in range(count):
+        index = torch.arange(k * microbatch_size, min((k + 1) * microbatch_size, len(dataset)))
+        mb = dataset.take(index)
+        if len(index) < microbatch_size:
+            mb = _padded(mb, microbatch_size)
+        micro.append(mb)
+    return [micro[i : i + group] for i in range(0, len(micro), group)]
+
+
+def _padded(mb: MicroBatch, rows: int) -> MicroBatch:
+    missing = rows - mb.num_samples
+    labels = torch.full((missing, *mb.labels.shape[1:]), IGNORE_INDEX, dtype=mb.labels.dtype)
+    fill = [t[:1].expand(missing, *t.shape[1:]) for t in (mb.input_ids, mb.attention_mask) if t is not None]
+    mask = None if mb.attention_mask is None else torch.cat([mb.attention_mask, fill[1]])
+    return MicroBatch(torch.cat([mb.input_ids, fill[0]]), torch.cat([mb.labels, labels]), mask)
+
 
 class MicroBatchLoader:
     """Endless minibatches: each is `num_microbatches` micro-batches of `microbatch_size` samples.
@@ -48,8 +91,6 @@ class MicroBatchLoader:
         self.position = 0
         minibatch = microbatch_size * num_microbatches
         if len(dataset) < minibatch:
-            from relaytrain.errors import ConfigError
-
             raise ConfigError(
                 f"the dataset has {len(dataset)} samples, fewer than one minibatch "
                 f"(strategy.microbatch_size × strategy.num_microbatches = {minibatch}); use more data or a smaller batch"

@@ -34,17 +34,25 @@ _MISSING = object()
 
 
 def load_source(cfg, tokenizer_dir: str | None) -> TokenDataset:
-    """The dataset for `cfg.data` (source jsonl, glue or wikitext), tokenized for `cfg.model`.
+    """The training set for `cfg.data` (see `load_sources`)."""
+    return load_sources(cfg, tokenizer_dir)[0]
 
-    The tokenizer used for text (configured or trained here) is saved to `<tokenizer_dir>/tokenizer`
-    when tokenizer_dir is given, so the run's saved model ships with it.
+
+def load_sources(cfg, tokenizer_dir: str | None) -> tuple[TokenDataset, TokenDataset | None]:
+    """The training set for `cfg.data` (source jsonl, glue or wikitext), tokenized for
+    `cfg.model`, and the held-out set the source itself names (data.eval_path, data.eval_split),
+    encoded with the same tokenizer; None when it names none.
+
+    The tokenizer used for text (configured, or trained here on the training text only) is
+    saved to `<tokenizer_dir>/tokenizer` when tokenizer_dir is given, so the run's saved model
+    ships with it.
     """
     loaders = {"jsonl": _load_jsonl, "glue": _load_glue, "wikitext": _load_wikitext}
     if cfg.data.source not in loaders:
         raise ConfigError(
             f"data.source={cfg.data.source} is not a file or hub source; use one of {', '.join(loaders)}"
         )
-    return loaders[cfg.data.source](cfg, tokenizer_dir)
+    return loaders[str(cfg.data.source)](cfg, tokenizer_dir)
 
 
 @dataclass
@@ -70,20 +78,25 @@ DEFAULT_SPECIAL_IDS = SpecialIds(pad=0, mask=MASK_ID, special=tuple(range(FIRST_
 # --------------------------------------------------------------------------- jsonl
 
 
-def _load_jsonl(cfg, tokenizer_dir: str | None) -> TokenDataset:
-    return encode_samples(cfg, read_jsonl(cfg), tokenizer_dir)
+def _load_jsonl(cfg, tokenizer_dir: str | None) -> tuple[TokenDataset, TokenDataset | None]:
+    groups = [read_jsonl(cfg)]
+    if cfg.data.eval_path:
+        groups.append(read_jsonl(cfg, cfg.data.eval_path, "data.eval_path"))
+    datasets = encode_samples(cfg, groups, tokenizer_dir)
+    return datasets[0], (datasets[1] if len(datasets) > 1 else None)
 
 
-def read_jsonl(cfg) -> list[Sample]:
-    """Every non-blank line of data.path as a checked `Sample`."""
-    if not cfg.data.path:
+def read_jsonl(cfg, file: str | None = None, key: str = "data.path") -> list[Sample]:
+    """Every non-blank line of `file` (default data.path) as a checked `Sample`."""
+    file = file if file is not None else cfg.data.path
+    if not file:
         raise ConfigError("data=jsonl needs a file: set data.path=/path/to/train.jsonl")
-    path = Path(cfg.data.path).expanduser()
+    path = Path(file).expanduser()
     try:
         raw_lines = path.read_bytes().splitlines()
     except OSError as e:
         raise ConfigError(
-            f"data.path={cfg.data.path} cannot be read ({e.strerror}); point data.path at a JSONL file"
+            f"{key}={file} cannot be read ({e.strerror}); point {key} at a JSONL file"
         ) from e
     samples = []
     for number, raw in enumerate(raw_lines, start=1):
@@ -96,7 +109,7 @@ def read_jsonl(cfg) -> list[Sample]:
             samples.append(_parse_line(cfg, line, where))
     if not samples:
         raise ConfigError(
-            f"{path} holds no samples (the file is empty or blank); write one JSON object per line, "
+            f"{key}={file} holds no samples (the file is empty or blank); write one JSON object per line, "
             f'e.g. {{"{cfg.data.text_field.split(",")[0]}": "...", "{cfg.data.label_field}": 0}}'
         )
     return samples
@@ -193,9 +206,16 @@ def _short(value) -> str:
 # --------------------------------------------------------------------------- glue
 
 
-def _load_glue(cfg, tokenizer_dir: str | None) -> TokenDataset:
+def _load_glue(cfg, tokenizer_dir: str | None) -> tuple[TokenDataset, TokenDataset | None]:
+    splits = [cfg.data.split] + ([cfg.data.eval_split] if cfg.data.eval_split else [])
+    datasets = encode_samples(cfg, [_glue_samples(cfg, split) for split in splits], tokenizer_dir)
+    return datasets[0], (datasets[1] if len(datasets) > 1 else None)
+
+
+def _glue_samples(cfg, name: str) -> list[Sample]:
+    """The samples of one split (data.split for training, data.eval_split held out)."""
     d = cfg.data
-    split = load_split(cfg, "glue")
+    split = load_split(cfg, "glue", name)
     origin = d.path or f"glue/{d.name}"
     fields = _text_fields(d.text_field)
     wanted = fields + ([d.label_field] if cfg.model.task == "classification" else [])
@@ -204,12 +224,12 @@ def _load_glue(cfg, tokenizer_dir: str | None) -> TokenDataset:
     labels = list(split[d.label_field]) if cfg.model.task == "classification" else None
     if labels is not None and -1 in set(labels):
         raise ConfigError(
-            f"{origin} split={d.split} is unlabelled (label -1, as in GLUE test splits); "
-            f"use data.split=train or data.split=validation"
+            f"{origin} split={name} is unlabelled (label -1, as in GLUE test splits); "
+            f"use split train or validation"
         )
     samples = []
     for row, text in enumerate(texts):
-        where = f"{origin} split={d.split} row {row}"
+        where = f"{origin} split={name} row {row}"
         sample = Sample(
             where, text=tuple(_checked_text(t, where, f) for t, f in zip(text, fields, strict=True))
         )
@@ -217,8 +237,8 @@ def _load_glue(cfg, tokenizer_dir: str | None) -> TokenDataset:
             sample.label = _checked_label(labels[row], where, d.label_field, cfg.model.num_labels)
         samples.append(sample)
     if not samples:
-        raise ConfigError(f"{origin} split={d.split} has no rows; pick another data.split")
-    return encode_samples(cfg, samples, tokenizer_dir)
+        raise ConfigError(f"{origin} split={name} has no rows; pick another split")
+    return samples
 
 
 def _require_columns(split, columns: list[str], origin: str) -> None:
@@ -233,7 +253,7 @@ def _require_columns(split, columns: list[str], origin: str) -> None:
 # --------------------------------------------------------------------------- wikitext
 
 
-def _load_wikitext(cfg, tokenizer_dir: str | None) -> TokenDataset:
+def _load_wikitext(cfg, tokenizer_dir: str | None) -> tuple[TokenDataset, TokenDataset | None]:
     d, m = cfg.data, cfg.model
     if m.task == "classification":
         raise ConfigError(
@@ -245,20 +265,28 @@ def _load_wikitext(cfg, tokenizer_dir: str | None) -> TokenDataset:
         raise ConfigError(
             f"data.text_field={d.text_field}: wikitext has one text column; use data.text_field=text"
         )
-    field = fields[0]
-    split = load_split(cfg, "wikitext")
     origin = d.path or f"wikitext/{d.name}"
-    _require_columns(split, [field], origin)
-    lines = [line for line in split[field] if isinstance(line, str) and line.strip()]
-    if not lines:
-        raise ConfigError(f"{origin} split={d.split} holds no text; pick another data.split")
-    tokenizer = load_tokenizer(cfg, lines, tokenizer_dir)
+    lines = [_wikitext_lines(cfg, fields[0], split, origin) for split in [d.split, d.eval_split] if split]
+    tokenizer = load_tokenizer(cfg, lines[0], tokenizer_dir)  # trained on the training text only
     specials = special_ids(tokenizer)
     wrap = None
     if m.task == "masked_lm" and tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None:
         wrap = (tokenizer.cls_token_id, tokenizer.sep_token_id)  # BERT blocks read [CLS] ... [SEP]
-    blocks = chunk_blocks(_token_stream(tokenizer, lines), d.seq_len, wrap, f"{origin} split={d.split}")
-    return with_labels(cfg, blocks, None, specials, None)
+    datasets = [
+        with_labels(cfg, chunk_blocks(_token_stream(tokenizer, text), d.seq_len, wrap, f"{origin} split={split}"),
+                    None, specials, None)
+        for text, split in zip(lines, [d.split, d.eval_split], strict=False)
+    ]
+    return datasets[0], (datasets[1] if len(datasets) > 1 else None)
+
+
+def _wikitext_lines(cfg, field: str, name: str, origin: str) -> list[str]:
+    split = load_split(cfg, "wikitext", name)
+    _require_columns(split, [field], origin)
+    lines = [line for line in split[field] if isinstance(line, str) and line.strip()]
+    if not lines:
+        raise ConfigError(f"{origin} split={name} holds no text; pick another split")
+    return lines
 
 
 def _token_stream(tokenizer, lines: list[str]) -> torch.Tensor:
@@ -296,15 +324,17 @@ def chunk_blocks(
 # --------------------------------------------------------------------------- hub / local datasets
 
 
-def load_split(cfg, hub_name: str):
-    """The `datasets.Dataset` for data.split: from data.path when set, else from the hub."""
+def load_split(cfg, hub_name: str, split: str):
+    """The `datasets.Dataset` for `split` (data.split or data.eval_split): from data.path when set,
+    else from the hub."""
     d = cfg.data
+    key = "data.split" if split == d.split else "data.eval_split"
     if d.path:
-        return _split_from_disk(d.path, d.split)
-    return _split_from_hub(hub_name, d.name, d.split)
+        return _split_from_disk(d.path, split, key)
+    return _split_from_hub(hub_name, d.name, split)
 
 
-def _split_from_disk(path: str, split: str):
+def _split_from_disk(path: str, split: str, key: str):
     import datasets
 
     try:
@@ -318,7 +348,7 @@ def _split_from_disk(path: str, split: str):
         return loaded  # a single saved Dataset is the split
     if split not in loaded:
         raise ConfigError(
-            f"data.path={path} has no split {split!r}; set data.split to one of {', '.join(loaded)}"
+            f"data.path={path} has no split {split!r}; set {key} to one of {', '.join(loaded)}"
         )
     return loaded[split]
 
@@ -363,13 +393,20 @@ def _first_line(error: Exception) -> str:
 # --------------------------------------------------------------------------- encoding
 
 
-def encode_samples(cfg, samples: list[Sample], tokenizer_dir: str | None) -> TokenDataset:
-    """Samples -> padded tensors with labels for cfg.model.task (one sample per row)."""
-    texts = [s.text for s in samples if s.input_ids is None]
-    if texts:
+def encode_samples(cfg, groups: list[list[Sample]], tokenizer_dir: str | None) -> list[TokenDataset]:
+    """Each group of samples (training, then held-out) -> padded tensors with labels for
+    cfg.model.task, one sample per row, all with one tokenizer: the configured one, or one
+    trained on the first group's text."""
+    texts = [s.text for s in groups[0] if s.input_ids is None]
+    if texts or any(s.input_ids is None for group in groups[1:] for s in group):
         tokenizer = load_tokenizer(cfg, (t for text in texts for t in text), tokenizer_dir)
     else:
         tokenizer = find_tokenizer(cfg)  # only for its special ids: pre-tokenized data needs no training
+    return [_encode(cfg, samples, tokenizer) for samples in groups]
+
+
+def _encode(cfg, samples: list[Sample], tokenizer) -> TokenDataset:
+    texts = [s.text for s in samples if s.input_ids is None]
     encoded = iter(_tokenize(tokenizer, texts, cfg.data.seq_len) if texts else [])
     rows = [s.input_ids[: cfg.data.seq_len] if s.input_ids is not None else next(encoded) for s in samples]
     specials = special_ids(tokenizer)

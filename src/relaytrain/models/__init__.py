@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
@@ -18,6 +17,7 @@ from relaytrain.errors import ConfigError
 from relaytrain.models.bert import LayeredBert
 from relaytrain.models.gpt2 import LayeredGPT2
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
+from relaytrain.models.pretrained import load_hf_config
 
 __all__ = ["Block", "LayeredModel", "MicroBatch", "build_model", "hf_config", "count_parameters"]
 
@@ -61,42 +61,55 @@ def hf_config(m) -> BertConfig | GPT2Config:
     )
 
 
-def build_model(m, seed: int = 0) -> LayeredModel:
-    """A layered model on the CPU in fp32; strategies move what they need to the device."""
+def build_model(m, seed: int = 0, quiet: bool = False) -> LayeredModel:
+    """A layered model on the CPU in fp32; strategies move what they need to the device.
+
+    With `model.pretrained` (after `pretrained.resolve` made the config agree with it) the
+    checkpoint's weights; a head the checkpoint lacks (another task, another number of labels)
+    is initialised from `seed`, and unless `quiet` one line names the weights that are new.
+    """
     torch.manual_seed(seed)
-    auto = _AUTO_CLASS[m.task]
+    auto = _AUTO_CLASS[str(m.task)]
     if m.pretrained:
-        hf_model = _load_pretrained(m, auto)
-        family = hf_model.config.model_type
-        if family not in _LAYERED:
-            raise ConfigError(
-                f"model.pretrained={m.pretrained} is a {family!r} model; relaytrain has adapters for "
-                f"{', '.join(_LAYERED)}"
-            )
+        hf_model, fresh = _load_pretrained(m, auto)
+        if fresh and not quiet:
+            shown = ", ".join(fresh[:4]) + (f" and {len(fresh) - 4} more" if len(fresh) > 4 else "")
+            print(f"model.pretrained={m.pretrained}: a new {m.task} head"
+                  f"{f' with {m.num_labels} labels' if str(m.task) == 'classification' else ''}; "
+                  f"freshly initialised: {shown}", flush=True)
     else:
         hf_model = auto.from_config(hf_config(m), attn_implementation=m.attn_implementation)
-        family = m.family
     hf_model.train()
-    return _LAYERED[family](hf_model, m.task)
+    return _LAYERED[hf_model.config.model_type](hf_model, str(m.task))
 
 
-def _load_pretrained(m, auto):
+def _load_pretrained(m, auto) -> tuple:
+    """The checkpoint under `auto`'s head, with the run's dropout and number of labels; and the
+    names of the weights the checkpoint did not have (initialised here)."""
+    config = load_hf_config(m.pretrained)
+    if config.model_type == "bert":
+        config.hidden_dropout_prob = config.attention_probs_dropout_prob = m.dropout
+    else:
+        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = m.dropout
+    if str(m.task) == "classification":
+        config.num_labels = m.num_labels
     local = Path(m.pretrained).expanduser()
     source = str(local) if local.exists() else m.pretrained
-    overrides = {"num_labels": m.num_labels} if m.task == "classification" else {}
     try:
-        config = AutoConfig.from_pretrained(source, **overrides)
-        return auto.from_pretrained(source, config=config, attn_implementation=m.attn_implementation)
-    except OSError as err:
+        hf_model, info = auto.from_pretrained(source, config=config, attn_implementation=m.attn_implementation,
+                                              ignore_mismatched_sizes=True, output_loading_info=True)
+    except (OSError, ValueError) as err:
         raise ConfigError(
             f"model.pretrained={m.pretrained} could not be loaded ({str(err).splitlines()[0]}); "
             f"give a local Hugging Face model directory, or a hub id while online"
         ) from err
+    fresh = sorted(set(info.get("missing_keys", [])) | {key for key, *_ in info.get("mismatched_keys", [])})
+    return hf_model, fresh
 
 
 def count_parameters(m) -> int:
     """Parameters of the model the config describes, computed on the meta device (no memory)."""
     with torch.device("meta"):
-        hf_model = _AUTO_CLASS[m.task].from_config(hf_config(m))
+        hf_model = _AUTO_CLASS[str(m.task)].from_config(hf_config(m))
     unique = {id(p): p.numel() for p in hf_model.parameters()}
     return sum(unique.values())
