@@ -1,8 +1,13 @@
 """Pipeline schedules as data: invariants for many (stages, micro-batches), no processes, no torch."""
 
 import dataclasses
+import io
+import re
+import subprocess
+import sys
 
 import pytest
+from rich.console import Console
 
 from relaytrain.cli import main
 from relaytrain.errors import ConfigError
@@ -13,9 +18,15 @@ from relaytrain.strategies.pipeline.schedule import (
     Schedule,
     build_schedule,
     stage_program,
+    weight_version,
 )
 from relaytrain.strategies.pipeline.validate import ScheduleError, bubble_formula, check_schedule
-from relaytrain.strategies.pipeline.view import render_svg
+from relaytrain.strategies.pipeline.view import (
+    legend_entries,
+    png_figure,
+    render_grid,
+    render_svg,
+)
 
 SHAPES = [(d, m) for d in range(1, 7) for m in range(1, 11)]
 
@@ -215,3 +226,110 @@ def test_svg_marks_every_version_switch():
     schedule = build_schedule("pipe_flush", 2, 3, num_batches=2)
     svg = render_svg(schedule, check_schedule(schedule))
     assert svg.count('fill="black"') == 2 * 2  # one optimizer step per stage per batch
+
+
+def grid_text(kind, d, m, n, width=None, plain=True):
+    """What a console of `width` columns prints for the grid: no colour when `plain`."""
+    schedule = build_schedule(kind, d, m, n)
+    console = Console(file=io.StringIO(), width=width or 100_000, force_terminal=not plain,
+                      color_system=None if plain else "standard")
+    console.print(render_grid(schedule, check_schedule(schedule), width, plain=plain))
+    return schedule, console.file.getvalue()
+
+
+def stage_rows(text, stage):
+    return [line[9:] for line in text.splitlines() if line.startswith(f"stage {stage:<2} ")]
+
+
+def test_schedule_help_lists_every_option_and_exits_0(capsys):
+    for flag in ("--help", "-h"):
+        assert main(["schedule", flag]) == 0
+        printed = capsys.readouterr().out
+        for word in ("usage: relaytrain schedule", "--schedule", "--batches", "--out", "strategy.stages",
+                     "strategy.num_microbatches", "strategy=", "examples"):
+            assert word in printed, word
+
+
+@pytest.mark.parametrize("kind, d, m", [("gpipe", 2, 12), ("pipe_flush", 3, 40), ("pipe_2bw", 2, 4)])
+def test_plain_grid_separates_ids_and_tells_forward_backward_and_version(kind, d, m):
+    schedule, text = grid_text(kind, d, m, 3)
+    assert "\x1b[" not in text and "|F1" in text and "legend:" in text
+    for stage in range(d):
+        (row,) = stage_rows(text, stage)
+        boxes = re.findall(r"\|([FBfb])(\d+)", row)
+        assert re.sub(r"\|[FBfb]\d+", "", row).strip(" .") == "", "nothing but boxes and idle dots"
+        for letter in "FB":
+            found = sorted(int(k) for op, k in boxes if op.upper() == letter)
+            assert found == list(range(1, schedule.total_microbatches + 1)), (stage, letter)
+        for op, k in boxes:  # upper case: even weight version, lower case: odd
+            assert op.islower() == (weight_version(kind, int(k) - 1, m) % 2 == 1), (op, k)
+
+
+def test_colour_grid_never_merges_ids():
+    schedule, text = grid_text("gpipe", 2, 40, 3, plain=False)
+    assert "\x1b[" in text
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    for stage in range(2):
+        (row,) = stage_rows(plain, stage)
+        ids = sorted(int(k) for k in re.findall(r"\d+", row))
+        assert ids == sorted(2 * list(range(1, schedule.total_microbatches + 1)))
+
+
+def test_piped_command_prints_plain_boxes():
+    command = ["schedule", "strategy=pipe_2bw", "strategy.stages=2", "strategy.num_microbatches=4"]
+    script = f"import sys; from relaytrain.cli import main; sys.exit(main({command!r}))"
+    env = {"PATH": "", "COLUMNS": "80", "TERM": "xterm-256color"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert "\x1b[" not in done.stdout
+    assert "|F1 |F2 " in done.stdout and "|f9 " in done.stdout and "|b12" in done.stdout
+    assert not re.search(r"\d \d|\d{4}", "".join(stage_rows(done.stdout, 0)))
+
+
+@pytest.mark.parametrize("width", [40, 60, 80])
+def test_narrow_console_gets_bands_that_fit(width):
+    schedule, text = grid_text("pipe_2bw", 4, 8, 3, width=width)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width
+    bands = len(stage_rows(text, 0))
+    assert bands > 1 and all(len(stage_rows(text, s)) == bands for s in range(4))
+    axes = [line for line in lines if re.fullmatch(r" {9}\d[\d ]*", line)]
+    assert len(axes) == bands, "each band has its own time axis"
+    ids = re.findall(r"\|([FBfb])(\d+)", "".join(stage_rows(text, 0)))
+    assert len(ids) == 2 * schedule.total_microbatches, "every box is drawn once, cut boxes go on with ~"
+
+
+def test_svg_has_a_legend_below_the_boxes():
+    schedule = build_schedule("pipe_2bw", 2, 2, num_batches=3)
+    svg = render_svg(schedule, check_schedule(schedule))
+    for _, label in legend_entries():
+        assert f">{label}</text>" in svg
+    assert "forward, even weight version" in svg and "new weight version" in svg
+    grid_bottom = 30 + 2 * 28
+    legend_ys = [int(y) for y in re.findall(r'<path d="M\d+ (\d+)', svg)]
+    assert legend_ys and min(legend_ys) >= grid_bottom
+    height = int(re.search(r'height="(\d+)"', svg).group(1))
+    assert max(legend_ys) + 12 <= height
+
+
+def test_png_has_a_legend(tmp_path):
+    pytest.importorskip("matplotlib")
+    schedule = build_schedule("pipe_2bw", 2, 2, num_batches=3)
+    figure = png_figure(schedule, check_schedule(schedule))
+    (legend,) = figure.legends
+    assert [t.get_text() for t in legend.get_texts()] == [label for _, label in legend_entries()]
+    out = tmp_path / "2bw.png"
+    assert main(["schedule", "strategy=pipe_2bw", "strategy.stages=2", "strategy.num_microbatches=2",
+                 "--out", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_png_without_matplotlib_fails_before_printing(tmp_path, capsys, monkeypatch):
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "flush.png"
+    assert main(["schedule", "strategy=pipe_flush", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()
+    (error,) = captured.err.strip().splitlines()
+    assert "pip install matplotlib" in error and "flush.svg" in error

@@ -2,6 +2,7 @@
 
     relaytrain train [KEY=VALUE ...] [+exp=NAME] [-m]   train (a Hydra app)
     relaytrain schedule [KEY=VALUE ...]                 print a pipeline schedule's timeline
+    relaytrain report PATH...                           compare runs and sweeps
 
 Bad input never reaches the training code: the overrides are composed and checked first,
 and any problem ends with one line on stderr naming the key and the fix, exit code 2, no
@@ -27,11 +28,12 @@ relaytrain: train transformers that do not fit your GPU.
 Usage:
   relaytrain train [KEY=VALUE ...] [+exp=NAME] [-m]   train a model (a Hydra app)
   relaytrain schedule [KEY=VALUE ...] [--out FILE]    show a pipeline schedule as a timeline
+  relaytrain report PATH... [--sort KEY] [--json]     compare runs and sweeps: a table, summary.csv, plots
   relaytrain --version
 
 Strategies (strategy=NAME): {strategies}.
 Config groups: model, data, strategy, optim, precision; experiments: +exp=NAME.
-`relaytrain train --help` lists every option and key with its default.
+`relaytrain train --help` lists every option and key with what it does; each command has --help.
 
 Examples:
   relaytrain train                                   # bert_tiny on synthetic data, about a minute on CPU
@@ -63,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         from relaytrain.strategies.pipeline.view import schedule_command
 
         return _guard(lambda: schedule_command(rest, checked_config))
-    _fail(f"unknown command {command!r}; use `relaytrain train` or `relaytrain schedule` (see relaytrain --help)")
+    if command == "report":
+        from relaytrain.summary import report_command
+
+        return _guard(lambda: report_command(rest))
+    _fail(f"unknown command {command!r}; use `relaytrain train`, `relaytrain schedule` or `relaytrain report` "
+          f"(see relaytrain --help)")
     return EXIT_USAGE
 
 
@@ -86,39 +93,51 @@ def _fail(message: str) -> None:
 
 
 def _train(args: list[str]) -> int:
-    hydra_flags = {"--help", "-h", "--hydra-help", "--info", "--cfg", "-c", "--resolve", "--shell-completion", "-sc"}
+    if "--help" in args or "-h" in args:
+        from relaytrain.help import train_help
+
+        print(train_help([a for a in args if not a.startswith("-")], checked_config), end="")
+        return 0
+    hydra_flags = {"--hydra-help", "--info", "--cfg", "-c", "--resolve", "--shell-completion", "-sc"}
     if not hydra_flags.intersection(args):
         overrides = [a for a in args if not a.startswith("-")]
         check_overrides(overrides, multirun="-m" in args or "--multirun" in args)
-    _run_hydra(args)
-    return 0
+    return _run_hydra(args)
 
 
-def _run_hydra(args: list[str]) -> None:
+def _run_hydra(args: list[str]) -> int:
     import hydra
 
+    from relaytrain import sweep
     from relaytrain.config import register_schema
 
     register_schema()
+    sweep.failed_jobs.clear()
 
     @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
     def train_app(cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
+        from relaytrain import sweep
         from relaytrain.errors import Aborted, Interrupted
         from relaytrain.train import run
 
         hydra_cfg = HydraConfig.get()
+        in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
         try:
-            run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
-        except (Interrupted, Aborted) as stop:
+            run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task), table=not in_sweep)
+        except (Interrupted, Aborted) as stop:  # the whole sweep stops too: the user asked
             print(f"relaytrain: {stop}", file=sys.stderr)
             sys.exit(128 + stop.signum)  # the shell's convention for "ended by this signal"
-        except ConfigError as err:
+        except Exception as err:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            _fail(str(err))
-            sys.exit(EXIT_USAGE)  # SystemExit passes through Hydra's own error report
+            _fail(_first_line(err) if isinstance(err, ConfigError)
+                  else f"{type(err).__name__}: {_first_line(err)} (HYDRA_FULL_ERROR=1 shows the traceback)")
+            if not in_sweep:
+                sys.exit(EXIT_USAGE if isinstance(err, ConfigError) else 1)  # passes through Hydra's error report
+            sweep.failed_jobs.append(hydra_cfg.runtime.output_dir)  # the sweep goes on; its table shows the row
 
     saved = sys.argv
     sys.argv = ["relaytrain train", *args]
@@ -126,6 +145,12 @@ def _run_hydra(args: list[str]) -> None:
         train_app()
     finally:
         sys.argv = saved
+    from relaytrain import sweep
+
+    if sweep.failed_jobs:
+        _fail(f"{len(sweep.failed_jobs)} sweep job(s) failed; their rows in the table above say why")
+        return 1
+    return 0
 
 
 def check_overrides(overrides: list[str], multirun: bool = False) -> None:

@@ -13,6 +13,9 @@ then the chosen strategy's own rules. Every failure is a `ConfigError` naming th
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -80,33 +83,33 @@ class Backend(Choice):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
+    name: str = MISSING  # what the report calls the model (the group's name, or the checkpoint's directory)
     family: Family = MISSING  # which adapter builds the layered model
-    num_layers: int = MISSING
-    hidden_size: int = MISSING
-    num_heads: int = MISSING
-    intermediate_size: int = MISSING
+    num_layers: int = MISSING  # transformer blocks
+    hidden_size: int = MISSING  # width of every block's hidden state
+    num_heads: int = MISSING  # attention heads per block (must divide hidden_size)
+    intermediate_size: int = MISSING  # width of each block's feed-forward layer
     max_seq_len: int = 512  # the model's position table (max_position_embeddings)
-    vocab_size: int = 30522
+    vocab_size: int = 30522  # embedding table rows: token ids must be below it
     num_labels: int = 2  # classification only
-    task: Task = Task.classification
+    task: Task = Task.classification  # the head: classification, masked_lm (BERT) or causal_lm (GPT-2)
     dropout: float = 0.1  # hidden and attention dropout; 0 makes runs deterministic
     pretrained: str | None = None  # local Hugging Face directory, or a hub id when online
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "sdpa"  # Hugging Face attention kernel: sdpa or eager
     resolved_from: str | None = None  # set by relaytrain: the checkpoint whose config filled these keys
 
 
 @dataclass
 class DataConfig:
-    source: Source = Source.synthetic
+    source: Source = Source.synthetic  # where samples come from (set by the data= group)
     path: str | None = None  # jsonl file, or a local `datasets` directory for glue/wikitext
     name: str | None = None  # hub dataset config, e.g. "sst2" or "wikitext-2-raw-v1"
-    split: str = "train"
+    split: str = "train"  # glue / wikitext: the split to train on
     text_field: str = "text"  # jsonl/hub: the text column(s), comma-separated for pairs
-    label_field: str = "label"
-    seq_len: int = 128
-    shuffle: bool = True
-    seed: int = 1234
+    label_field: str = "label"  # jsonl/hub: the label column (classification)
+    seq_len: int = 128  # tokens per sample (longer ones are cut, shorter ones padded)
+    shuffle: bool = True  # reshuffle every epoch (from data.seed: the same order whatever the strategy)
+    seed: int = 1234  # data order, synthetic data, masking and the held-out draw
     num_samples: int = 4096  # synthetic: size of the generated set
     tokenizer: str | None = None  # a tokenizer directory; default: the model's, else one trained locally
     # held-out data for evaluation: one of these
@@ -119,9 +122,9 @@ class DataConfig:
 class StrategyConfig:
     """Keys every strategy has; each strategy's own config extends it (strategies/*.py)."""
 
-    name: str = MISSING
+    name: str = MISSING  # the strategy (set by the strategy= group)
     microbatch_size: int = 8  # samples per micro-batch (per replica where there are replicas)
-    num_microbatches: int = 4  # micro-batches per minibatch: one weight update each
+    num_microbatches: int = 4  # micro-batches per minibatch (one weight update per minibatch)
 
 
 @dataclass
@@ -129,7 +132,7 @@ class WorkersConfig:
     """Keys of strategies that run several worker processes (one launcher starts them all)."""
 
     replicas: int = 1  # data-parallel copies, each on its own share of every minibatch
-    backend: Backend = Backend.auto
+    backend: Backend = Backend.auto  # torch.distributed backend: auto (nccl on GPUs, gloo on CPU), gloo or nccl
     timeout_s: float = 120.0  # a worker silent this long ends the run
 
 
@@ -137,19 +140,19 @@ class WorkersConfig:
 class OptimConfig:
     """Keys every optimizer has; each optimizer's config below extends it."""
 
-    name: str = MISSING
-    lr: float = 3e-4
-    weight_decay: float = 0.01
-    schedule: Schedule = Schedule.constant
-    warmup_steps: int = 0
+    name: str = MISSING  # the optimizer (set by the optim= group)
+    lr: float = 3e-4  # peak learning rate
+    weight_decay: float = 0.01  # decoupled weight decay on matrices and embeddings (not biases, norms)
+    schedule: Schedule = Schedule.constant  # after warm-up: constant, linear or cosine decay to 0
+    warmup_steps: int = 0  # linear learning-rate warm-up steps
     grad_clip: float = 0.0  # global-norm clipping; 0 disables
 
 
 @dataclass
 class AdamWConfig(OptimConfig):
     name: str = "adamw"
-    eps: float = 1e-6
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-6  # added to the second-moment root
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
     fused: bool = True  # torch's fused kernel, on CPU and CUDA
 
 
@@ -157,8 +160,8 @@ class AdamWConfig(OptimConfig):
 class LambConfig(OptimConfig):
     name: str = "lamb"
     lr: float = 1e-3
-    eps: float = 1e-6
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-6  # added to the second-moment root
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
 
 
 @dataclass
@@ -166,7 +169,7 @@ class SGDConfig(OptimConfig):
     name: str = "sgd"
     lr: float = 1e-2
     weight_decay: float = 0.0
-    momentum: float = 0.0
+    momentum: float = 0.0  # heavy-ball momentum (0: plain SGD)
 
 
 OPTIMIZER_CONFIGS = {"adamw": AdamWConfig, "lamb": LambConfig, "sgd": SGDConfig}
@@ -174,32 +177,37 @@ OPTIMIZER_CONFIGS = {"adamw": AdamWConfig, "lamb": LambConfig, "sgd": SGDConfig}
 
 @dataclass
 class PrecisionConfig:
-    name: PrecisionName = PrecisionName.fp32
+    name: PrecisionName = PrecisionName.fp32  # the dtype policy (set by the precision= group)
     loss_scale: float = 65536.0  # fp16: the initial dynamic loss scale
-    growth_interval: int = 2000
+    growth_interval: int = 2000  # fp16: steps without overflow before the loss scale doubles
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    seed: int = 0
-    device: Device = Device.auto
-    save_model: bool = False
+    steps: int = 300  # optimizer steps (minibatches) to train
+    seed: int = 0  # weight initialisation and dropout
+    device: Device = Device.auto  # auto (cuda when visible, else cpu), cpu or cuda
+    save_model: bool = False  # write RUN_DIR/model, a Hugging Face save_pretrained directory
     warmup_steps: int = 2  # steps left out of the throughput figures
     log_every: int = 25  # plain-progress lines when not on a terminal
     threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: cores / workers)
     check_memory: bool = True  # refuse runs the host cannot hold
     # checkpoints
     checkpoint_every: int = 0  # also after the last step when set
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3  # the newest checkpoints kept (0: all)
     keep_best: str | None = None  # also keep the checkpoint of the best evaluation by this metric (e.g. loss, accuracy)
-    resume: str | None = None
+    resume: str | None = None  # auto (this run directory's latest, or a fresh start) or a checkpoint path
 
 
 @dataclass
 class EvalConfig:
     every: int = 0  # evaluate every N steps (0: only after the last step); needs held-out data
     max_batches: int = 0  # micro-batches of held-out data per evaluation (0: all of it)
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = False  # also write TensorBoard events to RUN_DIR/tensorboard (pip install 'relaytrain[tensorboard]')
 
 
 @dataclass
@@ -211,6 +219,24 @@ class RelayTrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def field_docs(schema: type) -> dict[str, str]:
+    """Each field's help: the comment that ends its line in the schema's source (and its
+    bases'), so `relaytrain train --help` is read off the schema and cannot drift from it."""
+    docs: dict[str, str] = {}
+    for cls in reversed(schema.__mro__):
+        if not dataclasses.is_dataclass(cls) or cls.__module__ == "builtins":
+            continue
+        for line in inspect.getsource(cls).splitlines():
+            match = _FIELD_LINE.match(line)
+            if match:
+                docs[match.group(1)] = match.group(2).strip()
+    return docs
+
+
+_FIELD_LINE = re.compile(r"^    (\w+): [^#]*?#\s*(.+)$")
 
 
 def register_schema() -> None:

@@ -83,9 +83,11 @@ def launch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_
     return _spawn_and_watch(entry, cfg, processes, describe, Path(run_dir), payload, latest_checkpoint)
 
 
-def announce_stop(signum: int) -> None:
-    print(f"relaytrain: {signal.Signals(signum).name}: stopping after the step in flight and saving a checkpoint; "
-          f"send it again to stop at once without saving", file=sys.stderr, flush=True)
+def announce_stop(signum: int, how_long: str = "") -> None:
+    """What the first stop signal does, and what a second one would."""
+    wait = f" ({how_long})" if how_long else ""
+    print(f"relaytrain: {signal.Signals(signum).name}: stopping after the step in flight{wait}, then saving a "
+          f"checkpoint; send it again to stop at once without saving", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------- one process
@@ -167,6 +169,7 @@ def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payloa
         for rank in range(processes)
     ]
     stop = StopRequest(announce=announce_stop)
+    stop.how_long = lambda: _step_time_hint(run_dir)
     try:
         _start_and_watch(procs, stop, relay, describe, errors)
     except Aborted as abort:
@@ -178,6 +181,15 @@ def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payloa
         raise Interrupted(relay.stopped_by.value, relay.stopped_at.value, latest_checkpoint())
     path = run_dir / "results.json"
     return json.loads(path.read_text())
+
+
+def _step_time_hint(run_dir: Path) -> str:
+    """The workers' step time, from what the reporter logged so far."""
+    from relaytrain.estimate import duration
+    from relaytrain.runlog import read_metrics
+
+    rows = [row for row in read_metrics(run_dir) if row.get("step_time_s")]
+    return f"steps take about {duration(rows[-1]['step_time_s'])}" if rows else ""
 
 
 def _start_and_watch(procs, stop: StopRequest, relay: _Relay, describe, errors: Path) -> None:

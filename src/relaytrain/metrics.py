@@ -37,6 +37,9 @@ class HostMemory:
         except OSError:
             self._sampled_peak = 0  # no kernel reset: fall back to sampling
 
+    def current_bytes(self) -> int:
+        return psutil.Process().memory_info().rss
+
     def sample(self) -> None:
         self._sampled_peak = max(self._sampled_peak, psutil.Process().memory_info().rss)
 
@@ -55,6 +58,11 @@ class HostMemory:
 def reset_device_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_allocated(device: torch.device) -> int | None:
+    """Bytes the CUDA allocator holds for tensors now; None where there is no separate device."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 def device_memory(device: torch.device) -> dict:
@@ -78,6 +86,7 @@ class PhaseTimer:
     def __init__(self):
         self.totals: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self._paused = False
 
     @contextmanager
     def phase(self, name: str):
@@ -85,7 +94,17 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - start)
+            if not self._paused:
+                self.add(name, time.perf_counter() - start)
+
+    @contextmanager
+    def paused(self):
+        """Work outside the steps (a pipeline's drain): its phases are not the steps' phases."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def add(self, name: str, seconds: float) -> None:
         self.totals[name] = self.totals.get(name, 0.0) + seconds

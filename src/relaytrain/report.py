@@ -4,22 +4,39 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
+
+from relaytrain.estimate import duration
 
 console = Console(stderr=False)
 
 
 class StepProgress:
-    """A rich progress bar on an interactive terminal; plain periodic lines otherwise (CI, pipes)."""
+    """A rich progress bar on an interactive terminal; plain periodic lines otherwise (CI, pipes).
 
-    def __init__(self, total: int, log_every: int, title: str, enabled: bool = True):
+    Long steps show progress inside them (`inside`: the L2L relay's block and phase, a
+    pipeline's micro-batches): in the bar on a terminal, and as a plain line at most every
+    `QUIET_S` seconds otherwise, so a run is never silent for long. Each time figure says what
+    it is: the last step's time, and an ETA from the mean of the steps so far (or, before the
+    first one, from the estimate made before the run).
+    """
+
+    QUIET_S = 15.0  # plain mode: the longest stretch without a line while a step runs
+
+    def __init__(self, total: int, log_every: int, title: str, enabled: bool = True, first: int = 0,
+                 estimate_s: float | None = None):
         self.total, self.log_every, self.title = total, max(log_every, 1), title
         self.enabled = enabled  # one process shows progress: the one that knows the loss
         self.interactive = console.is_terminal and not os.environ.get("CI")
+        self.first, self.step = first, first
+        self.estimate_s = estimate_s
+        self.times: list[float] = []
+        self.step_started = self.last_line = time.monotonic()
         self._bar = None
 
     def __enter__(self) -> StepProgress:
@@ -28,27 +45,52 @@ class StepProgress:
         if self.interactive:
             self._bar = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(), console=console, transient=True,
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[inside]}"),
+                TextColumn("ETA {task.fields[eta]}"), console=console, transient=True,
             )
             self._bar.start()
-            self._task = self._bar.add_task(self.title, total=self.total, loss="-")
+            self._task = self._bar.add_task(self.title, total=self.total, completed=self.first, loss="-",
+                                            inside="", eta=self.eta())
         else:
             console.print(f"{self.title}: {self.total} steps", highlight=False)
         return self
 
+    def eta(self) -> str:
+        per_step = sum(self.times) / len(self.times) if self.times else self.estimate_s
+        if per_step is None:
+            return "?"
+        return duration(per_step * (self.total - self.step))
+
     def update(self, step: int, loss: float, step_time: float, skipped: bool = False) -> None:
+        self.step, self.step_started = step, time.monotonic()
+        self.times.append(step_time)
+        if not self.enabled:
+            return
         note = " (skipped: fp16 overflow)" if skipped else ""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}{note}", inside="", eta=self.eta())
+        elif step % self.log_every == 0 or step == self.total or step == self.first + 1:
+            self._line(f"step {step}/{self.total}  loss {loss:.4f}  {step_time:.3f} s last step{note}  "
+                       f"ETA {self.eta()}")
+
+    def inside(self, text: str) -> None:
+        """Where the step in flight is (e.g. 'backward: block 7/24')."""
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}{note}")
-        elif step % self.log_every == 0 or step == self.total or step == 1:
-            console.print(f"step {step}/{self.total}  loss {loss:.4f}  {step_time:.3f} s/step{note}", highlight=False)
+            self._bar.update(self._task, inside=text)
+        elif time.monotonic() - self.last_line >= self.QUIET_S:
+            into = duration(time.monotonic() - self.step_started)
+            self._line(f"step {self.step + 1}/{self.total}: {text}, {into} into the step  ETA {self.eta()}")
 
     def evaluated(self, step: int, figures: dict) -> None:
         """One line per evaluation, on a terminal above the bar."""
         if self.enabled:
-            console.print(f"eval after step {step}: {format_eval(figures)}", highlight=False)
+            self._line(f"eval after step {step}: {format_eval(figures)}")
+
+    def _line(self, text: str) -> None:
+        console.print(text, highlight=False)
+        self.last_line = time.monotonic()
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
@@ -69,7 +111,7 @@ def format_eval(figures: dict) -> str:
     return "  ".join(shown) + f"  ({figures.get('items', 0)} items)"
 
 
-def _si(value: float | None, unit: str = "") -> str:
+def si(value: float | None, unit: str = "") -> str:
     if value is None:
         return "n/a"
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -89,7 +131,7 @@ def print_summary(results: dict, path: Path) -> None:
     table.add_column()
     losses = results["loss"]
     rows = [
-        ("parameters", _si(results["model"]["parameters"])),
+        ("parameters", si(results["model"]["parameters"])),
         ("device", results["device"]),
         ("precision", results["precision"]),
         ("steps", f"{results['steps']} (throughput over the last {results['measured_steps']})"),
@@ -97,10 +139,10 @@ def print_summary(results: dict, path: Path) -> None:
         *([("evaluation (held out)", f"after step {results['eval'][-1]['step']}: {format_eval(results['eval'][-1])}")]
           if results.get("eval") else []),
         *([("started from", results["model"]["pretrained"])] if results["model"].get("pretrained") else []),
-        ("samples/s", _si(t["samples_per_s"])),
-        ("tokens/s", _si(t["tokens_per_s"])),
-        ("step time", "n/a" if t["step_time_s"] is None else f"{t['step_time_s']:.3f} s"),
-        ("model FLOP/s (estimate)", _si(t["model_flops_per_s"], "FLOP/s")),
+        ("samples/s", si(t["samples_per_s"])),
+        ("tokens/s", si(t["tokens_per_s"])),
+        ("step time (mean)", "n/a" if t["step_time_s"] is None else f"{t['step_time_s']:.3f} s"),
+        ("model FLOP/s (estimate)", si(t["model_flops_per_s"], "FLOP/s")),
         ("peak device memory", _gib(results["memory"]["device"]["peak_allocated_bytes"])
          if results["memory"]["device"]["peak_allocated_bytes"] is not None else results["memory"]["device"]["note"]),
         ("peak host RSS", _gib(results["memory"]["host_peak_rss_bytes"])),
@@ -111,3 +153,11 @@ def print_summary(results: dict, path: Path) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def print_one_line(results: dict, path: Path) -> None:
+    """A sweep job's summary (the sweep ends with one table of every job: `relaytrain report`)."""
+    t, losses = results["throughput"], results["loss"]
+    loss = f"loss {losses[0]:.4f} → {losses[-1]:.4f}" if losses else "no loss"
+    rate = "n/a" if t["samples_per_s"] is None else si(t["samples_per_s"])
+    console.print(f"{results['strategy']} · {results['model']['name']}: {loss}, {rate} samples/s; {path}", highlight=False)

@@ -10,6 +10,7 @@ checkpoints, stop requests, progress and results written once, here.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,21 +18,22 @@ from pathlib import Path
 import torch
 import transformers
 
-from relaytrain import checkpoint, metrics
+from relaytrain import checkpoint, metrics, runlog
 from relaytrain.budget import check_host_memory
 from relaytrain.config import validate
 from relaytrain.data import TokenDataset, build_datasets, build_loader, eval_batches
-from relaytrain.errors import ConfigError, Interrupted, TrainingDiverged
+from relaytrain.errors import Aborted, ConfigError, Interrupted, TrainingDiverged
+from relaytrain.estimate import duration, estimate
 from relaytrain.evaluation import better
-from relaytrain.launch import check_machine, launch
+from relaytrain.launch import check_machine, launch, under_torchrun
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import explicit_overrides
 from relaytrain.models.pretrained import resolve as resolve_pretrained
 from relaytrain.optim import lr_at
-from relaytrain.report import StepProgress, print_summary, write_results
+from relaytrain.report import StepProgress, print_one_line, print_summary, write_results
 from relaytrain.results import assemble_results, process_report
 from relaytrain.strategies import strategy_class
-from relaytrain.world import StopVotes, World
+from relaytrain.world import StopVotes, World, pick_device
 
 EMPTY_PART = {"weights": {}, "optimizer": {}, "scaler": None, "extra": None}
 
@@ -45,33 +47,53 @@ class Job:
     eval_dataset: TokenDataset | None = None
     resume: Path | None = None
     overrides: list[str] = field(default_factory=list)
+    estimate_s: float | None = None  # the predicted step time, for the ETA before the first step ends
 
 
-def run(cfg, run_dir: str | Path, overrides: list[str] | None = None) -> dict:
-    """Train as `cfg` says, write `run_dir/results.json`, print the summary, return the results
-    (an empty dict on the processes of a torchrun launch that do not report)."""
+def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: bool = True) -> dict:
+    """Train as `cfg` says, write `run_dir/results.json`, print the summary (the whole table, or
+    with `table=False` one line), return the results (an empty dict on the processes of a
+    torchrun launch that do not report). `run_dir/status.json` says how the run ended."""
     run_dir = Path(run_dir)
-    cfg = resolve_pretrained(cfg, explicit_overrides(overrides or []))
+    logs = not under_torchrun() or int(os.environ["RANK"]) == 0
+    try:
+        results = _run(cfg, run_dir, overrides or [], logs)
+    except (Interrupted, Aborted) as stop:
+        if logs:
+            runlog.write_status(run_dir, runlog.INTERRUPTED, error=str(stop))
+        if isinstance(stop, Aborted):  # the handler that raised it could not know where checkpoints go
+            raise Aborted(stop.signum, checkpoint.latest(run_dir)) from None
+        raise
+    except BaseException as err:
+        if logs:
+            runlog.write_status(run_dir, runlog.FAILED, error=(str(err).strip().splitlines() or [type(err).__name__])[0])
+        raise
+    if not results:
+        return {}
+    runlog.write_status(run_dir, runlog.FINISHED, step=results["steps"])
+    (print_summary if table else print_one_line)(results, run_dir / "results.json")
+    return results
+
+
+def _run(cfg, run_dir: Path, overrides: list[str], logs: bool) -> dict | None:
+    cfg = resolve_pretrained(cfg, explicit_overrides(overrides))
     validate(cfg)
     cls = strategy_class(cfg.strategy.name)
     check_machine(cfg, cls.processes(cfg))
     if cfg.train.check_memory:
         check_host_memory(cfg, cls)
     resume = _find_resume(cfg, cls, run_dir)
+    if logs:
+        runlog.write_status(run_dir, runlog.RUNNING, strategy=str(cfg.strategy.name), step=0)
     # Once, before any worker: data errors end here.
     dataset, eval_dataset = build_datasets(cfg, tokenizer_dir=str(run_dir))
     build_loader(cfg, dataset, cls.replicas(cfg))  # refuses a dataset smaller than one minibatch
-    job = Job(run_dir, dataset, eval_dataset, resume, list(overrides or []))
-
-    def latest() -> Path | None:
-        return checkpoint.latest(run_dir)
-
-    results = launch(train_process, cfg, cls.processes(cfg), lambda rank: cls.describe_process(cfg, rank),
-                     run_dir, job, latest)
-    if not results:
-        return {}
-    print_summary(results, run_dir / "results.json")
-    return results
+    guess = estimate(cfg, cls, pick_device(cfg.train.device))
+    if logs:
+        print(guess.line(cfg.train.steps, pick_device(cfg.train.device)), flush=True)
+    job = Job(run_dir, dataset, eval_dataset, resume, overrides, guess.step_s)
+    return launch(train_process, cfg, cls.processes(cfg), lambda rank: cls.describe_process(cfg, rank),
+                  run_dir, job, lambda: checkpoint.latest(run_dir))
 
 
 def _find_resume(cfg, cls, run_dir: Path) -> Path | None:
@@ -131,15 +153,52 @@ class Trainer:
             checkpoint.remove_staging(self.directory)  # before the barrier: nobody writes parts yet
         self.world.barrier()  # start the clock together
         title = f"{self.cfg.strategy.name} · {self.cfg.model.name}"
-        with StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter) as self.progress:
-            while step < steps:
-                signum = self.votes.before(step)
-                if signum:
-                    raise self._stop(signum, step)
-                self._step(step)
-                step += 1
-                self._between_steps(step, last=step == steps)
+        progress = StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter, first=step,
+                                estimate_s=self.job.estimate_s)
+        self.log = runlog.MetricsLog(self.job.run_dir, step, self.cfg.log.tensorboard) if self.reporter else None
+        if self.reporter:
+            self.strategy.on_progress = progress.inside
+        self.world.stop.how_long = self._time_to_next_safe_point
+        try:
+            with progress as self.progress:
+                while step < steps:
+                    signum = self.votes.before(step)
+                    if signum:
+                        raise self._stop(signum, step)
+                    self._step(step)
+                    step += 1
+                    self._between_steps(step, last=step == steps)
+                    self._log(step)
+        finally:
+            if self.log is not None:
+                self.log.close()
         return self._finish()
+
+    def _time_to_next_safe_point(self) -> str:
+        """For the first stop signal's message: the rest of the step in flight, at the mean pace."""
+        if not self.progress or not (self.progress.times or self.progress.estimate_s):
+            return ""
+        times = self.progress.times
+        mean = sum(times) / len(times) if times else self.progress.estimate_s
+        left = max(mean - (time.monotonic() - self.progress.step_started), 0.0)
+        return f"about {duration(left)} more at {duration(mean)} a step"
+
+    def _log(self, step: int) -> None:
+        """metrics.csv's row for `step`: its loss and times, memory now, and the evaluation made after it."""
+        if self.log is None:
+            return
+        elapsed = self.history["step_times"][-1]
+        samples = self.cfg.strategy.microbatch_size * self.cfg.strategy.num_microbatches * self.cls.replicas(self.cfg)
+        evaluated = self.history["eval"][-1] if self.history["eval"] and self.history["eval"][-1]["step"] == step else {}
+        self.log.write({
+            "step": step, "loss": self.history["losses"][-1],
+            "lr": lr_at(step - 1, self.cfg.optim, self.cfg.train.steps),
+            "step_time_s": elapsed, "samples_per_s": samples / elapsed,
+            "tokens_per_s": samples * self.cfg.data.seq_len / elapsed,
+            "host_rss_bytes": self.host.current_bytes(),
+            "device_allocated_bytes": metrics.device_allocated(self.world.device),
+            **{f"eval_{k}": v for k, v in evaluated.items() if k != "step"},
+        })
 
     def _between_steps(self, step: int, last: bool) -> None:
         """The evaluation and checkpoint due after `step` steps, on every process at once; after

@@ -24,10 +24,11 @@ class StopRequest:
     """The signal a stop was asked with (0: none): set by a signal handler, or read from the
     launcher (its workers ignore signals). A second signal ends the run at once (`Aborted`)."""
 
-    def __init__(self, read: Callable[[], int] | None = None, announce: Callable[[int], None] | None = None):
+    def __init__(self, read: Callable[[], int] | None = None, announce: Callable[[int, str], None] | None = None):
         self._signum = 0
         self._read = read  # a shared value written by the launcher, for its workers
         self.announce = announce  # tells the user what the first signal will do
+        self.how_long: Callable[[], str] = lambda: ""  # how long until the next safe point (the trainer knows)
 
     @property
     def signum(self) -> int:
@@ -40,7 +41,7 @@ class StopRequest:
             raise Aborted(signum)
         self._signum = signum
         if self.announce is not None:
-            self.announce(signum)
+            self.announce(signum, self.how_long())
 
 
 @dataclass

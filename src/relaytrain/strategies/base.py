@@ -15,6 +15,7 @@ config file in `configs/strategy/`, and its tests.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -51,6 +52,7 @@ class Strategy(ABC):
     Config: ClassVar[type] = StrategyConfig  # the typed config group: keys no other strategy needs
     capabilities: ClassVar[Capabilities] = Capabilities()
     stop_lag: ClassVar[int] = 1  # steps a process may run ahead of the slowest (see world.StopVotes)
+    on_progress: Callable[[str], None] | None = None  # set by the trainer on the reporter: progress inside a step
 
     # -- what it needs: class level, no process and no tensor --------------------------------
     @classmethod
@@ -141,6 +143,11 @@ class Strategy(ABC):
     def report(self) -> dict:
         """This process's figures (JSON-able): phase times, memory, the strategy's own."""
         return {}
+
+    def progress(self, text: str) -> None:
+        """Where the step in flight is, for the user watching a long step (cheap when nobody is)."""
+        if self.on_progress is not None:
+            self.on_progress(text)
 
     def close(self) -> None:
         """Release workers, buffers and process groups."""

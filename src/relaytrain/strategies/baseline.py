@@ -39,7 +39,7 @@ class Recompute(Choice):
 @dataclass
 class BaselineConfig(StrategyConfig):
     name: str = "baseline"
-    recompute: Recompute = Recompute.none
+    recompute: Recompute = Recompute.none  # none, or block: keep each block's input, recompute it in backward
 
 
 @register("baseline")
@@ -72,7 +72,8 @@ class Baseline(Strategy):
         items = minibatch_items(self.model, minibatch)
         loss_sum = torch.zeros((), device=self.device)
         with self.timer.phase("forward+backward"):
-            for mb in minibatch:
+            for u, mb in enumerate(minibatch):
+                self.progress(f"micro-batch {u + 1}/{len(minibatch)}")
                 loss = self._loss(mb.to(self.device, non_blocking=True), items)
                 self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
@@ -88,6 +89,12 @@ class Baseline(Strategy):
                     mb = mb.to(self.device)
                     stats += self.model.eval_stats(self._trunk(mb), mb.labels)
         return stats
+
+    def report(self) -> dict:
+        phases = dict(self.timer.totals)
+        measured = max(self.timer.counts.get("optimizer", 0), 1)
+        return {"phase_times_s": phases,
+                "summary": {f"{name} (mean s/step)": f"{seconds / measured:.3f}" for name, seconds in phases.items()}}
 
     def _trunk(self, mb: MicroBatch) -> torch.Tensor:
         """Embeddings and every block: the last block's output."""

@@ -347,6 +347,7 @@ class L2L(Strategy):
             self._backward(grads, mbs, ctxs, rng, stash)
             metrics.synchronize(self.device)
         with self.timer.phase("optimizer_exposed"):
+            self.progress("waiting for the EPS's last updates")
             if self.peers is not None:
                 self.peers.backward_finished(time.perf_counter())
                 loss = self._sum_over_replicas(loss)
@@ -361,6 +362,7 @@ class L2L(Strategy):
         hidden: list[torch.Tensor | None] = [None] * len(mbs)
         ctxs: list[dict | None] = [None] * len(mbs)
         for index in range(self.head_index):
+            self.progress(f"forward: {self._part_name(index)}")
             weights, _ = self.relay.next_visit()
             for u, mb in enumerate(mbs):
                 if index > 0:
@@ -392,6 +394,7 @@ class L2L(Strategy):
     def _backward(self, grads, mbs, ctxs, rng, stash: ActivationStash) -> None:
         """Blocks in reverse, then the embeddings: recompute with the forward's RNG, backpropagate, ship."""
         for index in range(self.head_index - 1, -1, -1):
+            self.progress(f"backward: {self._part_name(index)}")
             weights, leaves = self.relay.next_visit()
             for u, mb in enumerate(mbs):
                 x = None if index == 0 else stash.take((index, u), _next_stash_key(index, u, len(mbs)))
@@ -402,6 +405,10 @@ class L2L(Strategy):
                 torch.autograd.backward(y, grads[u])
                 grads[u] = None if x is None else x.grad
             self._ship(index, leaves)
+
+    def _part_name(self, index: int) -> str:
+        blocks = self.head_index - 1
+        return "embeddings" if index == 0 else f"block {index}/{blocks}"
 
     def _compute(self, index: int, weights: dict, mb: MicroBatch, hidden: torch.Tensor | None, ctx: dict | None):
         """One part on one micro-batch: the embeddings read the input ids, a block the hidden state."""
@@ -495,13 +502,14 @@ class L2L(Strategy):
         phases = dict(self.timer.totals)
         eps = self.eps.stats.as_dict()
         steps = max(eps["steps"], 1)
+        measured = max(self.timer.counts.get("forward", 0), 1)  # the steps after warm-up
         rate = eps["parameters_per_s"]
         summary = {
             "resident blocks (peak / bound)": f"{self.relay.peak_resident} / {self.relay.capacity}",
             "activation stash": "host" if self.stash_host else "device",
-            **{f"{label} s/step": f"{phases.get(key, 0.0) / steps:.3f}" for key, label in _PHASE_LABELS.items()
-               if key in phases},
-            "transfer wait s/step (within the phases)": f"{self.transfers.wait_s / steps:.3f}",
+            **{f"{label} (mean s/step)": f"{phases.get(key, 0.0) / measured:.3f}"
+               for key, label in _PHASE_LABELS.items() if key in phases},
+            "transfer wait (mean s/step, within the phases)": f"{self.transfers.wait_s / steps:.3f}",
             "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s",
             "EPS updates": "deferred to end of backward (clipping / fp16 check)" if self.eps.defer else "eager",
         }

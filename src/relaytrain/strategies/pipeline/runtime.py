@@ -20,6 +20,7 @@ of work.
 from __future__ import annotations
 
 import copy
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import ClassVar
@@ -274,6 +275,7 @@ class PipelineStrategy(Strategy):
         self.num_tied = len(stage.tied_names)
         self.hidden_shape = (s.microbatch_size, cfg.data.seq_len, stage.model.hf_config.hidden_size)
         self.segment: Segment | None = None
+        self.drain_s = 0.0  # time spent finishing batches in flight between steps (checkpoints, evaluations)
         self.batch = 0  # the next batch `step` runs
         self.lrs: dict[int, float] = {}
         self.minibatches: dict[int, tuple[list[MicroBatch], int]] = {}
@@ -316,8 +318,10 @@ class PipelineStrategy(Strategy):
         seg, c = self.segment, self.batch
         if c > seg.first:
             shorter = self._segment(seg.first, c).program  # equal to seg.program up to batch c's start
-            with self.timer.phase("drain"):
+            start = time.perf_counter()
+            with self.timer.paused():  # the phases cover the steps; a drain runs between them
                 self._run(shorter, seg.start(c), len(shorter))
+            self.drain_s += time.perf_counter() - start
         self._end_segment()
 
     def _segment(self, first: int, end: int) -> Segment:
@@ -389,6 +393,8 @@ class PipelineStrategy(Strategy):
             out.backward(grad)
         if not self.first:
             self.grads_out[a.microbatch] = hidden.grad
+        if self.last:
+            self.progress(f"micro-batch {a.microbatch % self.m + 1}/{self.m} through the pipeline")
 
     # -- transfers ----------------------------------------------------------------------------
     def send_act(self, a: Action) -> None:
@@ -520,5 +526,6 @@ class PipelineStrategy(Strategy):
                 "samples_per_s": samples * steps / wall if wall > 0 else 0.0,
                 "bubble_fraction": 1.0 - busy / wall if wall > 0 else 0.0,
                 "phases_s": phases,
+                "drain_s": self.drain_s,
             }
         }

@@ -5,14 +5,19 @@
     relaytrain schedule strategy=pipe_gpipe strategy.stages=2
 
 Rows are stages, columns time units from the schedule's dry run with a backward costing
-twice a forward (the papers' convention). Each cell shows the micro-batch id, 1-based as in
+twice a forward (the papers' convention). Each box shows the micro-batch id, 1-based as in
 the figures; forwards and backwards have their own colours, and the colours switch with the
-weight version the work uses, so 2BW's version changes show as colour changes. `--out`
-writes the same picture as SVG (no extra dependency) or PNG (needs matplotlib).
+weight version the work uses, so 2BW's version changes show as colour changes. Without
+colour (piped, NO_COLOR) every box reads on its own: `|F12` / `|B12` for a forward /
+backward on an even weight version, `|f12` / `|b12` on an odd one. A timeline wider than
+the console is split into bands of time columns. `--out` writes the same picture with a
+legend as SVG (no extra dependency) or PNG (needs matplotlib).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -23,33 +28,72 @@ from relaytrain.strategies import registry, strategy_class
 from relaytrain.strategies.pipeline.schedule import KINDS, Op, Schedule, build_schedule
 from relaytrain.strategies.pipeline.validate import Timeline, bubble_formula, check_schedule
 
-CELL = 2  # characters per time unit
+LABEL = 9  # characters of the "stage N  " column before the timeline
+TICK = 5  # time units between two labels of the time axis
 # (forward, backward) colours for even and odd weight versions
-STYLES = {0: ("bold white on blue", "bold black on green"), 1: ("bold white on magenta", "bold black on yellow")}
+STYLES = {0: ("bold white on blue", "bold black on green"),
+          1: ("bold white on magenta", "bold black on yellow")}
 SVG_FILL = {0: ("#3b6fd8", "#4caf50"), 1: ("#b04cc8", "#e6c229")}
-USAGE = "relaytrain schedule [KEY=VALUE ...] [--schedule pipe_flush|pipe_2bw|gpipe] [--batches N] [--out FILE.svg|.png]"
+VERSION_NAMES = {0: "even", 1: "odd"}
+SWITCH_NOTE = "black bar: new weight version (optimizer step)"
+SWITCH_FILL = "#000000"  # the legend's bar: black, yet not counted among the grid's fill="black" switch bars
+USAGE = ("relaytrain schedule [KEY=VALUE ...] [--schedule pipe_flush|pipe_2bw|gpipe] [--batches N] "
+         "[--out FILE.svg|.png]")
+HELP = f"""\
+usage: {USAGE}
+
+Draw a pipeline schedule's timeline, as in the PipeDream-2BW paper's Figures 1-3: a row per
+stage, a column per time unit of the schedule's dry run (forward = 1 unit, backward = 2),
+each box one micro-batch's forward or backward with its id (1-based) and the weight version
+it uses (the colour; upper/lower case F/B when the output has no colour). Below the grid: the
+bubble (idle share) and when each stage makes and first uses each weight version. A timeline
+wider than the terminal is split into bands. Colour is left out when the output is not a
+terminal or NO_COLOR is set.
+
+options:
+  -h, --help        show this text and exit
+  --schedule KIND   draw KIND ({", ".join(KINDS)}) instead of the strategy's own schedule
+  --batches N       weight updates to draw (default: 3 for pipe_2bw, to show its first version switch; else 2)
+  --out FILE        also write the picture, with a legend: FILE.svg (needs nothing) or FILE.png (matplotlib)
+
+keys (the same as for `relaytrain train`):
+  strategy=NAME                  pipe_flush, pipe_2bw or pipe_gpipe: the schedule drawn
+  strategy.stages=D              pipeline stages (the rows)
+  strategy.num_microbatches=M    micro-batches per weight update (pipe_2bw needs M >= D)
+
+examples:
+  relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8
+  relaytrain schedule strategy=pipe_flush --batches 2 --out flush.svg
+  relaytrain schedule strategy=pipe_gpipe strategy.stages=2 --out gpipe.png
+  relaytrain schedule strategy=pipe_flush --schedule gpipe strategy.num_microbatches=12 | less
+"""
 
 
 def schedule_command(args: list[str], compose) -> int:
     """`compose(overrides)` gives the config `relaytrain train` would compose (a ConfigError if it cannot)."""
     options, overrides = _parse_args(args)
+    if "--help" in options:
+        print(HELP, end="")
+        return 0
+    out = Path(options["--out"]) if "--out" in options else None
+    if out is not None:
+        check_image_path(out)  # before anything is printed: a failure leaves only its one line
     s = compose(overrides).strategy
     kind = options.get("--schedule") or getattr(strategy_class(s.name), "schedule", None)
     if kind not in KINDS:
         pipelines = [n for n, c in registry().items() if getattr(c, "schedule", None)]
-        raise ConfigError(f"strategy={s.name} has no pipeline schedule; use strategy={' or '.join(pipelines)} "
-                          f"(or --schedule {'|'.join(KINDS)})")
+        raise ConfigError(f"strategy={s.name} has no pipeline schedule; "
+                          f"use strategy={' or '.join(pipelines)} (or --schedule {'|'.join(KINDS)})")
     # 2BW's first new version is used from batch 3 on: show enough batches to see it.
     batches = _positive_int(options.get("--batches", "3" if kind == "pipe_2bw" else "2"), "--batches")
     schedule = build_schedule(kind, s.stages, s.num_microbatches, batches)
     timeline = check_schedule(schedule)
     console = Console()
-    console.print(render_grid(schedule, timeline), soft_wrap=True)
+    console.print(render_grid(schedule, timeline, console.width, plain=is_plain(console)), highlight=False)
     for line in describe(schedule, timeline):
         console.print(line, highlight=False)
-    if "--out" in options:
-        path = write_image(schedule, timeline, Path(options["--out"]))
-        console.print(f"wrote {path}", highlight=False)
+    if out is not None:
+        console.print(f"wrote {write_image(schedule, timeline, out)}", highlight=False)
     return 0
 
 
@@ -57,13 +101,15 @@ def _parse_args(args: list[str]) -> tuple[dict[str, str], list[str]]:
     options, overrides = {}, []
     items = iter(args)
     for arg in items:
-        if arg in ("--out", "--batches", "--schedule"):
+        if arg in ("-h", "--help"):
+            options["--help"] = ""
+        elif arg in ("--out", "--batches", "--schedule"):
             value = next(items, None)
             if value is None:
                 raise ConfigError(f"{arg} needs a value; usage: {USAGE}")
             options[arg] = value
         elif arg.startswith("-"):
-            raise ConfigError(f"unknown option {arg}; usage: {USAGE}")
+            raise ConfigError(f"unknown option {arg}; usage: {USAGE} (see relaytrain schedule --help)")
         else:
             overrides.append(arg)
     return options, overrides
@@ -75,32 +121,140 @@ def _positive_int(value: str, name: str) -> int:
     return int(value)
 
 
+# ----------------------------------------------------------------------- boxes
+
+
+@dataclass(frozen=True)
+class Box:
+    """One forward or backward of the dry run: what every rendering draws."""
+
+    stage: int
+    start: float
+    end: float
+    microbatch: int  # 1-based, as in the figures
+    forward: bool
+    odd: bool  # computes with an odd weight version: the colour switch of the figures
+
+    @property
+    def fill(self) -> str:
+        return SVG_FILL[self.odd][0 if self.forward else 1]
+
+    @property
+    def style(self) -> str:
+        return STYLES[self.odd][0 if self.forward else 1]
+
+    @property
+    def code(self) -> str:
+        """The box without colour: F/B for forward/backward, lower case on an odd weight version."""
+        letter = "F" if self.forward else "B"
+        return (letter.lower() if self.odd else letter) + str(self.microbatch)
+
+
+def boxes(timeline: Timeline) -> list[Box]:
+    return [
+        Box(stage, e.start, e.end, e.action.microbatch + 1, forward=e.action.op is Op.FORWARD,
+            odd=e.action.version % 2 == 1)
+        for stage, events in enumerate(timeline.events)
+        for e in events
+        if e.action.op in (Op.FORWARD, Op.BACKWARD)
+    ]
+
+
+def version_switches(timeline: Timeline) -> list[tuple[int, float]]:
+    """(stage, time) of every optimizer step: where a stage's new weight version appears."""
+    return [(stage, e.start) for stage, events in enumerate(timeline.events) for e in events
+            if e.action.op is Op.OPTIMIZER_STEP]
+
+
 # ----------------------------------------------------------------------- terminal
 
 
-def render_grid(schedule: Schedule, timeline: Timeline) -> Text:
-    width = int(timeline.makespan)
+def is_plain(console: Console) -> bool:
+    """No colour reaches the reader (a pipe, a file, NO_COLOR, a dumb terminal): boxes must read as text."""
+    return console.color_system is None or console.no_color
+
+
+def cell_width(schedule: Schedule) -> int:
+    """Characters per time unit: the largest id plus two, so even a one-unit forward keeps a
+    separator and a letter (plain) or a space on each side (colour) around its id."""
+    return len(str(schedule.total_microbatches)) + 2
+
+
+def render_grid(schedule: Schedule, timeline: Timeline, width: int | None = None,
+                plain: bool = False) -> Text:
+    """The timeline as text, split into bands of time columns that fit in `width` characters
+    (one band if None), so a narrow terminal never wraps a row into the next one."""
+    cell, span = cell_width(schedule), math.ceil(timeline.makespan)
+    per_band = span if width is None else _band_units(width, cell)
+    rows = [[b for b in boxes(timeline) if b.stage == stage] for stage in range(schedule.stages)]
     text = Text(f"{schedule.kind}: {schedule.stages} stages, {schedule.num_microbatches} micro-batches "
-                f"per update, {schedule.num_batches} updates (forward = 1 unit, backward = 2)\n")
-    text.append(" " * 9 + "".join(f"{t:<{CELL * 5}}" for t in range(0, width, 5)) + "\n", style="dim")
-    for stage, events in enumerate(timeline.events):
-        text.append(f"stage {stage:<2} ", style="bold")
-        cursor = 0.0
-        for event in events:
-            if event.action.op not in (Op.FORWARD, Op.BACKWARD):
-                continue
-            text.append("·" * int((event.start - cursor) * CELL), style="dim")
-            cells = int((event.end - event.start) * CELL)
-            forward_style, backward_style = STYLES[event.action.version % 2]
-            style = forward_style if event.action.op is Op.FORWARD else backward_style
-            text.append(f"{event.action.microbatch + 1:^{cells}}", style=style)
-            cursor = event.end
-        text.append("\n")
-    text.append("legend: ", style="dim")
-    for version, (forward_style, backward_style) in STYLES.items():
-        text.append(" forward ", style=forward_style).append(" backward ", style=backward_style)
-        text.append(f" weight version {'even' if version == 0 else 'odd'}   ", style="dim")
+                f"per update, {schedule.num_batches} updates\ntime units: forward = 1, backward = 2\n")
+    for first in range(0, span, per_band):
+        if first:
+            text.append("\n")
+        text.append_text(_band(rows, first, min(first + per_band, span), cell, plain))
+    text.append_text(_plain_legend(span > per_band) if plain else _colour_legend())
     return text
+
+
+def _band_units(width: int, cell: int) -> int:
+    """Time units per band: as many as fit, rounded down to whole axis ticks when possible."""
+    units = max(1, (width - LABEL) // cell)
+    return units - units % TICK if units >= TICK else units
+
+
+def _band(rows: list[list[Box]], first: int, end: int, cell: int, plain: bool) -> Text:
+    """Time units [first, end): a time axis, then one line per stage."""
+    axis = [" "] * ((end - first) * cell)
+    for t in range(first + (-first) % TICK, end, TICK):
+        label, at = str(t), (t - first) * cell
+        if at + len(label) <= len(axis):
+            axis[at:at + len(label)] = label
+    text = Text().append(" " * LABEL + "".join(axis).rstrip() + "\n", style="dim")
+    for stage, row in enumerate(rows):
+        text.append(f"stage {stage:<2} ", style="bold")
+        text.append_text(_row(row, first, end, cell, plain))
+        text.append("\n")
+    return text
+
+
+def _row(row: list[Box], first: int, end: int, cell: int, plain: bool) -> Text:
+    """One stage's boxes clipped to the band; idle time is dotted so it never reads as a box."""
+    idle = "." if plain else "·"
+    text, cursor = Text(), first
+    for box in row:
+        start, stop = max(round(box.start), first), min(round(box.end), end)
+        if stop <= start:
+            continue
+        text.append(idle * ((start - cursor) * cell), style="dim")
+        text.append_text(_box_text(box, (stop - start) * cell, box.start < first, plain))
+        cursor = stop
+    text.append(idle * ((end - cursor) * cell), style="dim")
+    return text
+
+
+def _box_text(box: Box, chars: int, continued: bool, plain: bool) -> Text:
+    """A box `chars` wide. Plain: a separator (`~` when the box began in the band before), its
+    code, padding. Colour: the id centred on the box's colour, a space at least on each side."""
+    if plain:
+        return Text(f"{'~' if continued else '|'}{box.code}".ljust(chars))
+    return Text(f"{box.microbatch:^{chars}}", style=box.style)
+
+
+def _colour_legend() -> Text:
+    text = Text("legend: ", style="dim")
+    for version, (forward_style, backward_style) in STYLES.items():
+        text.append(" forward ", style=forward_style).append(" ").append(" backward ", style=backward_style)
+        text.append(f" {VERSION_NAMES[version]} weight version   ", style="dim")
+    return text.append("\n        numbers: micro-batch ids; · idle", style="dim")
+
+
+def _plain_legend(banded: bool) -> Text:
+    lines = ["legend: |F7 forward, |B7 backward of micro-batch 7, even weight version",
+             "        |f7 forward, |b7 backward, odd weight version; . idle"]
+    if banded:
+        lines.append("        ~B7 continues a box from the band above")
+    return Text("\n".join(lines))
 
 
 def describe(schedule: Schedule, timeline: Timeline) -> list[str]:
@@ -118,82 +272,111 @@ def describe(schedule: Schedule, timeline: Timeline) -> list[str]:
 def _version_change(step, events) -> str:
     version = step.action.version
     first_use = next((e for e in events if e.action.op is Op.FORWARD and e.action.version == version), None)
-    used = f", first used by micro-batch {first_use.action.microbatch + 1} at t={first_use.start:g}" if first_use else ""
+    used = (f", first used by micro-batch {first_use.action.microbatch + 1} at t={first_use.start:g}"
+            if first_use else "")
     return f"v{version} made at t={step.start:g}{used}"
 
 
 # ----------------------------------------------------------------------- images
 
 
+def legend_entries() -> list[tuple[str, str]]:
+    """(fill, text) for each colour of the images, the version-switch bar last."""
+    entries = [(SVG_FILL[version][i], f"{what}, {VERSION_NAMES[version]} weight version")
+               for version in SVG_FILL for i, what in enumerate(("forward", "backward"))]
+    return [*entries, (SWITCH_FILL, SWITCH_NOTE)]
+
+
+def check_image_path(path: Path) -> None:
+    """Refuse an image `write_image` cannot write, before the command draws anything."""
+    if path.suffix.lower() == ".png":
+        _figure_class(path)
+    elif path.suffix.lower() != ".svg":
+        raise ConfigError(f"--out {path}: write .svg (no extra dependency) or .png (needs matplotlib)")
+
+
 def write_image(schedule: Schedule, timeline: Timeline, path: Path) -> Path:
+    check_image_path(path)
     if path.suffix.lower() == ".svg":
         path.write_text(render_svg(schedule, timeline))
-    elif path.suffix.lower() == ".png":
-        _write_png(schedule, timeline, path)
     else:
-        raise ConfigError(f"--out {path}: write .svg (no extra dependency) or .png (needs matplotlib)")
+        png_figure(schedule, timeline).savefig(path, dpi=120, bbox_inches="tight")
     return path
 
 
-def _boxes(timeline: Timeline):
-    """(stage, start, duration, label, fill) per forward/backward, and (stage, time) per version switch."""
-    boxes, switches = [], []
-    for stage, events in enumerate(timeline.events):
-        for e in events:
-            if e.action.op is Op.OPTIMIZER_STEP:
-                switches.append((stage, e.start))
-                continue
-            fill = SVG_FILL[e.action.version % 2][0 if e.action.op is Op.FORWARD else 1]
-            boxes.append((stage, e.start, e.end - e.start, str(e.action.microbatch + 1), fill))
-    return boxes, switches
-
-
 def render_svg(schedule: Schedule, timeline: Timeline, unit: int = 18, row: int = 28) -> str:
-    boxes, switches = _boxes(timeline)
+    """The grid as SVG, with the legend below the boxes so it covers none of them."""
     left, top = 70, 30
-    width, height = left + int(timeline.makespan * unit) + 10, top + schedule.stages * row + 10
+    grid_bottom = top + schedule.stages * row
+    legend, legend_width, legend_height = _svg_legend(grid_bottom + 8)
+    width = max(left + int(timeline.makespan * unit) + 10, legend_width)
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" font-size="11">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{grid_bottom + 8 + legend_height}" '
+        f'font-family="monospace" font-size="11">',
         f'<text x="4" y="16">{schedule.kind}: d={schedule.stages}, m={schedule.num_microbatches}, '
         f'{schedule.num_batches} updates (black bars: new weight version)</text>',
     ]
     for stage in range(schedule.stages):
         parts.append(f'<text x="4" y="{top + stage * row + row * 0.6:.0f}">stage {stage}</text>')
-    for stage, start, duration, label, fill in boxes:
-        x, y = left + start * unit, top + stage * row
-        parts.append(f'<rect x="{x:.0f}" y="{y}" width="{duration * unit:.0f}" height="{row - 4}" '
-                     f'fill="{fill}" stroke="white"/>')
-        parts.append(f'<text x="{x + duration * unit / 2:.0f}" y="{y + row * 0.6:.0f}" '
-                     f'text-anchor="middle" fill="white">{label}</text>')
-    for stage, time in switches:
+    for box in boxes(timeline):
+        x, y, w = left + box.start * unit, top + box.stage * row, (box.end - box.start) * unit
+        parts.append(f'<rect x="{x:.0f}" y="{y}" width="{w:.0f}" height="{row - 4}" '
+                     f'fill="{box.fill}" stroke="white"/>')
+        parts.append(f'<text x="{x + w / 2:.0f}" y="{y + row * 0.6:.0f}" '
+                     f'text-anchor="middle" fill="white">{box.microbatch}</text>')
+    for stage, time in version_switches(timeline):
         x, y = left + time * unit, top + stage * row
         parts.append(f'<rect x="{x - 1:.0f}" y="{y - 2}" width="3" height="{row}" fill="black"/>')
-    parts.append("</svg>")
+    parts += [*legend, "</svg>"]
     return "\n".join(parts) + "\n"
 
 
-def _write_png(schedule: Schedule, timeline: Timeline, path: Path) -> None:
-    try:
-        import matplotlib
+def _svg_legend(top: int, line: int = 16, column: int = 250) -> tuple[list[str], int, int]:
+    """Legend items two to a line (forward, backward of one version; then the bar), and its size."""
+    parts = []
+    for i, (fill, label) in enumerate(legend_entries()):
+        x, y = 4 + (i % 2) * column, top + (i // 2) * line
+        swatch = (f'<path d="M{x + 5} {y}h3v12h-3z" fill="{fill}"/>' if label == SWITCH_NOTE else
+                  f'<path d="M{x} {y}h14v12h-14z" fill="{fill}"/>')
+        parts += [swatch, f'<text x="{x + 20}" y="{y + 10}">{label}</text>']
+    lines = math.ceil(len(legend_entries()) / 2)
+    return parts, 4 + 2 * column, lines * line + 4
 
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
+
+def _figure_class(path: Path):
+    """matplotlib's Figure, or the one-line error naming the fix (matplotlib is an optional extra)."""
+    try:
+        from matplotlib.figure import Figure
     except ImportError as err:
         raise ConfigError(
             f"--out {path.name} needs matplotlib: pip install matplotlib (or relaytrain[plot]); "
             f"--out {path.with_suffix('.svg').name} needs nothing extra"
         ) from err
-    boxes, switches = _boxes(timeline)
-    fig, ax = plt.subplots(figsize=(max(6.0, timeline.makespan * 0.25), 0.6 * schedule.stages + 1))
-    for stage, start, duration, label, fill in boxes:
-        ax.barh(stage, duration, left=start, color=fill, edgecolor="white")
-        ax.text(start + duration / 2, stage, label, ha="center", va="center", color="white", fontsize=8)
-    for stage, time in switches:
+    return Figure
+
+
+def png_figure(schedule: Schedule, timeline: Timeline):
+    """The grid as a matplotlib Figure (no pyplot, so no global state or GUI backend), with
+    the legend outside the axes, below them, so it covers no box."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    figure_class = _figure_class(Path("schedule.png"))
+    size = (max(7.0, timeline.makespan * 0.25), 0.6 * schedule.stages + 2)  # + 1 inch for the legend
+    fig = figure_class(figsize=size, layout="constrained")
+    ax = fig.add_subplot()
+    for box in boxes(timeline):
+        ax.barh(box.stage, box.end - box.start, left=box.start, color=box.fill, edgecolor="white")
+        ax.text((box.start + box.end) / 2, box.stage, str(box.microbatch), ha="center", va="center",
+                color="white", fontsize=8)
+    for stage, time in version_switches(timeline):
         ax.plot([time, time], [stage - 0.45, stage + 0.45], color="black", linewidth=2)
     ax.set_yticks(range(schedule.stages), [f"stage {s}" for s in range(schedule.stages)])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward = 1, backward = 2)")
-    ax.set_title(f"{schedule.kind}: d={schedule.stages}, m={schedule.num_microbatches} (black: new weight version)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_title(f"{schedule.kind}: d={schedule.stages}, m={schedule.num_microbatches} "
+                 "(black: new weight version)")
+    handles = [Line2D([], [], color=fill, linewidth=2, label=label) if label == SWITCH_NOTE
+               else Patch(color=fill, label=label) for fill, label in legend_entries()]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    return fig

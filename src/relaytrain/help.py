@@ -1,0 +1,98 @@
+"""`relaytrain train --help`: every config group and every key, with its value and what it does.
+
+The descriptions are the typed schema's own field comments (`config.field_docs`), and the
+keys are those of the config the given overrides compose, so the help shows exactly the keys
+the chosen strategy and optimizer accept, and cannot drift from the schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import textwrap
+from enum import Enum
+from importlib import resources
+
+from omegaconf import OmegaConf
+
+from relaytrain.config import OPTIMIZER_CONFIGS, RelayTrainConfig, field_docs
+
+GROUPS = ("model", "data", "strategy", "optim", "precision")
+HEADER = """\
+relaytrain train: train a layered transformer with one of relaytrain's strategies.
+
+Usage: relaytrain train [GROUP=OPTION ...] [KEY=VALUE ...] [+exp=NAME] [-m]
+  GROUP=OPTION   pick a config group's option (model=bert_base, strategy=l2l)
+  KEY=VALUE      set a key (optim.lr=3e-4)
+  +exp=NAME      load a packaged experiment from configs/exp/ (it only overrides)
+  -m             multirun: sweep comma-separated values (strategy=baseline,l2l); ends with one table
+  hydra.run.dir  where results.json, metrics.csv, checkpoints/ and model/ go
+  `relaytrain train strategy=l2l --help` shows the keys of that choice; --hydra-help shows Hydra's flags.
+"""
+
+
+def train_help(overrides: list[str], compose) -> str:
+    cfg = compose(overrides)
+    lines = [HEADER, "Config groups (GROUP=OPTION; * marks this config's choice):"]
+    for group in (*GROUPS, "exp"):
+        chosen = str(cfg[group].name) if group in GROUPS else None
+        options = [("*" if name == chosen else "") + name for name in _options(group)]
+        lines.append(f"  {group:<10} {'+exp=NAME: ' if group == 'exp' else ''}{' '.join(options)}")
+    lines += ["", "Keys of this config (KEY=VALUE) and what they do:"]
+    width = shutil.get_terminal_size((110, 24)).columns
+    for section, schema in _sections(cfg):
+        docs = field_docs(schema)
+        for f in dataclasses.fields(schema):
+            lines.extend(_key_lines(f"{section}.{f.name}", cfg[section][f.name], docs.get(f.name, ""), f.type, width))
+    return "\n".join(lines) + "\n"
+
+
+def _options(group: str) -> list[str]:
+    folder = resources.files("relaytrain.configs") / group
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _sections(cfg):
+    """(section, schema) for every section of the config, the chosen strategy's and optimizer's own."""
+    from relaytrain.strategies import strategy_class
+
+    for f in dataclasses.fields(RelayTrainConfig):
+        if f.name == "strategy":
+            yield f.name, strategy_class(cfg.strategy.name).Config
+        elif f.name == "optim":
+            yield f.name, OPTIMIZER_CONFIGS[str(cfg.optim.name)]
+        else:
+            yield f.name, f.default_factory
+
+
+def _key_lines(key: str, value, doc: str, annotation, width: int) -> list[str]:
+    shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    shown = "null" if shown is None else str(shown.value if isinstance(shown, Enum) else shown)
+    enum_type = next((t for t in _types(annotation) if isinstance(t, type) and issubclass(t, Enum)), None)
+    if enum_type is not None:
+        doc += f" [{'|'.join(m.value for m in enum_type)}]"
+    head = f"  {key} = {shown}"
+    column = 44
+    text = textwrap.wrap(doc, max(width - column - 2, 30)) or [""]
+    if len(head) >= column:
+        return [head, *(" " * column + t for t in text)]
+    return [head.ljust(column) + text[0], *(" " * column + t for t in text[1:])]
+
+
+def _types(annotation) -> list:
+    if isinstance(annotation, str):  # `from __future__ import annotations`: resolve by name
+        from relaytrain import config
+
+        names = [part.strip() for part in annotation.split("|")]
+        return [getattr(config, n, None) or _strategy_enum(n) for n in names]
+    return [annotation]
+
+
+def _strategy_enum(name: str):
+    from relaytrain.strategies import registry
+
+    for cls in registry().values():
+        module = __import__(cls.__module__, fromlist=[name])
+        if hasattr(module, name):
+            return getattr(module, name)
+    return None

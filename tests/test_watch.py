@@ -1,0 +1,155 @@
+"""Watching and stopping a run: metrics.csv as it trains, TensorBoard events, progress inside
+long steps, figures that agree, help for every key, and Ctrl-C answered at once the second time."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+from relaytrain import checkpoint
+from relaytrain.cli import checked_config, main
+from relaytrain.config import compose_config, field_docs
+from relaytrain.report import StepProgress
+from relaytrain.runlog import COLUMNS, read_metrics, read_status
+from relaytrain.strategies import registry
+from relaytrain.train import run
+from tests.conftest import tiny_cfg, wait_for
+
+STRATEGIES = ["baseline", "l2l", "l2l_stash_cpu", "pipe_flush", "pipe_2bw", "pipe_gpipe"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_phase_times_sum_to_no_more_than_the_step_time_beside_them(tmp_path, strategy):
+    steps = ["strategy.num_microbatches=2"] if strategy.startswith("pipe") else []
+    cfg = tiny_cfg("bert", f"strategy={strategy}", "train.steps=5", "train.warmup_steps=2",
+                   "strategy.microbatch_size=4", *steps, "train.checkpoint_every=2", "data.eval_fraction=0.1")
+    results = run(cfg, tmp_path)
+    report = results["strategy_report"]
+    measured = results["measured_steps"] * results["throughput"]["step_time_s"]  # the same 3 steps
+    if strategy.startswith("pipe"):
+        for stage in report["per_stage"]:
+            phases = stage["phases_s"]
+            inside = sum(seconds for name, seconds in phases.items() if name != "step")
+            assert inside <= phases["step"] * 1.001, (stage["stage"], phases)
+        last = report["per_stage"][-1]["phases_s"]["step"]
+        assert 0.5 * measured < last <= measured * 1.001  # the reporter's clock times the last stage's steps
+    else:
+        assert sum(report["phase_times_s"].values()) <= measured * 1.001, report["phase_times_s"]
+
+
+def test_every_key_of_every_strategy_and_optimizer_has_a_description():
+    from relaytrain.config import OPTIMIZER_CONFIGS, RelayTrainConfig
+
+    schemas = [f.default_factory for f in fields(RelayTrainConfig) if f.name not in ("strategy", "optim")]
+    schemas += [cls.Config for cls in registry().values()] + list(OPTIMIZER_CONFIGS.values())
+    for schema in schemas:
+        docs = field_docs(schema)
+        missing = [f.name for f in fields(schema) if not docs.get(f.name)]
+        assert not missing, f"{schema.__name__}: {missing}"
+
+
+def test_train_help_lists_each_key_with_its_description(capsys):
+    assert main(["train", "strategy=l2l", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy.max_resident_blocks = 2" in out and "parts on the device at once" in out
+    assert "strategy.eps = sharded" in out and "[replicated|sharded]" in out
+    assert "strategy.stages" not in out  # not a key of l2l
+    cfg = checked_config(["strategy=l2l"])
+    assert all(f"strategy.{key} = " in out for key in cfg.strategy)
+    assert "log.tensorboard = False" in out
+
+
+def test_metrics_csv_is_written_as_the_run_trains(tmp_path):
+    cfg = tiny_cfg("bert", "train.steps=6", "data.eval_fraction=0.1", "eval.every=3")
+    results = run(cfg, tmp_path)
+    rows = read_metrics(tmp_path)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == pytest.approx(results["loss"])
+    assert all(r["samples_per_s"] > 0 and r["host_rss_bytes"] > 0 and r["lr"] > 0 for r in rows)
+    assert [r["eval_accuracy"] is not None for r in rows] == [False, False, True, False, False, True]
+    assert rows[2]["eval_loss"] == pytest.approx(results["eval"][0]["loss"])
+    with open(tmp_path / "metrics.csv") as f:
+        assert next(csv.reader(f)) == COLUMNS
+    assert read_status(tmp_path)["status"] == "finished"
+
+
+def test_a_pipeline_logs_from_one_place(tmp_path):
+    run(tiny_cfg("gpt2", "strategy=pipe_2bw", "train.steps=4", "strategy.num_microbatches=2"), tmp_path)
+    assert [int(r["step"]) for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_tensorboard_events_with_log_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(tiny_cfg("bert", "train.steps=3", "log.tensorboard=true"), tmp_path)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+    assert "samples_per_s" in events.Tags()["scalars"]
+
+
+def test_without_tensorboard_log_tensorboard_is_refused_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "+exp=tiny_baseline", "log.tensorboard=true", f"hydra.run.dir={tmp_path}"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["relaytrain: error: log.tensorboard=true needs the tensorboard package: pip install "
+                   "'relaytrain[tensorboard]' (or pip install tensorboard), or set log.tensorboard=false"]
+
+
+def test_the_estimate_and_progress_inside_long_steps(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(StepProgress, "QUIET_S", 0.0)  # a line for every move inside a step
+    monkeypatch.setenv("CI", "1")
+    assert main(["train", "+exp=tiny_l2l", "train.steps=2", "train.warmup_steps=0", f"hydra.run.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("estimate (a prediction): about ")
+    assert "step 1/2: forward: block 2/4" in out and "step 1/2: backward: embeddings" in out
+    assert "s last step  ETA " in out
+
+
+def test_a_config_meant_for_a_gpu_says_so_before_it_starts():
+    from relaytrain.estimate import estimate
+    from relaytrain.strategies import strategy_class
+
+    cpu = torch.device("cpu")
+    line = estimate(compose_config(["+exp=bert_large_l2l"]), strategy_class("l2l"), cpu).line(30, cpu)
+    assert line.startswith("estimate (a prediction): about ")
+    assert "this config is meant for a GPU: to try it on this CPU, shorten it" in line
+
+
+def test_two_sigints_end_a_long_step_at_once_naming_the_latest_checkpoint(tmp_path):
+    """A step of a few seconds: the first SIGINT asks to stop after it, the second ends the run
+    at once; the newest complete checkpoint is named, and it loads."""
+    args = ["train", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
+            "model.intermediate_size=1024", "data.seq_len=256", "strategy.microbatch_size=16",
+            "strategy.num_microbatches=2", "train.steps=50", "train.warmup_steps=1", "train.checkpoint_every=1",
+            f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, "-m", "relaytrain.cli", *args], env={**os.environ, "CI": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(checkpoint.checkpoint_dir(tmp_path) / "step-00000001", proc)
+    time.sleep(0.3)  # well inside step 2
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 5, "the second SIGINT did not end the run at once"
+    assert proc.returncode == 128 + signal.SIGINT
+    latest = checkpoint.latest(tmp_path)
+    lines = err.strip().splitlines()
+    assert "SIGINT: stopping after the step in flight" in lines[0] and "send it again to stop at once" in lines[0]
+    assert lines[-1] == (f"relaytrain: SIGINT again: stopped at once; the latest complete checkpoint is {latest}; "
+                         f"continue with train.resume={latest}")
+    cfg = compose_config(args[1:-1])
+    assert checkpoint.read(latest, cfg, "baseline", {"processes": 1}).trainer()["step"] >= 1
+    assert read_status(tmp_path)["status"] == "interrupted"
+    assert not list(Path(checkpoint.checkpoint_dir(tmp_path)).glob("*.parts"))  # nothing half-published
