@@ -70,6 +70,7 @@ class Device(Choice):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
+    meta = "meta"  # a dry run: the real strategy code on PyTorch's meta device, device memory simulated
 
 
 class Backend(Choice):
@@ -186,7 +187,7 @@ class PrecisionConfig:
 class TrainConfig:
     steps: int = 300  # optimizer steps (minibatches) to train
     seed: int = 0  # weight initialisation and dropout
-    device: Device = Device.auto  # auto (cuda when visible, else cpu), cpu or cuda
+    device: Device = Device.auto  # auto (cuda when visible, else cpu), cpu, cuda, or meta (a dry run: simulated device memory)
     save_model: bool = False  # write RUN_DIR/model, a Hugging Face save_pretrained directory
     warmup_steps: int = 2  # steps left out of the throughput figures
     log_every: int = 25  # plain-progress lines when not on a terminal
@@ -206,6 +207,15 @@ class EvalConfig:
 
 
 @dataclass
+class PlanConfig:
+    workers: int = 1  # devices (or CPU worker processes) to plan for
+    device_memory_gb: float = 16.0  # memory of each device, GB (2**30 bytes)
+    batch_size: int = 0  # the global minibatch in samples (0: strategy.microbatch_size x strategy.num_microbatches)
+    device: str = "this"  # this (profile this machine) or a GPU profile: a name in configs/profiles/ or a JSON file
+    strategies: list[str] = field(default_factory=list)  # strategies to consider (empty: every registered one)
+
+
+@dataclass
 class LogConfig:
     tensorboard: bool = False  # also write TensorBoard events to RUN_DIR/tensorboard (pip install 'relaytrain[tensorboard]')
 
@@ -220,6 +230,7 @@ class RelayTrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def field_docs(schema: type) -> dict[str, str]:
@@ -275,7 +286,7 @@ def validate(cfg) -> None:
     _check_data(cfg.data)
     _check_eval(cfg)
     _check_capabilities(cfg, cls)
-    _check_train(cfg.train)
+    _check_train(cfg)
     cls.check_config(cfg)
 
 
@@ -371,7 +382,8 @@ def _check_capabilities(cfg, cls) -> None:
         )
 
 
-def _check_train(t) -> None:
+def _check_train(cfg) -> None:
+    t = cfg.train
     if t.warmup_steps < 0 or t.warmup_steps >= t.steps and t.steps > 1:
         raise ConfigError(
             f"train.warmup_steps={t.warmup_steps} leaves no measured step of train.steps={t.steps}; "
@@ -384,6 +396,19 @@ def _check_train(t) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    if t.device == Device.meta:
+        _check_dry_run(cfg)
+
+
+def _check_dry_run(cfg) -> None:
+    """A dry run computes nothing: what needs values is refused rather than silently skipped."""
+    valued = [key for key, on in (("train.save_model=true", cfg.train.save_model),
+                                  ("train.checkpoint_every", cfg.train.checkpoint_every),
+                                  ("train.resume", cfg.train.resume),
+                                  ("held-out data", has_held_out_data(cfg.data)),
+                                  ("log.tensorboard=true", cfg.log.tensorboard)) if on]
+    if valued:
+        raise ConfigError(f"train.device=meta is a dry run (shapes, no values): drop {', '.join(valued)}")
 
 
 def _a_divisor(n: int, near: int) -> int:

@@ -52,6 +52,7 @@ from torch import nn
 
 from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler
+from relaytrain.world import DoneWork
 
 
 @dataclass
@@ -138,11 +139,12 @@ class Peers:
     worker's (updated weights, clipping norms, overflow votes, in its task order).
     """
 
-    def __init__(self, rank: int, size: int, sharded: bool, timeout):
+    def __init__(self, rank: int, size: int, sharded: bool, timeout, dry: bool = False):
         self.rank, self.size, self.sharded = rank, size, sharded
         self.timeout = timeout
-        self.grads_group = dist.new_group(list(range(size)), timeout=timeout)
-        self.updates_group = dist.new_group(list(range(size)), timeout=timeout)
+        self.dry = dry  # a dry run on the meta device: the same buffers, nothing moves
+        self.grads_group = None if dry else dist.new_group(list(range(size)), timeout=timeout)
+        self.updates_group = None if dry else dist.new_group(list(range(size)), timeout=timeout)
         self.reduce_s = 0.0  # wall time the gradient sums ran (one after another on their group)
         self.exposed_s = 0.0  # the part of it after the backward had finished: what the step waited for
         self._last_done = 0.0
@@ -171,7 +173,9 @@ class Peers:
     def start_reduce(self, flat: torch.Tensor, owner: int) -> dist.Work:
         """Sum `flat` over the replicas, on every worker (replicated) or on the owner (sharded)."""
         issued = time.perf_counter()
-        if self.sharded:
+        if self.dry:
+            work = DoneWork()
+        elif self.sharded:
             work = dist.reduce(flat, dst=owner, group=self.grads_group, async_op=True)
         else:
             work = dist.all_reduce(flat, group=self.grads_group, async_op=True)
@@ -195,12 +199,22 @@ class Peers:
             work.wait(self.timeout)
 
     def broadcast(self, tensors: list[torch.Tensor], owner: int) -> None:
+        if self.dry:
+            return
         works = [dist.broadcast(t, src=owner, group=self.updates_group, async_op=True) for t in tensors]
         for work in works:
             work.wait(self.timeout)
 
     def total(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        dist.all_reduce(value, op=op, group=self.updates_group)
+        """`value` summed (or `op`) over the replicas, from the EPS worker's thread."""
+        if not self.dry:
+            dist.all_reduce(value, op=op, group=self.updates_group)
+        return value
+
+    def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
+        """From the caller's thread, after every gradient sum of the step (the same order everywhere)."""
+        if not self.dry:
+            dist.all_reduce(value, group=self.grads_group)
         return value
 
 

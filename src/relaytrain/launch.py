@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing as mp
 
 from relaytrain.errors import Aborted, ConfigError, Interrupted
-from relaytrain.world import StopRequest, World, pick_device, threads_per_process
+from relaytrain.world import LocalGroup, StopRequest, World, pick_device, threads_per_process
 
 WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time out, not progress
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -78,6 +78,8 @@ def launch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_
     `latest_checkpoint()` names the newest complete checkpoint when a second signal aborts."""
     if under_torchrun():
         return _as_torchrun_worker(entry, cfg, processes, payload)
+    if pick_device(cfg.train.device).type == "meta":
+        return _dry_run(entry, cfg, processes, payload)
     if processes == 1:
         return _in_this_process(entry, cfg, payload)
     return _spawn_and_watch(entry, cfg, processes, describe, Path(run_dir), payload, latest_checkpoint)
@@ -134,6 +136,34 @@ def _joined(entry, cfg, world: World, payload, init_method: str):
     # aborts the process before it could say why it failed. A failing worker just exits.
     world.leave()
     return result
+
+
+def _dry_run(entry, cfg, processes: int, payload):
+    """A dry run on the meta device: every process of the run as a thread of this one, joined
+    by a LocalGroup (nothing moves between them: all tensors are shapes). Each thread's own
+    tracker sees only its own work."""
+    group = LocalGroup(processes)
+    worlds = [World(rank, processes, rank, torch.device("meta"), StopRequest(), control=group if processes > 1 else None)
+              for rank in range(processes)]
+    results: list = [None] * processes
+    errors: list[BaseException] = []
+
+    def work(world: World) -> None:
+        try:
+            results[world.rank] = entry(cfg, world, payload)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, on the caller's thread
+            errors.append(err)
+            group._barrier.abort()  # the others would wait for it forever
+
+    threads = [threading.Thread(target=work, args=(world,), name=f"relaytrain-dry-rank{world.rank}") for world in worlds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real or errors:
+        raise (real or errors)[0]
+    return next((r for r in results if r), None)
 
 
 # ----------------------------------------------------------------------- local workers

@@ -28,8 +28,11 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o) -> torch.optim.Optimizer:
     groups = param_groups(named_params, o.weight_decay)
     if o.name == "adamw":
-        # torch's fused AdamW runs on CPU and CUDA: one kernel over all tensors of a group.
-        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=o.fused)
+        # torch's fused AdamW runs on CPU and CUDA: one kernel over all tensors of a group. A dry
+        # run (meta device) takes the multi-tensor kernel: the same state, no fused kernel there.
+        meta = any(p.device.type == "meta" for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=o.fused and not meta,
+                                 foreach=True if meta else None)
     if o.name == "lamb":
         return Lamb(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, foreach=True)

@@ -75,6 +75,9 @@ class LossScaler:
         """Divide grads by the scale in place; True when any is inf/NaN (the step must be skipped)."""
         if not self.enabled or not grads:
             return False
+        if grads[0].device.type == "meta":  # a dry run: shapes only, nothing overflows
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+            return False
         found_inf = not all(bool(torch.isfinite(g).all()) for g in grads)
         if not found_inf:
             torch._foreach_mul_(grads, 1.0 / self.scale)

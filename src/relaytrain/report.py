@@ -61,16 +61,17 @@ class StepProgress:
             return "?"
         return duration(per_step * (self.total - self.step))
 
-    def update(self, step: int, loss: float, step_time: float, skipped: bool = False) -> None:
+    def update(self, step: int, loss: float | None, step_time: float, skipped: bool = False) -> None:
         self.step, self.step_started = step, time.monotonic()
         self.times.append(step_time)
         if not self.enabled:
             return
         note = " (skipped: fp16 overflow)" if skipped else ""
+        shown = "n/a" if loss is None else f"{loss:.4f}"  # a dry run has no values
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}{note}", inside="", eta=self.eta())
+            self._bar.update(self._task, completed=step, loss=f"{shown}{note}", inside="", eta=self.eta())
         elif step % self.log_every == 0 or step == self.total or step == self.first + 1:
-            self._line(f"step {step}/{self.total}  loss {loss:.4f}  {step_time:.3f} s last step{note}  "
+            self._line(f"step {step}/{self.total}  loss {shown}  {step_time:.3f} s last step{note}  "
                        f"ETA {self.eta()}")
 
     def inside(self, text: str) -> None:
@@ -121,7 +122,13 @@ def si(value: float | None, unit: str = "") -> str:
 
 
 def _gib(value: int | None) -> str:
-    return "n/a" if value is None else f"{value / 2**30:.2f} GiB"
+    """Bytes in GiB, or in MiB/KiB when a GiB figure would read 0.00."""
+    if value is None:
+        return "n/a"
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if value >= scale / 100 or unit == "KiB":
+            return f"{value / scale:.2f} {unit}"
+    return f"{value} B"
 
 
 def print_summary(results: dict, path: Path) -> None:
@@ -129,7 +136,7 @@ def print_summary(results: dict, path: Path) -> None:
     table = Table(title=f"relaytrain · {results['strategy']} · {results['model']['name']}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    losses = results["loss"]
+    losses = [loss for loss in results["loss"] if loss is not None]
     rows = [
         ("parameters", si(results["model"]["parameters"])),
         ("device", results["device"]),
@@ -143,9 +150,7 @@ def print_summary(results: dict, path: Path) -> None:
         ("tokens/s", si(t["tokens_per_s"])),
         ("step time (mean)", "n/a" if t["step_time_s"] is None else f"{t['step_time_s']:.3f} s"),
         ("model FLOP/s (estimate)", si(t["model_flops_per_s"], "FLOP/s")),
-        ("peak device memory", _gib(results["memory"]["device"]["peak_allocated_bytes"])
-         if results["memory"]["device"]["peak_allocated_bytes"] is not None else results["memory"]["device"]["note"]),
-        ("peak host RSS", _gib(results["memory"]["host_peak_rss_bytes"])),
+        *memory_rows(results["memory"]),
     ]
     for key, value in results.get("strategy_report", {}).get("summary", {}).items():
         rows.append((key, str(value)))
@@ -155,9 +160,26 @@ def print_summary(results: dict, path: Path) -> None:
     console.print(table)
 
 
+def memory_rows(memory: dict) -> list[tuple[str, str]]:
+    """Device memory (the CUDA allocator's peak, or a dry run's simulated one with its kinds)
+    and host memory (peak RSS, or a dry run's estimate), each saying which it is."""
+    device = memory["device"]
+    if device["peak_allocated_bytes"] is None:
+        rows = [("peak device memory", device["note"])]
+    elif device.get("simulated"):
+        kinds = ", ".join(f"{kind} {_gib(size)}" for kind, size in device["by_kind"].items() if size)
+        rows = [("peak device memory (simulated)", _gib(device["peak_allocated_bytes"])), ("  by kind at the peak", kinds)]
+        rows += [(f"  {p['process']}", _gib(p["device"]["peak_allocated_bytes"])) for p in memory.get("per_process", [])]
+    else:
+        rows = [("peak device memory", _gib(device["peak_allocated_bytes"]))]
+    if memory.get("host_estimate_bytes") is not None:
+        return [*rows, ("host memory (estimate)", _gib(memory["host_estimate_bytes"]))]
+    return [*rows, ("peak host RSS", _gib(memory["host_peak_rss_bytes"]))]
+
+
 def print_one_line(results: dict, path: Path) -> None:
     """A sweep job's summary (the sweep ends with one table of every job: `relaytrain report`)."""
-    t, losses = results["throughput"], results["loss"]
+    t, losses = results["throughput"], [loss for loss in results["loss"] if loss is not None]
     loss = f"loss {losses[0]:.4f} → {losses[-1]:.4f}" if losses else "no loss"
     rate = "n/a" if t["samples_per_s"] is None else si(t["samples_per_s"])
     console.print(f"{results['strategy']} · {results['model']['name']}: {loss}, {rate} samples/s; {path}", highlight=False)

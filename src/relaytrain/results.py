@@ -17,13 +17,14 @@ from relaytrain import metrics
 from relaytrain.models import count_parameters
 
 
-def process_report(strategy, world, host: metrics.HostMemory) -> dict:
-    """What one process contributes: its strategy's figures and its memory peaks."""
+def process_report(strategy, world, host: metrics.HostMemory, device_memory: dict) -> dict:
+    """What one process contributes: its strategy's figures and its memory peaks (a dry run's
+    device figures are simulated; its host memory is not what a real run would use)."""
     return {
         "rank": world.rank,
         "strategy": strategy.report(),
-        "host_peak_rss_bytes": host.peak_bytes(),
-        "device_memory": metrics.device_memory(world.device),
+        "host_peak_rss_bytes": None if world.simulated else host.peak_bytes(),
+        "device_memory": device_memory,
     }
 
 
@@ -71,18 +72,24 @@ def assemble_results(cfg, cls, history: dict, measured: list[float], reports: li
 
 def memory(cls, cfg, reports: list[dict]) -> dict:
     """The run's peaks: device memory of the fullest device, host RSS of the largest process
-    (and their sum), and every process's own figures when there are several."""
+    (and their sum), and every process's own figures when there are several. A dry run's host
+    memory is the strategy's estimate, not a measurement."""
     device = max((r["device_memory"] for r in reports),
                  key=lambda dm: dm["peak_allocated_bytes"] or 0)
-    out = {
-        "device": device,
-        "host_peak_rss_bytes": max(r["host_peak_rss_bytes"] for r in reports),
-        "host_peak_rss_total_bytes": sum(r["host_peak_rss_bytes"] for r in reports),
-    }
+    out = {"device": device}
+    if device.get("simulated"):
+        from relaytrain.budget import estimate_host_bytes
+
+        out.update(host_peak_rss_bytes=None, host_estimate_bytes=estimate_host_bytes(cfg, cls),
+                   host_note="a dry run: host memory estimated from the config, not measured")
+    else:
+        out.update(host_peak_rss_bytes=max(r["host_peak_rss_bytes"] for r in reports),
+                   host_peak_rss_total_bytes=sum(r["host_peak_rss_bytes"] for r in reports))
     if len(reports) > 1:
         out["per_process"] = [
             {"rank": r["rank"], "process": cls.describe_process(cfg, r["rank"]),
-             "host_peak_rss_bytes": r["host_peak_rss_bytes"], "device_peak_allocated_bytes": r["device_memory"]["peak_allocated_bytes"]}
+             "host_peak_rss_bytes": r["host_peak_rss_bytes"], "device": r["device_memory"],
+             "device_peak_allocated_bytes": r["device_memory"]["peak_allocated_bytes"]}
             for r in reports
         ]
     return out

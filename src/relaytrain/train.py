@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from relaytrain.errors import Aborted, ConfigError, Interrupted, TrainingDiverge
 from relaytrain.estimate import duration, estimate
 from relaytrain.evaluation import better
 from relaytrain.launch import check_machine, launch, under_torchrun
+from relaytrain.memory import DeviceMemory
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import explicit_overrides
 from relaytrain.models.pretrained import resolve as resolve_pretrained
@@ -48,16 +50,19 @@ class Job:
     resume: Path | None = None
     overrides: list[str] = field(default_factory=list)
     estimate_s: float | None = None  # the predicted step time, for the ETA before the first step ends
+    quiet: bool = False  # print nothing (a dry run for the planner)
 
 
-def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: bool = True) -> dict:
+def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: bool = True,
+        quiet: bool = False) -> dict:
     """Train as `cfg` says, write `run_dir/results.json`, print the summary (the whole table, or
-    with `table=False` one line), return the results (an empty dict on the processes of a
-    torchrun launch that do not report). `run_dir/status.json` says how the run ended."""
+    with `table=False` one line, or with `quiet` nothing at all), return the results (an empty
+    dict on the processes of a torchrun launch that do not report). `run_dir/status.json` says
+    how the run ended."""
     run_dir = Path(run_dir)
     logs = not under_torchrun() or int(os.environ["RANK"]) == 0
     try:
-        results = _run(cfg, run_dir, overrides or [], logs)
+        results = _run(cfg, run_dir, overrides or [], logs, quiet)
     except (Interrupted, Aborted) as stop:
         if logs:
             runlog.write_status(run_dir, runlog.INTERRUPTED, error=str(stop))
@@ -71,11 +76,12 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     if not results:
         return {}
     runlog.write_status(run_dir, runlog.FINISHED, step=results["steps"])
-    (print_summary if table else print_one_line)(results, run_dir / "results.json")
+    if not quiet:
+        (print_summary if table else print_one_line)(results, run_dir / "results.json")
     return results
 
 
-def _run(cfg, run_dir: Path, overrides: list[str], logs: bool) -> dict | None:
+def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool) -> dict | None:
     cfg = resolve_pretrained(cfg, explicit_overrides(overrides))
     validate(cfg)
     cls = strategy_class(cfg.strategy.name)
@@ -88,10 +94,11 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool) -> dict | None:
     # Once, before any worker: data errors end here.
     dataset, eval_dataset = build_datasets(cfg, tokenizer_dir=str(run_dir))
     build_loader(cfg, dataset, cls.replicas(cfg))  # refuses a dataset smaller than one minibatch
-    guess = estimate(cfg, cls, pick_device(cfg.train.device))
-    if logs:
-        print(guess.line(cfg.train.steps, pick_device(cfg.train.device)), flush=True)
-    job = Job(run_dir, dataset, eval_dataset, resume, overrides, guess.step_s)
+    device = pick_device(cfg.train.device)
+    guess = estimate(cfg, cls, device) if device.type != "meta" else None
+    if logs and guess is not None and not quiet:
+        print(guess.line(cfg.train.steps, device), flush=True)
+    job = Job(run_dir, dataset, eval_dataset, resume, overrides, guess.step_s if guess else None, quiet)
     return launch(train_process, cfg, cls.processes(cfg), lambda rank: cls.describe_process(cfg, rank),
                   run_dir, job, lambda: checkpoint.latest(run_dir))
 
@@ -116,9 +123,15 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
     host = metrics.HostMemory()
     host.reset_peak()
     metrics.reset_device_peak(world.device)
-    strategy = cls(build_model(cfg.model, cfg.train.seed, quiet=world.rank != 0), cfg, world)
+    model = build_model(cfg.model, cfg.train.seed, quiet=world.rank != 0 or job.quiet, device=world.device)
+    strategy = cls(model, cfg, world)
+    # A dry run counts the device tensors this process holds from here on (memory.DeviceMemory).
+    tracker = DeviceMemory(world.device, strategy.memory_holders) if world.simulated else None
     try:
-        return Trainer(cfg, cls, strategy, world, job, host).run()
+        with tracker or nullcontext():
+            if tracker is not None:
+                tracker.register(t for held in strategy.memory_holders().values() for t in held)
+            return Trainer(cfg, cls, strategy, world, job, host, tracker).run()
     finally:
         strategy.close()
 
@@ -132,8 +145,10 @@ class Trainer:
     stream, RNG streams and LR schedule exactly where the checkpoint left them.
     """
 
-    def __init__(self, cfg, cls, strategy, world: World, job: Job, host: metrics.HostMemory):
+    def __init__(self, cfg, cls, strategy, world: World, job: Job, host: metrics.HostMemory,
+                 tracker: DeviceMemory | None = None):
         self.cfg, self.cls, self.strategy, self.world, self.job, self.host = cfg, cls, strategy, world, job, host
+        self.tracker = tracker  # a dry run's device memory
         self.reporter = world.rank == cls.reporter(cfg)
         self.loader = build_loader(cfg, job.dataset, cls.replicas(cfg))
         self.votes = StopVotes(world, cls.stop_lag)
@@ -152,9 +167,9 @@ class Trainer:
         if self.world.rank == 0:
             checkpoint.remove_staging(self.directory)  # before the barrier: nobody writes parts yet
         self.world.barrier()  # start the clock together
-        title = f"{self.cfg.strategy.name} · {self.cfg.model.name}"
-        progress = StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter, first=step,
-                                estimate_s=self.job.estimate_s)
+        title = f"{self.cfg.strategy.name} · {self.cfg.model.name}" + (" (dry run)" if self.world.simulated else "")
+        progress = StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter and not self.job.quiet,
+                                first=step, estimate_s=self.job.estimate_s)
         self.log = runlog.MetricsLog(self.job.run_dir, step, self.cfg.log.tensorboard) if self.reporter else None
         if self.reporter:
             self.strategy.on_progress = progress.inside
@@ -252,7 +267,7 @@ class Trainer:
         self.history["step_times"].append(elapsed)
         if result.skipped:
             self.history["skipped"] += 1
-        elif not math.isfinite(result.loss):
+        elif result.loss is not None and not math.isfinite(result.loss):
             raise TrainingDiverged(
                 f"the loss became {result.loss} at step {step + 1} under precision={self.cfg.precision.name}; "
                 f"the last good checkpoint stays in {self.directory}; lower optim.lr or use precision=fp32"
@@ -302,7 +317,9 @@ class Trainer:
             weights = self.world.gather(self.strategy.weights(), 0)
             if self.world.rank == 0:
                 save_model(self.cfg, self.strategy, weights, self.job.run_dir)
-        reports = self.world.gather(process_report(self.strategy, self.world, self.host), self.cls.reporter(self.cfg))
+        device = self.tracker.figures() if self.tracker else metrics.device_memory(self.world.device)
+        report = process_report(self.strategy, self.world, self.host, device)
+        reports = self.world.gather(report, self.cls.reporter(self.cfg))
         if not self.reporter:
             return None
         measured = self.history["step_times"][self.first + self.cfg.train.warmup_steps:]

@@ -10,6 +10,7 @@ strategy's gradient traffic, whatever backend the strategy uses.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,6 +19,43 @@ import torch
 import torch.distributed as dist
 
 from relaytrain.errors import Aborted
+
+
+class DoneWork:
+    """A collective or transfer that has nothing to move: a dry run on the meta device, where
+    every tensor is a shape. Behaves like a completed `dist.Work`."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+class LocalGroup:
+    """The processes of a dry run, run as threads of one process (`launch` does this on the meta
+    device): barriers and gathers between the threads, no process group."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._barrier = threading.Barrier(size)
+        self._slots: list = [None] * size
+
+    def barrier(self) -> None:
+        self._barrier.wait()
+
+    def exchange(self, rank: int, obj) -> list:
+        """Every thread's `obj`, on every thread."""
+        self._slots[rank] = obj
+        self.barrier()
+        out = list(self._slots)
+        self.barrier()  # nobody writes the next round's slots before all have read these
+        return out
 
 
 class StopRequest:
@@ -52,11 +90,16 @@ class World:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     stop: StopRequest = field(default_factory=StopRequest)
     timeout_s: float = 120.0
-    control: object = None  # the trainer's gloo group (None with one process)
+    control: object = None  # the trainer's gloo group (None with one process; a LocalGroup in a dry run)
 
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    @property
+    def simulated(self) -> bool:
+        """A dry run on the meta device: the processes are threads, nothing moves between them."""
+        return self.device.type == "meta"
 
     @property
     def timeout(self) -> timedelta:
@@ -64,7 +107,7 @@ class World:
 
     def join(self, backend: str, init_method: str) -> None:
         """Join the run's process group (every strategy group is made after this)."""
-        if not self.distributed:
+        if not self.distributed or self.simulated:
             return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -73,17 +116,22 @@ class World:
         self.control = dist.new_group(list(range(self.size)), timeout=self.timeout, backend="gloo")
 
     def leave(self) -> None:
-        if self.distributed and dist.is_initialized():
+        if self.distributed and not self.simulated and dist.is_initialized():
             dist.destroy_process_group()
 
     def barrier(self) -> None:
-        if self.distributed:
+        if isinstance(self.control, LocalGroup):
+            self.control.barrier()
+        elif self.distributed:
             dist.barrier(group=self.control)
 
     def gather(self, obj, to: int) -> list | None:
         """Every process's `obj`, on process `to` (None elsewhere); [obj] with one process."""
         if not self.distributed:
             return [obj]
+        if isinstance(self.control, LocalGroup):
+            gathered = self.control.exchange(self.rank, obj)
+            return gathered if self.rank == to else None
         out = [None] * self.size if self.rank == to else None
         dist.gather_object(obj, out, dst=to, group=self.control)
         return out
@@ -91,6 +139,8 @@ class World:
     def max_int(self, value: int) -> int:
         if not self.distributed:
             return value
+        if isinstance(self.control, LocalGroup):
+            return max(self.control.exchange(self.rank, value))
         ballot = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(ballot, dist.ReduceOp.MAX, group=self.control)
         return int(ballot)
@@ -125,14 +175,16 @@ class StopVotes:
         self.pending: dict[int, tuple[torch.Tensor, dist.Work]] = {}
 
     def before(self, step: int) -> int:
-        """The signal to stop with instead of starting `step`, or 0."""
+        """The signal to stop with instead of starting `step`, or 0 (a dry run never stops)."""
+        if self.world.simulated:
+            return 0
         if not self.world.distributed:
             return self.world.stop.signum
         decided = step - self.lag
         return self._result(decided) if decided in self.pending else 0
 
     def after(self, step: int) -> None:
-        if self.world.distributed:
+        if self.world.distributed and not self.world.simulated:
             ballot = torch.tensor([self.world.stop.signum], dtype=torch.int64)
             work = dist.all_reduce(ballot, dist.ReduceOp.MAX, group=self.world.control, async_op=True)
             self.pending[step] = ballot, work
@@ -140,6 +192,8 @@ class StopVotes:
     def settle(self) -> int:
         """All processes at once (at a checkpoint or the end): read every vote still out, vote
         once more, and return the signal to stop with, or 0."""
+        if self.world.simulated:
+            return 0
         signum = self.world.stop.signum
         for step in list(self.pending):
             signum = max(signum, self._result(step))

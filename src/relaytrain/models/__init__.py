@@ -61,16 +61,23 @@ def hf_config(m) -> BertConfig | GPT2Config:
     )
 
 
-def build_model(m, seed: int = 0, quiet: bool = False) -> LayeredModel:
+def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | None = None) -> LayeredModel:
     """A layered model on the CPU in fp32; strategies move what they need to the device.
 
     With `model.pretrained` (after `pretrained.resolve` made the config agree with it) the
     checkpoint's weights; a head the checkpoint lacks (another task, another number of labels)
     is initialised from `seed`, and unless `quiet` one line names the weights that are new.
+    On the meta `device` (a dry run) the model is shapes only: no weights are read or made.
     """
     torch.manual_seed(seed)
     auto = _AUTO_CLASS[str(m.task)]
-    if m.pretrained:
+    if device is not None and device.type == "meta":
+        from relaytrain.models import dry_attention  # registers the dry run's attention
+
+        attention = dry_attention.NAME if m.attn_implementation == "sdpa" else m.attn_implementation
+        with torch.device("meta"):
+            hf_model = auto.from_config(hf_config(m), attn_implementation=attention)
+    elif m.pretrained:
         hf_model, fresh = _load_pretrained(m, auto)
         if fresh and not quiet:
             shown = ", ".join(fresh[:4]) + (f" and {len(fresh) - 4} more" if len(fresh) > 4 else "")

@@ -38,13 +38,14 @@ class LayeredGPT2(LayeredModel):
         super().__init__(hf_model, GPT2Embed(t.wte, t.wpe, t.drop), list(t.h), GPT2Head(t.ln_f, hf_model.lm_head), task)
 
     def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # No position ids: they would only let Hugging Face look for packed sequences (a check
+        # that reads values, which a dry run on the meta device has not), and samples are never packed.
         mask = create_causal_mask(
             config=self.hf_config,
             inputs_embeds=hidden,
             attention_mask=mb.attention_mask,
             past_key_values=None,
-            position_ids=positions,
+            position_ids=None,
         )
         return {"attention_mask": mask}
 

@@ -144,6 +144,11 @@ class Strategy(ABC):
         """This process's figures (JSON-able): phase times, memory, the strategy's own."""
         return {}
 
+    def memory_holders(self) -> dict[str, list]:
+        """The device tensors this process holds now, by kind (weights, gradients, optimizer
+        state, stash): how a dry run's simulated peak is broken down (memory.DeviceMemory)."""
+        return {}
+
     def progress(self, text: str) -> None:
         """Where the step in flight is, for the user watching a long step (cheap when nobody is)."""
         if self.on_progress is not None:
@@ -154,6 +159,15 @@ class Strategy(ABC):
 
 
 # --------------------------------------------------------------------------- shared helpers
+
+
+def optimizer_tensors(optimizers) -> list[torch.Tensor]:
+    return [v for o in optimizers for state in o.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def scalar(t: torch.Tensor) -> float | None:
+    """A one-element tensor's value; None in a dry run, where tensors have no values."""
+    return None if t.device.type == "meta" else float(t)
 
 
 def minibatch_items(model: LayeredModel, minibatch: list[MicroBatch]) -> int:

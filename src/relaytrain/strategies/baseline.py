@@ -26,6 +26,8 @@ from relaytrain.strategies.base import (
     Strategy,
     cpu_activation_bytes,
     minibatch_items,
+    optimizer_tensors,
+    scalar,
     weights_grads_optimizer_bytes,
 )
 
@@ -79,7 +81,7 @@ class Baseline(Strategy):
                 loss_sum += loss.detach()
         with self.timer.phase("optimizer"):
             skipped = self._update(lr)
-        return StepResult(loss=float(loss_sum), skipped=skipped)
+        return StepResult(loss=scalar(loss_sum), skipped=skipped)
 
     def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats:
         stats = EvalStats.zeros(self.model.num_labels)
@@ -89,6 +91,10 @@ class Baseline(Strategy):
                     mb = mb.to(self.device)
                     stats += self.model.eval_stats(self._trunk(mb), mb.labels)
         return stats
+
+    def memory_holders(self) -> dict[str, list]:
+        return {"weights": self.params, "gradients": [p.grad for p in self.params],
+                "optimizer state": optimizer_tensors([self.optimizer])}
 
     def report(self) -> dict:
         phases = dict(self.timer.totals)

@@ -60,6 +60,7 @@ from relaytrain.strategies.base import (
     minibatch_items,
     optimizer_words,
     replica_rows,
+    scalar,
 )
 from relaytrain.strategies.relay import Transfer, Transfers
 
@@ -322,7 +323,8 @@ class L2L(Strategy):
         self.stash_host = self.stash_on_host(cfg)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
-        peers = Peers(world.rank, world.size, s.eps == EpsPlacement.sharded, world.timeout) if world.distributed else None
+        peers = (Peers(world.rank, world.size, s.eps == EpsPlacement.sharded, world.timeout, dry=world.simulated)
+                 if world.distributed else None)
         modules = [("embed", model.embed), *((f"block.{i}", b) for i, b in enumerate(model.blocks)),
                    ("head", HeadLoss(model))]
         self.eps = EagerParamServer(modules, cfg.optim, self.scaler, self.precision.weight_dtype,
@@ -331,6 +333,7 @@ class L2L(Strategy):
         self.transfers = Transfers(self.device)
         self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch)
         self.head_index = len(self.eps.parts) - 1
+        self.stash: ActivationStash | None = None
 
     # -- one step -----------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
@@ -338,7 +341,7 @@ class L2L(Strategy):
         items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every replica's rows
         mbs = [mb.to(self.device, non_blocking=True) for mb in replica_rows(minibatch, self.replica, self.num_replicas)]
         self.relay.start_step()
-        stash = ActivationStash(self.transfers, self.stash_host)
+        stash = self.stash = ActivationStash(self.transfers, self.stash_host)
         with self.timer.phase("forward"):
             hidden, ctxs, rng = self._forward(mbs, stash)
             metrics.synchronize(self.device)
@@ -350,11 +353,11 @@ class L2L(Strategy):
             self.progress("waiting for the EPS's last updates")
             if self.peers is not None:
                 self.peers.backward_finished(time.perf_counter())
-                loss = self._sum_over_replicas(loss)
+                loss = self.peers.sum_over_replicas(loss)
             skipped = self.eps.wait()
             if self.peers is not None:
                 self.peers.step_finished()
-        return StepResult(loss=float(loss), skipped=skipped)
+        return StepResult(loss=scalar(loss), skipped=skipped)
 
     def _forward(self, mbs: list[MicroBatch], stash: ActivationStash):
         """Every micro-batch through one part before the next part (no autograd, block inputs stashed)."""
@@ -440,10 +443,6 @@ class L2L(Strategy):
         views = [v.view(shape) for v, shape in zip(host.split([s.numel() for s in shapes]), shapes, strict=True)]
         self.eps.submit(index, Shipment(_aligned(len(leaves), present, views), transfer.done, work, host))
 
-    def _sum_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(loss, group=self.peers.grads_group)  # after every gradient sum, in the same order everywhere
-        return loss
-
     def _autocast(self):
         return self.precision.autocast_context(self.device)
 
@@ -496,6 +495,13 @@ class L2L(Strategy):
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [part.optimizer for part in self.eps.parts if part.optimizer is not None]
+
+    def memory_holders(self) -> dict[str, list]:
+        resident = [t for r in self.relay.resident.values() for t in r.leaves]
+        entries = self.stash.entries.values() if self.stash is not None else []
+        return {"weights": resident + [b for buffers in self.relay.buffers for b in buffers.values()],
+                "gradients": [t.grad for t in resident],
+                "stash": [e for e in entries if isinstance(e, torch.Tensor)]}
 
     # -- reporting and lifetime ---------------------------------------------------------------
     def report(self) -> dict:

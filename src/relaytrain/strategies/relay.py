@@ -10,6 +10,10 @@ stream still reads.
 
 On the CPU the device *is* the host: an upload is a detached alias of the host tensor and a
 download hands the tensor over as it is, with no events; the relay code above is the same.
+
+In a dry run (the meta device) host and device tensors are both shapes on the meta device:
+an upload is then a copy (device memory the dry run counts), a download a copy declared as
+host memory (`memory.on_host`), so the simulated device memory is the CUDA run's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from relaytrain.memory import on_host
 
 
 @dataclass
@@ -30,12 +36,15 @@ class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.dry = device.type == "meta"
         self.upload_stream = torch.cuda.Stream(device) if self.cuda else None
         self.offload_stream = torch.cuda.Stream(device) if self.cuda else None
         self.wait_s = 0.0  # host time blocked on uploads the compute needed and did not have yet
 
     def upload(self, host: list[torch.Tensor], after: torch.cuda.Event | None = None) -> Transfer:
         """Copy host tensors to the device on the copy stream (after `after`, e.g. an offload)."""
+        if self.dry:
+            return Transfer([t.detach().clone() for t in host])
         if not self.cuda:
             return Transfer([t.detach() for t in host])
         with torch.cuda.stream(self.upload_stream):
@@ -46,6 +55,9 @@ class Transfers:
 
     def offload(self, device_tensors: list[torch.Tensor], host_out: list[torch.Tensor] | None = None) -> Transfer:
         """Copy device tensors to (pinned) host memory on the offload stream, after the compute so far."""
+        if self.dry:
+            with on_host():
+                return Transfer([t.detach().clone() for t in device_tensors])
         if not self.cuda:
             return Transfer([t.detach() for t in device_tensors])
         self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from relaytrain.world import DoneWork
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -41,8 +43,9 @@ class Topology:
 class Comms:
     """This rank's links: neighbours for transfers, process groups for gradient sums."""
 
-    def __init__(self, topology: Topology, rank: int, has_tied_weights: bool, timeout_s: float):
+    def __init__(self, topology: Topology, rank: int, has_tied_weights: bool, timeout_s: float, dry: bool = False):
         self.topology = topology
+        self.dry = dry  # a dry run on the meta device: the same buffers, nothing sent
         self.stage, self.replica = topology.position(rank)
         self.prev = rank - 1 if self.stage > 0 else None
         self.next = rank + 1 if self.stage < topology.stages - 1 else None
@@ -55,7 +58,7 @@ class Comms:
         # ahead of time and the tied copies' sum exchanged point to point. NCCL queues all of a
         # pair's operations on one stream: there a receive posted early would block the sends
         # behind it, so those paths are gloo only.
-        self.async_p2p = dist.get_backend() == "gloo"
+        self.async_p2p = dry or dist.get_backend() == "gloo"
         # One pipeline (replicas == 1): the tied weights have exactly two copies, on the first and
         # the last stage; each sends its gradient to the other, which adds it (a + b == b + a
         # exactly, so both copies get bit-identical sums, as the all-reduce gives them).
@@ -70,7 +73,7 @@ class Comms:
             return None
         for stage in range(self.topology.stages):
             ranks = [self.topology.rank(stage, r) for r in range(self.topology.replicas)]
-            group = dist.new_group(ranks, timeout=self.timeout)
+            group = self._new_group(ranks)
             if stage == self.stage:
                 mine = group
         return mine
@@ -80,7 +83,7 @@ class Comms:
         if last == 0:
             return None
         ranks = sorted(self.topology.rank(s, r) for s in (0, last) for r in range(self.topology.replicas))
-        group = dist.new_group(ranks, timeout=self.timeout)
+        group = self._new_group(ranks)
         return group if self.stage in (0, last) else None
 
     def _loss_group(self):
@@ -89,19 +92,29 @@ class Comms:
             return None
         last = self.topology.stages - 1
         ranks = [self.topology.rank(last, r) for r in range(self.topology.replicas)]
-        group = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
+        group = self._new_group(ranks, backend="gloo")
         return group if self.stage == last else None
 
-    def send(self, tensor: torch.Tensor, to: int) -> dist.Work:
-        return dist.isend(tensor, to)
+    def _new_group(self, ranks: list[int], backend: str | None = None):
+        if self.dry:
+            return tuple(ranks)  # stands for the group: nothing goes through it
+        return dist.new_group(ranks, timeout=self.timeout, backend=backend)
+
+    def send(self, tensor: torch.Tensor, to: int, tag: int = 0) -> dist.Work:
+        return DoneWork() if self.dry else dist.isend(tensor, to, tag=tag)
 
     def recv(self, buffer: torch.Tensor, source: int) -> torch.Tensor:
-        dist.irecv(buffer, source).wait(self.timeout)
+        self.post_recv(buffer, source).wait(self.timeout)
         return buffer
 
-    def post_recv(self, buffer: torch.Tensor, source: int) -> dist.Work:
+    def post_recv(self, buffer: torch.Tensor, source: int, tag: int = 0) -> dist.Work:
         """Start receiving into `buffer`; `wait(timeout)` on the result before reading it."""
-        return dist.irecv(buffer, source)
+        return DoneWork() if self.dry else dist.irecv(buffer, source, tag=tag)
+
+    def all_reduce(self, tensor: torch.Tensor, group, async_op: bool = False):
+        if self.dry:
+            return DoneWork() if async_op else None
+        return dist.all_reduce(tensor, group=group, async_op=async_op)
 
 
 TIED_TAG = 1  # the tied-gradient exchange, apart from activations and gradients (tag 0)
@@ -114,7 +127,7 @@ class TiedExchange:
 
     def __init__(self, comms: Comms, like: list[torch.Tensor]):
         self.buffers = [torch.empty_like(t) for t in like]
-        self.works = [dist.irecv(b, comms.tied_peer, tag=TIED_TAG) for b in self.buffers]
+        self.works = [comms.post_recv(b, comms.tied_peer, tag=TIED_TAG) for b in self.buffers]
 
 
 class GradReduction:
@@ -146,9 +159,9 @@ and comes back as None.
         split = self.flat.numel() - tied_elems
         self.works = []
         if comms.replica_group is not None:
-            self.works.append(dist.all_reduce(self.flat[:split], group=comms.replica_group, async_op=True))
+            self.works.append(comms.all_reduce(self.flat[:split], comms.replica_group, async_op=True))
         if comms.tied_group is not None and tied_elems:
-            self.works.append(dist.all_reduce(self.flat[split:], group=comms.tied_group, async_op=True))
+            self.works.append(comms.all_reduce(self.flat[split:], comms.tied_group, async_op=True))
 
     def _exchange(self, comms: Comms, grads: list[torch.Tensor | None], num_tied: int, tied: TiedExchange | None) -> None:
         """One pipeline: nothing to sum over replicas, so no flat copy; the tied gradients go to
@@ -159,7 +172,13 @@ and comes back as None.
             self.exchange = tied if tied is not None else TiedExchange(comms, grads[split:])
             for g in grads[split:]:
                 g = g.contiguous()
-                self.sends.append((dist.isend(g, comms.tied_peer, tag=TIED_TAG), g))
+                self.sends.append((comms.send(g, comms.tied_peer, tag=TIED_TAG), g))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The gradient memory this reduction holds until it is applied."""
+        if self.p2p:
+            return [g for g in self.grads if g is not None] + (self.exchange.buffers if self.exchange else [])
+        return [self.flat]
 
     def ready(self) -> bool:
         """Whether `finish` would return without waiting."""

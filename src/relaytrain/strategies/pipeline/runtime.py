@@ -41,8 +41,10 @@ from relaytrain.strategies.base import (
     Strategy,
     cpu_activation_bytes,
     minibatch_items,
+    optimizer_tensors,
     optimizer_words,
     replica_rows,
+    scalar,
 )
 from relaytrain.strategies.baseline import Recompute
 from relaytrain.strategies.pipeline.comms import Comms, GradReduction, TiedExchange, Topology
@@ -270,7 +272,7 @@ class PipelineStrategy(Strategy):
         self.steps = cfg.train.steps
         blocks = partition(model.num_blocks, s.stages, s.layout)[self.stage]
         stage = StageModule(model, blocks, self.first, self.last, s.recompute).to(self.device)
-        self.comms = Comms(self.topology, world.rank, bool(stage.tied_names), world.timeout_s)
+        self.comms = Comms(self.topology, world.rank, bool(stage.tied_names), world.timeout_s, dry=world.simulated)
         self.versions = WeightVersions(stage, self.capabilities.weight_versions, cfg.optim)
         self.num_tied = len(stage.tied_names)
         self.hidden_shape = (s.microbatch_size, cfg.data.seq_len, stage.model.hf_config.hidden_size)
@@ -369,8 +371,8 @@ class PipelineStrategy(Strategy):
             return None
         loss = self.batch_loss.pop(batch)
         if self.comms.loss_group is not None:  # its own group: never queued behind a gradient sum
-            dist.all_reduce(loss, group=self.comms.loss_group)
-        return float(loss)
+            self.comms.all_reduce(loss, self.comms.loss_group)
+        return scalar(loss)
 
     # -- compute ----------------------------------------------------------------------------
     def forward(self, a: Action) -> None:
@@ -482,9 +484,9 @@ class PipelineStrategy(Strategy):
                     if self.last:
                         stats += model.eval_stats(out, mb.labels)
                     else:
-                        dist.send(out.float().contiguous(), self.comms.next)
+                        self.comms.send(out.float().contiguous(), self.comms.next).wait(self.comms.timeout)
         if self.last and self.comms.replica_group is not None:
-            dist.all_reduce(stats.sums, group=self.comms.replica_group)
+            self.comms.all_reduce(stats.sums, self.comms.replica_group)
         return stats if self.world.rank == self.reporter(self.cfg) else None
 
     def _buffer(self) -> torch.Tensor:
@@ -507,6 +509,13 @@ class PipelineStrategy(Strategy):
     def load_state_dict(self, state: dict) -> None:
         previous = (state["extra"] or {}).get("previous_weights")
         self.versions.load_state(self.batch, state["weights"], state["optimizer"], previous)
+
+    def memory_holders(self) -> dict[str, list]:
+        params = [p for version in self.versions.params for p in version]
+        reduced = [g for r in self.reductions.values() for g in r.tensors()]
+        return {"weights": params, "gradients": [p.grad for p in params] + reduced,
+                "optimizer state": optimizer_tensors([self.versions.optimizer]),
+                "stash": [t for pair in self.stash.values() for t in pair]}
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:

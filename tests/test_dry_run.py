@@ -1,0 +1,167 @@
+"""Device memory without a device: `train.device=meta` runs the real strategy code on PyTorch's
+meta device and accounts every device tensor; the figures are checked against hand counts
+here and against the CUDA allocator where a GPU exists (`make test-gpu`)."""
+
+import pytest
+import torch
+
+from relaytrain.cli import main
+from relaytrain.config import compose_config
+from relaytrain.data import build_dataset, build_loader
+from relaytrain.memory import DeviceMemory, simulate
+from relaytrain.models import build_model
+from relaytrain.strategies import build_strategy
+from relaytrain.train import run
+
+TINY = ["+exp=tiny_baseline", "model.dropout=0.0"]
+STRATEGIES = ["baseline", "l2l", "l2l_stash_cpu", "pipe_flush", "pipe_2bw", "pipe_gpipe"]
+
+
+def saved_activation_bytes(cfg) -> int:
+    """What autograd keeps for the backward of one micro-batch, counted on a real CPU forward
+    (every saved tensor's storage once, the parameters left out): the hand count."""
+    model = build_model(cfg.model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    minibatch = next(iter(build_loader(cfg, build_dataset(cfg))))
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(minibatch[0])
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("extra", [[], ["model.num_layers=6", "strategy.microbatch_size=8"]])
+def test_the_baseline_simulation_equals_a_hand_count(extra):
+    """Weights, gradients and AdamW's two moments exactly; the activations at the peak are what
+    autograd keeps for one micro-batch, plus the backward's temporaries (short sequences: a few
+    tenths more)."""
+    cfg = compose_config([*TINY, *extra])
+    weights = sum(p.numel() for p in build_model(cfg.model).parameters()) * 4
+    (process,) = simulate(cfg).per_process
+    kinds = process.by_kind
+    assert kinds["weights"] == weights and kinds["gradients"] == weights  # exact: fp32, every parameter
+    assert kinds["optimizer state"] == 2 * weights
+    kept = saved_activation_bytes(cfg)
+    assert kept <= kinds["activations and temporaries"] <= 1.3 * kept
+    assert 4 * weights + kept <= process.peak_bytes <= 1.1 * (4 * weights + kept)
+
+
+def test_the_dry_run_makes_the_allocations_of_a_real_run():
+    """The baseline's code on the CPU, its tensors tracked the same way, reaches the same peak:
+    meta kernels allocate what real kernels allocate (the CPU's fused attention keeps what a
+    GPU's does; AdamW's multi-tensor kernel on both: the meta device has no fused one). L2L is
+    not comparable so: on the CPU its uploads are aliases of the host tensors, not copies."""
+    cfg = compose_config([*TINY, "train.steps=2", "optim.fused=false"])
+    simulated = simulate(cfg, steps=2).per_process[0].peak_bytes
+    strategy_on_cpu = build_strategy(build_model(cfg.model), cfg)
+    loader = iter(build_loader(cfg, build_dataset(cfg)))
+    tracker = DeviceMemory(torch.device("cpu"), strategy_on_cpu.memory_holders)
+    try:
+        with tracker:
+            tracker.register(t for held in strategy_on_cpu.memory_holders().values() for t in held)
+            for _ in range(2):
+                strategy_on_cpu.step(next(loader), 1e-3)
+    finally:
+        strategy_on_cpu.close()
+    assert simulated == pytest.approx(tracker.peak, rel=0.02)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_runs_dry_and_reports_simulated_memory(tmp_path, strategy, capsys):
+    assert main(["train", *TINY, f"strategy={strategy}", "train.device=meta", "train.steps=2",
+                 "train.warmup_steps=0", f"hydra.run.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "peak device memory (simulated)" in out and "host memory (estimate)" in out
+    import json
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    device = results["memory"]["device"]
+    assert device["simulated"] is True and device["peak_allocated_bytes"] > 0
+    assert sum(device["by_kind"].values()) == device["peak_allocated_bytes"]
+    assert results["loss"] == [None, None] and results["memory"]["host_peak_rss_bytes"] is None
+    if strategy.startswith("pipe"):  # per stage
+        assert [p["rank"] for p in results["memory"]["per_process"]] == [0, 1]
+        assert all(p["device"]["simulated"] for p in results["memory"]["per_process"])
+
+
+def test_l2l_with_the_stash_on_the_host_is_constant_in_depth():
+    """The L2L paper's Table 4: device memory does not grow with depth once the stash is on the host."""
+    peaks = {}
+    for strategy in ("l2l", "l2l_stash_cpu", "baseline"):
+        for blocks in (4, 16):
+            cfg = compose_config([*TINY, f"strategy={strategy}", f"model.num_layers={blocks}"])
+            peaks[strategy, blocks] = simulate(cfg).peak_bytes
+    assert peaks["l2l_stash_cpu", 16] == peaks["l2l_stash_cpu", 4]
+    assert peaks["l2l", 16] > 1.5 * peaks["l2l", 4]  # the stash on the device grows with depth
+    assert peaks["baseline", 16] > 2.5 * peaks["baseline", 4]
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_l2l_holds_at_most_max_resident_blocks_parts_of_weights(bound):
+    cfg = compose_config([*TINY, "strategy=l2l", "model.num_layers=6", f"strategy.max_resident_blocks={bound}"])
+    model = build_model(cfg.model)
+    parts = [model.embed, *model.blocks, model.head]
+    sizes = sorted((sum(p.numel() for p in part.parameters()) * 4 for part in parts), reverse=True)
+    weights = simulate(cfg).per_process[0].by_kind["weights"]
+    assert sizes[bound] < weights <= sum(sizes[:bound]) + 4096  # + the constant buffers (position ids)
+
+
+def test_l2l_drops_the_last_blocks_outputs_after_the_turnaround():
+    """From the head's turn-around on, only the gradients travel down: one hidden state per
+    micro-batch, not the last block's outputs and their gradients as well."""
+    def activations(u: int) -> int:
+        cfg = compose_config([*TINY, "strategy=l2l", "model.num_layers=4", "strategy.microbatch_size=4",
+                              f"strategy.num_microbatches={u}", "data.seq_len=64"])
+        return simulate(cfg).per_process[0].by_kind["activations and temporaries"]
+
+    hidden_state = 4 * 64 * compose_config(TINY).model.hidden_size * 4  # b x s x h fp32
+    assert activations(8) - activations(2) <= 1.1 * 6 * hidden_state
+
+
+def test_2bw_holds_one_gradient_copy_per_stage():
+    """Updates are applied as soon as their sums arrive, so batch b's gradients are gone before
+    batch b+1's accumulate: one gradient copy of the stage's weights at the peak, and two
+    weight versions."""
+    cfg = compose_config(["model=gpt2_tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
+                          "model.intermediate_size=1024", "model.vocab_size=2048", "data.seq_len=16",
+                          "strategy=pipe_2bw", "strategy.num_microbatches=4", "strategy.microbatch_size=2", "optim=sgd"])
+    for process in simulate(cfg, steps=4).per_process:
+        kinds = process.by_kind
+        assert kinds["weights"] == 2 * kinds["optimizer state"]  # two versions, SGD momentum: one copy
+        assert kinds["gradients"] == pytest.approx(kinds["optimizer state"], rel=0.01)
+
+
+def test_a_dry_run_refuses_what_needs_values(capsys):
+    assert main(["train", "train.device=meta", "train.save_model=true", "train.checkpoint_every=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["relaytrain: error: train.device=meta is a dry run (shapes, no values): drop "
+                   "train.save_model=true, train.checkpoint_every"]
+
+
+def test_a_large_model_is_simulated_without_its_memory(tmp_path):
+    """BERT-Large with 48 blocks (600 M parameters: 9.6 GB of weights and AdamW state) runs dry
+    in seconds on this machine, which could not hold it."""
+    cfg = compose_config(["+exp=bert_large_l2l_stash_cpu", "model.num_layers=48", "train.device=meta",
+                          "train.steps=1", "train.warmup_steps=0", "strategy.num_microbatches=2"])
+    results = run(cfg, tmp_path, quiet=True)
+    assert results["model"]["parameters"] > 5e8
+    assert results["memory"]["device"]["peak_allocated_bytes"] < 2 * 2**30
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("strategy", ["baseline", "l2l", "l2l_stash_cpu"])
+def test_the_simulation_agrees_with_the_cuda_allocator_within_10_percent(tmp_path, strategy):
+    common = [*TINY, f"strategy={strategy}", "model.num_layers=6", "model.hidden_size=256", "model.num_heads=4",
+              "model.intermediate_size=1024", "data.seq_len=128", "strategy.microbatch_size=16", "train.steps=3",
+              "train.warmup_steps=1"]
+    simulated = simulate(compose_config(common), steps=3).peak_bytes
+    measured = run(compose_config([*common, "train.device=cuda"]), tmp_path, quiet=True)
+    allocated = measured["memory"]["device"]["peak_allocated_bytes"]
+    assert simulated == pytest.approx(allocated, rel=0.10)
