@@ -409,6 +409,9 @@ def _check_dry_run(cfg) -> None:
                                   ("log.tensorboard=true", cfg.log.tensorboard)) if on]
     if valued:
         raise ConfigError(f"train.device=meta is a dry run (shapes, no values): drop {', '.join(valued)}")
+    if str(cfg.precision.name).startswith("amp"):
+        raise ConfigError(f"train.device=meta cannot simulate precision={cfg.precision.name}: autocast has no meta "
+                          f"device; use precision=fp32 or a cmp_* precision")
 
 
 def _a_divisor(n: int, near: int) -> int:

@@ -126,7 +126,7 @@ def _gib(value: int | None) -> str:
     if value is None:
         return "n/a"
     for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if value >= scale / 100 or unit == "KiB":
+        if value >= scale or unit == "KiB":
             return f"{value / scale:.2f} {unit}"
     return f"{value} B"
 
@@ -146,18 +146,24 @@ def print_summary(results: dict, path: Path) -> None:
         *([("evaluation (held out)", f"after step {results['eval'][-1]['step']}: {format_eval(results['eval'][-1])}")]
           if results.get("eval") else []),
         *([("started from", results["model"]["pretrained"])] if results["model"].get("pretrained") else []),
-        ("samples/s", si(t["samples_per_s"])),
+        ("samples/s", si(t["samples_per_s"]) if t["samples_per_s"] is not None else "n/a (a dry run times nothing)"),
         ("tokens/s", si(t["tokens_per_s"])),
         ("step time (mean)", "n/a" if t["step_time_s"] is None else f"{t['step_time_s']:.3f} s"),
         ("model FLOP/s (estimate)", si(t["model_flops_per_s"], "FLOP/s")),
         *memory_rows(results["memory"]),
     ]
+    dry = bool(results["memory"]["device"].get("simulated"))
     for key, value in results.get("strategy_report", {}).get("summary", {}).items():
-        rows.append((key, str(value)))
+        if not (dry and _is_timing(f"{key} {value}")):  # a dry run's clock measures nothing a real run would take
+            rows.append((key, str(value)))
     rows.append(("results", str(path)))
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def _is_timing(key: str) -> bool:
+    return any(unit in key for unit in ("s/step", "samples/s", "params/s"))
 
 
 def memory_rows(memory: dict) -> list[tuple[str, str]]:
