@@ -16,11 +16,18 @@ from relaytrain.strategies.pipeline.schedule import (
     Action,
     Op,
     Schedule,
+    SlicePlan,
     build_schedule,
     stage_program,
     weight_version,
 )
-from relaytrain.strategies.pipeline.validate import ScheduleError, bubble_formula, check_schedule
+from relaytrain.strategies.pipeline.validate import (
+    ScheduleError,
+    StageInvariants,
+    bubble_formula,
+    check_message_driven,
+    check_schedule,
+)
 from relaytrain.strategies.pipeline.view import (
     legend_entries,
     png_figure,
@@ -184,6 +191,42 @@ def test_validator_catches_2bw_needing_a_third_version():
     programs = tuple(tuple(tuple(step) for step in stage_program("pipe_2bw", d, m, s, n)) for s in range(d))
     with pytest.raises(ScheduleError, match="stashed activations exceed|version"):
         check_schedule(Schedule("pipe_2bw", d, m, n, programs))
+
+
+# ----------------------------------------------------------------- message-driven execution
+
+
+@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw", "gpipe"])
+def test_every_order_message_driven_execution_may_choose_keeps_the_rules_and_never_deadlocks(kind):
+    """All states the stages reach together when each runs whichever permitted unit has its
+    message, under every order of arrival (resumed programs too): every action replayed through
+    the validator's invariants, and some stage can always move until all are done."""
+    for d in range(1, 5):
+        for m in range(d if kind == "pipe_2bw" else 1, 5):
+            for first in (0, 2):
+                check_message_driven(build_schedule(kind, d, m, first + 3, first))
+
+
+def test_the_exploration_covers_orders_the_program_does_not_take(monkeypatch):
+    """Three 1F1B stages: the middle one may run a backward before the forward its program puts
+    first. Held to the program's order, the stages reach fewer states together."""
+    schedule = build_schedule("pipe_flush", 3, 4, 2)
+    reordering = check_message_driven(schedule)
+    monkeypatch.setattr(SlicePlan, "candidates", lambda plan: [plan.static_next()])
+    assert reordering > check_message_driven(schedule)
+
+
+def test_the_exploration_catches_an_executor_that_ignores_the_rules(monkeypatch):
+    monkeypatch.setattr(StageInvariants, "allows", lambda self, actions: True)
+    with pytest.raises(ScheduleError, match=r"stage \d: .*(before its forward|stashed activations|version)"):
+        check_message_driven(build_schedule("pipe_2bw", 2, 2, 3))
+
+
+def test_the_exploration_catches_a_deadlock():
+    schedule = build_schedule("pipe_flush", 2, 2)
+    broken = edit(schedule, 0, lambda a: [x for x in a if x != Action(Op.SEND_ACT, 1, 0)])
+    with pytest.raises(ScheduleError, match="can deadlock: .*stage 1 in batch 0 after 1 forwards and 1 backwards"):
+        check_message_driven(broken)
 
 
 # ----------------------------------------------------------------- the viewer

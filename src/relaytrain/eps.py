@@ -25,6 +25,11 @@ Tied weights (GPT-2's `wte` and LM head) are one Parameter: the first part that 
 (the embeddings) owns it, the head only uses it. Both parts' gradients are added into the
 one master `.grad` (the head's arrives first), and only the owner's optimizer updates it.
 
+Pipeline stages (`strategy.offload=host`, strategies/pipeline/offload.py) use the same server
+for their host-resident masters: a shipment may carry its own learning rate (2BW queues one
+batch's update while the next batch's is being computed) and a continuation the worker runs
+right after the part's update (the stage uploads the new weights into its device buffer).
+
 Replicas (`Peers`, L2L's `strategy.replicas`). Several workers relay the same parts over
 their own rows of every minibatch; a part's gradients are summed over them as soon as its
 backward has finished (the collective runs while the parts below compute), then the part is
@@ -111,6 +116,9 @@ class _Worker:
 
     def join(self) -> None:
         self._tasks.join()
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -226,6 +234,8 @@ class Shipment:
     ready: torch.cuda.Event | None = None  # the device-to-host copy completes at this event
     reduction: dist.Work | None = None  # the sum over replicas completes with this work (then `flat` holds it)
     flat: torch.Tensor | None = None  # the gradients flattened for the sum; `grads` are views of it
+    lr: float | None = None  # the learning rate of this update (None: the one `set_lr` last set)
+    then: Callable[[], None] | None = None  # run on the worker right after the part's update
 
 
 class EagerParamServer:
@@ -290,6 +300,15 @@ class EagerParamServer:
         overflow, self._overflow = self._overflow, False
         return overflow
 
+    def settle(self) -> None:
+        """Finish every queued update, without counting a step (a pipeline stage before its
+        checkpoint or evaluation); re-raises the worker's error."""
+        self._worker.join()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise the worker's error, if it had one, without waiting for its queue."""
+        self._worker.raise_if_failed()
+
     def refresh_wires(self) -> None:
         """The masters changed outside an update (a checkpoint was loaded): make the copies follow."""
         for part in self.parts:
@@ -311,8 +330,12 @@ class EagerParamServer:
             shipment.ready.synchronize()  # the gradients' download has landed in host memory
         start = time.perf_counter()
         _accumulate(part.masters, shipment.grads)
+        if shipment.lr is not None and part.optimizer is not None:
+            set_lr(part.optimizer, shipment.lr)
         if not self.defer:
             self._step(index)
+        if shipment.then is not None:
+            shipment.then()
         self.stats.busy_s += time.perf_counter() - start
 
     def _deferred_update(self) -> None:

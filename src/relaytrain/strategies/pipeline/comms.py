@@ -9,13 +9,22 @@ copies, so every copy takes the same update and the tie holds.
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from relaytrain.strategies.pipeline.schedule import Op
 from relaytrain.world import DoneWork
+
+POLL_S = (5e-5, 1e-3)  # NCCL: how often a watcher asks whether a transfer has completed (backing off)
+CLOSE_S = 5.0  # how long closing waits for a watcher thread (they are idle unless a transfer hangs)
 
 
 @dataclass(frozen=True)
@@ -43,7 +52,8 @@ class Topology:
 class Comms:
     """This rank's links: neighbours for transfers, process groups for gradient sums."""
 
-    def __init__(self, topology: Topology, rank: int, has_tied_weights: bool, timeout_s: float, dry: bool = False):
+    def __init__(self, topology: Topology, rank: int, has_tied_weights: bool, timeout_s: float, dry: bool = False,
+                 lanes: bool = False):
         self.topology = topology
         self.dry = dry  # a dry run on the meta device: the same buffers, nothing sent
         self.stage, self.replica = topology.position(rank)
@@ -57,13 +67,22 @@ class Comms:
         # posted buffer, matched by source and tag in posting order), so receives may be posted
         # ahead of time and the tied copies' sum exchanged point to point. NCCL queues all of a
         # pair's operations on one stream: there a receive posted early would block the sends
-        # behind it, so those paths are gloo only.
-        self.async_p2p = dry or dist.get_backend() == "gloo"
+        # behind it. With `lanes` (message-driven execution) activations and gradients travel on
+        # a process group each, so every pair has one NCCL communicator and stream per
+        # direction, and a receive posted early holds up only the later receives of its own
+        # direction, which come after it anyway.
+        gloo = dry or dist.get_backend() == "gloo"
+        self.act_group = self.grad_group = None  # None: the default group
+        if lanes and not gloo:
+            everyone = list(range(topology.world_size))
+            self.act_group, self.grad_group = self._new_group(everyone), self._new_group(everyone)
+        self.async_p2p = gloo or self.act_group is not None  # receives may be posted ahead
+        self.poll = not gloo  # NCCL: a transfer's completion is a CUDA event, seen by polling
         # One pipeline (replicas == 1): the tied weights have exactly two copies, on the first and
         # the last stage; each sends its gradient to the other, which adds it (a + b == b + a
         # exactly, so both copies get bit-identical sums, as the all-reduce gives them).
         self.tied_peer = None
-        if self.async_p2p and has_tied_weights and self.tied_group is not None and topology.replicas == 1:
+        if gloo and has_tied_weights and self.tied_group is not None and topology.replicas == 1:
             self.tied_peer = topology.rank(topology.stages - 1 if self.stage == 0 else 0, 0)
 
     def _replica_group(self):
@@ -100,16 +119,22 @@ class Comms:
             return tuple(ranks)  # stands for the group: nothing goes through it
         return dist.new_group(ranks, timeout=self.timeout, backend=backend)
 
-    def send(self, tensor: torch.Tensor, to: int, tag: int = 0) -> dist.Work:
-        return DoneWork() if self.dry else dist.isend(tensor, to, tag=tag)
+    def send(self, tensor: torch.Tensor, to: int, tag: int = 0, group=None) -> dist.Work:
+        return DoneWork() if self.dry else dist.isend(tensor, to, tag=tag, group=group)
 
     def recv(self, buffer: torch.Tensor, source: int) -> torch.Tensor:
         self.post_recv(buffer, source).wait(self.timeout)
         return buffer
 
-    def post_recv(self, buffer: torch.Tensor, source: int, tag: int = 0) -> dist.Work:
+    def post_recv(self, buffer: torch.Tensor, source: int, tag: int = 0, group=None) -> dist.Work:
         """Start receiving into `buffer`; `wait(timeout)` on the result before reading it."""
-        return DoneWork() if self.dry else dist.irecv(buffer, source, tag=tag)
+        return DoneWork() if self.dry else dist.irecv(buffer, source, tag=tag, group=group)
+
+    def lane(self, op: Op) -> tuple[int, object]:
+        """The peer and process group of a transfer action (receive or send)."""
+        if op in (Op.RECV_ACT, Op.SEND_GRAD):
+            return self.prev, self.act_group if op is Op.RECV_ACT else self.grad_group
+        return self.next, self.act_group if op is Op.SEND_ACT else self.grad_group
 
     def all_reduce(self, tensor: torch.Tensor, group, async_op: bool = False):
         if self.dry:
@@ -201,3 +226,182 @@ and comes back as None.
         sizes = [0 if shape is None else shape.numel() for shape in self.shapes]
         pieces = self.flat.split(sizes)
         return [None if shape is None else piece.view(shape) for piece, shape in zip(pieces, self.shapes, strict=True)]
+
+
+# ----------------------------------------------------------------------- transfers in flight
+
+
+class Watcher:
+    """Sees point-to-point transfers complete without the stage blocking on them.
+
+    gloo marks a send or a receive complete only inside `wait()` (`is_completed()` stays False
+    until then, and a second `wait()` on a receive blocks), so one thread per channel waits on
+    its transfers in posting order, the order they complete in, and flags each one done; `wait`
+    releases the GIL, so a waiting thread costs nothing. NCCL's transfers are CUDA events that
+    `is_completed()` can query: there the thread polls. A dry run's transfers are done at once.
+    """
+
+    def __init__(self, timeout: timedelta, poll: bool):
+        self.timeout, self.poll = timeout, poll
+        self.done: set = set()
+        self.error: BaseException | None = None
+        self.changed = threading.Condition()
+        self.channels: dict[Hashable, queue.Queue] = {}
+        self.threads: list[threading.Thread] = []
+
+    def watch(self, channel: Hashable, key: Hashable, work) -> None:
+        """Follow `work` (flagged as `key` once complete) after the earlier ones of `channel`."""
+        if isinstance(work, DoneWork):
+            self._flag(key)
+            return
+        if channel not in self.channels:
+            self.channels[channel] = queue.Queue()
+            thread = threading.Thread(target=self._follow, args=(self.channels[channel],), daemon=True,
+                                      name=f"relaytrain-watch-{channel}")
+            thread.start()
+            self.threads.append(thread)
+        self.channels[channel].put((key, work))
+
+    def is_done(self, key: Hashable) -> bool:
+        with self.changed:
+            return key in self.done
+
+    def wait_any(self, keys: Iterable[Hashable]) -> Hashable:
+        """Block until one of `keys` is done (within the timeout); return it."""
+        keys = list(keys)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        with self.changed:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError(f"a transfer failed: {self.error}") from self.error
+                hit = next((k for k in keys if k in self.done), None)
+                if hit is not None:
+                    return hit
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no transfer of {keys} completed within {self.timeout.total_seconds():.0f} s")
+                self.changed.wait(left)
+
+    def forget(self, key: Hashable) -> None:
+        with self.changed:
+            self.done.discard(key)
+
+    def close(self) -> None:
+        """Stop the threads. Each drops its transfers as soon as they complete, so none outlives the
+        process group (a gloo work destroyed after its group aborts the process)."""
+        for channel in self.channels.values():
+            channel.put(None)
+        for thread in self.threads:
+            thread.join(timeout=CLOSE_S)
+
+    def _follow(self, channel: queue.Queue) -> None:
+        while (item := channel.get()) is not None:
+            key, work = item
+            del item
+            try:
+                self._poll(work) if self.poll else work.wait(self.timeout)
+            except BaseException as err:  # noqa: BLE001 - handed to the stage by wait_any
+                with self.changed:
+                    self.error = err
+                    self.changed.notify_all()
+                return
+            finally:
+                del work
+            self._flag(key)
+
+    def _poll(self, work) -> None:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = POLL_S[0]
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a transfer did not complete within {self.timeout.total_seconds():.0f} s")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+
+    def _flag(self, key: Hashable) -> None:
+        with self.changed:
+            self.done.add(key)
+            self.changed.notify_all()
+
+
+class Mailbox:
+    """This stage's incoming activations and gradients, keyed by (receive op, micro-batch).
+
+    Each receive lands in a buffer of its own, posted ahead of the action that reads it where
+    the backend allows (`Comms.async_p2p`) and taken by that action. With `watch` (message-driven
+    execution) the stage can also see which receives have arrived without waiting for them.
+    """
+
+    def __init__(self, comms: Comms, shape: tuple[int, ...], device: torch.device, watcher: Watcher,
+                 watch: bool):
+        self.comms, self.shape, self.device = comms, shape, device
+        self.watcher = watcher if watch else None
+        self.posted: dict[tuple[Op, int], tuple[dist.Work, torch.Tensor]] = {}
+
+    def post(self, op: Op, microbatch: int) -> None:
+        buffer = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        source, group = self.comms.lane(op)
+        work = self.comms.post_recv(buffer, source, group=group)
+        self.posted[(op, microbatch)] = (work, buffer)
+        if self.watcher is not None:
+            self.watcher.watch(("recv", op.value), (op, microbatch), work)
+
+    def is_posted(self, op: Op, microbatch: int) -> bool:
+        return (op, microbatch) in self.posted
+
+    def arrived(self, op: Op, microbatch: int) -> bool:
+        return self.watcher is not None and self.watcher.is_done((op, microbatch))
+
+    def wait_any(self, keys: Iterable[tuple[Op, int]]) -> None:
+        """Block until one of these posted receives has arrived (with `watch` only)."""
+        self.watcher.wait_any(keys)
+
+    def take(self, op: Op, microbatch: int) -> torch.Tensor:
+        """The received tensor, once it has arrived (posting the receive now if it was not)."""
+        key = (op, microbatch)
+        if key not in self.posted:
+            self.post(op, microbatch)
+        work, buffer = self.posted.pop(key)
+        if self.watcher is None:
+            work.wait(self.comms.timeout)
+            return buffer
+        self.watcher.wait_any([key])
+        self.watcher.forget(key)
+        if self.watcher.poll:
+            work.wait(self.comms.timeout)  # NCCL: orders the compute stream after the (completed) receive
+        return buffer
+
+
+class Outbox:
+    """Sends in flight, each tensor kept alive until delivered and then dropped.
+
+    gloo completes a send only once the peer has posted its receive, and says so only inside
+    `wait()`: the watcher follows them, so a long run holds only what is really in flight.
+    """
+
+    def __init__(self, comms: Comms, watcher: Watcher):
+        self.comms, self.watcher = comms, watcher
+        self.in_flight: dict[int, torch.Tensor] = {}
+        self.ids = itertools.count()
+
+    def send(self, tensor: torch.Tensor, to: int, tag: int = 0, group=None) -> None:
+        tensor = tensor.contiguous()
+        self.keep(self.comms.send(tensor, to, tag=tag, group=group), tensor, to, tag)
+
+    def keep(self, work: dist.Work, tensor: torch.Tensor, to: int, tag: int = 0) -> None:
+        """Follow a send made elsewhere (GradReduction's tied exchange)."""
+        self._drop_delivered()
+        key = next(self.ids)
+        self.in_flight[key] = tensor
+        self.watcher.watch(("send", to, tag), key, work)
+
+    def flush(self) -> None:
+        """Wait until every send has been delivered."""
+        for key in list(self.in_flight):
+            self.watcher.wait_any([key])
+        self._drop_delivered()
+
+    def _drop_delivered(self) -> None:
+        for key in [k for k in self.in_flight if self.watcher.is_done(k)]:
+            del self.in_flight[key]
+            self.watcher.forget(key)

@@ -13,27 +13,25 @@ stages stop at the same batch. The next `step` starts a new program from there (
 two weight versions the drained program left).
 
 Each action type maps to one method (DeepSpeed's engine does the same with its instructions),
-so the order of work lives entirely in the schedule; this file only knows how to do each kind
-of work.
+so the order of work lives in the schedule and the executor (`executor.py`: the program's
+order, or message-driven within the schedule's rules); this file only knows how to do each
+kind of work. Where the weights live is `weights.py` (on the device) or `offload.py`
+(masters and optimizer state in host memory).
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 
-from relaytrain.checkpoint import load_optimizer_state, optimizer_state
-from relaytrain.config import StrategyConfig, WorkersConfig
+from relaytrain import memory
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch, eval_mode
-from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.strategies.base import (
     FP32,
     Capabilities,
@@ -41,13 +39,25 @@ from relaytrain.strategies.base import (
     Strategy,
     cpu_activation_bytes,
     minibatch_items,
-    optimizer_tensors,
     optimizer_words,
     replica_rows,
     scalar,
 )
 from relaytrain.strategies.baseline import Recompute
-from relaytrain.strategies.pipeline.comms import Comms, GradReduction, TiedExchange, Topology
+from relaytrain.strategies.pipeline.comms import (
+    TIED_TAG,
+    Comms,
+    GradReduction,
+    Mailbox,
+    Outbox,
+    TiedExchange,
+    Topology,
+    Watcher,
+)
+from relaytrain.strategies.pipeline.config import Execution, Offload, PipelineConfig
+from relaytrain.strategies.pipeline.executor import MessageDrivenExecutor, StaticExecutor
+from relaytrain.strategies.pipeline.jitter import ENV, StageJitter
+from relaytrain.strategies.pipeline.offload import HostVersions
 from relaytrain.strategies.pipeline.schedule import (
     Action,
     Op,
@@ -57,116 +67,21 @@ from relaytrain.strategies.pipeline.schedule import (
     weight_version,
 )
 from relaytrain.strategies.pipeline.stage import StageModule, partition
-from relaytrain.strategies.pipeline.validate import bubble_formula, check_schedule, simulate
+from relaytrain.strategies.pipeline.validate import StageInvariants, bubble_formula, check_schedule, simulate
+from relaytrain.strategies.pipeline.weights import VersionBuffers, WeightVersions
 
-RECEIVE = (Op.RECV_ACT, Op.RECV_GRAD)
-RECVS_AHEAD = 1  # receives posted ahead of their action, per direction (gloo; see Comms.async_p2p)
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each worker
 
 
 @dataclass
-class PipelineConfig(WorkersConfig, StrategyConfig):
-    stages: int = 2  # pipeline depth: worker processes per replica, each holding consecutive blocks
-    layout: list[int] | None = None  # blocks per stage, overriding the even split
-    recompute: Recompute = Recompute.none  # block: each block's input kept; stage: each stage's input (2BW paper)
-
-
-class WeightVersions:
-    """The stage's weights: one buffer (flush) or two (2BW), version v living in buffer v % 2.
-
-    2BW's update W(b+1) = W(b) - lr * grad(W(b-1)) goes into the buffer that held W(b-1):
-    batch b, its only user, is finished by then, while W(b) must stay untouched for the
-    in-flight micro-batches of batch b+1. The optimizer follows the newest buffer, its state
-    re-keyed to that buffer's parameters, so two versions plus one optimizer state is all a
-    stage keeps.
-    """
-
-    def __init__(self, stage: StageModule, versions: int, optim_cfg):
-        self.buffers = [stage] + [copy.deepcopy(stage) for _ in range(versions - 1)]
-        # Tied weights last: GradReduction sums them over a different group.
-        self.names = [n for n, _ in stage.named_parameters() if n not in stage.tied_names] + stage.tied_names
-        self.params = [[dict(b.named_parameters())[n] for n in self.names] for b in self.buffers]
-        self.hf_names = [stage.model.hf_name(p) for p in self.params[0]]
-        self.optimizer = build_optimizer(zip(self.names, self.params[0], strict=True), optim_cfg)
-        self.updates = 0
-
-    def module(self, version: int) -> StageModule:
-        return self.buffers[version % len(self.buffers)]
-
-    def latest(self) -> StageModule:
-        return self.module(self.updates)
-
-    def take_grads(self, version: int) -> list[torch.Tensor | None]:
-        """Gradients accumulated on `version`'s buffer (None where a parameter got none, which
-        the optimizer then skips, as the baseline's does); the buffer's .grad is cleared."""
-        grads = []
-        for p in self.params[version % len(self.buffers)]:
-            grads.append(p.grad)
-            p.grad = None
-        return grads
-
-    def apply(self, grads: list[torch.Tensor | None], lr: float) -> None:
-        """One optimizer step: version `updates` becomes version `updates + 1`."""
-        target = self.params[(self.updates + 1) % len(self.buffers)]
-        if len(self.buffers) == 2:
-            source = self.params[self.updates % 2]
-            with torch.no_grad():
-                torch._foreach_copy_(target, source)
-            self._rekey_optimizer(source, target)
-        for p, g in zip(target, grads, strict=True):
-            p.grad = g
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.updates += 1
-
-    def state(self) -> tuple[dict, dict, dict | None]:
-        """Weights of the newest version and optimizer state by Hugging Face name, and (2BW) the
-        previous version, which the next batch still computes with."""
-        name = dict(zip(map(id, self.params[self.updates % len(self.buffers)]), self.hf_names, strict=True))
-        newest = self._by_name(self.updates)
-        optimizer = optimizer_state([self.optimizer], lambda p: name[id(p)])
-        previous = self._by_name(self.updates - 1) if len(self.buffers) == 2 else None
-        return newest, optimizer, previous
-
-    def load_state(self, updates: int, weights: dict, optimizer: dict, previous: dict | None) -> None:
-        """The inverse of `state` at `updates` optimizer steps; without `previous` (a checkpoint
-        from another strategy) the previous version starts equal to the newest."""
-        self.updates = updates
-        self._load(updates, weights)
-        if len(self.buffers) == 2:
-            self._load(updates - 1, previous if previous else weights)
-        newest = self.params[updates % len(self.buffers)]
-        if newest is not self.params[0]:  # the optimizer follows the newest buffer
-            self._rekey_optimizer(self.params[0], newest)
-        name = dict(zip(map(id, newest), self.hf_names, strict=True))
-        load_optimizer_state([self.optimizer], lambda p: name[id(p)], optimizer)
-
-    def _by_name(self, version: int) -> dict[str, torch.Tensor]:
-        params = self.params[version % len(self.buffers)]
-        return {n: p.detach().cpu().clone() for n, p in zip(self.hf_names, params, strict=True)}
-
-    def _load(self, version: int, weights: dict) -> None:
-        with torch.no_grad():
-            for n, p in zip(self.hf_names, self.params[version % len(self.buffers)], strict=True):
-                p.copy_(weights[n])
-
-    def _rekey_optimizer(self, source: list[torch.Tensor], target: list[torch.Tensor]) -> None:
-        position = {id(p): i for i, p in enumerate(source)}
-        for group in self.optimizer.param_groups:
-            group["params"] = [target[position[id(p)]] for p in group["params"]]
-        self.optimizer.state = defaultdict(
-            dict, {target[position[id(p)]]: state for p, state in self.optimizer.state.items()}
-        )
-
-
-@dataclass
 class Segment:
-    """The program of batches [first, end) this stage is running, and where each batch starts in it."""
+    """The program of batches [first, end) this stage is running, where each batch starts in it,
+    and the invariants its work keeps so far (consulted by the message-driven executor)."""
 
     first: int
     program: list[Action]
     starts: dict[int, int]  # batch -> index of the stage's first action of that batch
+    invariants: StageInvariants
 
     def start(self, batch: int) -> int:
         return self.starts.get(batch, len(self.program))
@@ -208,13 +123,17 @@ class PipelineStrategy(Strategy):
                               f"summing to model.num_layers={m.num_layers}")
         check_shape(cls.schedule, s.stages, s.num_microbatches, cfg.train.steps)
         check_schedule(build_schedule(cls.schedule, s.stages, s.num_microbatches, min(cfg.train.steps, 3)))
+        jitter = StageJitter.from_environment()
+        if jitter is not None and jitter.stage >= s.stages:
+            raise ConfigError(f"{ENV} slows stage {jitter.stage}, but the pipeline has stages 0 to {s.stages - 1}")
 
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
         s = cfg.strategy
         versions = cls.capabilities.weight_versions
         in_flight = min(s.stages, s.num_microbatches) if cls.schedule != "gpipe" else s.num_microbatches
-        per_replica = num_params * FP32 * (versions + 1 + optimizer_words(cfg))
+        masters = 1 if s.offload == Offload.host else 0  # host copies of the weights, apart from the working ones
+        per_replica = num_params * FP32 * (versions + 1 + optimizer_words(cfg) + masters)
         if s.recompute == Recompute.none:
             per_replica += cpu_activation_bytes(cfg, device_type, live_blocks=cfg.model.num_layers * in_flight)
         else:
@@ -248,6 +167,8 @@ class PipelineStrategy(Strategy):
             "stages": s.stages,
             "replicas": s.replicas,
             "layout": layout,
+            "execution": str(s.execution),
+            "offload": str(s.offload),
             "per_stage": stages,
             "bubble_fraction_measured": measured,
             "bubble_fraction_formula": formula,
@@ -256,8 +177,10 @@ class PipelineStrategy(Strategy):
                            "schedule: dry run of the whole run with backward = 2 x forward",
             "summary": {
                 "pipeline": f"{s.stages} stages x {s.replicas} replicas, blocks {layout}",
+                "execution, offload": f"{s.execution}, {s.offload}",
                 "bubble measured / formula": f"{measured:.3f} / {formula:.3f}",
                 "stage samples/s": ", ".join(f"{st['samples_per_s']:.1f}" for st in stages),
+                **_stage_rows(stages),
             },
         }
 
@@ -271,22 +194,29 @@ class PipelineStrategy(Strategy):
         self.m = s.num_microbatches
         self.steps = cfg.train.steps
         blocks = partition(model.num_blocks, s.stages, s.layout)[self.stage]
-        stage = StageModule(model, blocks, self.first, self.last, s.recompute).to(self.device)
-        self.comms = Comms(self.topology, world.rank, bool(stage.tied_names), world.timeout_s, dry=world.simulated)
-        self.versions = WeightVersions(stage, self.capabilities.weight_versions, cfg.optim)
+        stage = StageModule(model, blocks, self.first, self.last, s.recompute)
+        message_driven = s.execution == Execution.message_driven
+        self.comms = Comms(self.topology, world.rank, bool(stage.tied_names), world.timeout_s, dry=world.simulated,
+                           lanes=message_driven)
+        self.versions = self._weights(stage)
         self.num_tied = len(stage.tied_names)
         self.hidden_shape = (s.microbatch_size, cfg.data.seq_len, stage.model.hf_config.hidden_size)
+        self.watcher = Watcher(self.comms.timeout, self.comms.poll)
+        self.mailbox = Mailbox(self.comms, self.hidden_shape, self.device, self.watcher, watch=message_driven)
+        self.outbox = Outbox(self.comms, self.watcher)
+        self.executor = MessageDrivenExecutor(self) if message_driven else StaticExecutor(self)
+        jitter = None if world.simulated else StageJitter.from_environment()
+        self.jitter = jitter if jitter is not None and jitter.stage == self.stage else None
+        self.injected = jitter  # the run's setting, for every stage's report
         self.segment: Segment | None = None
         self.drain_s = 0.0  # time spent finishing batches in flight between steps (checkpoints, evaluations)
         self.batch = 0  # the next batch `step` runs
         self.lrs: dict[int, float] = {}
         self.minibatches: dict[int, tuple[list[MicroBatch], int]] = {}
         self.stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # k -> (input, output)
-        self.inbox: dict[tuple[Op, int], torch.Tensor] = {}
-        self.posted: dict[tuple[Op, int], tuple[dist.Work, torch.Tensor]] = {}  # receives under way
+        self.inbox: dict[tuple[Op, int], torch.Tensor] = {}  # received, not yet computed with
         self.tied_recvs: dict[int, TiedExchange] = {}  # per batch: the partner's tied gradients, posted early
         self.grads_out: dict[int, torch.Tensor] = {}
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until delivered
         self.batch_loss: dict[int, torch.Tensor] = {}
         self.reductions: dict[int, GradReduction] = {}  # reduced, not yet applied (in batch order)
         self.dispatch = {
@@ -295,6 +225,14 @@ class PipelineStrategy(Strategy):
             Op.RECV_GRAD: self.recv_grad, Op.SEND_GRAD: self.send_grad,
             Op.REDUCE_GRADS: self.reduce_grads, Op.OPTIMIZER_STEP: self.optimizer_step,
         }
+
+    def _weights(self, stage: StageModule) -> VersionBuffers:
+        """The stage's weight versions: all on the device, or the masters and optimizer state on
+        the host (`strategy.offload=host`; the stage stays where the model was built: the host)."""
+        versions, optim = self.capabilities.weight_versions, self.cfg.optim
+        if self.cfg.strategy.offload == Offload.host:
+            return HostVersions(stage, versions, optim, self.device)
+        return WeightVersions(stage.to(self.device), versions, optim)
 
     def start(self, step: int) -> None:
         self.batch = step
@@ -306,8 +244,9 @@ class PipelineStrategy(Strategy):
         self._keep(c, minibatch)
         if self.segment is None:
             self.segment = self._segment(c, self.steps)
+        seg = self.segment
         with self.timer.phase("step"):
-            self._run(self.segment.program, self.segment.start(c), self.segment.start(c + 1))
+            self.executor.run(seg.program, seg.start(c), seg.start(c + 1), seg.invariants)
             self.batch = c + 1
             if self.batch == self.steps:  # the program ran to its end
                 self._end_segment()
@@ -322,48 +261,28 @@ class PipelineStrategy(Strategy):
             shorter = self._segment(seg.first, c).program  # equal to seg.program up to batch c's start
             start = time.perf_counter()
             with self.timer.paused():  # the phases cover the steps; a drain runs between them
-                self._run(shorter, seg.start(c), len(shorter))
+                self.executor.run(shorter, seg.start(c), len(shorter), seg.invariants)
             self.drain_s += time.perf_counter() - start
         self._end_segment()
 
     def _segment(self, first: int, end: int) -> Segment:
         s = self.cfg.strategy
-        program = build_schedule(self.schedule, s.stages, self.m, end, first).actions(self.stage)
+        schedule = build_schedule(self.schedule, s.stages, self.m, end, first)
+        program = schedule.actions(self.stage)
         starts = {c: i for i, c in stop_points(program, self.m).items()}
         starts[first] = 0
-        return Segment(first, program, starts)
+        return Segment(first, program, starts, StageInvariants(schedule, self.stage))
 
     def _end_segment(self) -> None:
-        for work, _ in self.sends:
-            work.wait(self.comms.timeout)
-        self.sends = []
+        """Everything begun has finished: sends delivered, updates landed."""
+        self.outbox.flush()
+        self.versions.settle()
         self.segment = None
 
-    def _run(self, program: list[Action], start: int, end: int) -> None:
-        ahead = start
-        for i in range(start, end):
-            if self.comms.async_p2p:
-                ahead = self._post_receives(program, max(ahead, i), end)
-            self.dispatch[program[i].op](program[i])
-            self._apply_ready_updates()
-
-    def _post_receives(self, program: list[Action], start: int, horizon: int) -> int:
-        """Post the receives of program[start:horizon] in program order (each peer sends in that
-        order), at most RECVS_AHEAD per direction outstanding, so the data arrives while this
-        stage computes instead of after it asks. Returns the index up to which all are posted.
-
-        Never past `horizon`, the end of this step's slice: the stages may drain there instead,
-        and a receive posted for a transfer that never comes would be left behind.
-        """
-        i = start
-        while i < horizon:
-            a = program[i]
-            if a.op in RECEIVE and (a.op, a.microbatch) not in self.posted:
-                if sum(1 for op, _ in self.posted if op is a.op) >= RECVS_AHEAD:
-                    break
-                self.posted[(a.op, a.microbatch)] = self._post_recv(a)
-            i += 1
-        return i
+    def do(self, action: Action) -> None:
+        """One action of the program (the executor decides which, and when)."""
+        self.dispatch[action.op](action)
+        self._apply_ready_updates()
 
     def _loss(self, batch: int) -> float | None:
         """Batch `batch`'s loss on the last stage (summed over replicas); None on other stages."""
@@ -378,7 +297,9 @@ class PipelineStrategy(Strategy):
     def forward(self, a: Action) -> None:
         mb, items = self._microbatch(a.microbatch)
         hidden = None if self.first else self.inbox.pop((Op.RECV_ACT, a.microbatch))
-        with self.timer.phase("forward"), self.precision.autocast_context(self.device):
+        with self.timer.phase("update_wait"):  # offload: the update that made this version must have landed
+            self.versions.await_version(a.version)
+        with self.timer.phase("forward"), self._jittered("forward", a), self.precision.autocast_context(self.device):
             out = self.versions.module(a.version)(mb, hidden, items)
         self.stash[a.microbatch] = (hidden, out)
         if self.last:
@@ -390,7 +311,7 @@ class PipelineStrategy(Strategy):
             # This stage's last backward of the batch: the partner's tied gradients may come during it.
             tied = self.versions.params[a.version % len(self.versions.buffers)][len(self.versions.names) - self.num_tied:]
             self.tied_recvs[a.batch] = TiedExchange(self.comms, tied)
-        with self.timer.phase("backward"):
+        with self.timer.phase("backward"), self._jittered("backward", a):
             grad = None if self.last else self.inbox.pop((Op.RECV_GRAD, a.microbatch))
             out.backward(grad)
         if not self.first:
@@ -398,12 +319,16 @@ class PipelineStrategy(Strategy):
         if self.last:
             self.progress(f"micro-batch {a.microbatch % self.m + 1}/{self.m} through the pipeline")
 
+    def _jittered(self, op: str, a: Action):
+        """The injected delay of this stage, if RELAYTRAIN_STAGE_JITTER names it (a benchmarking aid)."""
+        return self.jitter.around(op, a.microbatch, self.device) if self.jitter is not None else nullcontext()
+
     # -- transfers ----------------------------------------------------------------------------
     def send_act(self, a: Action) -> None:
-        self._send(self.stash[a.microbatch][1].detach().float(), self.comms.next)
+        self._send(self.stash[a.microbatch][1].detach().float(), a.op)
 
     def send_grad(self, a: Action) -> None:
-        self._send(self.grads_out.pop(a.microbatch), self.comms.prev)
+        self._send(self.grads_out.pop(a.microbatch), a.op)
 
     def recv_act(self, a: Action) -> None:
         self._recv(a, requires_grad=True)
@@ -411,29 +336,22 @@ class PipelineStrategy(Strategy):
     def recv_grad(self, a: Action) -> None:
         self._recv(a, requires_grad=False)
 
-    def _send(self, tensor: torch.Tensor, to: int) -> None:
-        tensor = tensor.contiguous()
-        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
-        self.sends.append((self.comms.send(tensor, to), tensor))
-
-    def _post_recv(self, a: Action) -> tuple[dist.Work, torch.Tensor]:
-        buffer = torch.empty(self.hidden_shape, dtype=torch.float32, device=self.device)
-        source = self.comms.prev if a.op is Op.RECV_ACT else self.comms.next
-        return self.comms.post_recv(buffer, source), buffer
+    def _send(self, tensor: torch.Tensor, op: Op) -> None:
+        to, group = self.comms.lane(op)
+        self.outbox.send(tensor, to, group=group)
 
     def _recv(self, a: Action, requires_grad: bool) -> None:
-        key = (a.op, a.microbatch)
-        work, buffer = self.posted.pop(key) if key in self.posted else self._post_recv(a)
-        with self.timer.phase("wait"):
-            work.wait(self.comms.timeout)
-        self.inbox[key] = buffer.requires_grad_(requires_grad)
+        with self.timer.phase("message_wait"):
+            buffer = self.mailbox.take(a.op, a.microbatch)
+        self.inbox[(a.op, a.microbatch)] = buffer.requires_grad_(requires_grad)
 
     # -- updates ------------------------------------------------------------------------------
     def reduce_grads(self, a: Action) -> None:
         grads = self.versions.take_grads(weight_version(self.schedule, a.batch * self.m, self.m))
         reduction = GradReduction(self.comms, grads, self.num_tied, self.tied_recvs.pop(a.batch, None))
         self.reductions[a.batch] = reduction
-        self.sends.extend(reduction.sends)
+        for work, tensor in reduction.sends:
+            self.outbox.keep(work, tensor, self.comms.tied_peer, TIED_TAG)
 
     def optimizer_step(self, a: Action) -> None:
         """The schedule's deadline for batch a.batch's update: apply it now unless it already was."""
@@ -452,9 +370,9 @@ class PipelineStrategy(Strategy):
             self._apply_update(batch)
 
     def _apply_update(self, batch: int) -> None:
-        with self.timer.phase("wait"):
+        with self.timer.phase("reduction_wait"):
             grads = self.reductions.pop(batch).finish()
-        with self.timer.phase("optimizer"):
+        with self.timer.phase("optimizer"):  # offload: only starting the update; it lands in the background
             self.versions.apply(grads, self.lrs.pop(batch))
 
     # -- data ---------------------------------------------------------------------------------
@@ -511,10 +429,10 @@ class PipelineStrategy(Strategy):
         self.versions.load_state(self.batch, state["weights"], state["optimizer"], previous)
 
     def memory_holders(self) -> dict[str, list]:
-        params = [p for version in self.versions.params for p in version]
+        params = self.versions.device_tensors()
         reduced = [g for r in self.reductions.values() for g in r.tensors()]
         return {"weights": params, "gradients": [p.grad for p in params] + reduced,
-                "optimizer state": optimizer_tensors([self.versions.optimizer]),
+                "optimizer state": self.versions.device_optimizer_state(),
                 "stash": [t for pair in self.stash.values() for t in pair]}
 
     # -- report ---------------------------------------------------------------------------------
@@ -525,16 +443,67 @@ class PipelineStrategy(Strategy):
         steps = self.timer.counts.get("step", 0)
         s = self.cfg.strategy
         samples = s.microbatch_size * s.num_microbatches
-        return {
-            "stage_figures": {
-                "rank": self.world.rank,
-                "stage": self.stage,
-                "replica": self.replica,
-                "blocks": len(self.versions.buffers[0].model.blocks),
-                "parameters": sum(p.numel() for p in self.versions.params[0]),
-                "samples_per_s": samples * steps / wall if wall > 0 else 0.0,
-                "bubble_fraction": 1.0 - busy / wall if wall > 0 else 0.0,
-                "phases_s": phases,
-                "drain_s": self.drain_s,
-            }
+        figures = {
+            "rank": self.world.rank,
+            "stage": self.stage,
+            "replica": self.replica,
+            "blocks": len(self.versions.buffers[0].model.blocks),
+            "parameters": sum(p.numel() for p in self.versions.params[0]),
+            "samples_per_s": samples * steps / wall if wall > 0 else 0.0,
+            "bubble_fraction": 1.0 - busy / wall if wall > 0 else 0.0,
+            "phases_s": phases,
+            "drain_s": self.drain_s,
+            "steps": steps,
+            "message_wait_s": phases.get("message_wait", 0.0),  # blocked on an activation or gradient
+            "exposed_update_s": phases.get("optimizer", 0.0) + phases.get("update_wait", 0.0),
+            "device_peak_bytes": _device_peak(self.device),
+            "host_offload_bytes": self.versions.host_bytes(),
+            **self.executor.report(),  # message-driven: units run, and how many out of the static order
         }
+        if s.offload == Offload.host:
+            figures["eps"] = self.versions.report()
+        if self.jitter is not None:
+            figures["injected_delay"] = self.jitter.report()
+        return {"stage_figures": figures}
+
+    def close(self) -> None:
+        self.watcher.close()
+        self.versions.close()
+
+
+def _device_peak(device: torch.device) -> int | None:
+    """This stage's peak device memory: a dry run's simulated one, the CUDA allocator's, or None
+    on the CPU (there the stage's memory is its process's host RSS, in memory.per_process)."""
+    tracker = memory.active()
+    if tracker is not None:
+        return tracker.peak
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def _stage_rows(stages: list[dict]) -> dict[str, str]:
+    """Summary rows with one figure per stage: waiting, updates, memory, the executor's own."""
+    def each(figure) -> str:
+        return ", ".join(figure(st) for st in stages)
+
+    def per_step(key: str):
+        return lambda st: f"{st[key] / st['steps']:.3f}" if st["steps"] else "n/a"
+
+    rows = {"stage message wait (s/step)": each(per_step("message_wait_s")),
+            "stage exposed update (s/step)": each(per_step("exposed_update_s"))}
+    if all(st["device_peak_bytes"] is not None for st in stages):
+        rows["stage device peak"] = each(lambda st: _size(st["device_peak_bytes"]))
+    if any(st["host_offload_bytes"] for st in stages):
+        rows["stage host offload: masters + optimizer"] = each(lambda st: _size(sum(st["host_offload_bytes"].values())))
+    if "units" in stages[0]:
+        rows["stage units run out of static order"] = each(lambda st: f"{st['out_of_order']}/{st['units']}")
+    for st in stages:
+        if "injected_delay" in st:
+            delay = st["injected_delay"]
+            rows["injected delay (benchmarking aid)"] = (
+                f"stage {delay['stage']}: U[0, {delay['max_fraction']:.0%}) of each compute, seed {delay['seed']}, "
+                f"{delay['added_s']:.2f} s added")
+    return rows
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

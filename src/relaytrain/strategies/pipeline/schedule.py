@@ -4,8 +4,10 @@ A schedule is a pure function of (kind, stages d, micro-batches per update m, ba
 of the batches [first, n) a run resumed from a checkpoint at step `first` still has to do.
 Each stage gets a *program*: a list of steps, each step a short list of `Action`s around
 one unit of work (receive, compute, send), as DeepSpeed's instruction generators yield
-them. The runtime (`worker.py`) executes a program through a dispatch table; the validator
-(`validate.py`) dry-runs all programs together; the viewer (`view.py`) draws them.
+them. The runtime (`runtime.py`) executes a program through a dispatch table, in program
+order or as messages arrive (`executor.py`, which sees a slice of the program as a
+`SlicePlan`); the validator (`validate.py`) dry-runs all programs together; the viewer
+(`view.py`) draws them.
 
 Micro-batches are numbered globally, k = b*m + j for micro-batch j of batch b, so the 2BW
 rule "micro-batch k of batch b = k // m uses weight version max(b - 1, 0)" reads directly
@@ -25,7 +27,8 @@ Kinds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from enum import Enum
 
 from relaytrain.errors import ConfigError
@@ -229,3 +232,89 @@ def stop_points(actions: list[Action], m: int) -> dict[int, int]:
             i -= 1
         points[i] = c
     return points
+
+
+# ----------------------------------------------------------------------- reordering a slice
+
+
+@dataclass
+class SlicePlan:
+    """A slice of a stage's program as units the message-driven executor may reorder.
+
+    A *unit* is one compute step with its transfers (receive, compute, send), named by its
+    compute action. Forwards keep their program order among themselves, and so do backwards:
+    only how the two interleave may change, so gradients still accumulate in micro-batch order
+    (results are reproducible run to run) and every channel carries its messages in the order
+    the peer posts its receives. The updates stay where the program's rules put them:
+    REDUCE_GRADS(b) right after the backward it follows (the batch's last on this stage), an
+    OPTIMIZER_STEP right before the first forward that computes with the version it makes,
+    and any left when the units are done at the end, in program order. Run in program order,
+    a plan gives back exactly the slice.
+    """
+
+    forwards: deque[Action]  # compute actions, program order
+    backwards: deque[Action]
+    order: list[Action]  # every unit in program order
+    steps: dict[Action, list[Action]]  # unit -> its receive, compute and send
+    reduce_after: dict[Action, Action]  # backward -> the REDUCE_GRADS right after it
+    updates: deque[Action] = field(default_factory=deque)  # OPTIMIZER_STEPs not yet run, program order
+    done: set[Action] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, actions: list[Action]) -> SlicePlan:
+        forwards, backwards, order, steps, reduce_after, updates = deque(), deque(), [], {}, {}, deque()
+        receive: list[Action] = []  # the receive before the next compute action
+        unit: list[Action] = []  # the last compute action's steps: its send follows it
+        for a in actions:
+            if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                receive = [a]
+            elif a.op in COMPUTE:
+                (forwards if a.op is Op.FORWARD else backwards).append(a)
+                order.append(a)
+                steps[a] = unit = [*receive, a]
+                receive = []
+            elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                unit.append(a)
+            elif a.op is Op.REDUCE_GRADS:
+                reduce_after[order[-1]] = a
+            else:
+                updates.append(a)
+        return cls(forwards, backwards, order, steps, reduce_after, updates)
+
+    def candidates(self) -> list[Action]:
+        """The units that may run next: the next forward and the next backward."""
+        return [queue[0] for queue in (self.forwards, self.backwards) if queue]
+
+    def static_next(self) -> Action | None:
+        """The unit the program would run next."""
+        return next((u for u in self.order if u not in self.done), None)
+
+    def receive(self, unit: Action) -> Action | None:
+        """The unit's receive action, if it has one."""
+        first = self.steps[unit][0]
+        return first if first.op in (Op.RECV_ACT, Op.RECV_GRAD) else None
+
+    def entails(self, unit: Action) -> list[Action]:
+        """Every action running `unit` now takes, in order: the updates it needs first, its steps,
+        the reduction that follows it."""
+        before = [u for u in self.updates if unit.op is Op.FORWARD and u.version <= unit.version]
+        after = [self.reduce_after[unit]] if unit in self.reduce_after else []
+        return before + self.steps[unit] + after
+
+    def take(self, unit: Action) -> list[Action]:
+        """Mark `unit` run; return `entails(unit)`."""
+        actions = self.entails(unit)
+        (self.forwards if unit.op is Op.FORWARD else self.backwards).remove(unit)
+        for a in actions:
+            if a.op is Op.OPTIMIZER_STEP:
+                self.updates.remove(a)
+        self.done.add(unit)
+        return actions
+
+    def finished(self) -> bool:
+        return not self.forwards and not self.backwards
+
+    def leftover(self) -> list[Action]:
+        """The updates still to run once every unit has (program order)."""
+        left, self.updates = list(self.updates), deque()
+        return left

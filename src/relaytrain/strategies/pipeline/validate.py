@@ -1,5 +1,12 @@
 """Check a schedule before anything runs it: invariants per stage, then a dry run of all stages.
 
+The per-stage invariants are one incremental checker (`StageInvariants`): the validator
+replays each program through it, and the message-driven executor asks it before each choice,
+so the executor only ever picks an order the validator accepts. `check_message_driven` goes
+further: it explores every state the stages can reach together when each runs whichever
+permitted unit has its message, under every order of arrival, and fails on a broken invariant
+or a state where no stage can move.
+
 The dry run executes every program against simulated channels with the runtime's
 semantics: sends never block (isend), receives block until the matching send happened
 (irecv + wait), and a stage's OPTIMIZER_STEP(b) waits until every stage it shares weights
@@ -11,10 +18,20 @@ draws and the bubble the schedule predicts.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import dataclass
 
-from relaytrain.strategies.pipeline.schedule import COMPUTE, Action, Op, Schedule, weight_version
+from relaytrain.strategies.pipeline.schedule import (
+    COMPUTE,
+    Action,
+    Op,
+    Schedule,
+    SlicePlan,
+    stop_points,
+    stop_vote_lag,
+    weight_version,
+)
 
 
 class ScheduleError(ValueError):
@@ -63,8 +80,10 @@ def check_schedule(schedule: Schedule, forward_time: float = 1.0, backward_time:
 def _check_stage(schedule: Schedule, stage: int) -> None:
     actions = schedule.actions(stage)
     _check_counts(schedule, stage, actions)
-    _check_versions_and_stash(schedule, stage, actions)
-    _check_updates(schedule, stage, actions)
+    invariants = StageInvariants(schedule, stage)
+    for action in actions:
+        invariants.record(action)
+    invariants.finish()
 
 
 def _check_counts(schedule: Schedule, stage: int, actions: list[Action]) -> None:
@@ -81,46 +100,90 @@ def _check_counts(schedule: Schedule, stage: int, actions: list[Action]) -> None
             raise ScheduleError(f"stage {stage}: {count} {op.value} actions for {len(expected)} micro-batches")
 
 
-def _check_versions_and_stash(schedule: Schedule, stage: int, actions: list[Action]) -> None:
-    """Forward before backward, the version rule action by action, <= 2 live versions, stash bound."""
-    d, m, kind = schedule.stages, schedule.num_microbatches, schedule.kind
-    stash_limit = m if kind == "gpipe" else min(d - stage, m)
-    in_flight: dict[int, int] = {}  # micro-batch -> version its forward used
-    latest = schedule.first_batch  # the newest version this stage holds: optimizer steps done
-    for action in actions:
-        if action.op is Op.OPTIMIZER_STEP:
-            latest = action.version
-        if action.op not in COMPUTE:
-            continue
-        k = action.microbatch
-        rule = weight_version(kind, k, m)
+class StageInvariants:
+    """The rules every order of one stage's work keeps, checked action by action:
+
+    - forwards in micro-batch order, backwards too, each backward after its forward;
+    - the version rule: micro-batch k computes with `weight_version(kind, k, m)`, which the
+      stage must hold (2BW: the newest version or the one before; otherwise the newest);
+    - at most two weight versions live: the newest and those of micro-batches in flight;
+    - the stash bound: at most min(d - i, m) activations in flight on stage i (GPipe: m);
+    - per batch, in batch order, one REDUCE_GRADS after its last backward, then one OPTIMIZER_STEP.
+
+    `record` applies an action (ScheduleError if it breaks a rule); `allows` asks whether a
+    sequence of actions could run next, without applying it.
+    """
+
+    def __init__(self, schedule: Schedule, stage: int):
+        d, m, kind = schedule.stages, schedule.num_microbatches, schedule.kind
+        self.kind, self.stage, self.m, self.batches = kind, stage, m, schedule.num_batches
+        self.stash_limit = m if kind == "gpipe" else min(d - stage, m)
+        self.in_flight: dict[int, int] = {}  # micro-batch -> version its forward used
+        self.latest = schedule.first_batch  # the newest version this stage holds: optimizer steps done
+        self.next = {Op.FORWARD: schedule.first_batch * m, Op.BACKWARD: schedule.first_batch * m}
+        self.reduced = schedule.first_batch  # batches [first, reduced) have been reduced
+
+    def record(self, action: Action) -> None:
+        broken = self.violation(action)
+        if broken:
+            raise ScheduleError(f"stage {self.stage}: {broken}")
+        self._apply(action)
+
+    def allows(self, actions: list[Action]) -> bool:
+        trial = copy.deepcopy(self)
+        for action in actions:
+            if trial.violation(action):
+                return False
+            trial._apply(action)
+        return True
+
+    def finish(self) -> None:
+        """Every batch reduced and stepped."""
+        if self.reduced != self.batches or self.latest != self.batches:
+            raise ScheduleError(f"stage {self.stage}: expected one reduction and one step per batch, in order")
+
+    def violation(self, action: Action) -> str | None:
+        """What running `action` now would break (None: nothing)."""
+        if action.op in COMPUTE:
+            return self._compute_violation(action)
+        if action.op is Op.REDUCE_GRADS:
+            if action.batch != self.reduced:
+                return "expected one reduction and one step per batch, in order"
+            if self.next[Op.BACKWARD] < (action.batch + 1) * self.m:
+                return f"batch {action.batch}'s update runs before its gradients are complete"
+        if action.op is Op.OPTIMIZER_STEP and (action.batch != self.latest or action.batch >= self.reduced):
+            return f"batch {action.batch}'s update runs before its gradients are complete"
+        return None
+
+    def _compute_violation(self, action: Action) -> str | None:
+        k, rule = action.microbatch, weight_version(self.kind, action.microbatch, self.m)
+        if action.op is Op.BACKWARD and k not in self.in_flight:
+            return f"{action} before its forward"
+        if k != self.next[action.op]:
+            return f"{action} runs out of micro-batch order (next is {self.next[action.op]})"
         if action.version != rule:
-            raise ScheduleError(f"stage {stage}: {action} breaks the version rule (expected v={rule})")
-        if not latest - 1 <= rule <= latest or (kind != "pipe_2bw" and rule != latest):
-            raise ScheduleError(f"stage {stage}: {action} needs version {rule} but the stage holds up to {latest}")
-        if action.op is Op.FORWARD:
-            in_flight[k] = rule
-            if len(in_flight) > stash_limit:
-                raise ScheduleError(f"stage {stage}: {len(in_flight)} stashed activations exceed {stash_limit}")
-        elif in_flight.pop(k, None) is None:
-            raise ScheduleError(f"stage {stage}: {action} before its forward")
-        live = set(in_flight.values()) | {latest}
+            return f"{action} breaks the version rule (expected v={rule})"
+        if not self.latest - 1 <= rule <= self.latest or (self.kind != "pipe_2bw" and rule != self.latest):
+            return f"{action} needs version {rule} but the stage holds up to {self.latest}"
+        in_flight = len(self.in_flight) + (action.op is Op.FORWARD)
+        if in_flight > self.stash_limit:
+            return f"{in_flight} stashed activations exceed {self.stash_limit}"
+        live = set(self.in_flight.values()) | {self.latest, rule}
         if len(live) > 2:
-            raise ScheduleError(f"stage {stage}: weight versions {sorted(live)} live at {action}; at most 2 allowed")
+            return f"weight versions {sorted(live)} live at {action}; at most 2 allowed"
+        return None
 
-
-def _check_updates(schedule: Schedule, stage: int, actions: list[Action]) -> None:
-    """One reduction then one step per batch, in batch order, after the batch's last backward."""
-    m = schedule.num_microbatches
-    reduces = [i for i, a in enumerate(actions) if a.op is Op.REDUCE_GRADS]
-    steps = [i for i, a in enumerate(actions) if a.op is Op.OPTIMIZER_STEP]
-    batches = range(schedule.first_batch, schedule.num_batches)
-    if [actions[i].batch for i in reduces] != list(batches) or len(steps) != len(reduces):
-        raise ScheduleError(f"stage {stage}: expected one reduction and one step per batch, in order")
-    last_backward = {a.microbatch // m: i for i, a in enumerate(actions) if a.op is Op.BACKWARD}
-    for b, reduce_at, step_at in zip(batches, reduces, steps, strict=True):
-        if not last_backward[b] < reduce_at < step_at or actions[step_at].batch != b:
-            raise ScheduleError(f"stage {stage}: batch {b}'s update runs before its gradients are complete")
+    def _apply(self, action: Action) -> None:
+        if action.op is Op.FORWARD:
+            self.in_flight[action.microbatch] = action.version
+        elif action.op is Op.BACKWARD:
+            del self.in_flight[action.microbatch]
+        elif action.op is Op.REDUCE_GRADS:
+            self.reduced += 1
+        elif action.op is Op.OPTIMIZER_STEP:
+            self.latest = action.version
+        if action.op in COMPUTE:
+            self.next[action.op] += 1
 
 
 # ------------------------------------------------------------------------- dry run
@@ -199,3 +262,160 @@ class _DryRun:
     def _record(self, stage: int, start: float, end: float, action: Action) -> None:
         self.events[stage].append(Event(start, end, action))
         self.clock[stage] = end
+
+
+# ------------------------------------------------------------------ message-driven execution
+
+
+def check_message_driven(schedule: Schedule) -> int:
+    """Every order the message-driven executor may choose, under every order of arrival.
+
+    Each stage runs its program a slice per batch (`stop_points`), starting batch c only once
+    every stage has finished batch c - lag (the trainer's stop vote); within a slice it may run
+    any unit its `SlicePlan` offers (the next forward or the next backward) that
+    `StageInvariants` allows and whose message has been sent. A unit whose updates wait for the
+    tied partner's reduction is committed to and waits, as the executor's OPTIMIZER_STEP does.
+    Every state the stages can reach together is explored; a broken invariant, or a state where
+    some stage has work left and none can move, is a ScheduleError. Returns the states explored.
+    """
+    model = _MessageModel(schedule)
+    start = model.initial()
+    seen, frontier = {start.key}, [start]
+    while frontier:
+        state = frontier.pop()
+        moves = model.moves(state)
+        if not moves and not model.finished(state):
+            raise ScheduleError(f"{schedule.kind} message-driven execution can deadlock: {model.describe(state)}")
+        for nxt in moves:
+            if nxt.key not in seen:
+                seen.add(nxt.key)
+                frontier.append(nxt)
+    return len(seen)
+
+
+@dataclass(frozen=True)
+class _StageState:
+    slice: int  # index into the stage's slices (batches first_batch + slice); the earlier ones are done
+    started: bool  # the trainer has begun this slice's step (after the stop vote)
+    forwards: int  # units of the slice run, per kind
+    backwards: int
+    committed: Action | None  # a unit chosen and waiting for its updates' reductions
+
+
+@dataclass
+class _GlobalState:
+    stages: tuple[_StageState, ...]
+    invariants: tuple[StageInvariants, ...]
+
+    @property
+    def key(self) -> tuple[_StageState, ...]:
+        return self.stages  # the invariants' state follows from the progress
+
+
+class _MessageModel:
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.lag = stop_vote_lag(schedule.kind)
+        self.slices = [self._slices(schedule.actions(s)) for s in range(schedule.stages)]
+        self.sent = [{(a.op, a.microbatch) for a in schedule.actions(s) if a.op in (Op.SEND_ACT, Op.SEND_GRAD)}
+                     for s in range(schedule.stages)]
+        last = schedule.stages - 1
+        self.partners = {0: {0, last}, last: {0, last}}  # tied embeddings couple the end stages
+
+    def _slices(self, program: list[Action]) -> list[list[Action]]:
+        bounds = [0, *sorted(stop_points(program, self.schedule.num_microbatches)), len(program)]
+        return [program[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def initial(self) -> _GlobalState:
+        d = self.schedule.stages
+        return _GlobalState(tuple(_StageState(0, True, 0, 0, None) for _ in range(d)),
+                            tuple(StageInvariants(self.schedule, s) for s in range(d)))
+
+    def finished(self, state: _GlobalState) -> bool:
+        return all(st.slice == len(self.slices[s]) for s, st in enumerate(state.stages))
+
+    def describe(self, state: _GlobalState) -> str:
+        return "; ".join(f"stage {s} in batch {self.schedule.first_batch + st.slice} after {st.forwards} forwards "
+                         f"and {st.backwards} backwards" + (f", waiting to run {st.committed}" if st.committed else "")
+                         for s, st in enumerate(state.stages) if st.slice < len(self.slices[s]))
+
+    # -- what the stages can do ---------------------------------------------------------------
+    def moves(self, state: _GlobalState) -> list[_GlobalState]:
+        return [nxt for s in range(self.schedule.stages) for nxt in self._stage_moves(state, s)]
+
+    def _stage_moves(self, state: _GlobalState, s: int) -> list[_GlobalState]:
+        st = state.stages[s]
+        if st.slice == len(self.slices[s]):
+            return []
+        if not st.started:
+            started = _StageState(st.slice, True, 0, 0, None)
+            return [self._replace(state, s, started, state.invariants[s])] if self._vote_allows(state, st.slice) else []
+        plan = self._plan(s, st)
+        if st.committed is not None:
+            ready = self._updates_ready(state, s, plan.entails(st.committed))
+            return [self._run(state, s, plan, st.committed)] if ready else []
+        if plan.finished():
+            if not self._updates_ready(state, s, list(plan.updates)):
+                return []
+            invariants = self._record(state.invariants[s], plan.leftover())
+            return [self._replace(state, s, _StageState(st.slice + 1, False, 0, 0, None), invariants)]
+        moves = []
+        for unit in plan.candidates():
+            if state.invariants[s].allows(plan.entails(unit)) and self._arrived(state, s, unit):
+                ready = self._updates_ready(state, s, plan.entails(unit))
+                waiting = _StageState(st.slice, True, st.forwards, st.backwards, unit)
+                moves.append(self._run(state, s, plan, unit) if ready else self._replace(state, s, waiting,
+                                                                                         state.invariants[s]))
+        return moves
+
+    def _plan(self, s: int, st: _StageState) -> SlicePlan:
+        """The slice's plan with the units run so far taken (their order does not change the plan)."""
+        plan = SlicePlan.of(self.slices[s][st.slice])
+        for unit in list(plan.forwards)[:st.forwards] + list(plan.backwards)[:st.backwards]:
+            plan.take(unit)
+        return plan
+
+    def _run(self, state: _GlobalState, s: int, plan: SlicePlan, unit: Action) -> _GlobalState:
+        st = state.stages[s]
+        invariants = self._record(state.invariants[s], plan.take(unit))
+        forward = unit.op is Op.FORWARD
+        progress = _StageState(st.slice, True, st.forwards + forward, st.backwards + (not forward), None)
+        return self._replace(state, s, progress, invariants)
+
+    @staticmethod
+    def _record(invariants: StageInvariants, actions: list[Action]) -> StageInvariants:
+        invariants = copy.deepcopy(invariants)
+        for action in actions:
+            invariants.record(action)
+        return invariants
+
+    @staticmethod
+    def _replace(state: _GlobalState, s: int, st: _StageState, invariants: StageInvariants) -> _GlobalState:
+        stages, kept = list(state.stages), list(state.invariants)
+        stages[s], kept[s] = st, invariants
+        return _GlobalState(tuple(stages), tuple(kept))
+
+    # -- what a stage waits for ------------------------------------------------------------------
+    def _arrived(self, state: _GlobalState, s: int, unit: Action) -> bool:
+        """Whether the unit's message has been sent: activation k by the previous stage's forward,
+        gradient k by the next stage's backward."""
+        k = unit.microbatch
+        if unit.op is Op.FORWARD:
+            return s == 0 or (self._done(state, s - 1, Op.FORWARD) > k and (Op.SEND_ACT, k) in self.sent[s - 1])
+        last = s == self.schedule.stages - 1
+        return last or (self._done(state, s + 1, Op.BACKWARD) > k and (Op.SEND_GRAD, k) in self.sent[s + 1])
+
+    def _updates_ready(self, state: _GlobalState, s: int, actions: list[Action]) -> bool:
+        """An OPTIMIZER_STEP(b) waits for every stage sharing weights with this one to reduce b."""
+        m = self.schedule.num_microbatches
+        steps = [a.batch for a in actions if a.op is Op.OPTIMIZER_STEP]
+        return all(self._done(state, p, Op.BACKWARD) >= (b + 1) * m for b in steps for p in self.partners.get(s, {s}))
+
+    def _vote_allows(self, state: _GlobalState, next_slice: int) -> bool:
+        """Batch c starts only once every stage has finished batch c - lag."""
+        return all(st.slice > next_slice - self.lag for st in state.stages)
+
+    @staticmethod
+    def _done(state: _GlobalState, s: int, op: Op) -> int:
+        """One past the last micro-batch stage s has run `op` for (each kind runs in order)."""
+        return state.invariants[s].next[op]
