@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (a clean allocator and thread pool),
 then one summary table. Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,l2l,pipeline,l2l_scaling] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,l2l,pipeline,l2l_scaling,planner,axonn] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ BENCHMARKS = {
     "l2l": HERE / "bench_l2l.py",
     "pipeline": HERE / "bench_pipeline.py",
     "l2l_scaling": HERE / "bench_l2l_scaling.py",
+    "planner": HERE / "bench_planner.py",
+    "axonn": HERE / "bench_axonn.py",
 }
-# Each script writes its own JSON; these pick out its headline ratios: (what, ratio, target).
+# Each script writes its own JSON; these pick out its headline figures: (what, figure, target),
+# the target met when the figure is at least it (a float) or at most its second item (("<=", x)).
 HEADLINES = {
     "baseline": lambda r: [("baseline / plain PyTorch loop", r["ratio"], r["target"])],
     "l2l": lambda r: [("l2l / baseline with recompute", r["throughput_ratio"], 0.95)],
@@ -33,7 +36,21 @@ HEADLINES = {
         ("pipe_2bw / pipe_flush at m = d", r["2bw_vs_flush_at_m_eq_d"]["ratio"], r["2bw_vs_flush_at_m_eq_d"]["target"]),
     ],
     "l2l_scaling": lambda r: [("l2l, 2 replicas / (2 x one worker)", r["scaling_sharded"], r["target"])],
+    "planner": lambda r: [("plan: worst |predicted / measured step - 1|", r["worst_error"], ("<=", 1 - r["target"]))],
+    "axonn": lambda r: [
+        *((f"{name}: message-driven / static, {label.replace('_', ' ')}", f[label]["ratio"], f[label]["target"])
+          for name, f in r["message"].items() for label in ("with_jitter", "without_jitter")),
+        *((f"{strategy} offload=host: exposed update / step, worst stage",
+           max(r["offload"][strategy]["host"]["exposed_share_of_step"]), ("<=", r["offload"][strategy]["target_exposed_share"]))
+          for strategy in ("pipe_2bw", "pipe_flush")),
+    ],
 }
+
+
+def met(figure: float, target) -> tuple[str, bool]:
+    if isinstance(target, tuple):
+        return f"<= {target[1]:.3g}", figure <= target[1]
+    return f">= {target}", figure >= target
 
 
 def run(name: str, script: Path, workdir: Path) -> dict:
@@ -53,12 +70,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.only.split(","):
             results[name] = run(name, BENCHMARKS[name], Path(workdir))
-    table = Table(title="relaytrain benchmarks (ratios from one run each)")
-    for column in ("benchmark", "ratio", "target", "met"):
+    table = Table(title="relaytrain benchmarks (figures from one run each)")
+    for column in ("benchmark", "figure", "target", "met"):
         table.add_column(column)
     for name, result in results.items():
-        for what, ratio, target in HEADLINES[name](result):
-            table.add_row(what, f"{ratio:.3f}", f">= {target}", "yes" if ratio >= target else "no")
+        for what, figure, target in HEADLINES[name](result):
+            wanted, ok = met(figure, target)
+            table.add_row(what, f"{figure:.3f}", wanted, "yes" if ok else "no")
     Console().print(table)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

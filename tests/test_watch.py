@@ -121,7 +121,7 @@ def test_a_config_meant_for_a_gpu_says_so_before_it_starts():
     from relaytrain.strategies import strategy_class
 
     cpu = torch.device("cpu")
-    line = estimate(compose_config(["+exp=bert_large_l2l"]), strategy_class("l2l"), cpu).line(30, cpu)
+    line = estimate(compose_config(["+exp=bert_large_l2l"]), strategy_class("l2l")).line(30, cpu)
     assert line.startswith("estimate (a prediction): about ")
     assert "this config is meant for a GPU: to try it on this CPU, shorten it" in line
 

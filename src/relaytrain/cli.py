@@ -29,6 +29,7 @@ Usage:
   relaytrain train [KEY=VALUE ...] [+exp=NAME] [-m]   train a model (a Hydra app)
   relaytrain schedule [KEY=VALUE ...] [--out FILE]    show a pipeline schedule as a timeline
   relaytrain report PATH... [--sort KEY] [--json]     compare runs and sweeps: a table, summary.csv, plots
+  relaytrain plan [KEY=VALUE ...] [--out DIR]         which strategy and shape fit your devices (predicted)
   relaytrain --version
 
 Strategies (strategy=NAME): {strategies}.
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         from relaytrain.summary import report_command
 
         return _guard(lambda: report_command(rest))
+    if command == "plan":
+        from relaytrain.plan import plan_command
+
+        return _guard(lambda: plan_command(rest))
     _fail(f"unknown command {command!r}; use `relaytrain train`, `relaytrain schedule` or `relaytrain report` "
           f"(see relaytrain --help)")
     return EXIT_USAGE

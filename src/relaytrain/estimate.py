@@ -1,26 +1,26 @@
 """Before the first step: how long will a step, and the run, take on this machine?
 
-A prediction, labelled as one: the model's training FLOPs per step (6N per token plus
-attention, times 4/3 where the strategy recomputes its forward) over the rate this machine
-sustains, measured by a short calibration (a fraction of a second of matmuls shaped like the
-model's feed-forward layer), divided by the efficiency a whole training step achieves
-against bare matmuls (`STEP_EFFICIENCY`, measured on this project's CPU runs: see
-docs/benchmarks.md). It tells a user in one line whether to wait seconds or days.
+A prediction, labelled as one, by the planner's own cost model (`relaytrain.plan.predict`):
+one block of the configured model is profiled briefly on this machine (forward, backward and
+an optimizer step at micro-batch sizes up to the configured one; larger sizes extrapolated
+once a block passes a fraction of a second), and the strategy's step is composed from it as
+`relaytrain plan` composes every candidate's (`relaytrain.costmodel`). On a GPU the line adds
+the device memory of the meta-device dry run. It tells a user in one line whether to wait
+seconds or days, and `relaytrain plan` and `relaytrain train` never disagree about a config.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from relaytrain import metrics
+from relaytrain.errors import ConfigError
 from relaytrain.models import count_parameters
 
-STEP_EFFICIENCY = 0.5  # a training step's FLOP/s over the calibrated matmul FLOP/s (CPU, measured)
-CALIBRATION_S = 0.3
 LONG_RUN_S = 3600.0
+GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,15 @@ class Estimate:
     step_s: float
     run_s: float
     flops_per_step: float
-    machine_flops_per_s: float
+    device_memory_bytes: int | None  # the dry run's peak, where there is a separate device
 
     def line(self, steps: int, device: torch.device) -> str:
         text = (f"estimate (a prediction): about {duration(self.step_s)} a step, {duration(self.run_s)} for "
-                f"{steps} steps on this {device.type} ({self.flops_per_step / 1e12:.3g} TFLOP a step, the machine "
-                f"sustains ~{self.machine_flops_per_s / 1e9:.0f} GFLOP/s on matmuls)")
+                f"{steps} steps on this {device.type} (the planner's cost model over one block profiled here; "
+                f"{self.flops_per_step / 1e12:.3g} TFLOP a step")
+        if self.device_memory_bytes is not None:
+            text += f", {self.device_memory_bytes / GiB:.2f} GiB of device memory, simulated"
+        text += ")"
         if device.type == "cpu" and self.run_s > LONG_RUN_S:
             text += ("; this config is meant for a GPU: to try it on this CPU, shorten it, e.g. train.steps=3 "
                      "model.num_layers=2 strategy.microbatch_size=2 strategy.num_microbatches=1")
@@ -54,26 +57,17 @@ def step_flops(cfg, cls) -> float:
     return per_token * tokens * recompute_factor(cfg)
 
 
-def calibrate(device: torch.device, hidden: int) -> float:
-    """Matmul FLOP/s this device sustains at the model's width, over CALIBRATION_S seconds."""
-    if device.type == "meta":
-        return float("inf")
-    rows, width = 512, max(64, min(hidden, 2048))
-    a = torch.randn(rows, width, device=device)
-    b = torch.randn(width, 4 * width, device=device)
-    flops, start = 0.0, time.perf_counter()
-    while time.perf_counter() - start < CALIBRATION_S:
-        a @ b
-        metrics.synchronize(device)
-        flops += 2.0 * rows * width * 4 * width
-    return flops / (time.perf_counter() - start)
+def estimate(cfg, cls) -> Estimate | None:
+    """The cost model's step for `cfg` on this machine; None for a strategy it has no model of."""
+    from relaytrain.plan import predict
 
-
-def estimate(cfg, cls, device: torch.device) -> Estimate:
-    rate = calibrate(device, cfg.model.hidden_size)
-    flops = step_flops(cfg, cls)
-    step = flops / (rate * STEP_EFFICIENCY)
-    return Estimate(step, step * cfg.train.steps, flops, rate)
+    try:
+        with torch.random.fork_rng(devices=[]):  # the profile's random weights leave the run's RNG as it was
+            prediction = predict(cfg)
+    except ConfigError:
+        return None
+    step = prediction.step_time_s
+    return Estimate(step, step * cfg.train.steps, step_flops(cfg, cls), prediction.device_memory_bytes)
 
 
 def duration(seconds: float) -> str:

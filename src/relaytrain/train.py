@@ -95,8 +95,9 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool) -> d
     dataset, eval_dataset = build_datasets(cfg, tokenizer_dir=str(run_dir))
     build_loader(cfg, dataset, cls.replicas(cfg))  # refuses a dataset smaller than one minibatch
     device = pick_device(cfg.train.device)
-    guess = estimate(cfg, cls, device) if device.type != "meta" else None
-    if logs and guess is not None and not quiet:
+    # Only for a run that shows it: the profile behind it takes a moment (seconds for BERT-Large).
+    guess = estimate(cfg, cls) if logs and not quiet and device.type != "meta" else None
+    if guess is not None:
         print(guess.line(cfg.train.steps, device), flush=True)
     job = Job(run_dir, dataset, eval_dataset, resume, overrides, guess.step_s if guess else None, quiet)
     return launch(train_process, cfg, cls.processes(cfg), lambda rank: cls.describe_process(cfg, rank),

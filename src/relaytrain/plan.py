@@ -1,0 +1,567 @@
+"""`relaytrain plan`: which strategy and shape to train a model with, on a machine, within a
+memory limit; and `predict(cfg)`, the same cost model for one config before a run.
+
+PipeDream-2BW's planner (§4, Algorithm 1) over every strategy relaytrain has:
+
+1. **Profile** the machine: this one, timed on one block of the configured model, or a GPU
+   profile file of spec-sheet figures (`relaytrain.profile`).
+2. **Candidates**: per strategy, every shape that trains the requested global batch B on
+   the workers given: the baseline's micro-batch size b and count m = B / b, with or without
+   block recompute; L2L's b, inner loop u and replicas w; a pipeline's width w x depth d =
+   workers, b, m = B / (w b) and recompute none/block/stage. Micro-batch sizes are powers of two.
+3. **Time**: each candidate's step by the closed-form cost models (`relaytrain.costmodel`).
+4. **Memory**: each candidate's device memory from the meta-device dry run of the real
+   strategy code (`relaytrain.memory.simulate`), walking the candidates fastest first until
+   the fastest that fits is found, then the fastest that fits of every other strategy. A
+   closed-form MEMORY(.) prunes obviously hopeless ones before they are simulated; a shape
+   whose micro-batch did not fit is not simulated again with a larger one (memory only grows
+   with b at a fixed batch).
+5. **Answer**: a table, the best candidate that fits, the `relaytrain train` command that runs
+   it, and plan.json. Every time figure is a prediction and says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from relaytrain.costmodel import (
+    PIPELINES,
+    RELAYS,
+    ModelFacts,
+    Shape,
+    StepCost,
+    closed_form_bytes,
+    eps_host_bytes,
+    step_cost,
+)
+from relaytrain.errors import ConfigError
+from relaytrain.profile import Profile, from_spec, load_spec, measure
+
+GiB = 2**30
+PRUNE_FACTOR = 1.5  # closed-form memory above this many budgets: hopeless, not simulated
+CUDA_HEADROOM = 0.9  # of a GPU's memory for tensors: the CUDA context and allocator caching take the rest
+MAX_SIMULATIONS = 24  # dry runs per plan, at most
+MAX_PER_STRATEGY = 4  # dry runs per strategy, at most
+STATE_KINDS = ("weights", "gradients", "optimizer state")  # of a dry run's breakdown: what no b changes
+TABLE_ROWS = 24
+WIDE = 160  # columns of the table when the output is not a terminal (a file, a pipe)
+PLANNER_KEYS = ("strategy", "plan", "hydra")  # override sections the planner decides or consumes
+IGNORED_KEYS = ("strategy", "hydra")  # of those, the ones a user's value is dropped from
+COST_MODELS = ("baseline", *RELAYS, *PIPELINES)
+
+USAGE = """\
+relaytrain plan: which strategy and shape fit a model on a machine, and how fast they train (predicted).
+
+Usage: relaytrain plan [KEY=VALUE ...] [--out DIR]
+  KEY=VALUE               the model and data of `relaytrain train` (model=bert_large data.seq_len=128 ...)
+  plan.workers=N          devices (GPUs, or CPU worker processes) to plan for (default 1)
+  plan.device_memory_gb=G memory of each device in GB (default: the GPU profile's, else 16)
+  plan.batch_size=B       the global minibatch (default strategy.microbatch_size x strategy.num_microbatches)
+  plan.device=NAME        `this` (profile this machine, default), a GPU profile ({profiles}) or a JSON file
+  plan.strategies=[a,b]   strategies to consider (default: all)
+  --out DIR               where plan.json goes (default outputs/plan/DATE_TIME)
+
+Times are predictions from a cost model over the profile (measured here, or spec-sheet figures);
+device memory is a dry run of the real strategy code on PyTorch's meta device. The planner decides
+strategy.* (the keys in the printed command); other strategy.* overrides are ignored.
+
+Examples:
+  relaytrain plan model=bert_tiny plan.workers=2 plan.batch_size=32
+  relaytrain plan model=bert_large data.seq_len=128 plan.device=v100_16gb plan.workers=8 plan.batch_size=256
+"""
+
+
+# --------------------------------------------------------------------------- the request
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked: workers, each device's memory, the global batch, the profile, strategies."""
+
+    workers: int
+    memory_bytes: float
+    batch: int
+    device: str
+    strategies: tuple[str, ...]
+    threads: int  # train.threads (0: cores shared out)
+
+    def to_json(self) -> dict:
+        return {"workers": self.workers, "device_memory_gb": self.memory_bytes / GiB, "batch_size": self.batch,
+                "device": self.device, "strategies": list(self.strategies), "threads": self.threads}
+
+
+def read_request(cfg, overrides: list[str], profile_memory: int | None) -> Request:
+    p = cfg.plan
+    memory_given = any(_key(o) == "plan.device_memory_gb" for o in overrides)
+    memory = p.device_memory_gb * GiB if memory_given or profile_memory is None else profile_memory
+    batch = p.batch_size or cfg.strategy.microbatch_size * cfg.strategy.num_microbatches
+    if p.workers < 1 or memory <= 0 or batch < 1:
+        raise ConfigError(f"plan.workers={p.workers}, plan.device_memory_gb={memory / GiB:g} and "
+                          f"plan.batch_size={batch} must be positive")
+    return Request(p.workers, float(memory), batch, str(p.device), tuple(_strategies(p.strategies)), cfg.train.threads)
+
+
+def _strategies(asked) -> list[str]:
+    from relaytrain.strategies import registry, strategy_class
+
+    if not asked:
+        return [name for name in registry() if name in COST_MODELS]
+    names = [strategy_class(name).name for name in asked]  # unknown names: one line with the options
+    without = [n for n in names if n not in COST_MODELS]
+    if without:
+        raise ConfigError(f"plan.strategies: the planner has no cost model for {', '.join(without)}; "
+                          f"choose among {', '.join(COST_MODELS)}")
+    return names
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _section(override: str) -> str:
+    """`strategy` for strategy=l2l and strategy.stages=2, `model` for model.hidden_size=64."""
+    return _key(override).split(".")[0].split("/")[0]
+
+
+def passthrough(overrides: list[str]) -> list[str]:
+    """The overrides a planned `relaytrain train` command keeps: not strategy.*, plan.* or hydra.*."""
+    return [o for o in overrides if _section(o) not in PLANNER_KEYS]
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def enumerate_shapes(request: Request, num_layers: int) -> list[Shape]:
+    """Every shape of every requested strategy that trains exactly `request.batch` samples a step."""
+    shapes = []
+    for name in request.strategies:
+        for replicas, stages in _layouts(name, request, num_layers):
+            for b in _powers_of_two_dividing(request.batch // replicas):
+                m = request.batch // (replicas * b)
+                if name == "pipe_2bw" and m < stages:
+                    continue  # 2BW needs m >= d
+                for recompute in _recompute_options(name):
+                    shapes.append(Shape(name, b, m, replicas, stages, recompute))
+    return shapes
+
+
+def _layouts(name: str, request: Request, num_layers: int) -> list[tuple[int, int]]:
+    """(replicas, stages): the baseline runs one worker; L2L any w <= workers that divides the
+    batch; a pipeline uses every worker, w x d = workers with 2 <= d <= the model's blocks."""
+    if name == "baseline":
+        return [(1, 1)]
+    if name in RELAYS:
+        return [(w, 1) for w in range(1, request.workers + 1) if request.batch % w == 0]
+    return [(request.workers // d, d) for d in range(2, min(request.workers, num_layers) + 1)
+            if request.workers % d == 0 and request.batch % (request.workers // d) == 0]
+
+
+def _powers_of_two_dividing(n: int) -> list[int]:
+    sizes, b = [], 1
+    while b <= n and n % b == 0:
+        sizes.append(b)
+        b *= 2
+    return sizes
+
+
+def _recompute_options(name: str) -> tuple[str, ...]:
+    if name in PIPELINES:
+        return ("none", "block", "stage")
+    return ("none", "block") if name == "baseline" else ("always",)
+
+
+@dataclass
+class Candidate:
+    """One shape: its predicted step, its device memory (closed form; simulated once dry-run) and
+    whether it fits (None: not decided, the planner stopped before simulating it)."""
+
+    shape: Shape
+    cost: StepCost | None = None
+    closed_form_bytes: int = 0
+    simulated_bytes: int | None = None  # the fullest process's peak from the dry run
+    host_state_bytes: int = 0  # CPU plans: L2L's EPS state, in the same memory as the "device"
+    by_kind: dict = field(default_factory=dict)
+    fits: bool | None = None
+    why_not: str | None = None
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.simulated_bytes is None else self.simulated_bytes + self.host_state_bytes
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return None if self.cost is None else self.shape.batch / self.cost.step_s
+
+    def to_json(self) -> dict:
+        s = self.shape
+        return {
+            "strategy": s.strategy, "microbatch_size": s.microbatch_size, "num_microbatches": s.num_microbatches,
+            "replicas": s.replicas, "stages": s.stages, "recompute": s.recompute, "workers": s.workers,
+            "predicted": None if self.cost is None else {"step_time_s": self.cost.step_s,
+                                                          "samples_per_s": self.samples_per_s,
+                                                          "parts_s": self.cost.parts, "notes": self.cost.notes},
+            "closed_form_memory_gb": self.closed_form_bytes / GiB,
+            "simulated_memory_gb": None if self.simulated_bytes is None else self.simulated_bytes / GiB,
+            "host_state_gb": self.host_state_bytes / GiB,
+            "simulated_by_kind_gb": {k: v / GiB for k, v in self.by_kind.items()},
+            "fits": self.fits, "why_not": self.why_not,
+        }
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    request: Request
+    profile: Profile
+    candidates: list[Candidate]
+    kept_overrides: list[str]  # the user's overrides a planned command keeps
+    ignored_overrides: list[str]
+
+    @property
+    def best(self) -> Candidate | None:
+        fitting = [c for c in self.candidates if c.fits]
+        return min(fitting, key=lambda c: c.cost.step_s) if fitting else None
+
+    def command(self, candidate: Candidate) -> str:
+        return shlex.join(["relaytrain", "train", *self.kept_overrides, *candidate.shape.overrides()])
+
+    def to_json(self) -> dict:
+        best = self.best
+        return {
+            "request": self.request.to_json(),
+            "best": None if best is None else {
+                "command": self.command(best),
+                "strategy": best.shape.strategy, "shape": best.shape.describe(),
+                "predicted": {"step_time_s": best.cost.step_s, "samples_per_s": best.samples_per_s,
+                              "device_memory_gb": best.memory_bytes / GiB},
+            },
+            "candidates": [c.to_json() for c in self.candidates],
+            "profile": self.profile.to_json(),
+            "ignored_overrides": self.ignored_overrides,
+            "note": "times are predictions of the cost model over the profile; memory is a meta-device dry run",
+        }
+
+
+def make_plan(overrides: list[str], max_simulations: int = MAX_SIMULATIONS) -> Plan:
+    """Plan for these `relaytrain plan` overrides: profile, candidates, times, dry-run memory."""
+    from relaytrain.cli import checked_config
+    from relaytrain.models.pretrained import explicit_overrides, resolve
+
+    cfg = resolve(checked_config(overrides), explicit_overrides(overrides))
+    spec = None if str(cfg.plan.device) == "this" else load_spec(str(cfg.plan.device))
+    request = read_request(cfg, overrides, int(spec["memory_gb"] * GiB) if spec else _this_device_memory(cfg))
+    kept = passthrough(overrides)
+    bases = {name: resolve(checked_config([*kept, f"strategy={name}"]), explicit_overrides(kept))
+             for name in request.strategies}
+    shapes = enumerate_shapes(request, cfg.model.num_layers)
+    if not shapes:
+        raise ConfigError(f"no shape of {', '.join(request.strategies)} trains a batch of {request.batch} on "
+                          f"{request.workers} worker(s); pipelines need plan.workers >= 2, 2BW a batch >= its depth")
+    sizes = sorted({s.microbatch_size for s in shapes})
+    profile = from_spec(spec, cfg, sizes) if spec else measure(cfg, sizes, sorted({s.workers for s in shapes}),
+                                                                 _this_device(cfg))
+    facts = ModelFacts.of(cfg)
+    candidates = [_candidate(shape, bases[shape.strategy], facts, profile, request) for shape in shapes]
+    candidates.sort(key=lambda c: (c.cost is None, c.cost.step_s if c.cost else 0.0))
+    ignored = [o for o in overrides if _section(o) in IGNORED_KEYS]
+    plan = Plan(request, profile, candidates, kept, ignored)
+    _decide_memory(plan, bases, max_simulations)
+    return plan
+
+
+def _this_device(cfg):
+    from relaytrain.world import pick_device
+
+    device = pick_device(cfg.train.device)
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"plan.device=this profiles a CPU or CUDA device, not train.device={cfg.train.device}")
+    return device
+
+
+def _this_device_memory(cfg) -> int | None:
+    import torch
+
+    device = _this_device(cfg)
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def _candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, request: Request) -> Candidate:
+    """A shape checked as `relaytrain train` would check it (on this machine: also whether it can
+    start its workers and hold its host memory), then timed by the cost model."""
+    from relaytrain.config import validate
+
+    candidate = Candidate(shape, closed_form_bytes=closed_form_bytes(shape, facts))
+    try:
+        cfg = candidate_config(base, shape)
+        validate(cfg)
+        if request.device == "this":
+            _check_this_machine(cfg)
+    except ConfigError as err:
+        candidate.fits, candidate.why_not = False, str(err)
+        return candidate
+    candidate.cost = step_cost(shape, facts, profile, base.strategy, request.threads)
+    if profile.device_type == "cpu" and shape.strategy in RELAYS:
+        candidate.host_state_bytes = eps_host_bytes(shape, facts, str(base.strategy.eps) == "sharded")
+    return candidate
+
+
+def _check_this_machine(cfg) -> None:
+    from relaytrain.budget import check_host_memory
+    from relaytrain.launch import check_machine
+    from relaytrain.strategies import strategy_class
+
+    cls = strategy_class(cfg.strategy.name)
+    check_machine(cfg, cls.processes(cfg))
+    if cfg.train.check_memory:
+        check_host_memory(cfg, cls)
+
+
+def candidate_config(base, shape: Shape):
+    """`base` (the user's config under the shape's strategy) with the shape's keys set."""
+    cfg = copy.deepcopy(base)
+    for override in shape.overrides()[1:]:
+        key, value = override.split("=", 1)
+        OmegaConf.update(cfg, key, int(value) if value.isdigit() else value, merge=False)
+    return cfg
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _decide_memory(plan: Plan, bases: dict, max_simulations: int) -> None:
+    """Dry-run candidates, fastest first, until the fastest that fits is found, then each other
+    strategy's fastest that fits, within the dry-run budget; the rest stay undecided (fits None)."""
+    budget = plan.request.memory_bytes * (CUDA_HEADROOM if plan.profile.device_type == "cuda" else 1.0)
+    walk = MemoryWalk(budget, max_simulations)
+    for c in plan.candidates:
+        if c.fits is None:
+            walk.visit(c, bases[c.shape.strategy])
+    if plan.best is None:
+        _simulate_smallest(plan, bases, budget)
+
+
+class MemoryWalk:
+    """Decides candidates' memory in the order they are visited (fastest first).
+
+    Two inferences spare dry runs, both sound because at a fixed batch a shape's memory only
+    grows with its micro-batch b: a larger b than one that did not fit does not fit either;
+    and weights, gradients and optimizer state do not depend on b or on recompute, so when
+    they alone exceed the budget no micro-batch of that (strategy, w, d) fits.
+    """
+
+    def __init__(self, budget: float, max_simulations: int):
+        self.budget, self.max_simulations = budget, max_simulations
+        self.too_big: dict[tuple, int] = {}  # (strategy, w, d, recompute) -> smallest b that did not fit
+        self.state: dict[tuple, int] = {}  # (strategy, w, d) -> simulated weights + gradients + optimizer state
+        self.runs: dict[str, int] = {}  # dry runs per strategy
+        self.found: set[str] = set()  # strategies with a candidate that fits
+
+    def visit(self, c: Candidate, base) -> None:
+        name, family, layout = c.shape.strategy, _family(c.shape), _family(c.shape)[:3]
+        if name in self.found:
+            c.why_not = f"not simulated: a faster {name} candidate fits"
+        elif self.state.get(layout, 0) > self.budget:
+            c.fits, c.why_not = False, (f"its weights, gradients and optimizer state alone need "
+                                        f"{self.state[layout] / GiB:.2f} GB (simulated)")
+        elif family in self.too_big and c.shape.microbatch_size > self.too_big[family]:
+            c.fits, c.why_not = False, f"a smaller micro-batch (b={self.too_big[family]}) of this shape did not fit"
+        elif c.closed_form_bytes > PRUNE_FACTOR * self.budget:
+            c.fits, c.why_not = False, (f"closed-form MEMORY(.) {c.closed_form_bytes / GiB:.1f} GB is over "
+                                        f"{PRUNE_FACTOR:g} x the budget (not simulated)")
+        elif sum(self.runs.values()) >= self.max_simulations or self.runs.get(name, 0) >= MAX_PER_STRATEGY:
+            c.why_not = "not simulated: the dry-run budget was spent"
+        else:
+            self._dry_run(c, base, family, layout)
+
+    def _dry_run(self, c: Candidate, base, family: tuple, layout: tuple) -> None:
+        self.runs[c.shape.strategy] = self.runs.get(c.shape.strategy, 0) + 1
+        _simulate(c, base, self.budget)
+        if c.fits:
+            self.found.add(c.shape.strategy)
+        elif c.simulated_bytes is not None:
+            self.too_big[family] = min(self.too_big.get(family, c.shape.microbatch_size), c.shape.microbatch_size)
+            state = sum(c.by_kind.get(kind, 0) for kind in STATE_KINDS)
+            self.state[layout] = max(self.state.get(layout, 0), state)
+
+
+def _family(shape: Shape) -> tuple:
+    return shape.strategy, shape.replicas, shape.stages, shape.recompute
+
+
+def _simulate(c: Candidate, base, budget: float) -> None:
+    from relaytrain.memory import simulate
+
+    try:
+        simulation = simulate(candidate_config(base, c.shape), steps=2)
+    except ConfigError as err:  # e.g. a dataset smaller than the batch: the real run would stop the same way
+        c.fits, c.why_not = False, str(err)
+        return
+    fullest = max(simulation.per_process, key=lambda p: p.peak_bytes)
+    c.simulated_bytes, c.by_kind = simulation.peak_bytes, dict(fullest.by_kind)
+    c.fits = c.memory_bytes <= budget
+    if not c.fits:
+        c.why_not = f"needs {c.memory_bytes / GiB:.2f} GB (simulated), over {budget / GiB:.2f} GB"
+
+
+def _simulate_smallest(plan: Plan, bases: dict, budget: float) -> None:
+    """Nothing fits: dry-run the candidate the closed form finds smallest, for the one-line answer."""
+    valid = [c for c in plan.candidates if c.cost is not None]
+    if valid:
+        smallest = min(valid, key=lambda c: c.closed_form_bytes)
+        if smallest.simulated_bytes is None:
+            _simulate(smallest, bases[smallest.shape.strategy], budget)
+
+
+def infeasible_line(plan: Plan, where: Path) -> str:
+    r = plan.request
+    asked = f"nothing fits {r.workers} x {r.memory_bytes / GiB:g} GB for a batch of {r.batch}"
+    simulated = [c for c in plan.candidates if c.memory_bytes is not None]
+    if simulated:
+        c = min(simulated, key=lambda c: c.memory_bytes)
+        closest = f"the smallest dry run, {c.shape.strategy} {c.shape.describe()}, needs {c.memory_bytes / GiB:.2f} GB"
+    else:
+        reasons = sorted({c.why_not for c in plan.candidates if c.why_not})
+        closest = f"every candidate was refused ({reasons[0] if reasons else 'no candidate'})"
+    return (f"{asked}: {closest}; raise plan.device_memory_gb or plan.workers, or lower plan.batch_size "
+            f"(every candidate in {where / 'plan.json'})")
+
+
+# --------------------------------------------------------------------------- output
+
+
+def write_plan(plan: Plan, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "plan.json"
+    path.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+    return path
+
+
+def print_plan(plan: Plan, path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if Console().is_terminal else Console(width=WIDE)
+    r, p = plan.request, plan.profile
+    console.print(f"profile: {p.device}; {p.source.split(': ')[0]} (details in plan.json)", highlight=False)
+    if plan.ignored_overrides:
+        console.print(f"ignored (the planner decides these): {' '.join(plan.ignored_overrides)}", highlight=False)
+    best = plan.best
+    table = Table(title=f"relaytrain plan: {r.workers} worker(s) x {r.memory_bytes / GiB:g} GB, batch {r.batch} "
+                        f"(times predicted; memory simulated)")
+    for column in ("", "strategy", "shape", "step s", "samples/s", "memory GB", "closed form GB", "fits", "why not"):
+        table.add_column(column, overflow="fold")
+    shown = _rows_to_show(plan)
+    for c in shown:
+        table.add_row("*" if c is best else "", c.shape.strategy, c.shape.describe(),
+                      _fmt(c.cost.step_s if c.cost else None, ".3g"), _fmt(c.samples_per_s, ".3g"),
+                      _fmt(None if c.memory_bytes is None else c.memory_bytes / GiB, ".2f"),
+                      f"{c.closed_form_bytes / GiB:.2f}", {True: "yes", False: "no", None: "?"}[c.fits],
+                      c.why_not or "")
+    console.print(table)
+    if len(shown) < len(plan.candidates):
+        console.print(f"{len(plan.candidates) - len(shown)} more candidates in {path}", highlight=False)
+    if p.device_type == "cpu":
+        console.print("CPU: no host<->device transfer; workers share the cores; L2L rows' memory adds the "
+                      "eager param server's host state (the same memory)", highlight=False)
+    console.print(f"best (predicted): {best.shape.strategy} {best.shape.describe()}: {best.cost.step_s:.3g} s a step, "
+                  f"{best.samples_per_s:.3g} samples/s, {best.memory_bytes / GiB:.2f} GB of device memory "
+                  f"(simulated)", highlight=False)
+    console.print(f"run it: {plan.command(best)}", highlight=False, soft_wrap=True)
+    console.print(f"wrote {path}", highlight=False)
+
+
+def _rows_to_show(plan: Plan) -> list[Candidate]:
+    """Every candidate whose memory was decided by a dry run, and each strategy's fastest."""
+    fastest = {}
+    for c in plan.candidates:
+        fastest.setdefault(c.shape.strategy, c)
+    rows = [c for c in plan.candidates if c.simulated_bytes is not None or fastest[c.shape.strategy] is c]
+    return rows[:TABLE_ROWS]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def plan_command(args: list[str]) -> int:
+    """`relaytrain plan [KEY=VALUE ...] [--out DIR]`."""
+    if "--help" in args or "-h" in args:
+        from relaytrain.profile import spec_names
+
+        print(USAGE.format(profiles=", ".join(spec_names())), end="")
+        return 0
+    out, overrides = _parse_args(args)
+    plan = make_plan(overrides)
+    out_dir = out or Path("outputs/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
+    path = write_plan(plan, out_dir)
+    if plan.best is None:
+        raise ConfigError(infeasible_line(plan, out_dir))
+    print_plan(plan, path)
+    return 0
+
+
+def _parse_args(args: list[str]) -> tuple[Path | None, list[str]]:
+    out, overrides = None, []
+    items = iter(args)
+    for arg in items:
+        if arg == "--out":
+            value = next(items, None)
+            if value is None:
+                raise ConfigError("--out needs a directory; usage: relaytrain plan [KEY=VALUE ...] [--out DIR]")
+            out = Path(value)
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg}; usage: relaytrain plan [KEY=VALUE ...] [--out DIR] "
+                              f"(see relaytrain plan --help)")
+        else:
+            overrides.append(arg)
+    return out, overrides
+
+
+# --------------------------------------------------------------------------- one config
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's step time for one config on this machine (a prediction), and the dry
+    run's device memory where there is a separate device (None on a CPU)."""
+
+    step_time_s: float
+    samples_per_s: float
+    device_memory_bytes: int | None
+
+
+def shape_of(cfg) -> Shape:
+    """The shape a config runs."""
+    s = cfg.strategy
+    name = str(s.name)
+    recompute = "always" if name in RELAYS else str(getattr(s, "recompute", "none"))
+    return Shape(name, s.microbatch_size, s.num_microbatches, getattr(s, "replicas", 1), getattr(s, "stages", 1),
+                 recompute)
+
+
+def predict(cfg) -> Prediction:
+    """Predict `cfg`'s step on this machine with the planner's cost model, profiling one block
+    briefly at the config's micro-batch size (and gloo, when it has several workers). Device
+    memory: the meta-device dry run on a CUDA device; None on a CPU (no separate device)."""
+    from relaytrain.memory import simulate
+
+    shape = shape_of(cfg)
+    if shape.strategy not in COST_MODELS:
+        raise ConfigError(f"strategy={shape.strategy}: the planner has no cost model for it")
+    device = _this_device(cfg)
+    # Every power of two up to b: the profile stops timing where a block's forward and backward
+    # would pass PART_BUDGET_S and extrapolates from there, so a large model costs seconds, not minutes.
+    sizes = sorted({*_powers_of_two_dividing(shape.microbatch_size), shape.microbatch_size})
+    profile = measure(cfg, sizes, [shape.workers], device)
+    cost = step_cost(shape, ModelFacts.of(cfg), profile, cfg.strategy, cfg.train.threads)
+    memory = simulate(cfg).peak_bytes if device.type == "cuda" else None
+    return Prediction(cost.step_s, shape.batch / cost.step_s, memory)

@@ -1,0 +1,506 @@
+"""Machine profiles for the planner: how long one transformer block of the configured model
+takes forward and backward, what the embeddings, the head and an optimizer step cost, and
+how fast bytes move between host, devices and workers.
+
+Two kinds, never mixed, and a profile's `source` says which:
+
+- **measured** (`measure`): this machine, timed. One block of the real layered model
+  (`build_model` with one block) runs forward and backward at a few micro-batch sizes: one
+  warm-up, then the median of a few timed repetitions, with the threads each worker of a run
+  would get. Sizes whose one repetition would exceed the time budget are extrapolated
+  linearly from the largest measured one (and listed as such). On a CPU the device *is* the
+  host: nothing crosses between them, and worker processes share the cores.
+- **spec** (`from_spec`): a GPU you do not have, from a JSON file of spec-sheet figures
+  (configs/profiles/NAME.json). Times are the block's FLOPs over the peak rate times a stated
+  efficiency, bandwidths the links' peaks times a stated efficiency. Nothing from it is a
+  measurement, and its `source` must say so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from relaytrain import metrics
+from relaytrain.errors import ConfigError
+from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.precision import Precision
+
+REPEATS = 5  # timed repetitions per figure, after one warm-up; the median is kept
+PART_BUDGET_S = 0.4  # a block's forward + backward slower than this: larger sizes are extrapolated
+SPEC_REQUIRED = ("name", "device", "source", "memory_gb", "peak_tflops", "compute_efficiency",
+                 "tokens_half_efficiency", "memory_bandwidth_gb_s", "host_to_device_gb_s", "stage_link_gb_s",
+                 "allreduce_gb_s", "inter_node_gb_s", "devices_per_node", "link_efficiency",
+                 "link_latency_s", "host_optimizer_gb_s", "kernel_overhead_s_per_block")
+
+
+@dataclass(frozen=True)
+class PartTimes:
+    """Seconds for one part (a block, the embeddings or the head) on one micro-batch."""
+
+    forward_s: float
+    backward_s: float  # input and weight gradients
+
+    def scaled(self, factor: float) -> PartTimes:
+        return PartTimes(self.forward_s * factor, self.backward_s * factor)
+
+
+@dataclass
+class Timings:
+    """One worker's figures, by micro-batch size: block, embeddings, head, and optimizer steps.
+
+    `optimizer_*_s` are one optimizer step over one block's parameters and over the
+    embeddings' and head's (the EPS steps per part; a whole-model step is their sum).
+    """
+
+    block: dict[int, PartTimes]
+    embed: dict[int, PartTimes]
+    head: dict[int, PartTimes]
+    optimizer_block_s: float
+    optimizer_ends_s: float
+    extrapolated: list[int] = field(default_factory=list)  # sizes predicted from a smaller one, not timed
+
+    def part(self, name: str, b: int) -> PartTimes:
+        """A part's times at micro-batch size `b`: as measured, or linear in b from the nearest
+        measured size below (time per sample is flat once a micro-batch fills the machine)."""
+        table = getattr(self, name)
+        if b in table:
+            return table[b]
+        below = max((k for k in table if k < b), default=min(table))
+        return table[below].scaled(b / below)
+
+    def scaled(self, factor: float) -> Timings:
+        """Every time `factor` times longer (workers time-sharing the cores)."""
+        return Timings(*({b: t.scaled(factor) for b, t in table.items()} for table in (self.block, self.embed, self.head)),
+                       self.optimizer_block_s * factor, self.optimizer_ends_s * factor, list(self.extrapolated))
+
+
+@dataclass
+class Profile:
+    """A machine, as the cost models see it.
+
+    Bandwidths in bytes/s; `host_to_device_bytes_per_s` is None where the device is the host
+    (a CPU: no transfer at all). `timings` holds one `Timings` per torch-thread count a
+    worker gets (CPU: workers share the cores) or one under key 0 (a GPU: one per worker).
+    """
+
+    name: str
+    device: str
+    device_type: str  # cpu or cuda
+    source: str
+    cores: int
+    memory_bytes: int | None  # each device's memory, where the profile knows it
+    host_to_device_bytes_per_s: float | None
+    stage_link_bytes_per_s: float  # point to point between pipeline stages
+    allreduce_bytes_per_s: float  # an all-reduce's bus bandwidth among replicas in one node
+    inter_node_bytes_per_s: float  # between nodes: links of replicas or stages spread over nodes
+    devices_per_node: int
+    link_latency_s: float  # per message
+    host_optimizer_s_per_param: float  # the EPS's optimizer step on the host, per parameter
+    timings: dict[int, Timings]
+
+    def for_workers(self, workers: int, configured_threads: int = 0) -> Timings:
+        """The timings of one of `workers` processes running at once on this machine.
+
+        GPU: each worker has its own device. CPU: each gets `train.threads` threads, or
+        cores // workers (as the launcher shares them out, `world.threads_per_process`); more
+        threads than cores time-share, so every figure takes threads / cores times longer.
+        """
+        if self.device_type != "cpu":
+            return self.timings[0]
+        threads = threads_for(self.cores, workers, configured_threads)
+        if threads not in self.timings:
+            raise ValueError(f"this profile was not measured with {threads} threads per worker")
+        return self.timings[threads].scaled(max(1.0, workers * threads / self.cores))
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["timings"] = {str(k): _timings_json(t) for k, t in self.timings.items()}
+        return out
+
+
+def threads_for(cores: int, workers: int, configured: int = 0) -> int:
+    """torch threads per worker: `train.threads` when set, else the cores shared out."""
+    return configured or max(1, cores // workers)
+
+
+def _timings_json(t: Timings) -> dict:
+    tables = {name: {str(b): asdict(p) for b, p in getattr(t, name).items()} for name in ("block", "embed", "head")}
+    return {**tables, "optimizer_block_s": t.optimizer_block_s, "optimizer_ends_s": t.optimizer_ends_s,
+            "extrapolated": t.extrapolated}
+
+
+# --------------------------------------------------------------------------- this machine
+
+
+def measure(cfg, microbatch_sizes: list[int], worker_counts: list[int], device: torch.device) -> Profile:
+    """Time this machine's `device` (the CPU, or a CUDA device) on `cfg`'s model at these
+    micro-batch sizes, for runs of each of these numbers of workers."""
+    cores = os.cpu_count() or 1
+    configured = cfg.train.threads
+    keys = sorted({threads_for(cores, w, configured) for w in worker_counts}) if device.type == "cpu" else [0]
+    saved = torch.get_num_threads()
+    try:
+        timings = {}
+        for threads in keys:
+            torch.set_num_threads(threads or saved)
+            timings[threads] = measure_timings(cfg, sorted(set(microbatch_sizes)), device)
+    finally:
+        torch.set_num_threads(saved)
+    p2p, allreduce, latency, how = _links_of_this_machine(device, max(worker_counts))
+    return Profile(
+        name="this", device=_describe_this(device, cores), device_type=device.type,
+        source=f"measured on this machine ({time.strftime('%Y-%m-%d %H:%M')}): one block of the configured model, "
+               f"median of {REPEATS} timed repetitions after a warm-up; links: {how}",
+        cores=cores, memory_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
+        host_to_device_bytes_per_s=_pinned_copy_rate(device) if device.type == "cuda" else None,
+        stage_link_bytes_per_s=p2p, allreduce_bytes_per_s=allreduce, inter_node_bytes_per_s=allreduce,
+        devices_per_node=torch.cuda.device_count() if device.type == "cuda" else cores, link_latency_s=latency,
+        host_optimizer_s_per_param=_host_optimizer_s_per_param(cfg, timings, device), timings=timings,
+    )
+
+
+def measure_timings(cfg, sizes: list[int], device: torch.device) -> Timings:
+    """Block, embeddings, head and optimizer of `cfg`'s model, timed at each size in `sizes`."""
+    model = one_block_model(cfg, device)
+    precision = Precision.from_name(str(cfg.precision.name))
+    tables: dict[str, dict[int, PartTimes]] = {"block": {}, "embed": {}, "head": {}}
+    extrapolated = []
+    for b in sizes:
+        if tables["block"] and _too_slow(tables["block"], b):
+            extrapolated.append(b)
+            continue
+        for name, times in _time_parts(model, cfg, b, precision, device).items():
+            tables[name][b] = times
+    optimizer_block, optimizer_ends = _time_optimizers(model, cfg)
+    return Timings(tables["block"], tables["embed"], tables["head"], optimizer_block, optimizer_ends, extrapolated)
+
+
+def one_block_model(cfg, device: torch.device) -> LayeredModel:
+    """The configured model with one block, fresh weights (their values do not change the time)."""
+    from relaytrain.models import build_model
+
+    m = copy.deepcopy(cfg.model)
+    m.num_layers, m.pretrained, m.resolved_from = 1, None, None
+    model = build_model(m, seed=0, quiet=True).to(device)
+    weight_dtype = Precision.from_name(str(cfg.precision.name)).weight_dtype
+    return model.to(weight_dtype) if weight_dtype != torch.float32 else model
+
+
+def _too_slow(measured: dict[int, PartTimes], b: int) -> bool:
+    largest = max(measured)
+    t = measured[largest]
+    return (t.forward_s + t.backward_s) * b / largest > PART_BUDGET_S
+
+
+def sample_microbatch(cfg, b: int, device: torch.device) -> MicroBatch:
+    """A micro-batch of `b` random samples shaped as the config's data (labels as the task needs)."""
+    m, s = cfg.model, cfg.data.seq_len
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, m.vocab_size, (b, s), generator=generator)
+    labels = torch.randint(0, m.num_labels, (b,), generator=generator) if m.task == "classification" else ids.clone()
+    return MicroBatch(ids, labels).to(device)
+
+
+def _time_parts(model: LayeredModel, cfg, b: int, precision: Precision, device: torch.device) -> dict[str, PartTimes]:
+    mb = sample_microbatch(cfg, b, device)
+    with torch.no_grad(), precision.autocast_context(device):
+        hidden = model.embed(mb.input_ids)
+    ctx = model.context(mb, hidden)
+    block = model.blocks[0]
+
+    def embed():
+        return model.embed(mb.input_ids)
+
+    def run_block():
+        return block(hidden.detach().requires_grad_(True), ctx)
+
+    def head():
+        return model.head_loss(hidden.detach().requires_grad_(True), mb.labels)
+
+    return {name: _forward_backward(fn, precision, device) for name, fn in
+            (("embed", embed), ("block", run_block), ("head", head))}
+
+
+def _forward_backward(forward, precision: Precision, device: torch.device) -> PartTimes:
+    """Median forward and backward seconds of `forward()` (a tensor; backward from ones)."""
+    forwards, backwards = [], []
+    for repetition in range(REPEATS + 1):
+        metrics.synchronize(device)
+        start = time.perf_counter()
+        with precision.autocast_context(device):
+            out = forward()
+        metrics.synchronize(device)
+        middle = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        metrics.synchronize(device)
+        if repetition:  # the first is the warm-up
+            forwards.append(middle - start)
+            backwards.append(time.perf_counter() - middle)
+    return PartTimes(statistics.median(forwards), statistics.median(backwards))
+
+
+def _time_optimizers(model: LayeredModel, cfg) -> tuple[float, float]:
+    """One optimizer step over one block's parameters, and over the embeddings' and head's."""
+    from relaytrain.checkpoint import unique_named_parameters
+
+    block = list(model.blocks[0].named_parameters())
+    in_block = {id(p) for _, p in block}
+    ends = [(n, p) for n, p in unique_named_parameters(model) if id(p) not in in_block]
+    return _time_optimizer(block, cfg), _time_optimizer(ends, cfg)
+
+
+def _time_optimizer(named: list, cfg) -> float:
+    """Median seconds of one step of the configured optimizer over fp32 copies of `named`."""
+    from relaytrain.optim import build_optimizer
+
+    masters = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in named]  # fp32, on p's device
+    for _, p in masters:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = build_optimizer(masters, cfg.optim)
+    times = []
+    for repetition in range(REPEATS + 1):
+        metrics.synchronize(masters[0][1].device)
+        start = time.perf_counter()
+        optimizer.step()
+        metrics.synchronize(masters[0][1].device)
+        if repetition:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _host_optimizer_s_per_param(cfg, timings: dict[int, Timings], device: torch.device) -> float:
+    """The EPS's optimizer on this host, per parameter: on a CPU the step timed with the most
+    threads (the cost models use each worker's own timings there); with a CUDA device, a host
+    step over a block's fp32 parameters."""
+    block_params = _block_parameters(cfg)
+    if device.type == "cpu":
+        return timings[max(timings)].optimizer_block_s / block_params
+    model = one_block_model(cfg, torch.device("cpu"))
+    return _time_optimizer(list(model.blocks[0].named_parameters()), cfg) / block_params
+
+
+def _block_parameters(cfg) -> int:
+    from relaytrain.models import count_parameters
+
+    m = copy.deepcopy(cfg.model)
+    m.pretrained, m.resolved_from, m.num_layers = None, None, 1
+    one = count_parameters(m)
+    m.num_layers = 2
+    return count_parameters(m) - one
+
+
+def _pinned_copy_rate(device: torch.device, megabytes: int = 256) -> float:
+    """Host -> device bytes/s of a pinned copy, timed (the L2L relay's uploads are pinned)."""
+    host = torch.empty(megabytes * 2**20, dtype=torch.uint8).pin_memory()
+    target = torch.empty_like(host, device=device)
+    target.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(REPEATS):
+        target.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return REPEATS * host.numel() / (time.perf_counter() - start)
+
+
+def _links_of_this_machine(device: torch.device, workers: int) -> tuple[float, float, float, str]:
+    """Stage-to-stage and all-reduce bandwidth (bytes/s) and latency per message, and how they
+    were found. CPU workers talk over gloo on localhost: timed between two spawned processes
+    (only when a run may have several workers). CUDA: a copy between the first two devices."""
+    if device.type == "cuda":
+        if torch.cuda.device_count() < 2:
+            return float("inf"), float("inf"), 0.0, "one CUDA device: no link between workers"
+        rate = _device_copy_rate()
+        return rate, rate, 20e-6, "timed cuda:0 -> cuda:1 copy (all-reduce assumed at the same rate)"
+    if workers < 2:
+        return float("inf"), float("inf"), 0.0, "one worker: no link between workers"
+    p2p, allreduce, latency = gloo_rates()
+    return p2p, allreduce, latency, "gloo over localhost TCP between two ranks, timed"
+
+
+GLOO_BYTES = 16 * 2**20
+
+
+def gloo_rates() -> tuple[float, float, float]:
+    """Point-to-point bytes/s, all-reduce bus bytes/s and per-message latency of gloo on this
+    machine: two ranks over localhost TCP, the transport CPU workers use, as two threads of
+    this process (gloo releases the GIL while it moves bytes)."""
+    store = dist.HashStore()
+    figures: dict[int, tuple[float, float, float]] = {}
+    ranks = [threading.Thread(target=_gloo_rank, args=(rank, store, figures)) for rank in (0, 1)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(60)
+    if 0 not in figures:
+        raise ConfigError("timing gloo on this machine failed; plan with plan.workers=1")
+    return figures[0]
+
+
+def _gloo_rank(rank: int, store, figures: dict) -> None:
+    group = dist.ProcessGroupGloo(dist.PrefixStore("relaytrain-plan", store), rank, 2, timedelta(seconds=60))
+    big, small = torch.ones(GLOO_BYTES // 4), torch.ones(1)
+    peer = 1 - rank
+
+    def round_trip(t: torch.Tensor) -> None:
+        first, second = (group.send, group.recv) if rank == 0 else (group.recv, group.send)
+        first([t], peer, 0).wait()
+        second([t], peer, 0).wait()
+
+    def timed(fn) -> float:
+        fn()
+        group.barrier().wait()
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            fn()
+        return (time.perf_counter() - start) / REPEATS
+
+    latency = timed(lambda: round_trip(small)) / 2
+    one_way = max(timed(lambda: round_trip(big)) / 2 - latency, 1e-9)
+    allreduce = timed(lambda: group.allreduce([big]).wait())
+    figures[rank] = (GLOO_BYTES / one_way, GLOO_BYTES / allreduce, latency)
+
+
+def _device_copy_rate(megabytes: int = 256) -> float:
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device="cuda:0")
+    target = torch.empty_like(source, device="cuda:1")
+    target.copy_(source)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(REPEATS):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    return REPEATS * source.numel() / (time.perf_counter() - start)
+
+
+def _describe_this(device: torch.device, cores: int) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} x {torch.cuda.device_count()} (this machine)"
+    return f"CPU, {cores} cores (this machine), torch {torch.__version__}"
+
+
+# --------------------------------------------------------------------------- spec sheets
+
+
+PROFILES = "profiles"  # configs/profiles/NAME.json, shipped in the package relaytrain.configs
+
+
+def spec_names() -> list[str]:
+    folder = resources.files("relaytrain.configs") / PROFILES
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_spec(name_or_path: str) -> dict:
+    """A GPU profile file: a name in configs/profiles/ or a path to a JSON file, checked."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        packaged = resources.files("relaytrain.configs") / PROFILES / f"{name_or_path}.json"
+        if not packaged.is_file():
+            raise ConfigError(f"plan.device={name_or_path} is neither `this`, a profile ({', '.join(spec_names())}) "
+                              f"nor a JSON file; give one of them")
+        path = Path(str(packaged))
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"plan.device={name_or_path}: {path} is not a readable JSON profile ({err})") from err
+    missing = [key for key in SPEC_REQUIRED if key not in spec]
+    if missing:
+        raise ConfigError(f"plan.device={name_or_path}: the profile lacks {', '.join(missing)}")
+    if not str(spec["source"]).startswith(("spec sheet, not measured", "measured")):
+        raise ConfigError(f"plan.device={name_or_path}: its source must begin with 'spec sheet, not measured' "
+                          f"or 'measured' (where the figures come from)")
+    return spec
+
+
+def from_spec(spec: dict, cfg, microbatch_sizes: list[int]) -> Profile:
+    """The spec's predicted timings for `cfg`'s model: FLOPs over peak x efficiency."""
+    rate = _sustained_flops(spec, cfg)
+    link = spec["link_efficiency"] * 1e9
+    timings = Timings(
+        block={b: _spec_part(block_forward_flops(cfg, b), rate, spec, cfg, b, overhead=True) for b in microbatch_sizes},
+        embed={b: _spec_part(embed_bytes(cfg, b), spec["memory_bandwidth_gb_s"] * link, spec, cfg, b)
+               for b in microbatch_sizes},
+        head={b: _spec_part(head_forward_flops(cfg, b), rate, spec, cfg, b) for b in microbatch_sizes},
+        optimizer_block_s=_block_parameters(cfg) * optimizer_bytes_per_param(cfg) / (spec["memory_bandwidth_gb_s"] * link),
+        optimizer_ends_s=_ends_parameters(cfg) * optimizer_bytes_per_param(cfg) / (spec["memory_bandwidth_gb_s"] * link),
+    )
+    return Profile(
+        name=spec["name"], device=spec["device"], device_type="cuda", source=spec["source"],
+        cores=spec["devices_per_node"], memory_bytes=int(spec["memory_gb"] * 2**30),
+        host_to_device_bytes_per_s=spec["host_to_device_gb_s"] * link,
+        stage_link_bytes_per_s=spec["stage_link_gb_s"] * link, allreduce_bytes_per_s=spec["allreduce_gb_s"] * link,
+        inter_node_bytes_per_s=spec["inter_node_gb_s"] * link, devices_per_node=spec["devices_per_node"],
+        link_latency_s=spec["link_latency_s"],
+        host_optimizer_s_per_param=optimizer_bytes_per_param(cfg) / (spec["host_optimizer_gb_s"] * link),
+        timings={0: timings},
+    )
+
+
+def _sustained_flops(spec: dict, cfg) -> float:
+    """Peak FLOP/s of the precision's matmuls times the compute efficiency the profile assumes."""
+    precision = str(cfg.precision.name)
+    kind = "fp32" if precision == "fp32" else precision.split("_")[1]
+    peak = spec["peak_tflops"].get(kind)
+    if not peak:
+        raise ConfigError(f"plan.device={spec['name']} has no peak_tflops for {kind}; choose another precision=")
+    return peak * 1e12 * spec["compute_efficiency"][kind if kind in spec["compute_efficiency"] else "fp32"]
+
+
+def _spec_part(work: float, rate: float, spec: dict, cfg, b: int, overhead: bool = False) -> PartTimes:
+    """Forward `work / rate` at full efficiency, lower for small micro-batches (kernels too small to
+    fill the device: efficiency n / (n + n_half) in the tokens n of a micro-batch); backward twice."""
+    tokens = b * cfg.data.seq_len
+    filled = tokens / (tokens + spec["tokens_half_efficiency"])
+    forward = work / (rate * filled) + (spec["kernel_overhead_s_per_block"] if overhead else 0.0)
+    return PartTimes(forward, 2 * forward)
+
+
+def block_forward_flops(cfg, b: int) -> float:
+    """One block's forward FLOPs for b samples: 2 x (4h^2 + 2hi) per token for the matmuls
+    (24h^2 for i = 4h) plus 4sh per token for the attention scores and their weighted sum."""
+    m, s = cfg.model, cfg.data.seq_len
+    h, i = m.hidden_size, m.intermediate_size
+    return b * s * (2 * (4 * h * h + 2 * h * i) + 4 * s * h)
+
+
+def head_forward_flops(cfg, b: int) -> float:
+    """Classification: the pooler and classifier on one token per sample; LM: the vocabulary
+    projection on every token (and BERT's transform)."""
+    m, s = cfg.model, cfg.data.seq_len
+    h = m.hidden_size
+    if m.task == "classification":
+        return b * 2 * (h * h + h * m.num_labels)
+    return b * s * 2 * (h * h + h * m.vocab_size)
+
+
+def embed_bytes(cfg, b: int) -> float:
+    """The embeddings are a lookup: bytes read and written, not FLOPs (timed at memory bandwidth)."""
+    return 3 * b * cfg.data.seq_len * cfg.model.hidden_size * 4
+
+
+def optimizer_bytes_per_param(cfg) -> int:
+    """Bytes an optimizer step reads and writes per fp32 parameter: weight, gradient and state
+    read, weight and state written (AdamW/LAMB: 2 moments; SGD: momentum or none)."""
+    from relaytrain.strategies.base import optimizer_words
+
+    words = optimizer_words(cfg)
+    return 4 * (2 + words) + 4 * (1 + words)
+
+
+def _ends_parameters(cfg) -> int:
+    from relaytrain.models import count_parameters
+
+    m = copy.deepcopy(cfg.model)
+    m.pretrained, m.resolved_from = None, None
+    return count_parameters(m) - m.num_layers * _block_parameters(cfg)
