@@ -44,10 +44,11 @@ class Estimate:
 
 
 def recompute_factor(cfg) -> float:
-    """Forward recomputed in backward: one forward more on top of forward + 2 x backward."""
-    recompute = str(getattr(cfg.strategy, "recompute", "none"))
-    always = str(cfg.strategy.name).startswith("l2l")
-    return 4 / 3 if always or recompute in ("block", "stage") else 1.0
+    """Forward recomputed in backward: one forward more on top of forward + 2 x backward.
+    Whether a config recomputes is the planner's rule (`plan.shape_of`), not restated here."""
+    from relaytrain.plan import shape_of
+
+    return 1.0 if shape_of(cfg).recompute == "none" else 4 / 3
 
 
 def step_flops(cfg, cls) -> float:
