@@ -26,15 +26,19 @@ BENCHMARKS = {
     "planner": HERE / "bench_planner.py",
     "axonn": HERE / "bench_axonn.py",
 }
-# Each script writes its own JSON; these pick out its headline figures: (what, figure, target),
-# the target met when the figure is at least it (a float) or at most its second item (("<=", x)).
-HEADLINES = {
-    "baseline": lambda r: [("baseline / plain PyTorch loop", r["ratio"], r["target"])],
-    "l2l": lambda r: [("l2l / baseline with recompute", r["throughput_ratio"], 0.95)],
-    "pipeline": lambda r: [
-        ("pipe_flush / torch Schedule1F1B", r["flush_vs_torch_1f1b"]["ratio"], r["flush_vs_torch_1f1b"]["target"]),
-        ("pipe_2bw / pipe_flush at m = d", r["2bw_vs_flush_at_m_eq_d"]["ratio"], r["2bw_vs_flush_at_m_eq_d"]["target"]),
-    ],
+# The comparisons each script reports as a median over its rounds (scripts/benchlib.py), in
+# the order of the summary table, with what each compares.
+COMPARED = {
+    "baseline_vs_plain_loop": "baseline / plain PyTorch loop",
+    "l2l_vs_recompute_baseline": "l2l / baseline with recompute",
+    "eps_vs_fused_adamw": "EPS per-part updates / whole-model fused AdamW",
+    "eps_exposed_share": "EPS work exposed after overlap with backward",
+    "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
+    "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d) / bubble formula",
+}
+# Single-figure results of the other scripts: (what, figure, target), the target met when the
+# figure is at least it (a float) or at most its second item (("<=", x)).
+SINGLE = {
     "l2l_scaling": lambda r: [("l2l, 2 replicas / (2 x one worker)", r["scaling_sharded"], r["target"])],
     "planner": lambda r: [("plan: worst |predicted / measured step - 1|", r["worst_error"], ("<=", 1 - r["target"]))],
     "axonn": lambda r: [
@@ -61,6 +65,30 @@ def run(name: str, script: Path, workdir: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def medians_table(headlines: dict) -> Table:
+    table = Table(title="relaytrain benchmarks: median of each comparison's rounds (idle machine assumed)")
+    for column in ("comparison", "median", "best", "spread", "rounds", "target", "met"):
+        table.add_column(column)
+    for key, what in COMPARED.items():
+        if key not in headlines:
+            continue
+        h = headlines[key]
+        low, high = h["spread"]
+        table.add_row(what, f"{h['median']:.3f}", f"{h['best']:.3f}", f"{low:.3f}-{high:.3f}", str(len(h["rounds"])),
+                      f"{'<' if h['lower_is_better'] else '>='} {h['target']}", "yes" if h["met"] else "no")
+    return table
+
+
+def single_table(rows: list) -> Table:
+    table = Table(title="relaytrain benchmarks: single figures")
+    for column in ("benchmark", "figure", "target", "met"):
+        table.add_column(column)
+    for what, figure, target in rows:
+        wanted, ok = met(figure, target)
+        table.add_row(what, f"{figure:.3f}", wanted, "yes" if ok else "no")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(BENCHMARKS))
@@ -70,16 +98,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.only.split(","):
             results[name] = run(name, BENCHMARKS[name], Path(workdir))
-    table = Table(title="relaytrain benchmarks (figures from one run each)")
-    for column in ("benchmark", "figure", "target", "met"):
-        table.add_column(column)
-    for name, result in results.items():
-        for what, figure, target in HEADLINES[name](result):
-            wanted, ok = met(figure, target)
-            table.add_row(what, f"{figure:.3f}", wanted, "yes" if ok else "no")
-    Console().print(table)
+    headlines = {key: h for result in results.values() for key, h in result.get("headlines", {}).items()}
+    Console().print(medians_table(headlines))
+    singles = [row for name, result in results.items() if name in SINGLE for row in SINGLE[name](result)]
+    if singles:
+        Console().print(single_table(singles))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"headlines": headlines, **results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Eager param server: per-part updates on the worker equal one whole-model optimizer step."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -134,22 +135,54 @@ def test_fp16_loss_scale_is_divided_out_before_the_update():
     assert_same(ours, reference)
 
 
-def test_updates_run_on_the_worker_thread_and_are_counted():
+def test_updates_run_behind_the_caller_then_on_it_in_order_one_at_a_time():
+    """While the caller computes, updates run on the worker thread; what is still queued when it
+    waits runs on the caller's own thread (its warm kernel threads). Never two at once, in order."""
     model = Chain()
-    threads = []
+    ran, running, overlapped = [], [0], []
     eps = EagerParamServer(model.named_modules_in_order(), optim_cfg(), LossScaler(False))
+    first_done = threading.Event()
+
+    def enter(index):
+        running[0] += 1
+        overlapped.append(running[0] > 1)
+        ran.append((index, threading.current_thread().name))
+        time.sleep(0.01)  # long enough that a concurrent task would show
+
+    def leave(index):
+        running[0] -= 1
+        if index == 2:
+            first_done.set()
+
     try:
-        for part in eps.parts:
-            part.optimizer.register_step_pre_hook(lambda *_: threads.append(threading.current_thread().name))
-        for index in reversed(range(3)):
+        for index, part in enumerate(eps.parts):
+            part.optimizer.register_step_pre_hook(lambda *_, i=index: enter(i))
+            part.optimizer.register_step_post_hook(lambda *_, i=index: leave(i))
+        eps.submit(2, random_grads(model.parts[2], 2))
+        assert first_done.wait(10)  # the caller "computes" while the worker updates part 2
+        for index in (1, 0):
             eps.submit(index, random_grads(model.parts[index], index))
         eps.wait()
     finally:
         eps.close()
-    assert threads == ["eps-worker"] * 3
+    assert [index for index, _ in ran] == [2, 1, 0]
+    assert ran[0][1] == "eps-worker" and not any(overlapped)
+    assert {name for _, name in ran} <= {"eps-worker", threading.current_thread().name}
     stats = eps.stats.as_dict()
     assert stats["updated_parameters"] == sum(p.numel() for p in model.parameters())
     assert stats["parameters_per_s"] > 0 and 0.0 <= stats["exposed_fraction"] <= 1.0
+
+
+def test_the_worker_leaves_the_callers_thread_count_alone():
+    threads = torch.get_num_threads()
+    eps = EagerParamServer(Chain().named_modules_in_order(), optim_cfg(), LossScaler(False))
+    eps.close()
+    assert torch.get_num_threads() == threads
+    seen = []
+    later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert seen == [threads]  # threads started afterwards keep torch's default too
 
 
 def test_half_wires_follow_the_fp32_masters():

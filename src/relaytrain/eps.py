@@ -45,7 +45,7 @@ updated once. Two placements of the EPS state:
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 import time
 from collections.abc import Callable
@@ -103,19 +103,55 @@ class EpsStats:
 
 
 class _Worker:
-    """One background thread running queued tasks in order; the first error is re-raised by `join`."""
+    """Queued tasks run one at a time, in order: on a background thread while the caller
+    computes, and on the caller's own thread once it waits for them (`join`).
+
+    Why the caller takes over. On a CPU, torch runs each kernel of a fused optimizer as one
+    OpenMP parallel region per tensor. The caller's OpenMP team is warm (its threads spin
+    between regions); a second thread's team is not, and waking it costs tens of
+    microseconds per region, about a fifth of a whole BERT update (docs/benchmarks.md). So
+    the background thread computes single-threaded beside the caller's backward, which keeps
+    the machine from being oversubscribed, and the updates still queued when the caller
+    waits run on the caller's warm team at full speed. The tasks never run concurrently and
+    keep their order, so collectives (sharded replicas) and tied-weight sums see the same
+    sequence as with one thread. The first error is re-raised by `join`.
+    """
 
     def __init__(self):
-        self._tasks: queue.Queue = queue.Queue()
+        self._tasks: collections.deque[Callable[[], None]] = collections.deque()
+        self._changed = threading.Condition()
+        self._running = False  # the background thread is inside a task
+        self._caller_waiting = False  # the caller runs the queue: the background thread keeps off it
+        self._closed = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="eps-worker", daemon=True)
+        threads = torch.get_num_threads()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(started,), name="eps-worker", daemon=True)
         self._thread.start()
+        started.wait()
+        _set_intra_op_threads(threads)  # torch keeps the last count as the default of new threads
 
     def put(self, task: Callable[[], None]) -> None:
-        self._tasks.put(task)
+        with self._changed:
+            self._tasks.append(task)
+            self._changed.notify_all()
 
     def join(self) -> None:
-        self._tasks.join()
+        """Run every queued task (the rest of them on this thread), then re-raise the first error."""
+        with self._changed:
+            self._caller_waiting = True
+            self._changed.wait_for(lambda: not self._running)
+        try:
+            while True:
+                with self._changed:
+                    if not self._tasks:
+                        break
+                    task = self._tasks.popleft()
+                self._run(task)
+        finally:
+            with self._changed:
+                self._caller_waiting = False
+                self._changed.notify_all()
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
@@ -124,19 +160,40 @@ class _Worker:
             raise error
 
     def close(self) -> None:
-        self._tasks.put(None)
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
         self._thread.join()
 
-    def _loop(self) -> None:
-        while (task := self._tasks.get()) is not None:
+    def _run(self, task: Callable[[], None]) -> None:
+        try:
+            if self._error is None:  # after a failure the rest of the step is meaningless
+                task()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller by join()
+            self._error = err
+
+    def _loop(self, started: threading.Event) -> None:
+        _set_intra_op_threads(1)
+        started.set()
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._closed or (self._tasks and not self._caller_waiting))
+                if self._closed:
+                    return
+                task = self._tasks.popleft()
+                self._running = True
             try:
-                if self._error is None:  # after a failure the rest of the step is meaningless
-                    task()
-            except BaseException as err:  # noqa: BLE001 - handed to the caller by join()
-                self._error = err
+                self._run(task)
             finally:
-                self._tasks.task_done()
-        self._tasks.task_done()
+                with self._changed:
+                    self._running = False
+                    self._changed.notify_all()
+
+
+def _set_intra_op_threads(threads: int) -> None:
+    """The calling thread's kernels use `threads` threads (with OpenMP the count is per thread)."""
+    if torch.backends.openmp.is_available():
+        torch.set_num_threads(threads)
 
 
 class Peers:
