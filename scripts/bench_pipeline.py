@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -79,19 +80,24 @@ class TorchStage(torch.nn.Module):
         return hidden
 
 
-def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out) -> None:
+def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out, tuned_allocator: bool) -> None:
     from omegaconf import OmegaConf
-    from relaytrain.strategies.pipeline.worker import build_stage
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from relaytrain.data import build_dataset, build_loader
+    from relaytrain.launch import keep_freed_host_memory
+    from relaytrain.models import build_model
     from relaytrain.optim import build_optimizer
+    from relaytrain.strategies.pipeline.stage import StageModule, partition
 
     cfg = OmegaConf.create(cfg_dict)
     s = cfg.strategy
+    if tuned_allocator:
+        keep_freed_host_memory()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    stage = build_stage(cfg, rank)
+    blocks = partition(cfg.model.num_layers, world)[rank]
+    stage = StageModule(build_model(cfg.model, seed=0), blocks, first=rank == 0, last=rank == world - 1)
     optimizer = build_optimizer(stage.named_parameters(), cfg.optim)
     items = {"n": 1}
 
@@ -135,7 +141,10 @@ def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out) -> None
     dist.destroy_process_group()
 
 
-def torch_1f1b(cfg) -> float:
+def torch_1f1b(cfg, tuned_allocator: bool = False) -> float:
+    """Mean measured step time of torch's Schedule1F1B; `tuned_allocator`: with relaytrain's
+    malloc setting (`launch.keep_freed_host_memory`), to show what that setting is worth."""
+    import queue
     import socket
 
     from omegaconf import OmegaConf
@@ -144,13 +153,22 @@ def torch_1f1b(cfg) -> float:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
+    out = ctx.Queue()
     world = cfg.strategy.stages
     config = OmegaConf.to_container(cfg, resolve=True)
-    procs = [ctx.Process(target=_torch_worker, args=(r, world, config, port, out)) for r in range(world)]
+    procs = [ctx.Process(target=_torch_worker, args=(r, world, config, port, out, tuned_allocator))
+             for r in range(world)]
     for p in procs:
         p.start()
-    times = out.get()
+    while True:
+        try:
+            times = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError("a torch Schedule1F1B worker failed (its traceback is above)") from None
     for p in procs:
         p.join()
     measured = times[cfg.train.warmup_steps:]
@@ -174,13 +192,13 @@ def main(argv: list[str]) -> int:
     contestants = {
         "ours_flush": lambda: ours(flush_cfg),
         "torch_flush": lambda: torch_1f1b(flush_cfg),
+        "torch_flush_kept_malloc": lambda: torch_1f1b(flush_cfg, tuned_allocator=True),
         "flush_md": lambda: ours(bench_cfg("pipe_flush", d, d, args.steps, args.warmup)),
         "2bw_md": lambda: ours(bench_cfg("pipe_2bw", d, d, args.steps, args.warmup)),
     }
-    # Best of several alternating rounds: on a shared machine, other load only ever slows a run down.
     rounds = [{name: run() for name, run in contestants.items()} for _ in range(args.rounds)]
     best = {name: min(r[name] for r in rounds) for name in contestants}
-    ours_flush, torch_flush, flush_md, two_bw_md = (best[n] for n in contestants)
+    ours_flush, torch_flush, flush_md, two_bw_md = (best[n] for n in ("ours_flush", "torch_flush", "flush_md", "2bw_md"))
 
     # The headline is the median of each round's own ratio: robust to one lucky round of either side.
     predicted = 1.0 / (1.0 - bubble_formula(d, d))
@@ -200,6 +218,9 @@ def main(argv: list[str]) -> int:
         "flush_vs_torch_1f1b": {
             "stages": d, "microbatches": 2 * d, "ours_step_s": ours_flush, "torch_step_s": torch_flush,
             "ratio": torch_flush / ours_flush, "ratio_median_round": median_flush, "target": 1.0,
+            "torch_with_relaytrain_malloc_setting_step_s": best["torch_flush_kept_malloc"],
+            "ratio_against_that_median_round": statistics.median(
+                r["torch_flush_kept_malloc"] / r["ours_flush"] for r in rounds),
         },
         "2bw_vs_flush_at_m_eq_d": {
             "stages": d, "microbatches": d, "flush_step_s": flush_md, "2bw_step_s": two_bw_md,

@@ -8,10 +8,10 @@ Face model always holds the trained weights), one optimizer built by `build_opti
 stepping part by part gives exactly the whole-model step) and a *wire* copy: what travels
 to the device (the master itself for fp32, a half copy for cross mixed precision).
 
-`submit(part, grads)` hands one part's gradients to a single background worker thread that
-adds them into the master `.grad` and steps that part's optimizer, while the caller goes on
-with the backward of the parts below (torch ops release the GIL). `wait()` joins the worker
-before the next step.
+`submit(part, grads)` hands one part's gradients to a background worker thread that adds
+them into the master `.grad` and steps that part's optimizer, while the caller goes on with
+the backward of the parts below (torch ops release the GIL). `wait()` finishes the step's
+updates: what is still queued then runs on the caller's own thread (`_Worker` says why).
 
 Exactness. Two things need every gradient before any update: global-norm clipping
 (`optim.grad_clip > 0`) and the fp16 overflow check (a step with an inf/NaN anywhere is
@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from relaytrain import memory
 from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler
 from relaytrain.world import DoneWork
@@ -142,12 +143,13 @@ class _Worker:
             self._caller_waiting = True
             self._changed.wait_for(lambda: not self._running)
         try:
-            while True:
-                with self._changed:
-                    if not self._tasks:
-                        break
-                    task = self._tasks.popleft()
-                self._run(task)
+            with memory.on_host():  # a dry run's tracker counts this thread's device tensors; these are the host's
+                while True:
+                    with self._changed:
+                        if not self._tasks:
+                            break
+                        task = self._tasks.popleft()
+                    self._run(task)
         finally:
             with self._changed:
                 self._caller_waiting = False

@@ -95,7 +95,26 @@ def announce_stop(signum: int, how_long: str = "") -> None:
 # ----------------------------------------------------------------------- one process
 
 
+def keep_freed_host_memory() -> None:
+    """Let glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.
+
+    A training step frees and reallocates the same activation and gradient buffers every
+    micro-batch. With glibc's defaults, frees at the top of the heap past a small threshold are
+    returned to the kernel, so the next step takes page faults again and the kernel zeroes each
+    page anew (measured on pipe_flush, docs/benchmarks.md). Tensors of 32 MiB and more are still
+    mapped on their own (the largest threshold glibc accepts). Elsewhere than glibc: nothing.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)
+    libc.mallopt(m_trim_threshold, 2**30)
+
+
 def _in_this_process(entry, cfg, payload):
+    keep_freed_host_memory()
     world = World(device=pick_device(cfg.train.device), stop=StopRequest(announce=announce_stop))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -111,6 +130,7 @@ def _as_torchrun_worker(entry, cfg, processes: int, payload):
         raise ConfigError(f"torchrun started {size} workers but strategy={cfg.strategy.name} needs {processes} "
                           f"(strategy.stages x strategy.replicas); make them equal")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    keep_freed_host_memory()
     torch.set_num_threads(threads_per_process(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", size))))
     world = _world(cfg, rank, size, local_rank, StopRequest(announce=announce_stop))
     with _signal_handlers(world.stop.request):
@@ -330,6 +350,7 @@ def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, re
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.create(config)
+        keep_freed_host_memory()
         torch.set_num_threads(threads_per_process(cfg.train.threads, size))
         world = _world(cfg, rank, size, rank, StopRequest(read=lambda: relay.signum.value))
         _joined(entry, cfg, world, payload, init_method)
