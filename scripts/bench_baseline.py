@@ -20,6 +20,7 @@ import torch
 from benchlib import headline
 from relaytrain.config import compose_config
 from relaytrain.data import build_dataset, build_loader
+from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer
 from relaytrain.strategies import build_strategy
@@ -63,6 +64,7 @@ def time_steps(step, minibatches) -> list[float]:
 
 
 def main() -> None:
+    keep_freed_host_memory()  # as every relaytrain process does (the launcher's setting)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round (after one warm-up)")

@@ -27,6 +27,7 @@ from relaytrain.checkpoint import unique_named_parameters
 from relaytrain.config import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.eps import EagerParamServer, EpsStats
+from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer
 from relaytrain.precision import LossScaler
@@ -252,6 +253,7 @@ def print_table(results: dict) -> None:
 
 
 def main() -> None:
+    keep_freed_host_memory()  # as every relaytrain process does (the launcher's setting)
     args = parse_args()
     results = run(args)
     print_table(results)

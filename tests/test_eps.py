@@ -208,3 +208,62 @@ def test_a_failed_update_is_raised_by_wait():
         assert eps.wait() is False
     finally:
         eps.close()
+
+
+class Embedded(nn.Module):
+    """An embeddings part (a 50-row table and a norm) and a head that may reuse the table."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.ModuleDict({"table": nn.Embedding(50, 16), "norm": nn.LayerNorm(16)})
+        self.head = nn.Linear(16, 16)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_table_updated_early_but_for_its_looked_up_rows_ends_bit_identical(optimizer, tied):
+    """Every row but those the minibatch looked up is updated before the embeddings' backward;
+    those rows are redone with their whole gradient after it. Three steps, against the part's
+    plain update."""
+    results = []
+    for early in (False, True):
+        model = Embedded()
+        table = model.embed["table"].weight
+        head = nn.ModuleDict({"head": model.head, **({"table": model.embed["table"]} if tied else {})})
+        eps = EagerParamServer([("embed", model.embed), ("head", head)], optim_cfg(optimizer), LossScaler(False))
+        generator = torch.Generator().manual_seed(1)
+        try:
+            for _ in range(3):
+                rows = torch.unique(torch.randint(0, 50, (12,), generator=generator))
+                head_grads = [torch.randn(p.shape, generator=generator) for p in eps.parts[1].masters]
+                embed_grads = [torch.randn(p.shape, generator=generator) for p in eps.parts[0].masters]
+                looked_up = torch.zeros(50, 1)
+                looked_up[rows] = 1.0
+                embed_grads[0] *= looked_up  # an embedding's own gradient: zero outside its rows
+                assert eps.can_update_table_early(0, table)
+                eps.submit(1, head_grads)
+                if early:
+                    eps.update_table_early(0, table, rows)
+                    eps.await_table_early()
+                eps.submit(0, embed_grads)
+                eps.wait()
+        finally:
+            eps.close()
+        results.append([p.detach().clone() for p in model.parameters()])
+        assert eps.stats.updated_parameters == 3 * sum(p.numel() for p in model.parameters())
+    for plain, early in zip(*results, strict=True):
+        assert torch.equal(plain, early)
+
+
+def test_the_early_table_update_is_refused_where_it_would_not_be_exact():
+    model = Embedded()
+    table = model.embed["table"].weight
+    parts = [("embed", model.embed), ("head", model.head)]
+    cases = [(optim_cfg("lamb"), 0),  # a per-tensor trust ratio
+             (optim_cfg(grad_clip=1.0), 0),  # deferred: every update waits for the global norm
+             (optim_cfg(), 1)]  # a part that does not own the table
+    for cfg, index in cases:
+        eps = EagerParamServer(parts, cfg, LossScaler(False))
+        assert not eps.can_update_table_early(index, table)
+        eps.close()

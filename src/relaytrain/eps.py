@@ -322,6 +322,9 @@ class EagerParamServer:
         self.my_masters = [p for part in self.local_parts() for p in part.owned]
         self.stats = EpsStats()
         self._overflow = False
+        self._held: dict[int, _HeldRows] = {}  # part -> the rows its early table update left out
+        self._table_done = threading.Event()
+        self._table_done.set()
         self._worker = _Worker()
 
     # -- caller side --------------------------------------------------------------------
@@ -347,6 +350,34 @@ class EagerParamServer:
         """
         shipment = grads if isinstance(grads, Shipment) else Shipment(grads, ready)
         self._worker.put(lambda: self._apply(index, shipment))
+
+    def can_update_table_early(self, index: int, table: nn.Parameter) -> bool:
+        """Whether `update_table_early` applies: an update per element (AdamW, SGD), not deferred,
+        one worker, and part `index` owns `table`."""
+        part = self.parts[index]
+        return (not self.defer and self.peers is None and part.optimizer is not None
+                and type(part.optimizer) in _ELEMENTWISE and any(p is table for p in part.owned))
+
+    def update_table_early(self, index: int, table: nn.Parameter, rows: torch.Tensor) -> None:
+        """Update embedding table `table` of part `index` now, except its `rows`.
+
+        An input embedding's gradient from its own backward is zero outside the rows the
+        minibatch looked up; the rest of its gradient (a tied head's) is known once the head
+        is done. So every other row's update is final before the backward reaches the
+        embeddings. The worker steps the whole table now, keeping `rows` as they were, and the
+        part's regular update redoes just those rows with their whole gradient: exact, and
+        only a few rows of the largest part are left for after the backward. Call it after
+        the head's gradients are submitted (a tied head's share is in the table's gradient),
+        and `await_table_early` before anything reads the table again.
+        """
+        self._table_done.clear()
+        self._worker.put(lambda: self._table_early(index, table, rows))
+
+    def await_table_early(self) -> None:
+        """Block until the early table update has written its rows (the held ones are back as
+        they were, so the embeddings' recompute sees the forward's weights)."""
+        self._table_done.wait()
+        self._worker.raise_if_failed()
 
     def wait(self) -> bool:
         """Finish the step's updates; True when an fp16 overflow skipped the step."""
@@ -432,13 +463,44 @@ class EagerParamServer:
             return found
         return bool(self.peers.total(torch.tensor([float(found)]), dist.ReduceOp.MAX))
 
+    def _table_early(self, index: int, table: nn.Parameter, rows: torch.Tensor) -> None:
+        try:
+            self._step_table_early(index, table, rows)
+        finally:
+            self._table_done.set()
+
+    def _step_table_early(self, index: int, table: nn.Parameter, rows: torch.Tensor) -> None:
+        part = self.parts[index]
+        start = time.perf_counter()
+        held = _HeldRows.take(part.optimizer, table, rows)
+        if table.grad is None:  # an untied table: zero gradient outside `rows`
+            table.grad = torch.zeros_like(table)
+        table.grad.index_fill_(0, rows, 0.0)  # what the early step sees of `rows` is discarded anyway
+        others = [(p, p.grad) for p in part.owned if p is not table]
+        for p, _ in others:  # only the table steps now
+            p.grad = None
+        part.optimizer.step()
+        self.stats.optimizer_s += time.perf_counter() - start
+        self.stats.updated_parameters += table.numel() - len(rows) * table[0].numel()
+        table.grad = None
+        for p, grad in others:
+            p.grad = grad
+        with torch.no_grad():  # the held rows as the forward read them, for the embeddings' recompute
+            table.index_copy_(0, rows, held.values)
+        _refresh_wires(part)
+        self._held[index] = held
+        self.stats.busy_s += time.perf_counter() - start
+
     def _step(self, index: int) -> None:
         part = self.parts[index]
         if part.optimizer is not None:
             start = time.perf_counter()
+            held = self._held.pop(index, None)
+            if held is not None:
+                held.update(part.optimizer)
             part.optimizer.step()
             self.stats.optimizer_s += time.perf_counter() - start
-            self.stats.updated_parameters += part.num_owned
+            self.stats.updated_parameters += part.num_owned - (held.table_rest if held else 0)
             part.optimizer.zero_grad(set_to_none=True)
             _refresh_wires(part)
         if self.peers is not None and self.peers.sharded:
@@ -450,6 +512,64 @@ class EagerParamServer:
         with torch.no_grad():
             self.peers.broadcast([p.data for p in part.owned], self.owners[index])
         _refresh_wires(part)
+
+
+# Optimizers whose update of an element reads only that element (and its state): a subset of
+# rows stepped on its own ends bit-identical to the same rows of a whole-tensor step. LAMB's
+# per-tensor trust ratio is not.
+_ELEMENTWISE = (torch.optim.AdamW, torch.optim.SGD)
+
+
+@dataclass
+class _HeldRows:
+    """Rows of an embedding table its early update left out: their values and optimizer state
+    from before it, and the gradient they had then (a tied head's share)."""
+
+    table: nn.Parameter
+    rows: torch.Tensor
+    values: torch.Tensor
+    state: dict
+    grad: torch.Tensor | None
+
+    @property
+    def table_rest(self) -> int:
+        """Parameters of the table the early update already counted."""
+        return self.table.numel() - len(self.rows) * self.table[0].numel()
+
+    @classmethod
+    @torch.no_grad()
+    def take(cls, optimizer: torch.optim.Optimizer, table: nn.Parameter, rows: torch.Tensor) -> _HeldRows:
+        state = {k: v.index_select(0, rows) if _per_row(v, table) else (v.clone() if torch.is_tensor(v) else v)
+                 for k, v in optimizer.state.get(table, {}).items()}
+        grad = table.grad.index_select(0, rows) if table.grad is not None else None
+        return cls(table, rows, table.detach().index_select(0, rows), state, grad)
+
+    @torch.no_grad()
+    def update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step the held rows with their whole gradient (the tied share first, as `_accumulate`
+        sums them), by the table's own update rule, and write them back."""
+        table = self.table
+        grad = table.grad.index_select(0, self.rows) if table.grad is not None else None
+        if self.grad is not None:
+            grad = self.grad if grad is None else self.grad.add_(grad)
+        table.grad = None  # the table's other rows are final: the part's step must skip it
+        if grad is None:
+            return
+        rows = nn.Parameter(self.values)
+        rows.grad = grad
+        group = next(g for g in optimizer.param_groups if any(p is table for p in g["params"]))
+        step = type(optimizer)([{**group, "params": [rows]}])
+        if self.state:
+            step.state[rows] = self.state
+        step.step()
+        table.index_copy_(0, self.rows, rows.detach())
+        for key, value in optimizer.state[table].items():
+            if _per_row(value, table):
+                value.index_copy_(0, self.rows, step.state[rows][key])
+
+
+def _per_row(value, table: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.shape == table.shape
 
 
 def _build_parts(modules, wire_dtype: torch.dtype, pin: bool) -> list[Part]:

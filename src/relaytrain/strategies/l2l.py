@@ -334,12 +334,19 @@ class L2L(Strategy):
         self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch)
         self.head_index = len(self.eps.parts) - 1
         self.stash: ActivationStash | None = None
+        table = model.hf_model.get_input_embeddings().weight
+        # A dry run leaves it out: its host tensors are on the meta device, and it times nothing.
+        self.table = table if self.eps.can_update_table_early(0, table) and not world.simulated else None
+        self.looked_up: torch.Tensor | None = None  # the table rows this step's minibatch reads
 
     # -- one step -----------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
         self.eps.set_lr(lr)
         items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every replica's rows
-        mbs = [mb.to(self.device, non_blocking=True) for mb in replica_rows(minibatch, self.replica, self.num_replicas)]
+        rows = replica_rows(minibatch, self.replica, self.num_replicas)
+        if self.table is not None:
+            self.looked_up = torch.unique(torch.cat([mb.input_ids.reshape(-1) for mb in rows]).cpu())
+        mbs = [mb.to(self.device, non_blocking=True) for mb in rows]
         self.relay.start_step()
         stash = self.stash = ActivationStash(self.transfers, self.stash_host)
         with self.timer.phase("forward"):
@@ -392,12 +399,16 @@ class L2L(Strategy):
             grads.append(x.grad)
             loss_sum += loss.detach()
         self._ship(self.head_index, leaves)
+        if self.table is not None:  # all but the looked-up rows of the embeddings update behind the backward
+            self.eps.update_table_early(0, self.table, self.looked_up)
         return grads, loss_sum
 
     def _backward(self, grads, mbs, ctxs, rng, stash: ActivationStash) -> None:
         """Blocks in reverse, then the embeddings: recompute with the forward's RNG, backpropagate, ship."""
         for index in range(self.head_index - 1, -1, -1):
             self.progress(f"backward: {self._part_name(index)}")
+            if index <= 1 and self.table is not None:  # visiting block 1 may prefetch the embeddings
+                self.eps.await_table_early()  # whose recompute reads the table
             weights, leaves = self.relay.next_visit()
             for u, mb in enumerate(mbs):
                 x = None if index == 0 else stash.take((index, u), _next_stash_key(index, u, len(mbs)))
