@@ -267,3 +267,16 @@ def test_the_early_table_update_is_refused_where_it_would_not_be_exact():
         eps = EagerParamServer(parts, cfg, LossScaler(False))
         assert not eps.can_update_table_early(index, table)
         eps.close()
+
+
+def test_waiting_for_the_early_table_after_a_failed_update_raises_instead_of_hanging():
+    model = Embedded()
+    table = model.embed["table"].weight
+    eps = EagerParamServer([("embed", model.embed), ("head", model.head)], optim_cfg(), LossScaler(False))
+    try:
+        eps.submit(1, [torch.zeros(3, 3), None])  # the wrong shape: the worker's update fails
+        eps.update_table_early(0, table, torch.tensor([1, 2]))  # skipped after the failure
+        with pytest.raises(RuntimeError):
+            eps.await_table_early()
+    finally:
+        eps.close()

@@ -376,7 +376,8 @@ class EagerParamServer:
     def await_table_early(self) -> None:
         """Block until the early table update has written its rows (the held ones are back as
         they were, so the embeddings' recompute sees the forward's weights)."""
-        self._table_done.wait()
+        while not self._table_done.wait(0.05):  # after a failure the worker skips it: raise, not hang
+            self._worker.raise_if_failed()
         self._worker.raise_if_failed()
 
     def wait(self) -> bool:

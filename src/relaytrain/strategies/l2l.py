@@ -343,10 +343,10 @@ class L2L(Strategy):
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
         self.eps.set_lr(lr)
         items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every replica's rows
-        rows = replica_rows(minibatch, self.replica, self.num_replicas)
+        mine = replica_rows(minibatch, self.replica, self.num_replicas)
         if self.table is not None:
-            self.looked_up = torch.unique(torch.cat([mb.input_ids.reshape(-1) for mb in rows]).cpu())
-        mbs = [mb.to(self.device, non_blocking=True) for mb in rows]
+            self.looked_up = torch.unique(torch.cat([mb.input_ids.reshape(-1) for mb in mine]).cpu())
+        mbs = [mb.to(self.device, non_blocking=True) for mb in mine]
         self.relay.start_step()
         stash = self.stash = ActivationStash(self.transfers, self.stash_host)
         with self.timer.phase("forward"):
