@@ -482,7 +482,7 @@ class EagerParamServer:
             p.grad = None
         part.optimizer.step()
         self.stats.optimizer_s += time.perf_counter() - start
-        self.stats.updated_parameters += table.numel() - len(rows) * table[0].numel()
+        self.stats.updated_parameters += held.table_rest
         table.grad = None
         for p, grad in others:
             p.grad = grad
