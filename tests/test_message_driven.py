@@ -2,18 +2,21 @@
 
 Without processes: the executor, fed adversarial arrival orders by a scripted mailbox, only
 ever runs orders the validator's invariants accept, keeps forwards and backwards each in
-micro-batch order, runs exactly its slice, and follows the program when every message is
-there. With real gloo groups: the weights equal the plain loop (flush) and the delayed-gradient
+micro-batch order, runs exactly its slice, and runs 1F1B's order when every message is there.
+With real gloo groups: the weights equal the plain loop (flush, GPipe) and the delayed-gradient
 rule (2BW), and two runs with different injected stage delays end bit for bit the same.
 """
 
 import random
+import threading
+from datetime import timedelta
 
 import pytest
 import torch
 
 from relaytrain.errors import ConfigError
 from relaytrain.metrics import PhaseTimer
+from relaytrain.strategies.pipeline.comms import Watcher
 from relaytrain.strategies.pipeline.executor import MessageDrivenExecutor
 from relaytrain.strategies.pipeline.jitter import StageJitter
 from relaytrain.strategies.pipeline.schedule import COMPUTE, Op, build_schedule, stop_points
@@ -45,10 +48,10 @@ class ScriptedMailbox:
 
     def post(self, op, k):
         self.posted[(op, k)] = True
-        if self.prefetched and self._may_arrive((op, k)):
-            self.delivered.add((op, k))
 
     def arrived(self, op, k):
+        if self.prefetched and (op, k) in self.posted and self._may_arrive((op, k)):
+            self.delivered.add((op, k))  # every message here as soon as causality allows
         return (op, k) in self.delivered
 
     def wait_any(self, keys):
@@ -118,10 +121,16 @@ def test_adversarial_arrivals_only_ever_give_orders_the_validator_accepts(kind, 
 
 
 @pytest.mark.parametrize(("kind", "d", "m"), SHAPES)
-def test_with_every_message_there_it_follows_the_program(kind, d, m):
+def test_with_every_message_there_it_follows_1f1b(kind, d, m):
+    """1F1B kinds follow their program. A GPipe stage that holds 1F1B's stash runs a backward
+    whose gradient is here before the next forward (`executor.preferred`, AxoNN's order): with
+    every gradient back in time, its stash never grows past 1F1B's and its order is 1F1B's."""
     for stage in range(d):
         _, program, actions, executor = run_message_driven(kind, d, m, 3, stage, random.Random(0), prefetched=True)
-        assert actions == program and executor.out_of_order == 0
+        if kind == "gpipe":
+            program = build_schedule("pipe_flush", d, m, 3).actions(stage)
+        assert actions == program
+        assert (executor.out_of_order == 0) == (kind != "gpipe" or min(d - stage, m) == m)
 
 
 def test_a_two_stage_1f1b_pipeline_has_no_freedom_to_reorder():
@@ -131,6 +140,52 @@ def test_a_two_stage_1f1b_pipeline_has_no_freedom_to_reorder():
         for seed in range(20):
             *_, executor = run_message_driven("pipe_flush", 2, 4, 2, stage, random.Random(seed))
             assert executor.out_of_order == 0
+
+
+# ------------------------------------------------------------------ the watcher
+
+
+class RecordedWork:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait(self, timeout):
+        self.log.append(("done", self.name, threading.current_thread().name))
+        return True
+
+
+def test_the_watcher_starts_handed_over_transfers_on_its_thread_in_channel_order():
+    """The message-driven mailbox hands gloo receives over unstarted: the channel's thread posts
+    each after the one before it completed, so the posting order the peer's sends match holds."""
+    watcher, log = Watcher(timedelta(seconds=5), poll=False), []
+
+    def start(name):
+        log.append(("start", name, threading.current_thread().name))
+        return RecordedWork(log, name)
+
+    try:
+        for k in range(3):
+            watcher.watch("recv", k, start=lambda k=k: start(k))
+        for k in range(3):
+            watcher.wait_any([k])
+    finally:
+        watcher.close()
+    assert [(what, name) for what, name, _ in log] == [(w, k) for k in range(3) for w in ("start", "done")]
+    assert {thread for *_, thread in log} == {"relaytrain-watch-recv"}
+
+
+def test_a_transfer_that_fails_to_start_is_raised_to_the_waiting_stage():
+    watcher = Watcher(timedelta(seconds=5), poll=False)
+
+    def refused():
+        raise RuntimeError("connection reset by peer")
+
+    try:
+        watcher.watch("recv", "act 0", start=refused)
+        with pytest.raises(RuntimeError, match="connection reset by peer"):
+            watcher.wait_any(["act 0"])
+    finally:
+        watcher.close()
 
 
 # ------------------------------------------------------------------ the injected delay
@@ -155,18 +210,33 @@ def test_the_stage_jitter_is_parsed_strictly_and_draws_nothing_from_torch(monkey
 MESSAGE_DRIVEN = "strategy.execution=message_driven"
 
 
-def test_flush_message_driven_on_three_stages_equals_the_plain_loop(tmp_path, monkeypatch):
-    monkeypatch.setenv("RELAYTRAIN_STAGE_JITTER", "stage=0,max=2.0,seed=1")
-    cfg = pipeline_cfg("gpt2", "strategy=pipe_flush", MESSAGE_DRIVEN, "strategy.stages=3",
-                       "strategy.microbatch_size=2", "strategy.num_microbatches=6", "optim=adamw", "optim.lr=1e-3")
+def gpt2_equals_the_plain_loop(tmp_path, monkeypatch, jitter: str, *overrides: str):
+    """Train a message-driven GPT-2 pipeline with `jitter` injected; check it against the plain
+    loop; return its results and weights."""
+    monkeypatch.setenv("RELAYTRAIN_STAGE_JITTER", jitter)
+    cfg = pipeline_cfg("gpt2", MESSAGE_DRIVEN, "strategy.microbatch_size=2", "optim=adamw", "optim.lr=1e-3", *overrides)
     results, ours = trained_by_pipeline(cfg, tmp_path)
     assert_same_weights(ours, train_plain_loop(whole_minibatch_cfg(cfg), STEPS).hf_model)
+    return results, ours
+
+
+def test_flush_message_driven_on_three_stages_equals_the_plain_loop(tmp_path, monkeypatch):
+    results, ours = gpt2_equals_the_plain_loop(tmp_path, monkeypatch, "stage=0,max=2.0,seed=1", "strategy=pipe_flush",
+                                               "strategy.stages=3", "strategy.num_microbatches=6")
     assert torch.equal(ours.transformer.wte.weight, ours.lm_head.weight)
     report = results["strategy_report"]
     assert report["execution"] == "message_driven"
     assert all(st["units"] == 2 * 6 * STEPS for st in report["per_stage"])
     assert report["per_stage"][0]["injected_delay"]["added_s"] > 0
     assert "injected delay (benchmarking aid)" in report["summary"]
+
+
+def test_gpipe_message_driven_with_a_slow_first_stage_equals_the_plain_loop(tmp_path, monkeypatch):
+    """The last stage runs backwards while stage 0's late activations are on their way."""
+    results, _ = gpt2_equals_the_plain_loop(tmp_path, monkeypatch, "stage=0,max=1.0,seed=3", "strategy=pipe_gpipe",
+                                            "strategy.stages=2", "strategy.num_microbatches=4")
+    last = results["strategy_report"]["per_stage"][-1]
+    assert last["out_of_order"] > 0, "the last stage never left GPipe's order: nothing was tested"
 
 
 def test_2bw_message_driven_equals_the_delayed_gradient_rule(tmp_path):

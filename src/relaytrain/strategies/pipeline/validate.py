@@ -117,7 +117,8 @@ class StageInvariants:
     def __init__(self, schedule: Schedule, stage: int):
         d, m, kind = schedule.stages, schedule.num_microbatches, schedule.kind
         self.kind, self.stage, self.m, self.batches = kind, stage, m, schedule.num_batches
-        self.stash_limit = m if kind == "gpipe" else min(d - stage, m)
+        self.steady_depth = min(d - stage, m)  # 1F1B's bound: the stash that keeps the pipeline full
+        self.stash_limit = m if kind == "gpipe" else self.steady_depth
         self.in_flight: dict[int, int] = {}  # micro-batch -> version its forward used
         self.latest = schedule.first_batch  # the newest version this stage holds: optimizer steps done
         self.next = {Op.FORWARD: schedule.first_batch * m, Op.BACKWARD: schedule.first_batch * m}
@@ -130,7 +131,8 @@ class StageInvariants:
         self._apply(action)
 
     def allows(self, actions: list[Action]) -> bool:
-        trial = copy.deepcopy(self)
+        trial = copy.copy(self)  # the mutable state is the two dicts
+        trial.in_flight, trial.next = dict(self.in_flight), dict(self.next)
         for action in actions:
             if trial.violation(action):
                 return False
