@@ -166,9 +166,10 @@ def test_a_parameter_without_gradient_is_not_updated_as_in_the_baseline():
     assert after[untouched] not in versions.optimizer.state
 
 
-def test_killing_a_worker_ends_the_run_with_a_clear_error_in_bounded_time(tmp_path):
+@pytest.mark.parametrize("execution", ["static", "message_driven"])
+def test_killing_a_worker_ends_the_run_with_a_clear_error_in_bounded_time(tmp_path, execution):
     cfg = pipeline_cfg("bert", "strategy=pipe_flush", "strategy.stages=2", "train.steps=100000",
-                       "train.save_model=false", "strategy.timeout_s=30")
+                       "train.save_model=false", "strategy.timeout_s=30", f"strategy.execution={execution}")
     killed_at = []
     killer = threading.Thread(target=kill_a_worker_once_training, args=(killed_at,), daemon=True)
     killer.start()
