@@ -35,19 +35,18 @@ COMPARED = {
     "eps_exposed_share": "EPS work exposed after overlap with backward",
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
     "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d) / bubble formula",
+    "md_vs_static_gpipe_jitter": "GPipe d = 2, stage 0 jittered: message-driven / static",
+    "md_vs_static_gpipe_even": "GPipe d = 2, no jitter: message-driven / static",
+    "md_vs_static_flush_jitter": "1F1B d = 3, stage 1 jittered: message-driven / static",
+    "md_vs_static_flush_even": "1F1B d = 3, no jitter: message-driven / static",
+    "offload_exposed_pipe_2bw": "pipe_2bw offload=host: exposed update / step, worst stage",
+    "offload_exposed_pipe_flush": "pipe_flush offload=host: exposed update / step, worst stage",
 }
 # Single-figure results of the other scripts: (what, figure, target), the target met when the
 # figure is at least it (a float) or at most its second item (("<=", x)).
 SINGLE = {
     "l2l_scaling": lambda r: [("l2l, 2 replicas / (2 x one worker)", r["scaling_sharded"], r["target"])],
     "planner": lambda r: [("plan: worst |predicted / measured step - 1|", r["worst_error"], ("<=", 1 - r["target"]))],
-    "axonn": lambda r: [
-        *((f"{name}: message-driven / static, {label.replace('_', ' ')}", f[label]["ratio"], f[label]["target"])
-          for name, f in r["message"].items() for label in ("with_jitter", "without_jitter")),
-        *((f"{strategy} offload=host: exposed update / step, worst stage",
-           max(r["offload"][strategy]["host"]["exposed_share_of_step"]), ("<=", r["offload"][strategy]["target_exposed_share"]))
-          for strategy in ("pipe_2bw", "pipe_flush")),
-    ],
 }
 
 
