@@ -54,6 +54,7 @@ GPT2 = ["model=gpt2_tiny", "model.num_layers=6", "model.hidden_size=256", "model
 # name: (strategy, its schedule kind, stages, micro-batches, the jittered stage)
 PIPELINES = {"gpipe": ("pipe_gpipe", "gpipe", 2, 8, 0), "flush": ("pipe_flush", "pipe_flush", 3, 6, 1)}
 JITTER_MAX = 0.3
+OFFLOADED = ("pipe_2bw", "pipe_flush")  # the strategies the offload benchmark runs
 
 
 def step_time(overrides: list[str], steps: int, warmup: int, jitter: str | None = None) -> tuple[float, dict]:
@@ -184,7 +185,7 @@ def bench_offload(args) -> dict:
              "data.num_samples=2048", "train.threads=1", "train.log_every=1000", "optim=adamw", "optim.lr=1e-4",
              "strategy.stages=2", "strategy.num_microbatches=4", "strategy.microbatch_size=4"]
     out = {"config": model}
-    for strategy in ("pipe_2bw", "pipe_flush"):
+    for strategy in OFFLOADED:
         contestants = {
             offload: (lambda o=offload, st=strategy: step_time([*model, f"strategy={st}", f"strategy.offload={o}"],
                                                                 args.steps, args.warmup))
@@ -253,9 +254,9 @@ def headlines(figures: dict) -> dict:
     for name, f in figures.get("message", {}).items():
         out[f"md_vs_static_{name}_jitter"] = f["with_jitter"]["headline"]
         out[f"md_vs_static_{name}_even"] = f["without_jitter"]["headline"]
-    for strategy, f in figures.get("offload", {}).items():
-        if strategy != "config":
-            out[f"offload_exposed_{strategy}"] = f["headline"]
+    if "offload" in figures:
+        for strategy in OFFLOADED:
+            out[f"offload_exposed_{strategy}"] = figures["offload"][strategy]["headline"]
     return out
 
 
@@ -269,7 +270,7 @@ def print_headlines(figures: dict) -> None:
                       f"(rounds {', '.join(f'{x:.3f}' for x in h['rounds'])}; median step {steps['static']:.3f} s vs "
                       f"{steps['message_driven']:.3f} s; target >= {h['target']}; timing model {model['ratio_mean']:.3f})")
     if "offload" in figures:
-        for strategy in ("pipe_2bw", "pipe_flush"):
+        for strategy in OFFLOADED:
             r, h = figures["offload"][strategy], figures["offload"][strategy]["headline"]
             print(f"{strategy} offload=host: exposed update / step, worst stage: median {h['median']:.1%} "
                   f"(rounds {', '.join(f'{x:.1%}' for x in h['rounds'])}; target <= 10 %); throughput host / none "

@@ -92,7 +92,7 @@ def preferred(plan: SlicePlan, ready: list[Action], invariants: StageInvariants)
 
 
 class MessageDrivenExecutor:
-    """Whichever permitted unit has its message; the program's order when both have."""
+    """Whichever permitted unit has its message; `preferred`'s choice when both have."""
 
     def __init__(self, stage: PipelineStrategy):
         self.stage = stage
