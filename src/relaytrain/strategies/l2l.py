@@ -337,15 +337,14 @@ class L2L(Strategy):
         table = model.hf_model.get_input_embeddings().weight
         # A dry run leaves it out: its host tensors are on the meta device, and it times nothing.
         self.table = table if self.eps.can_update_table_early(0, table) and not world.simulated else None
-        self.looked_up: torch.Tensor | None = None  # the table rows this step's minibatch reads
 
     # -- one step -----------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
         self.eps.set_lr(lr)
         items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every replica's rows
         mine = replica_rows(minibatch, self.replica, self.num_replicas)
-        if self.table is not None:
-            self.looked_up = torch.unique(torch.cat([mb.input_ids.reshape(-1) for mb in mine]).cpu())
+        # The table rows this step reads: the early table update leaves them for after the backward.
+        looked_up = torch.unique(torch.cat([mb.input_ids.reshape(-1) for mb in mine]).cpu()) if self.table is not None else None
         mbs = [mb.to(self.device, non_blocking=True) for mb in mine]
         self.relay.start_step()
         stash = self.stash = ActivationStash(self.transfers, self.stash_host)
@@ -353,7 +352,7 @@ class L2L(Strategy):
             hidden, ctxs, rng = self._forward(mbs, stash)
             metrics.synchronize(self.device)
         with self.timer.phase("recompute_backward"):
-            grads, loss = self._turnaround(hidden, mbs, items)
+            grads, loss = self._turnaround(hidden, mbs, items, looked_up)
             self._backward(grads, mbs, ctxs, rng, stash)
             metrics.synchronize(self.device)
         with self.timer.phase("optimizer_exposed"):
@@ -384,7 +383,8 @@ class L2L(Strategy):
                 ctxs = [self.model.context(mb, h) for mb, h in zip(mbs, hidden, strict=True)]
         return hidden, ctxs, rng
 
-    def _turnaround(self, hidden: list[torch.Tensor | None], mbs: list[MicroBatch], items: int):
+    def _turnaround(self, hidden: list[torch.Tensor | None], mbs: list[MicroBatch], items: int,
+                    looked_up: torch.Tensor | None):
         """Head forward and backward per micro-batch: the loss and its gradient w.r.t. the last
         block's output. Each output is dropped as soon as its gradient exists: only the gradients
         travel on into the backward."""
@@ -400,7 +400,7 @@ class L2L(Strategy):
             loss_sum += loss.detach()
         self._ship(self.head_index, leaves)
         if self.table is not None:  # all but the looked-up rows of the embeddings update behind the backward
-            self.eps.update_table_early(0, self.table, self.looked_up)
+            self.eps.update_table_early(0, self.table, looked_up)
         return grads, loss_sum
 
     def _backward(self, grads, mbs, ctxs, rng, stash: ActivationStash) -> None:
