@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 
 from benchlib import headline
-from relaytrain.config import compose_config
-from relaytrain.memory import simulate
+from relaytrain.compose import compose_config
+from relaytrain.dryrun import simulate
 from relaytrain.strategies.pipeline.executor import preferred
 from relaytrain.strategies.pipeline.jitter import ENV
 from relaytrain.strategies.pipeline.schedule import COMPUTE, Op, SlicePlan, build_schedule, stop_points
@@ -51,8 +51,8 @@ GPT2 = ["model=gpt2_tiny", "model.num_layers=6", "model.hidden_size=256", "model
         "model.intermediate_size=1024", "model.vocab_size=512", "model.dropout=0.0", "data.seq_len=64",
         "data.num_samples=2048", "train.threads=1", "train.log_every=1000", "optim=sgd", "optim.lr=0.01",
         "strategy.microbatch_size=4"]
-# name: (strategy, its schedule kind, stages, micro-batches, the jittered stage)
-PIPELINES = {"gpipe": ("pipe_gpipe", "gpipe", 2, 8, 0), "flush": ("pipe_flush", "pipe_flush", 3, 6, 1)}
+# name: (strategy, stages, micro-batches, the jittered stage); a schedule is named by its strategy
+PIPELINES = {"gpipe": ("pipe_gpipe", 2, 8, 0), "flush": ("pipe_flush", 3, 6, 1)}
 JITTER_MAX = 0.3
 OFFLOADED = ("pipe_2bw", "pipe_flush")  # the strategies the offload benchmark runs
 
@@ -83,7 +83,7 @@ def bench_message(args) -> dict:
     return {name: _message_pipeline(args, *pipeline) for name, pipeline in PIPELINES.items()}
 
 
-def _message_pipeline(args, strategy: str, kind: str, stages: int, m: int, stage: int) -> dict:
+def _message_pipeline(args, strategy: str, stages: int, m: int, stage: int) -> dict:
     pipe = [*GPT2, f"strategy={strategy}", f"strategy.stages={stages}", f"strategy.num_microbatches={m}"]
     jitter = f"stage={stage},max={JITTER_MAX},seed=0"
     out = {"config": pipe, "jitter": f"{ENV}={jitter}"}
@@ -102,7 +102,7 @@ def _message_pipeline(args, strategy: str, kind: str, stages: int, m: int, stage
             "message_wait_s_per_step": {
                 name: [st["message_wait_s"] / max(st["steps"], 1) for st in results[-1][name][1]["per_stage"]]
                 for name in contestants},
-            "timing_model": timing_model(kind, stages, m, {stage: JITTER_MAX if setting else 0.0}),
+            "timing_model": timing_model(strategy, stages, m, {stage: JITTER_MAX if setting else 0.0}),
         }
     return out
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from benchlib import headline
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models import build_model

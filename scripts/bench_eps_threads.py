@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
 from relaytrain.models import build_model
 
 

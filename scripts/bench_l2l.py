@@ -24,7 +24,7 @@ import torch
 from benchlib import headline
 from relaytrain import metrics
 from relaytrain.checkpoint import unique_named_parameters
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.eps import EagerParamServer, EpsStats
 from relaytrain.launch import keep_freed_host_memory

@@ -20,7 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
 from relaytrain.train import run
 
 MODEL = [

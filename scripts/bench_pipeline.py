@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchlib import headline
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
+from relaytrain.costmodel import fill_and_drain_bubble
 from relaytrain.models.layered import MicroBatch
-from relaytrain.strategies.pipeline.validate import bubble_formula
 from relaytrain.train import run
 
 MODEL = [
@@ -201,7 +201,7 @@ def main(argv: list[str]) -> int:
     ours_flush, torch_flush, flush_md, two_bw_md = (best[n] for n in ("ours_flush", "torch_flush", "flush_md", "2bw_md"))
 
     # The headline is the median of each round's own ratio: robust to one lucky round of either side.
-    predicted = 1.0 / (1.0 - bubble_formula(d, d))
+    predicted = 1.0 / (1.0 - fill_and_drain_bubble(d, d))
     headlines = {
         "flush_vs_torch_1f1b": headline([r["torch_flush"] / r["ours_flush"] for r in rounds], 1.0),
         "2bw_vs_flush_of_formula": headline([r["flush_md"] / r["2bw_md"] / predicted for r in rounds], 0.97),

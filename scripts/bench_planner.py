@@ -29,7 +29,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
 from relaytrain.plan import make_plan
 from relaytrain.train import run
 

@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from relaytrain.config import compose_config
-from relaytrain.memory import simulate
+from relaytrain.compose import compose_config
+from relaytrain.dryrun import simulate
 from relaytrain.models import count_parameters
 from relaytrain.train import run
 
@@ -251,13 +251,13 @@ def planner(args) -> str:
     """`relaytrain plan` for BERT-Large and GPT-2 medium on 8 and on 1 V100 (16 GB, the shipped
     spec-sheet profile): the best candidate that fits its own dry run, and the command."""
     from relaytrain.plan import GiB as PLAN_GIB
-    from relaytrain.plan import make_plan
+    from relaytrain.plan import make_plan, variant
 
     rows = []
     for name, (overrides, paper) in PLANNER_REQUESTS.items():
         plan = make_plan([*overrides, "plan.device=v100_16gb"])
         best = plan.best
-        fitting = sorted({c.shape.strategy for c in plan.candidates if c.fits})
+        fitting = sorted({variant(c.shape) for c in plan.candidates if c.fits})
         if best is None:
             rows.append([name, "nothing fits", "—", "—", "—", "—", paper])
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer, lr_at, set_lr
@@ -52,18 +53,29 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.01)
 
 
-def train_plain_loop(cfg, steps: int):
+def train_plain_loop(cfg, steps: int, delay: int = 0):
     """The reference the strategies must equal: the whole layered model under autograd, each
     micro-batch's loss over the minibatch's items, one optimizer, the configured LR schedule
-    and clipping. Returns the trained layered model."""
+    and clipping. Returns the trained layered model.
+
+    `delay=1` is PipeDream-2BW's rule instead: W(b+1) = W(b) - lr * grad f_b(W(max(b-1, 0))),
+    each minibatch's gradients taken at the weights one update older."""
     model = build_model(cfg.model, seed=cfg.train.seed)
+    stale = copy.deepcopy(model) if delay else model  # holds the version the gradients are taken at
+    versions = [copy.deepcopy(model.state_dict())] * delay  # W(b - delay) .. W(b - 1); W(0) at first
     optimizer = build_optimizer(model.named_parameters(), cfg.optim)
     loader = build_loader(cfg, build_dataset(cfg))
     for step in range(steps):
         minibatch = next(loader)
-        items = minibatch_items(model, minibatch)
+        if delay:
+            stale.load_state_dict(versions.pop(0))
+            versions.append(copy.deepcopy(model.state_dict()))
+        items = minibatch_items(stale, minibatch)
         for mb in minibatch:
-            model(mb, loss_items=items).backward()
+            stale(mb, loss_items=items).backward()
+        if delay:
+            for p, q in zip(model.parameters(), stale.parameters(), strict=True):
+                p.grad, q.grad = q.grad, None
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         set_lr(optimizer, lr_at(step, cfg.optim, steps))

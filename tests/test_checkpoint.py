@@ -90,7 +90,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path)
     assert any(p.name.endswith(".tmp") for p in staging.iterdir())  # the torn write is there ...
     latest = checkpoint.find("auto", run_dir)
     assert latest.name == "step-00000007"  # ... but nothing reads it
-    from relaytrain.config import compose_config
+    from relaytrain.compose import compose_config
 
     cfg = compose_config([*RUN[1:], "train.steps=9"])
     found = checkpoint.read(latest, cfg, "baseline", {"processes": 1})

@@ -149,7 +149,7 @@ def test_configs_are_found_from_any_working_directory(tmp_path):
 
 
 def test_every_packaged_experiment_composes_and_passes_the_checks():
-    from relaytrain.config import compose_config, validate
+    from relaytrain.compose import compose_config, validate
 
     experiments = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "exp").glob("*.yaml"))
     assert "bert_large_l2l" in experiments

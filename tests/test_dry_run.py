@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from relaytrain.cli import main
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.memory import DeviceMemory, simulate
+from relaytrain.dryrun import simulate
+from relaytrain.memory import DeviceMemory
 from relaytrain.models import build_model
-from relaytrain.strategies import build_strategy
+from relaytrain.strategies import build_strategy, choices
 from relaytrain.train import run
 
 TINY = ["+exp=tiny_baseline", "model.dropout=0.0"]
-STRATEGIES = ["baseline", "l2l", "l2l_stash_cpu", "pipe_flush", "pipe_2bw", "pipe_gpipe"]
+STRATEGIES = choices()  # every strategy= option, from the registry
 
 
 def saved_activation_bytes(cfg) -> int:

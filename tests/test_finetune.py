@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from relaytrain.cli import main
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
 from relaytrain.data import build_datasets
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import resolve

@@ -99,7 +99,7 @@ def run_message_driven(kind, d, m, n, stage, rng, prefetched=False):
     return schedule, program, fake.actions, executor
 
 
-SHAPES = [(kind, d, m) for kind in ("pipe_flush", "pipe_2bw", "gpipe") for d in (2, 3, 4) for m in (2, 3, 4, 6)
+SHAPES = [(kind, d, m) for kind in ("pipe_flush", "pipe_2bw", "pipe_gpipe") for d in (2, 3, 4) for m in (2, 3, 4, 6)
           if kind != "pipe_2bw" or m >= d]
 
 
@@ -116,7 +116,7 @@ def test_adversarial_arrivals_only_ever_give_orders_the_validator_accepts(kind, 
             for op in COMPUTE:  # each kind in micro-batch order: gradients sum in the same order every run
                 assert [a.microbatch for a in actions if a.op is op] == list(range(3 * m))
             reordered += executor.out_of_order
-    if d > 2 or kind == "gpipe":
+    if d > 2 or kind == "pipe_gpipe":
         assert reordered > 0, "no arrival order ever changed the interleaving"
 
 
@@ -127,10 +127,10 @@ def test_with_every_message_there_it_follows_1f1b(kind, d, m):
     every gradient back in time, its stash never grows past 1F1B's and its order is 1F1B's."""
     for stage in range(d):
         _, program, actions, executor = run_message_driven(kind, d, m, 3, stage, random.Random(0), prefetched=True)
-        if kind == "gpipe":
+        if kind == "pipe_gpipe":
             program = build_schedule("pipe_flush", d, m, 3).actions(stage)
         assert actions == program
-        assert (executor.out_of_order == 0) == (kind != "gpipe" or min(d - stage, m) == m)
+        assert (executor.out_of_order == 0) == (kind != "pipe_gpipe" or min(d - stage, m) == m)
 
 
 def test_a_two_stage_1f1b_pipeline_has_no_freedom_to_reorder():

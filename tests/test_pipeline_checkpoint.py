@@ -21,7 +21,7 @@ from relaytrain import checkpoint
 from relaytrain.checkpoint import checkpoint_dir
 from relaytrain.cli import main
 from relaytrain.errors import ConfigError
-from relaytrain.strategies.pipeline.schedule import Op, build_schedule, stop_points, stop_vote_lag
+from relaytrain.strategies.pipeline.schedule import Op, build_schedule, schedules, stop_points
 from relaytrain.strategies.pipeline.validate import check_schedule
 from tests.conftest import wait_for
 
@@ -233,7 +233,7 @@ def test_a_nan_loss_stops_the_pipeline_naming_the_step(tmp_path, capsys):
 def test_stopping_early_runs_exactly_the_shorter_schedule(kind):
     """At a stop point for batch c, a stage has run exactly the start of the program for
     batches [first, c), and has cast the vote that decides it; resumed programs are valid."""
-    lag = stop_vote_lag(kind)
+    lag = schedules()[kind].stop_lag
     for stages in range(1, 5):
         for m in range(stages if kind == "pipe_2bw" else 1, 7):
             for first in (0, 1, 2):

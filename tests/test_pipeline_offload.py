@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from relaytrain.checkpoint import checkpoint_dir
-from relaytrain.config import compose_config
-from relaytrain.memory import simulate
+from relaytrain.compose import compose_config
+from relaytrain.dryrun import simulate
 from relaytrain.models import build_model
 from relaytrain.strategies.pipeline.offload import HostVersions
 from relaytrain.strategies.pipeline.stage import StageModule

@@ -20,9 +20,8 @@ from relaytrain.data import build_dataset, build_loader
 from relaytrain.errors import ConfigError
 from relaytrain.launch import failure
 from relaytrain.models import build_model
-from relaytrain.optim import build_optimizer, lr_at, set_lr
+from relaytrain.optim import lr_at
 from relaytrain.strategies import build_strategy
-from relaytrain.strategies.base import minibatch_items
 from relaytrain.strategies.pipeline.comms import Topology
 from relaytrain.strategies.pipeline.runtime import WeightVersions
 from relaytrain.strategies.pipeline.stage import StageModule
@@ -63,26 +62,7 @@ def trained_by_baseline(cfg):
 
 def trained_by_delayed_gradients(cfg):
     """The 2BW rule in one process: W(b+1) = W(b) - lr * grad f_b(W(max(b-1, 0))), via the optimizer."""
-    cfg = whole_minibatch_cfg(cfg)
-    model = build_model(cfg.model, cfg.train.seed)
-    stale = copy.deepcopy(model)  # holds the version the gradients are taken at
-    optimizer = build_optimizer(model.named_parameters(), cfg.optim)
-    loader = iter(build_loader(cfg, build_dataset(cfg)))
-    previous = copy.deepcopy(model.state_dict())  # W(b-1), W(0) for the first batch
-    for step in range(STEPS):
-        minibatch = next(loader)
-        stale.load_state_dict(previous)
-        previous = copy.deepcopy(model.state_dict())
-        items = minibatch_items(stale, minibatch)
-        for mb in minibatch:
-            stale(mb, items).backward()
-        for p, q in zip(model.parameters(), stale.parameters(), strict=True):
-            p.grad = q.grad
-        set_lr(optimizer, lr_at(step, cfg.optim, STEPS))
-        optimizer.step()
-        optimizer.zero_grad()
-        stale.zero_grad()
-    return model.hf_model
+    return train_plain_loop(whole_minibatch_cfg(cfg), STEPS, delay=1).hf_model
 
 
 def assert_same_weights(a, b, atol=2e-5):

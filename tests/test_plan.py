@@ -11,18 +11,14 @@ import pytest
 import torch
 
 from relaytrain.cli import main
-from relaytrain.config import compose_config, validate
-from relaytrain.costmodel import (
-    ModelFacts,
-    Shape,
-    closed_form_bytes,
-    l2l_paper_step_s,
-    l2l_transfer_overhead,
-    step_cost,
-)
-from relaytrain.memory import simulate
+from relaytrain.compose import compose_config, validate
+from relaytrain.costmodel import ModelFacts, Shape
+from relaytrain.dryrun import simulate
 from relaytrain.plan import GiB, candidate_config, make_plan, predict
 from relaytrain.profile import PartTimes, Profile, Timings, load_spec, measure, spec_names
+from relaytrain.strategies import strategy_class
+from relaytrain.strategies.l2l import paper_step_s as l2l_paper_step_s
+from relaytrain.strategies.l2l import paper_transfer_overhead as l2l_transfer_overhead
 from tests.conftest import TINY_BERT
 
 TINY = [*TINY_BERT, "train.threads=1"]
@@ -83,18 +79,27 @@ def _synthetic_profile(forward_s: float, upload_bytes_per_s: float | None) -> Pr
 
 
 def _bare(*overrides: str):
-    """A tiny BERT's facts without embeddings or head (nothing but blocks costs time), and its strategy options."""
+    """A tiny BERT's facts without embeddings or head (nothing but blocks costs time), and its config."""
     cfg = compose_config([*TINY_BERT, *overrides])
-    return dataclasses.replace(ModelFacts.of(cfg), embed_params=0, head_params=0), cfg.strategy
+    return dataclasses.replace(ModelFacts.of(cfg), embed_params=0, head_params=0), cfg
+
+
+def step_cost(shape: Shape, facts: ModelFacts, profile: Profile, cfg):
+    """`shape`'s step by its strategy's cost model, on `cfg` with the shape's keys set."""
+    return strategy_class(shape.strategy).step_cost(candidate_config(cfg, shape), facts, profile)
+
+
+def closed_form_bytes(shape: Shape, facts: ModelFacts, cfg) -> int:
+    return strategy_class(shape.strategy).device_bytes(candidate_config(cfg, shape), facts)
 
 
 def test_l2l_without_prefetch_is_the_papers_equation_4_and_its_overhead_falls_with_u():
-    facts, options = _bare("strategy=l2l", "strategy.prefetch=false")
+    facts, cfg = _bare("strategy=l2l", "strategy.prefetch=false")
     c = 0.01
     bandwidth = facts.block_params * facts.weight_bytes / c  # X = C
     profile = _synthetic_profile(c, bandwidth)
     for u in (1, 2, 4, 10):
-        predicted = step_cost(Shape("l2l", 1, u), facts, profile, options).step_s
+        predicted = step_cost(Shape("l2l", 1, u), facts, profile, cfg).step_s
         assert predicted == pytest.approx(l2l_paper_step_s(facts.num_layers, u, c, c), rel=1e-9)
     overheads = [l2l_transfer_overhead(u, c, c) for u in (1, 2, 4, 10, 100)]
     assert overheads == sorted(overheads, reverse=True)
@@ -104,10 +109,10 @@ def test_l2l_without_prefetch_is_the_papers_equation_4_and_its_overhead_falls_wi
 
 
 def test_l2l_prefetch_hides_transfers_behind_compute():
-    facts, options = _bare("strategy=l2l")
+    facts, cfg = _bare("strategy=l2l")
     c = 0.01
     profile = _synthetic_profile(c, facts.block_params * facts.weight_bytes / c)
-    with_prefetch = step_cost(Shape("l2l", 1, 4), facts, profile, options).step_s
+    with_prefetch = step_cost(Shape("l2l", 1, 4), facts, profile, cfg).step_s
     assert with_prefetch == pytest.approx(facts.num_layers * 4 * 4 * c)  # transfers fully hidden at u = 4
     assert with_prefetch < l2l_paper_step_s(facts.num_layers, 4, c, c)
 
@@ -115,16 +120,32 @@ def test_l2l_prefetch_hides_transfers_behind_compute():
 def test_deeper_pipelines_hold_less_per_stage_and_2bw_is_at_least_as_fast_as_flush():
     cfg = compose_config([*BERT_LARGE[:3], "strategy=pipe_flush"])
     facts = ModelFacts.of(cfg)
-    memory = [closed_form_bytes(Shape("pipe_flush", 4, 8, 1, d, "stage"), facts) for d in (2, 4, 8)]
+    memory = [closed_form_bytes(Shape("pipe_flush", 4, 8, 1, d, "stage"), facts, cfg) for d in (2, 4, 8)]
     assert memory == sorted(memory, reverse=True) and memory[0] > memory[2]
     profile = from_v100(cfg, [4])
     for d, m in ((2, 2), (4, 4), (4, 16)):
-        flush = step_cost(Shape("pipe_flush", 4, m, 2, d), facts, profile, cfg.strategy).step_s
-        twobw = step_cost(Shape("pipe_2bw", 4, m, 2, d), facts, profile, cfg.strategy).step_s
+        flush = step_cost(Shape("pipe_flush", 4, m, 2, d), facts, profile, cfg).step_s
+        twobw = step_cost(Shape("pipe_2bw", 4, m, 2, d), facts, profile, cfg).step_s
         assert twobw <= flush
     # the flush's bubble is (d - 1) / (m + d - 1) of the pipeline for equal stages
-    cost = step_cost(Shape("pipe_flush", 4, 8, 1, 4), facts, profile, cfg.strategy)
+    cost = step_cost(Shape("pipe_flush", 4, 8, 1, 4), facts, profile, cfg)
     assert cost.parts["bubble"] / (cost.parts["bubble"] + cost.parts["compute"]) == pytest.approx(3 / 11, rel=0.05)
+
+
+def test_l2l_with_the_stash_on_the_host_is_predicted_exactly_as_its_preset():
+    """One rule decides where the stash lives (`L2L.stash_on_host`): the preset and the key are one
+    run, predicted alike on a GPU profile, and the stash's transfers are what sets them apart."""
+    spelled = [compose_config([*BERT_LARGE[:3], *keys]) for keys in (["strategy=l2l", "strategy.stash=cpu"],
+                                                                      ["strategy=l2l_stash_cpu"],
+                                                                      ["strategy=l2l"])]
+    facts = ModelFacts.of(spelled[0])
+    profile = from_v100(spelled[0], [spelled[0].strategy.microbatch_size])
+    l2l = strategy_class("l2l_stash_cpu")
+    on_host, preset, on_device = (l2l.step_cost(cfg, facts, profile) for cfg in spelled)
+    assert on_host == preset and on_host.step_s >= on_device.step_s  # prefetch may hide the stash
+    assert on_host.parts["transfers"] > on_device.parts["transfers"]
+    assert l2l.device_bytes(spelled[0], facts) == l2l.device_bytes(spelled[1], facts) < l2l.device_bytes(spelled[2], facts)
+    assert l2l.host_state_bytes(spelled[0], facts) == l2l.host_state_bytes(spelled[1], facts)
 
 
 def from_v100(cfg, sizes):

@@ -10,21 +10,20 @@ import pytest
 from rich.console import Console
 
 from relaytrain.cli import main
+from relaytrain.costmodel import fill_and_drain_bubble as bubble_formula
 from relaytrain.errors import ConfigError
 from relaytrain.strategies.pipeline.schedule import (
     COMPUTE,
     Action,
     Op,
-    Schedule,
     SlicePlan,
+    TwoBWSchedule,
     build_schedule,
-    stage_program,
-    weight_version,
+    schedules,
 )
 from relaytrain.strategies.pipeline.validate import (
     ScheduleError,
     StageInvariants,
-    bubble_formula,
     check_message_driven,
     check_schedule,
 )
@@ -54,7 +53,7 @@ def stash_peaks(schedule, stage):
     return peak
 
 
-@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw", "gpipe"])
+@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw", "pipe_gpipe"])
 def test_every_shape_validates_and_runs_each_microbatch_once(kind):
     for d, m in shapes_for(kind):
         schedule = build_schedule(kind, d, m, num_batches=3)
@@ -75,11 +74,11 @@ def test_one_f_one_b_stashes_at_most_d_minus_i_activations(kind):
 
 
 def test_gpipe_stashes_every_microbatch():
-    schedule = build_schedule("gpipe", 3, 5)
+    schedule = build_schedule("pipe_gpipe", 3, 5)
     assert [stash_peaks(schedule, i) for i in range(3)] == [5, 5, 5]
 
 
-@pytest.mark.parametrize("kind", ["pipe_flush", "gpipe"])
+@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_gpipe"])
 def test_flushed_schedules_idle_exactly_as_the_bubble_formula_says(kind):
     for d, m in SHAPES:
         timeline = check_schedule(build_schedule(kind, d, m, num_batches=1))
@@ -163,7 +162,7 @@ def test_validator_catches_a_missing_send():
 
 
 def test_validator_catches_receives_out_of_send_order():
-    schedule = build_schedule("gpipe", 2, 2)
+    schedule = build_schedule("pipe_gpipe", 2, 2)
     broken = edit(schedule, 1, lambda a: swap(a, Action(Op.RECV_ACT, 0, 0), Action(Op.RECV_ACT, 1, 0)))
     with pytest.raises(ScheduleError, match="sent micro-batch 0 first"):
         check_schedule(broken)
@@ -188,15 +187,15 @@ def test_validator_catches_a_wrong_version():
 def test_validator_catches_2bw_needing_a_third_version():
     # m < d: stage 0 would start batch b+2 before finishing batch b (build_schedule refuses it).
     d, m, n = 4, 2, 4
-    programs = tuple(tuple(tuple(step) for step in stage_program("pipe_2bw", d, m, s, n)) for s in range(d))
+    programs = tuple(tuple(tuple(step) for step in TwoBWSchedule.stage_program(d, m, s, n)) for s in range(d))
     with pytest.raises(ScheduleError, match="stashed activations exceed|version"):
-        check_schedule(Schedule("pipe_2bw", d, m, n, programs))
+        check_schedule(TwoBWSchedule(d, m, n, programs))
 
 
 # ----------------------------------------------------------------- message-driven execution
 
 
-@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw", "gpipe"])
+@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw", "pipe_gpipe"])
 def test_every_order_message_driven_execution_may_choose_keeps_the_rules_and_never_deadlocks(kind):
     """All states the stages reach together when each runs whichever permitted unit has its
     message, under every order of arrival (resumed programs too): every action replayed through
@@ -293,7 +292,7 @@ def test_schedule_help_lists_every_option_and_exits_0(capsys):
             assert word in printed, word
 
 
-@pytest.mark.parametrize("kind, d, m", [("gpipe", 2, 12), ("pipe_flush", 3, 40), ("pipe_2bw", 2, 4)])
+@pytest.mark.parametrize("kind, d, m", [("pipe_gpipe", 2, 12), ("pipe_flush", 3, 40), ("pipe_2bw", 2, 4)])
 def test_plain_grid_separates_ids_and_tells_forward_backward_and_version(kind, d, m):
     schedule, text = grid_text(kind, d, m, 3)
     assert "\x1b[" not in text and "|F1" in text and "legend:" in text
@@ -305,11 +304,11 @@ def test_plain_grid_separates_ids_and_tells_forward_backward_and_version(kind, d
             found = sorted(int(k) for op, k in boxes if op.upper() == letter)
             assert found == list(range(1, schedule.total_microbatches + 1)), (stage, letter)
         for op, k in boxes:  # upper case: even weight version, lower case: odd
-            assert op.islower() == (weight_version(kind, int(k) - 1, m) % 2 == 1), (op, k)
+            assert op.islower() == (schedules()[kind].weight_version(int(k) - 1, m) % 2 == 1), (op, k)
 
 
 def test_colour_grid_never_merges_ids():
-    schedule, text = grid_text("gpipe", 2, 40, 3, plain=False)
+    schedule, text = grid_text("pipe_gpipe", 2, 40, 3, plain=False)
     assert "\x1b[" in text
     plain = re.sub(r"\x1b\[[0-9;]*m", "", text)
     for stage in range(2):

@@ -14,15 +14,17 @@ import pytest
 import torch
 
 from relaytrain import checkpoint
-from relaytrain.cli import checked_config, main
-from relaytrain.config import compose_config, field_docs
-from relaytrain.report import StepProgress
+from relaytrain.cli import main
+from relaytrain.compose import compose as checked_config
+from relaytrain.compose import compose_config
+from relaytrain.config import field_docs
+from relaytrain.display import StepProgress
 from relaytrain.runlog import COLUMNS, read_metrics, read_status
-from relaytrain.strategies import registry
+from relaytrain.strategies import choices, registry
 from relaytrain.train import run
 from tests.conftest import tiny_cfg, wait_for
 
-STRATEGIES = ["baseline", "l2l", "l2l_stash_cpu", "pipe_flush", "pipe_2bw", "pipe_gpipe"]
+STRATEGIES = choices()  # every strategy= option, from the registry
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from relaytrain.errors import ConfigError
+from relaytrain.files import atomic_write, fsync_dir, write_json
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -152,7 +153,7 @@ def save(world, directory: Path, step: int, part: dict, trainer: dict | None, ma
     if world.rank == 0:
         publish(directory, step, {**manifest, "processes": world.size}, keep)
         if best:
-            atomic_write(Path(directory) / BEST, lambda f: f.write(json.dumps({"step": step}).encode()))
+            write_json(Path(directory) / BEST, {"step": step}, indent=None)
     world.barrier()  # and the checkpoint is complete before any process may report it
     return step_dir(directory, step)
 
@@ -172,26 +173,16 @@ def publish(directory: Path, step: int, contents: dict, keep: int) -> Path:
     files = [part_name(rank) for rank in range(contents["processes"])] + [TRAINER]
     record = {**contents, "format": FORMAT, "step": step,
               "files": {name: (staging / name).stat().st_size for name in files}}
-    atomic_write(staging / MANIFEST, lambda f: f.write(json.dumps(record, indent=1).encode()))
+    write_json(staging / MANIFEST, record)
     if final.exists():  # saved before by a run that was resumed from an earlier step
         _remove(final)
     os.replace(staging, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     kept = step_dir(directory, best) if (best := best_step(directory)) is not None else None
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         if old != kept:
             _remove(old)
     return final
-
-
-def atomic_write(final: Path, write) -> None:
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
 
 
 def remove_staging(directory: Path) -> None:
@@ -209,14 +200,6 @@ def _staging_dir(directory: Path, step: int) -> Path:
 def _remove(path: Path) -> None:
     (path / MANIFEST).unlink(missing_ok=True)  # first: from here on it is incomplete
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------ finding

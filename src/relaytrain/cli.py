@@ -1,24 +1,27 @@
-"""The `relaytrain` command.
+"""The `relaytrain` command: every subcommand's arguments, and one line for every mistake.
 
     relaytrain train [KEY=VALUE ...] [+exp=NAME] [-m]   train (a Hydra app)
     relaytrain schedule [KEY=VALUE ...]                 print a pipeline schedule's timeline
     relaytrain report PATH...                           compare runs and sweeps
+    relaytrain plan [KEY=VALUE ...]                     which strategy and shape fit your devices
 
 Bad input never reaches the training code: the overrides are composed and checked first,
 and any problem ends with one line on stderr naming the key and the fix, exit code 2, no
-traceback (set HYDRA_FULL_ERROR=1 for one).
+traceback (set HYDRA_FULL_ERROR=1 for one). This module only reads arguments and hands them
+on: the trainer (`train`), the planner (`plan`, `estimate`), the report (`report`) and the
+schedule view (`strategies.pipeline.view`) do the work.
 """
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import os
 import sys
+import time
+from pathlib import Path
 
 from relaytrain.errors import ConfigError
 
-CONFIG_MODULE = "relaytrain.configs"
 EXIT_USAGE = 2
 MAX_SWEEP_CHECKS = 256
 
@@ -46,13 +49,86 @@ Examples:
   relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8 [--out t.svg]
 """
 
+SCHEDULE_USAGE = "relaytrain schedule [KEY=VALUE ...] [--schedule NAME] [--batches N] [--out FILE.svg|.png]"
+SCHEDULE_HELP = f"""\
+usage: {SCHEDULE_USAGE}
+
+Draw a pipeline schedule's timeline, as in the PipeDream-2BW paper's Figures 1-3: a row per
+stage, a column per time unit of the schedule's dry run (forward = 1 unit, backward = 2),
+each box one micro-batch's forward or backward with its id (1-based) and the weight version
+it uses (the colour; upper/lower case F/B when the output has no colour). Below the grid: the
+bubble (idle share) and when each stage makes and first uses each weight version. A timeline
+wider than the terminal is split into bands. Colour is left out when the output is not a
+terminal or NO_COLOR is set.
+
+options:
+  -h, --help        show this text and exit
+  --schedule NAME   draw the schedule of pipeline strategy NAME ({{schedules}}) instead of the
+                    chosen strategy's own
+  --batches N       weight updates to draw (default: as many as show the schedule's first version switch)
+  --out FILE        also write the picture, with a legend: FILE.svg (needs nothing) or FILE.png (matplotlib)
+
+keys (the same as for `relaytrain train`):
+  strategy=NAME                  a pipeline strategy ({{schedules}}): the schedule drawn
+  strategy.stages=D              pipeline stages (the rows)
+  strategy.num_microbatches=M    micro-batches per weight update (pipe_2bw needs M >= D)
+
+examples:
+  relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8
+  relaytrain schedule strategy=pipe_flush --batches 2 --out flush.svg
+  relaytrain schedule strategy=pipe_gpipe strategy.stages=2 --out gpipe.png
+  relaytrain schedule strategy=pipe_flush --schedule pipe_gpipe strategy.num_microbatches=12 | less
+"""
+
+PLAN_USAGE = "relaytrain plan [KEY=VALUE ...] [--out DIR]"
+PLAN_HELP = f"""\
+relaytrain plan: which strategy and shape fit a model on a machine, and how fast they train (predicted).
+
+Usage: {PLAN_USAGE}
+  KEY=VALUE               the model and data of `relaytrain train` (model=bert_large data.seq_len=128 ...)
+  plan.workers=N          devices (GPUs, or CPU worker processes) to plan for (default 1)
+  plan.device_memory_gb=G memory of each device in GB (default: the GPU profile's, else 16)
+  plan.batch_size=B       the global minibatch (default strategy.microbatch_size x strategy.num_microbatches)
+  plan.device=NAME        `this` (profile this machine, default), a GPU profile ({{profiles}}) or a JSON file
+  plan.strategies=[a,b]   strategies to consider (default: all)
+  --out DIR               where plan.json goes (default outputs/plan/DATE_TIME)
+
+Times are predictions from a cost model over the profile (measured here, or spec-sheet figures);
+device memory is a dry run of the real strategy code on PyTorch's meta device. The planner decides
+strategy.* (the keys in the printed command); other strategy.* overrides are ignored.
+
+Examples:
+  relaytrain plan model=bert_tiny plan.workers=2 plan.batch_size=32
+  relaytrain plan model=bert_large data.seq_len=128 plan.device=v100_16gb plan.workers=8 plan.batch_size=256
+"""
+
+REPORT_USAGE = "relaytrain report PATH... [--sort [-]COLUMN] [--filter EXPR]... [--json] [--out DIR]"
+REPORT_HELP = f"""\
+Usage: {REPORT_USAGE}
+
+Compare runs: one row per run directory (one holding results.json or status.json); a sweep
+directory (multirun/DATE/TIME) stands for every run directory directly inside it.
+
+Options:
+  --sort COLUMN    order the rows by a summary.csv column (samples_per_s, peak_host_rss,
+                   final_loss, run, ...); -COLUMN for descending. Default: as given, jobs by name
+  --filter EXPR    keep the rows where COLUMN=VALUE, COLUMN!=VALUE, COLUMN>NUMBER or
+                   COLUMN<NUMBER holds; repeat to require several (--filter status=finished)
+  --json           print the rows as JSON instead of the table (summary.csv is still written)
+  --out DIR        where summary.csv and the plots go. Default: the sweep directory when one
+                   sweep is given, else the current directory
+
+Plots (throughput_vs_memory.png, loss_curves.png, throughput_vs_KEY.png per numeric swept key)
+need matplotlib: pip install 'relaytrain[plot]'.
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        from relaytrain.strategies import registry
+        from relaytrain.strategies import choices
 
-        print(USAGE.format(strategies=", ".join(registry())), end="")
+        print(USAGE.format(strategies=", ".join(choices())), end="")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "--version":
@@ -60,23 +136,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"relaytrain {__version__}")
         return 0
-    if command == "train":
-        return _guard(lambda: _train(rest))
-    if command == "schedule":
-        from relaytrain.strategies.pipeline.view import schedule_command
-
-        return _guard(lambda: schedule_command(rest, checked_config))
-    if command == "report":
-        from relaytrain.summary import report_command
-
-        return _guard(lambda: report_command(rest))
-    if command == "plan":
-        from relaytrain.plan import plan_command
-
-        return _guard(lambda: plan_command(rest))
-    _fail(f"unknown command {command!r}; use `relaytrain train`, `relaytrain schedule` or `relaytrain report` "
-          f"(see relaytrain --help)")
-    return EXIT_USAGE
+    commands = {"train": _train, "schedule": _schedule, "report": _report, "plan": _plan}
+    if command not in commands:
+        _fail(f"unknown command {command!r}; use `relaytrain {'`, `relaytrain '.join(commands)}` "
+              f"(see relaytrain --help)")
+        return EXIT_USAGE
+    return _guard(lambda: commands[command](rest))
 
 
 def _guard(action) -> int:
@@ -94,14 +159,44 @@ def _fail(message: str) -> None:
     print(f"relaytrain: error: {message}", file=sys.stderr)
 
 
+def parse_args(args: list[str], usage: str, values: tuple[str, ...] = (), repeated: tuple[str, ...] = (),
+               flags: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
+    """A subcommand's arguments: `--name VALUE` (or `--name=VALUE`) for `values` and `repeated`
+    (a list), `--name` alone for `flags` and -h/--help, the rest (overrides, paths) in order.
+    A mistake is one ConfigError line that ends with the usage."""
+    options: dict = {"--help": True} if {"-h", "--help"} & set(args) else {}
+    rest: list[str] = []
+    items = iter(args)
+    for arg in items:
+        name, eq, inline = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if arg in ("-h", "--help"):
+            continue
+        if name in flags and not eq:
+            options[name] = True
+        elif name in values or name in repeated:
+            value = inline if eq else next(items, None)
+            if not value:
+                raise ConfigError(f"{name} needs a value; usage: {usage}")
+            if name in repeated:
+                options.setdefault(name, []).append(value)
+            else:
+                options[name] = value
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg}; usage: {usage}")
+        else:
+            rest.append(arg)
+    return options, rest
+
+
 # ----------------------------------------------------------------------------- train
 
 
 def _train(args: list[str]) -> int:
     if "--help" in args or "-h" in args:
+        from relaytrain.compose import compose
         from relaytrain.help import train_help
 
-        print(train_help([a for a in args if not a.startswith("-")], checked_config), end="")
+        print(train_help([a for a in args if not a.startswith("-")], compose), end="")
         return 0
     hydra_flags = {"--hydra-help", "--info", "--cfg", "-c", "--resolve", "--shell-completion", "-sc"}
     if not hydra_flags.intersection(args):
@@ -114,7 +209,7 @@ def _run_hydra(args: list[str]) -> int:
     import hydra
 
     from relaytrain import sweep
-    from relaytrain.config import register_schema
+    from relaytrain.compose import CONFIG_MODULE, register_schema
 
     register_schema()
     sweep.failed_jobs.clear()
@@ -124,22 +219,24 @@ def _run_hydra(args: list[str]) -> int:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        from relaytrain import sweep
         from relaytrain.errors import Aborted, Interrupted
         from relaytrain.train import run
 
         hydra_cfg = HydraConfig.get()
         in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+        overrides = list(hydra_cfg.overrides.task)
         try:
-            run(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task), table=not in_sweep)
+            run(cfg, hydra_cfg.runtime.output_dir, overrides, table=not in_sweep, estimate=_estimate(cfg, overrides))
         except (Interrupted, Aborted) as stop:  # the whole sweep stops too: the user asked
             print(f"relaytrain: {stop}", file=sys.stderr)
             sys.exit(128 + stop.signum)  # the shell's convention for "ended by this signal"
         except Exception as err:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            _fail(_first_line(err) if isinstance(err, ConfigError)
-                  else f"{type(err).__name__}: {_first_line(err)} (HYDRA_FULL_ERROR=1 shows the traceback)")
+            from relaytrain.compose import first_line
+
+            _fail(first_line(err) if isinstance(err, ConfigError)
+                  else f"{type(err).__name__}: {first_line(err)} (HYDRA_FULL_ERROR=1 shows the traceback)")
             if not in_sweep:
                 sys.exit(EXIT_USAGE if isinstance(err, ConfigError) else 1)  # passes through Hydra's error report
             sweep.failed_jobs.append(hydra_cfg.runtime.output_dir)  # the sweep goes on; its table shows the row
@@ -150,66 +247,52 @@ def _run_hydra(args: list[str]) -> int:
         train_app()
     finally:
         sys.argv = saved
-    from relaytrain import sweep
-
     if sweep.failed_jobs:
         _fail(f"{len(sweep.failed_jobs)} sweep job(s) failed; their rows in the table above say why")
         return 1
     return 0
 
 
+def _estimate(cfg, overrides: list[str]):
+    """The planner's prediction of this run, printed before it starts, on the process that shows
+    progress; None for a dry run (it times nothing) or a config the planner cannot model."""
+    from relaytrain.estimate import estimate
+    from relaytrain.models.pretrained import explicit_overrides, resolve
+    from relaytrain.strategies import strategy_class
+    from relaytrain.world import pick_device, under_torchrun
+
+    device = pick_device(cfg.train.device)
+    if device.type == "meta" or (under_torchrun() and int(os.environ["RANK"]) != 0):
+        return None
+    try:
+        resolved = resolve(cfg, explicit_overrides(overrides))
+    except ConfigError:
+        return None  # the run itself says what is wrong
+    guess = estimate(resolved, strategy_class(resolved.strategy.name))
+    if guess is not None:
+        print(guess.line(cfg.train.steps, device), flush=True)
+    return guess
+
+
 def check_overrides(overrides: list[str], multirun: bool = False) -> None:
-    """Compose the config for these overrides (every combination of a sweep) and validate it."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    """Compose the config for these overrides (every combination of a sweep), validate it, and
+    check this machine can start and hold it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from relaytrain.config import register_schema, validate
+    from relaytrain.compose import compose, first_line, validate
     from relaytrain.models.pretrained import explicit_overrides, resolve
+    from relaytrain.preflight import check_can_start
+    from relaytrain.strategies import strategy_class
 
-    register_schema()
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as err:  # Hydra's grammar errors
-        raise ConfigError(f"cannot parse the overrides: {_first_line(err)}") from err
+        raise ConfigError(f"cannot parse the overrides: {first_line(err)}") from err
     combos = _combinations(parsed) if multirun else [overrides]
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            for combo in itertools.islice(combos, MAX_SWEEP_CHECKS):
-                cfg = resolve(_compose(compose, combo), explicit_overrides(combo))
-                validate(cfg)
-                _check_fits(cfg)
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def _check_fits(cfg) -> None:
-    """Refuse a run this machine cannot start or hold before Hydra creates its run directory."""
-    from relaytrain.budget import check_host_memory
-    from relaytrain.launch import check_machine
-    from relaytrain.strategies import strategy_class
-
-    cls = strategy_class(cfg.strategy.name)
-    check_machine(cfg, cls.processes(cfg))
-    if cfg.train.check_memory:
-        check_host_memory(cfg, cls)
-
-
-def checked_config(overrides: list[str]):
-    """The config these overrides compose (no cross-key checks), or one ConfigError line."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    from relaytrain.config import register_schema
-
-    register_schema()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return _compose(compose, overrides)
-    finally:
-        GlobalHydra.instance().clear()
+    for combo in itertools.islice(combos, MAX_SWEEP_CHECKS):
+        cfg = resolve(compose(combo), explicit_overrides(combo))
+        validate(cfg)
+        check_can_start(cfg, strategy_class(cfg.strategy.name))
 
 
 def _combinations(parsed) -> itertools.product:
@@ -221,108 +304,78 @@ def _combinations(parsed) -> itertools.product:
     return itertools.product(*choices)
 
 
-def _compose(compose, overrides):
-    from hydra.errors import ConfigCompositionException, MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return compose(config_name="config", overrides=list(overrides))
-    except MissingConfigException as err:
-        raise ConfigError(_missing_option_message(err)) from err
-    except ConfigCompositionException as err:
-        raise ConfigError(_composition_message(err)) from err
-    except OmegaConfBaseException as err:
-        raise ConfigError(_omegaconf_message(err)) from err
+# ----------------------------------------------------------------------------- schedule
 
 
-def _missing_option_message(err) -> str:
-    options = list(getattr(err, "options", None) or [])
-    group = getattr(err, "missing_cfg_file", "") or ""
-    if "/" in group:
-        group, option = group.rsplit("/", 1)
-        hint = difflib.get_close_matches(option, options, n=1)
-        fix = f"did you mean {group}={hint[0]}? " if hint else ""
-        return f"{group}={option} is not a known option; {fix}choose one of: {', '.join(sorted(options))}"
-    return _first_line(err)
+def _schedule(args: list[str]) -> int:
+    from relaytrain.strategies.pipeline.schedule import schedules
+
+    options, overrides = parse_args(args, SCHEDULE_USAGE, values=("--out", "--batches", "--schedule"))
+    names = " | ".join(schedules())
+    if options.get("--help"):
+        print(SCHEDULE_HELP.format(schedules=names), end="")
+        return 0
+    from relaytrain.compose import compose
+    from relaytrain.strategies import strategy_class
+    from relaytrain.strategies.pipeline.view import check_image_path, show
+
+    out = Path(options["--out"]) if "--out" in options else None
+    if out is not None:
+        check_image_path(out)  # before anything is printed: a failure leaves only its one line
+    s = compose(overrides).strategy
+    chosen = options.get("--schedule")
+    schedule = schedules().get(chosen) if chosen else getattr(strategy_class(s.name), "schedule", None)
+    if schedule is None:
+        given = f"--schedule {chosen}" if chosen else f"strategy={s.name}"
+        raise ConfigError(f"{given} has no pipeline schedule; choose strategy= or --schedule among {names}")
+    batches = _positive_int(options.get("--batches", str(schedule.batches_shown)), "--batches")
+    show(schedule.build(s.stages, s.num_microbatches, batches), out)
+    return 0
 
 
-def _composition_message(err) -> str:
-    cause = err.__cause__
-    if cause is not None and hasattr(cause, "full_key"):
-        return _omegaconf_message(cause)
-    text = str(err)
-    if "Could not find" in text or "Could not load" in text:
-        return _first_line(err).replace("Could not find", "no config option").rstrip(".") + " (see relaytrain train --help)"
-    return _first_line(err)
+def _positive_int(value: str, name: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{name}={value} must be a positive integer")
+    return int(value)
 
 
-_NODE_KINDS = {"IntegerNode": "integer", "FloatNode": "number", "BooleanNode": "boolean (true or false)",
-               "StringNode": "string"}
+# ----------------------------------------------------------------------------- plan
 
 
-def _omegaconf_message(err) -> str:
-    """One line from OmegaConf's structured error: which key, what it expected, the close match."""
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+def _plan(args: list[str]) -> int:
+    options, overrides = parse_args(args, PLAN_USAGE, values=("--out",))
+    if options.get("--help"):
+        from relaytrain.profile import spec_names
 
-    key = getattr(err, "full_key", "") or ""
-    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
-        return _unknown_key_message(key, getattr(err, "object_type", None))
-    if isinstance(err, ValidationError):
-        value = getattr(err, "value", None)
-        node = getattr(err, "child_node", None)
-        enum_type = getattr(node, "enum_type", None)
-        if enum_type is not None:
-            choices = [member.name for member in enum_type]
-            hint = difflib.get_close_matches(str(value), choices, n=1)
-            fix = f"did you mean {key}={hint[0]}? " if hint else ""
-            return f"{key}={value} is not one of {', '.join(choices)}; {fix}".rstrip("; ").rstrip()
-        kind = _NODE_KINDS.get(type(node).__name__, "value of the key's type")
-        return f"{key}={value} is not a valid {kind}; give one (see relaytrain train --help)"
-    msg = getattr(err, "msg", str(err)).splitlines()[0]
-    return f"{key}: {msg}" if key else msg
+        print(PLAN_HELP.format(profiles=", ".join(spec_names())), end="")
+        return 0
+    from relaytrain.plan import infeasible_line, make_plan, print_plan, write_plan
+
+    plan = make_plan(overrides)
+    out_dir = Path(options["--out"]) if "--out" in options else Path("outputs/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
+    path = write_plan(plan, out_dir)
+    if plan.best is None:
+        raise ConfigError(infeasible_line(plan, out_dir))
+    print_plan(plan, path)
+    return 0
 
 
-def _unknown_key_message(key: str, schema) -> str:
-    """An unknown key: a close match among the keys of its section, and for the strategy and
-    optim groups, which options do have the key."""
-    from dataclasses import fields, is_dataclass
-
-    section, _, leaf = key.rpartition(".")
-    owners = _options_with_key(section, leaf)
-    chosen = getattr(schema, "name", None) if schema is not None else None
-    if owners and chosen:
-        return (f"{key} is not a key of {section}={chosen}; only {section}={'/'.join(owners)} "
-                f"{'has' if len(owners) == 1 else 'have'} it (see relaytrain train --help)")
-    known = [f.name for f in fields(schema)] if schema is not None and is_dataclass(schema) else _keys_of(section)
-    hint = difflib.get_close_matches(leaf, known, n=1)
-    if hint:
-        return f"unknown key {key}; did you mean {section + '.' if section else ''}{hint[0]}?"
-    return f"unknown key {key}; see `relaytrain train --help` for the keys"
+# ----------------------------------------------------------------------------- report
 
 
-def _options_with_key(section: str, leaf: str) -> list[str]:
-    from dataclasses import fields
+def _report(args: list[str]) -> int:
+    options, paths = parse_args(args, REPORT_USAGE, values=("--sort", "--out"), repeated=("--filter",),
+                                flags=("--json",))
+    if options.get("--help"):
+        print(REPORT_HELP, end="")
+        return 0
+    if not paths:
+        raise ConfigError(f"give at least one run or sweep directory; usage: {REPORT_USAGE}")
+    from relaytrain.report import compare_runs
 
-    from relaytrain.config import OPTIMIZER_CONFIGS
-    from relaytrain.strategies import registry
-
-    schemas = {"strategy": {n: c.Config for n, c in registry().items()}, "optim": OPTIMIZER_CONFIGS}.get(section, {})
-    return [name for name, schema in schemas.items() if leaf in {f.name for f in fields(schema)}]
-
-
-def _keys_of(section: str) -> list[str]:
-    from dataclasses import fields, is_dataclass
-
-    from relaytrain.config import RelayTrainConfig
-
-    for f in fields(RelayTrainConfig):
-        if f.name == section and f.default_factory is not None and is_dataclass(f.default_factory):
-            return [g.name for g in fields(f.default_factory)]
-    return [f.name for f in fields(RelayTrainConfig)] if not section else []
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    compare_runs(paths, out=options.get("--out"), sort=options.get("--sort"), filters=options.get("--filter", []),
+                 as_json=bool(options.get("--json")))
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""Typed config schema and the checks that run before any work.
+"""Typed config schema, and the checks across its keys that every run shares.
 
-The dataclasses below are registered in Hydra's ConfigStore. The root schema
-(`relaytrain_schema`, the first default of `configs/config.yaml`) types the groups every run
-shares; the `strategy` and `optim` groups are typed per option: each strategy class brings its
-own config dataclass (`Strategy.Config`) and each optimizer its own here, registered as
+The dataclasses below are registered in Hydra's ConfigStore (`relaytrain.compose`). The root
+schema (`relaytrain_schema`, the first default of `configs/config.yaml`) types the groups every
+run shares; the `strategy` and `optim` groups are typed per option: each strategy class brings
+its own config dataclass (`Strategy.Config`) and each optimizer its own here, registered as
 `strategy/<name>_schema` and `optim/<name>_schema` and extended by the option's YAML file. So
 Hydra itself refuses a key the chosen strategy or optimizer does not have
 (`strategy.stages` under `baseline`, `optim.momentum` under `lamb`), a wrong type, or a
-value outside an enum, while composing. `validate` adds the checks that involve several keys,
-then the chosen strategy's own rules. Every failure is a `ConfigError` naming the key and the fix.
+value outside an enum, while composing. `check_shared` adds the checks that involve several
+keys; `compose.validate` runs them and then the chosen strategy's own rules. Every failure is a
+`ConfigError` naming the key and the fix. Nothing here knows a strategy.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from relaytrain.errors import ConfigError
@@ -52,7 +52,7 @@ class Source(Choice):
     wikitext = "wikitext"
 
 
-class Schedule(Choice):
+class LRSchedule(Choice):
     constant = "constant"
     linear = "linear"
     cosine = "cosine"
@@ -77,6 +77,12 @@ class Backend(Choice):
     auto = "auto"  # nccl on CUDA devices, gloo on the CPU
     gloo = "gloo"
     nccl = "nccl"
+
+
+class Recompute(Choice):
+    none = "none"  # keep every activation for backward
+    block = "block"  # keep each block's input, recompute the block in backward
+    stage = "stage"  # pipelines: keep each stage's input, recompute the stage in backward
 
 
 # --------------------------------------------------------------------------- shared groups
@@ -144,7 +150,7 @@ class OptimConfig:
     name: str = MISSING  # the optimizer (set by the optim= group)
     lr: float = 3e-4  # peak learning rate
     weight_decay: float = 0.01  # decoupled weight decay on matrices and embeddings (not biases, norms)
-    schedule: Schedule = Schedule.constant  # after warm-up: constant, linear or cosine decay to 0
+    schedule: LRSchedule = LRSchedule.constant  # after warm-up: constant, linear or cosine decay to 0
     warmup_steps: int = 0  # linear learning-rate warm-up steps
     grad_clip: float = 0.0  # global-norm clipping; 0 disables
 
@@ -250,18 +256,6 @@ def field_docs(schema: type) -> dict[str, str]:
 _FIELD_LINE = re.compile(r"^    (\w+): [^#]*?#\s*(.+)$")
 
 
-def register_schema() -> None:
-    """Store the root schema and every strategy's and optimizer's schema in Hydra's ConfigStore."""
-    from relaytrain.strategies import registry
-
-    store = ConfigStore.instance()
-    store.store(name="relaytrain_schema", node=RelayTrainConfig)
-    for name, schema in OPTIMIZER_CONFIGS.items():
-        store.store(group="optim", name=f"{name}_schema", node=schema)
-    for name, cls in registry().items():
-        store.store(group="strategy", name=f"{name}_schema", node=cls.Config)
-
-
 # --------------------------------------------------------------------------- checks
 
 
@@ -272,11 +266,8 @@ def positive(cfg, section: str, *keys: str) -> None:
             raise ConfigError(f"{section}.{key}={value} must be positive")
 
 
-def validate(cfg) -> None:
-    """Checks involving several keys, then the strategy's own rules; raise ConfigError on the first problem."""
-    from relaytrain.strategies import strategy_class
-
-    cls = strategy_class(cfg.strategy.name)
+def check_shared(cfg) -> None:
+    """The checks involving several keys that every strategy shares; ConfigError on the first problem."""
     positive(cfg, "model", "num_layers", "hidden_size", "num_heads", "intermediate_size", "max_seq_len", "vocab_size")
     positive(cfg, "data", "seq_len")
     positive(cfg, "strategy", "microbatch_size", "num_microbatches")
@@ -285,9 +276,7 @@ def validate(cfg) -> None:
     _check_model(cfg.model, cfg.data)
     _check_data(cfg.data)
     _check_eval(cfg)
-    _check_capabilities(cfg, cls)
     _check_train(cfg)
-    cls.check_config(cfg)
 
 
 def _check_model(m, d) -> None:
@@ -362,26 +351,6 @@ def _check_keep_best(cfg) -> None:
                           f"held-out data (data.eval_fraction, eval_path or eval_split) and train.checkpoint_every")
 
 
-def _check_capabilities(cfg, cls) -> None:
-    """What the precision and optimizer ask of a strategy, against what the strategy can do."""
-    can, precision, name = cls.capabilities, cfg.precision.name, cfg.strategy.name
-    if precision.value.startswith("cmp") and not can.cross_precision:
-        raise ConfigError(
-            f"precision={precision} (cross mixed precision) needs the eager param server; "
-            f"use strategy=l2l or precision=amp_{precision.value.split('_')[1]}"
-        )
-    if precision.value.endswith("fp16") and not can.fp16:
-        raise ConfigError(
-            f"precision={precision} needs one loss-scale decision across every weight, which strategy={name} "
-            f"does not make; use precision=amp_bf16 or fp32"
-        )
-    if cfg.optim.grad_clip > 0 and not can.grad_clip:
-        raise ConfigError(
-            f"optim.grad_clip={cfg.optim.grad_clip}: global-norm clipping across stages would stall "
-            f"strategy={name} at every update; set optim.grad_clip=0"
-        )
-
-
 def _check_train(cfg) -> None:
     t = cfg.train
     if t.warmup_steps < 0 or t.warmup_steps >= t.steps and t.steps > 1:
@@ -417,20 +386,3 @@ def _check_dry_run(cfg) -> None:
 def _a_divisor(n: int, near: int) -> int:
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     return min(divisors, key=lambda k: abs(k - near))
-
-
-def compose_config(overrides: list[str] | tuple[str, ...] = ()):
-    """The config `relaytrain train OVERRIDES...` would run with (no validation, no Hydra run dir).
-
-    For tests, benchmarks and helper commands that need a config exactly as the CLI builds it.
-    """
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_schema()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module(config_module="relaytrain.configs", version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
-    finally:
-        GlobalHydra.instance().clear()

@@ -4,9 +4,10 @@ A prediction, labelled as one, by the planner's own cost model (`relaytrain.plan
 one block of the configured model is profiled briefly on this machine (forward, backward and
 an optimizer step at micro-batch sizes up to the configured one; larger sizes extrapolated
 once a block passes a fraction of a second), and the strategy's step is composed from it as
-`relaytrain plan` composes every candidate's (`relaytrain.costmodel`). On a GPU the line adds
+`relaytrain plan` composes every candidate's (`Strategy.step_cost`). On a GPU the line adds
 the device memory of the meta-device dry run. It tells a user in one line whether to wait
 seconds or days, and `relaytrain plan` and `relaytrain train` never disagree about a config.
+The command (`relaytrain train`) makes it and hands it to the trainer, which only shows it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from relaytrain import metrics
 from relaytrain.errors import ConfigError
 from relaytrain.models import count_parameters
+from relaytrain.plan import predict
+from relaytrain.units import duration
 
 LONG_RUN_S = 3600.0
 GiB = 2**30
@@ -43,25 +46,17 @@ class Estimate:
         return text
 
 
-def recompute_factor(cfg) -> float:
-    """Forward recomputed in backward: one forward more on top of forward + 2 x backward.
-    Whether a config recomputes is the planner's rule (`plan.shape_of`), not restated here."""
-    from relaytrain.plan import shape_of
-
-    return 1.0 if shape_of(cfg).recompute == "none" else 4 / 3
-
-
 def step_flops(cfg, cls) -> float:
+    """Model FLOPs of a step: 6N per token plus attention, and one forward more (forward + 2 x
+    backward + forward: 4/3) where the strategy recomputes in backward."""
     m, s = cfg.model, cfg.strategy
     tokens = s.microbatch_size * s.num_microbatches * cls.replicas(cfg) * cfg.data.seq_len
     per_token = metrics.model_flops_per_token(count_parameters(m), m.num_layers, m.hidden_size, cfg.data.seq_len)
-    return per_token * tokens * recompute_factor(cfg)
+    return per_token * tokens * (4 / 3 if cls.recomputes(cfg) else 1.0)
 
 
 def estimate(cfg, cls) -> Estimate | None:
-    """The cost model's step for `cfg` on this machine; None for a strategy it has no model of."""
-    from relaytrain.plan import predict
-
+    """The cost model's step for `cfg` on this machine; None where it cannot be profiled here."""
     try:
         with torch.random.fork_rng(devices=[]):  # the profile's random weights leave the run's RNG as it was
             prediction = predict(cfg)
@@ -69,16 +64,3 @@ def estimate(cfg, cls) -> Estimate | None:
         return None
     step = prediction.step_time_s
     return Estimate(step, step * cfg.train.steps, step_flops(cfg, cls), prediction.device_memory_bytes)
-
-
-def duration(seconds: float) -> str:
-    """A human duration: 0.3 s, 12 s, 4 min, 2.5 h, 3.1 days."""
-    if seconds < 10:
-        return f"{seconds:.2g} s"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"

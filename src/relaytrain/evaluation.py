@@ -22,6 +22,7 @@ _LOSS, _ITEMS, _CORRECT, _CONFUSION = 0, 1, 2, 3  # positions in the sums vector
 
 # GLUE tasks scored by something other than accuracy (the benchmark's own choice).
 GLUE_METRIC = {"cola": "matthews_correlation", "mrpc": "f1", "qqp": "f1"}
+METRICS = ("loss", "accuracy", "perplexity", "matthews_correlation", "f1")  # every figure an evaluation may report
 LOWER_IS_BETTER = {"loss", "perplexity"}
 
 

@@ -40,36 +40,15 @@ import torch
 import torch.multiprocessing as mp
 
 from relaytrain.errors import Aborted, ConfigError, Interrupted
-from relaytrain.world import LocalGroup, StopRequest, World, pick_device, threads_per_process
+from relaytrain.files import write_json
+from relaytrain.units import duration
+from relaytrain.world import LocalGroup, StopRequest, World, pick_device, threads_per_process, under_torchrun
 
-WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time out, not progress
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class WorkerFailed(ConfigError):
     """A worker failed; the message is that worker's error in one line (shown like a ConfigError)."""
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def check_machine(cfg, processes: int) -> None:
-    """Refuse, before any process starts, a run this machine cannot start."""
-    device = pick_device(cfg.train.device)
-    backend = str(getattr(cfg.strategy, "backend", "auto"))
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("strategy.backend=nccl needs CUDA devices; use strategy.backend=gloo or auto")
-    if processes == 1 or under_torchrun():
-        return
-    if device.type == "cuda" and processes > torch.cuda.device_count():
-        raise ConfigError(f"strategy={cfg.strategy.name} runs {processes} workers, one GPU each, and "
-                          f"{torch.cuda.device_count()} are visible; lower strategy.stages or strategy.replicas, "
-                          f"or run under torchrun on more machines")
-    cpus = os.cpu_count() or 1
-    if device.type == "cpu" and processes > WORKERS_PER_CPU * cpus:
-        raise ConfigError(f"strategy={cfg.strategy.name} runs {processes} workers on {cpus} CPU cores, more than "
-                          f"{WORKERS_PER_CPU} per core; lower strategy.stages or strategy.replicas")
 
 
 def launch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_checkpoint):
@@ -190,7 +169,7 @@ def _dry_run(entry, cfg, processes: int, payload):
 
 
 @dataclass
-class _Relay:
+class _Shared:
     """Shared memory between the launcher and its workers (no lock: one writer each)."""
 
     signum: object  # the stop signal the launcher received, 0 if none
@@ -198,7 +177,7 @@ class _Relay:
     stopped_by: object
 
     @classmethod
-    def create(cls, context) -> _Relay:
+    def create(cls, context) -> _Shared:
         return cls(context.RawValue("i", 0), context.RawValue("q", 0), context.RawValue("i", 0))
 
 
@@ -211,39 +190,38 @@ def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payloa
     config = OmegaConf.to_container(cfg, resolve=True)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")
-    relay = _Relay.create(context)
+    shared = _Shared.create(context)
     procs = [
         context.Process(target=_spawned_worker,
-                        args=(entry, rank, processes, config, payload, str(run_dir), init_method, relay),
+                        args=(entry, rank, processes, config, payload, str(run_dir), init_method, shared),
                         name=f"relaytrain-rank{rank}")
         for rank in range(processes)
     ]
     stop = StopRequest(announce=announce_stop)
     stop.how_long = lambda: _step_time_hint(run_dir)
     try:
-        _start_and_watch(procs, stop, relay, describe, errors)
+        _start_and_watch(procs, stop, shared, describe, errors)
     except Aborted as abort:
         _stop(procs)
         raise Aborted(abort.signum, latest_checkpoint()) from None
     finally:
         _stop(procs)
-    if relay.stopped_at.value:
-        raise Interrupted(relay.stopped_by.value, relay.stopped_at.value, latest_checkpoint())
+    if shared.stopped_at.value:
+        raise Interrupted(shared.stopped_by.value, shared.stopped_at.value, latest_checkpoint())
     path = run_dir / "results.json"
     return json.loads(path.read_text())
 
 
 def _step_time_hint(run_dir: Path) -> str:
     """The workers' step time, from what the reporter logged so far."""
-    from relaytrain.estimate import duration
     from relaytrain.runlog import read_metrics
 
     rows = [row for row in read_metrics(run_dir) if row.get("step_time_s")]
     return f"steps take about {duration(rows[-1]['step_time_s'])}" if rows else ""
 
 
-def _start_and_watch(procs, stop: StopRequest, relay: _Relay, describe, errors: Path) -> None:
-    """Start the workers deaf to SIGINT/SIGTERM, then relay both to them while watching.
+def _start_and_watch(procs, stop: StopRequest, shared: _Shared, describe, errors: Path) -> None:
+    """Start the workers deaf to SIGINT/SIGTERM, then pass both on to them while watching.
 
     The workers start while the launcher ignores both signals, so they inherit SIG_IGN through
     exec: a Ctrl-C (sent to the whole process group) cannot kill one even during its start-up.
@@ -251,7 +229,7 @@ def _start_and_watch(procs, stop: StopRequest, relay: _Relay, describe, errors: 
     """
     def request(signum, frame):
         stop.request(signum)  # raises Aborted on the second one
-        relay.signum.value = signum
+        shared.signum.value = signum
 
     if threading.current_thread() is not threading.main_thread():  # only the main thread can take signals
         for p in procs:
@@ -339,8 +317,8 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
-def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, relay) -> None:
-    # Stop requests come through `relay` (a Ctrl-C to the process group must not kill a worker
+def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, shared) -> None:
+    # Stop requests come through `shared` (a Ctrl-C to the process group must not kill a worker
     # mid-step); SIG_IGN is inherited already, set here for a launcher outside the main thread.
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
@@ -352,10 +330,10 @@ def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, re
         cfg = OmegaConf.create(config)
         keep_freed_host_memory()
         torch.set_num_threads(threads_per_process(cfg.train.threads, size))
-        world = _world(cfg, rank, size, rank, StopRequest(read=lambda: relay.signum.value))
+        world = _world(cfg, rank, size, rank, StopRequest(read=lambda: shared.signum.value))
         _joined(entry, cfg, world, payload, init_method)
     except Interrupted as stop:
-        relay.stopped_by.value, relay.stopped_at.value = stop.signum, stop.step
+        shared.stopped_by.value, shared.stopped_at.value = stop.signum, stop.step
     except Exception as err:
         _record_failure(Path(run_dir) / "worker_errors", rank, err)
         os._exit(1)  # no teardown: the process group's destructor would abort under peers mid-collective
@@ -366,6 +344,4 @@ def _record_failure(errors: Path, rank: int, err: Exception) -> None:
     record = {"rank": rank, "time": time.time(), "error": type(err).__name__,
               "message": (str(err).strip().splitlines() or [""])[0], "user_error": isinstance(err, ConfigError)}
     (errors / f"rank{rank}.txt").write_text(traceback.format_exc())
-    tmp = errors / f"rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(record))
-    tmp.replace(errors / f"rank{rank}.json")
+    write_json(errors / f"rank{rank}.json", record)

@@ -14,8 +14,8 @@ param server: its masters, host gradients, optimizer state, a host stash), so th
 needs to know what is *host*: tensors created on another thread (the EPS worker) are never
 seen, and the rest is declared with `on_host()` (around an offload) or `mark_host(...)`.
 
-`simulate(cfg)` runs a short dry run of a config in this process and returns its figures,
-for the planner.
+`relaytrain.dryrun.simulate(cfg)` runs a short dry run of a whole config for the planner; this
+module is only the accounting, which the strategies and the trainer use.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -159,48 +158,3 @@ class DeviceMemory(TorchDispatchMode):
         return {"peak_allocated_bytes": self.peak, "peak_reserved_bytes": None, "simulated": True,
                 "by_kind": by_kind,
                 "note": "simulated: tensor accounting of a dry run on the meta device (no allocator overhead)"}
-
-
-# --------------------------------------------------------------------------- for the planner
-
-
-@dataclass
-class ProcessMemory:
-    rank: int
-    process: str
-    peak_bytes: int
-    by_kind: dict = field(default_factory=dict)
-
-
-@dataclass
-class Simulation:
-    per_process: list[ProcessMemory]
-
-    @property
-    def peak_bytes(self) -> int:
-        """The fullest process's peak device bytes: what each device must hold."""
-        return max(p.peak_bytes for p in self.per_process)
-
-
-def simulate(cfg, steps: int = 2) -> Simulation:
-    """The simulated device memory of `cfg` (every process of it), from a dry run of `steps`
-    steps on the meta device, here in this process, printing nothing."""
-    import copy
-    import tempfile
-
-    from omegaconf import OmegaConf
-
-    from relaytrain.train import run
-
-    dry = copy.deepcopy(cfg)
-    for key, value in (("train.device", "meta"), ("train.steps", steps), ("train.warmup_steps", 0),
-                       ("train.checkpoint_every", 0), ("train.save_model", False), ("train.resume", None),
-                       ("eval.every", 0), ("data.eval_fraction", 0.0), ("data.eval_path", None),
-                       ("data.eval_split", None), ("log.tensorboard", False), ("train.check_memory", False)):
-        OmegaConf.update(dry, key, value, merge=False)
-    with tempfile.TemporaryDirectory() as run_dir:
-        results = run(dry, run_dir, quiet=True)
-    per_process = results["memory"].get("per_process") or [
-        {"rank": 0, "process": "rank 0", "device": results["memory"]["device"]}]
-    return Simulation([ProcessMemory(p["rank"], p["process"], p["device"]["peak_allocated_bytes"] or 0,
-                                     p["device"].get("by_kind", {})) for p in per_process])

@@ -38,6 +38,13 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o) -> torc
     return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, foreach=True)
 
 
+def state_words(o) -> int:
+    """fp32 words of optimizer state per parameter: two moments for AdamW and LAMB, SGD's momentum."""
+    if o.name == "sgd":
+        return 1 if o.momentum else 0
+    return 2
+
+
 def lr_at(step: int, o, total_steps: int) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warm-up, then the schedule."""
     if o.warmup_steps and step < o.warmup_steps:

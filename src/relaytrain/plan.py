@@ -1,81 +1,59 @@
 """`relaytrain plan`: which strategy and shape to train a model with, on a machine, within a
 memory limit; and `predict(cfg)`, the same cost model for one config before a run.
 
-PipeDream-2BW's planner (§4, Algorithm 1) over every strategy relaytrain has:
+PipeDream-2BW's planner (§4, Algorithm 1) over every registered strategy:
 
 1. **Profile** the machine: this one, timed on one block of the configured model, or a GPU
    profile file of spec-sheet figures (`relaytrain.profile`).
-2. **Candidates**: per strategy, every shape that trains the requested global batch B on
-   the workers given: the baseline's micro-batch size b and count m = B / b, with or without
-   block recompute; L2L's b, inner loop u and replicas w; a pipeline's width w x depth d =
-   workers, b, m = B / (w b) and recompute none/block/stage. Micro-batch sizes are powers of two.
-3. **Time**: each candidate's step by the closed-form cost models (`relaytrain.costmodel`).
+2. **Candidates**: every shape each strategy says trains the requested global batch B on the
+   workers given (`Strategy.shapes`: the baseline's micro-batch size b and count m = B / b,
+   with or without block recompute; L2L's b, inner loop u, replicas w and stash; a pipeline's
+   width w x depth d = workers, b, m = B / (w b) and recompute none/block/stage). Micro-batch
+   sizes are powers of two.
+3. **Time**: each candidate's step by its strategy's cost model (`Strategy.step_cost`, made of
+   the shared formulas in `relaytrain.costmodel`).
 4. **Memory**: each candidate's device memory from the meta-device dry run of the real
-   strategy code (`relaytrain.memory.simulate`), walking the candidates fastest first until
-   the fastest that fits is found, then the fastest that fits of every other strategy. A
-   closed-form MEMORY(.) prunes obviously hopeless ones before they are simulated; a shape
-   whose micro-batch did not fit is not simulated again with a larger one (memory only grows
-   with b at a fixed batch).
+   strategy code (`relaytrain.dryrun.simulate`), walking the candidates fastest first until
+   the fastest that fits is found, then the fastest that fits of every other strategy and
+   variant. A closed-form MEMORY(.) (`Strategy.device_bytes`) prunes obviously hopeless ones
+   before they are simulated; a shape whose micro-batch did not fit is not simulated again with
+   a larger one (memory only grows with b at a fixed batch).
 5. **Answer**: a table, the best candidate that fits, the `relaytrain train` command that runs
    it, and plan.json. Every time figure is a prediction and says so.
+
+Nothing here knows a strategy by name: a registered strategy is planned through its class.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import shlex
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from relaytrain.costmodel import (
-    PIPELINES,
-    RELAYS,
-    ModelFacts,
-    Shape,
-    StepCost,
-    closed_form_bytes,
-    eps_host_bytes,
-    step_cost,
-)
+from relaytrain.compose import compose, validate
+from relaytrain.costmodel import ModelFacts, Shape, StepCost, powers_of_two_dividing
+from relaytrain.dryrun import simulate
 from relaytrain.errors import ConfigError
+from relaytrain.files import write_json
+from relaytrain.models.pretrained import explicit_overrides, resolve
+from relaytrain.preflight import check_can_start
 from relaytrain.profile import Profile, from_spec, load_spec, measure
+from relaytrain.strategies import presets, registry, strategy_class
+from relaytrain.world import pick_device
 
 GiB = 2**30
 PRUNE_FACTOR = 1.5  # closed-form memory above this many budgets: hopeless, not simulated
 CUDA_HEADROOM = 0.9  # of a GPU's memory for tensors: the CUDA context and allocator caching take the rest
 MAX_SIMULATIONS = 24  # dry runs per plan, at most
-MAX_PER_STRATEGY = 4  # dry runs per strategy, at most
+MAX_PER_STRATEGY = 4  # dry runs per strategy variant (l2l, l2l stash=cpu), at most
 STATE_KINDS = ("weights", "gradients", "optimizer state")  # of a dry run's breakdown: what no b changes
 TABLE_ROWS = 24
 WIDE = 160  # columns of the table when the output is not a terminal (a file, a pipe)
 PLANNER_KEYS = ("strategy", "plan", "hydra")  # override sections the planner decides or consumes
 IGNORED_KEYS = ("strategy", "hydra")  # of those, the ones a user's value is dropped from
-COST_MODELS = ("baseline", *RELAYS, *PIPELINES)
-
-USAGE = """\
-relaytrain plan: which strategy and shape fit a model on a machine, and how fast they train (predicted).
-
-Usage: relaytrain plan [KEY=VALUE ...] [--out DIR]
-  KEY=VALUE               the model and data of `relaytrain train` (model=bert_large data.seq_len=128 ...)
-  plan.workers=N          devices (GPUs, or CPU worker processes) to plan for (default 1)
-  plan.device_memory_gb=G memory of each device in GB (default: the GPU profile's, else 16)
-  plan.batch_size=B       the global minibatch (default strategy.microbatch_size x strategy.num_microbatches)
-  plan.device=NAME        `this` (profile this machine, default), a GPU profile ({profiles}) or a JSON file
-  plan.strategies=[a,b]   strategies to consider (default: all)
-  --out DIR               where plan.json goes (default outputs/plan/DATE_TIME)
-
-Times are predictions from a cost model over the profile (measured here, or spec-sheet figures);
-device memory is a dry run of the real strategy code on PyTorch's meta device. The planner decides
-strategy.* (the keys in the printed command); other strategy.* overrides are ignored.
-
-Examples:
-  relaytrain plan model=bert_tiny plan.workers=2 plan.batch_size=32
-  relaytrain plan model=bert_large data.seq_len=128 plan.device=v100_16gb plan.workers=8 plan.batch_size=256
-"""
 
 
 # --------------------------------------------------------------------------- the request
@@ -109,16 +87,12 @@ def read_request(cfg, overrides: list[str], profile_memory: int | None) -> Reque
 
 
 def _strategies(asked) -> list[str]:
-    from relaytrain.strategies import registry, strategy_class
-
+    """The strategies (or presets) to plan: every registered one unless named."""
     if not asked:
-        return [name for name in registry() if name in COST_MODELS]
-    names = [strategy_class(name).name for name in asked]  # unknown names: one line with the options
-    without = [n for n in names if n not in COST_MODELS]
-    if without:
-        raise ConfigError(f"plan.strategies: the planner has no cost model for {', '.join(without)}; "
-                          f"choose among {', '.join(COST_MODELS)}")
-    return names
+        return list(registry())
+    for name in asked:
+        strategy_class(name)  # an unknown name: one line with the options
+    return [str(name) for name in asked]
 
 
 def _key(override: str) -> str:
@@ -139,42 +113,22 @@ def passthrough(overrides: list[str]) -> list[str]:
 
 
 def enumerate_shapes(request: Request, num_layers: int) -> list[Shape]:
-    """Every shape of every requested strategy that trains exactly `request.batch` samples a step."""
+    """Every shape of every requested strategy that trains exactly `request.batch` samples a step
+    (a preset: its strategy's shapes that keep the keys it fixes)."""
     shapes = []
     for name in request.strategies:
-        for replicas, stages in _layouts(name, request, num_layers):
-            for b in _powers_of_two_dividing(request.batch // replicas):
-                m = request.batch // (replicas * b)
-                if name == "pipe_2bw" and m < stages:
-                    continue  # 2BW needs m >= d
-                for recompute in _recompute_options(name):
-                    shapes.append(Shape(name, b, m, replicas, stages, recompute))
-    return shapes
+        cls = strategy_class(name)
+        offered = cls.shapes(request.workers, request.batch, num_layers)
+        preset = presets().get(name)
+        shapes += offered if preset is None else _keeping(offered, preset.fixed, cls)
+    return list(dict.fromkeys(shapes))  # a strategy and its preset offer some shapes twice
 
 
-def _layouts(name: str, request: Request, num_layers: int) -> list[tuple[int, int]]:
-    """(replicas, stages): the baseline runs one worker; L2L any w <= workers that divides the
-    batch; a pipeline uses every worker, w x d = workers with 2 <= d <= the model's blocks."""
-    if name == "baseline":
-        return [(1, 1)]
-    if name in RELAYS:
-        return [(w, 1) for w in range(1, request.workers + 1) if request.batch % w == 0]
-    return [(request.workers // d, d) for d in range(2, min(request.workers, num_layers) + 1)
-            if request.workers % d == 0 and request.batch % (request.workers // d) == 0]
-
-
-def _powers_of_two_dividing(n: int) -> list[int]:
-    sizes, b = [], 1
-    while b <= n and n % b == 0:
-        sizes.append(b)
-        b *= 2
-    return sizes
-
-
-def _recompute_options(name: str) -> tuple[str, ...]:
-    if name in PIPELINES:
-        return ("none", "block", "stage")
-    return ("none", "block") if name == "baseline" else ("always",)
+def _keeping(shapes: list[Shape], fixed: dict, cls) -> list[Shape]:
+    """The shapes whose options agree with a preset's fixed keys (among the keys shapes vary)."""
+    varied = {key for shape in shapes for key, _ in shape.options}
+    wanted = dict(cls.shape_options(**{k: v for k, v in fixed.items() if k in varied}))
+    return [shape for shape in shapes if {k: v for k, v in shape.options if k in varied} == wanted]
 
 
 @dataclass
@@ -253,19 +207,17 @@ class Plan:
 
 def make_plan(overrides: list[str], max_simulations: int = MAX_SIMULATIONS) -> Plan:
     """Plan for these `relaytrain plan` overrides: profile, candidates, times, dry-run memory."""
-    from relaytrain.cli import checked_config
-    from relaytrain.models.pretrained import explicit_overrides, resolve
-
-    cfg = resolve(checked_config(overrides), explicit_overrides(overrides))
+    cfg = resolve(compose(overrides), explicit_overrides(overrides))
     spec = None if str(cfg.plan.device) == "this" else load_spec(str(cfg.plan.device))
     request = read_request(cfg, overrides, int(spec["memory_gb"] * GiB) if spec else _this_device_memory(cfg))
     kept = passthrough(overrides)
-    bases = {name: resolve(checked_config([*kept, f"strategy={name}"]), explicit_overrides(kept))
-             for name in request.strategies}
     shapes = enumerate_shapes(request, cfg.model.num_layers)
+    bases = {name: resolve(compose([*kept, f"strategy={name}"]), explicit_overrides(kept))
+             for name in dict.fromkeys(shape.strategy for shape in shapes)}
     if not shapes:
         raise ConfigError(f"no shape of {', '.join(request.strategies)} trains a batch of {request.batch} on "
-                          f"{request.workers} worker(s); pipelines need plan.workers >= 2, 2BW a batch >= its depth")
+                          f"{request.workers} worker(s); a pipeline needs plan.workers >= 2 (and some schedules a batch "
+                          f"of at least their depth): raise plan.workers or plan.batch_size")
     sizes = sorted({s.microbatch_size for s in shapes})
     profile = from_spec(spec, cfg, sizes) if spec else measure(cfg, sizes, sorted({s.workers for s in shapes}),
                                                                  _this_device(cfg))
@@ -279,8 +231,6 @@ def make_plan(overrides: list[str], max_simulations: int = MAX_SIMULATIONS) -> P
 
 
 def _this_device(cfg):
-    from relaytrain.world import pick_device
-
     device = pick_device(cfg.train.device)
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"plan.device=this profiles a CPU or CUDA device, not train.device={cfg.train.device}")
@@ -296,33 +246,21 @@ def _this_device_memory(cfg) -> int | None:
 
 def _candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, request: Request) -> Candidate:
     """A shape checked as `relaytrain train` would check it (on this machine: also whether it can
-    start its workers and hold its host memory), then timed by the cost model."""
-    from relaytrain.config import validate
-
-    candidate = Candidate(shape, closed_form_bytes=closed_form_bytes(shape, facts))
+    start its workers and hold its host memory), then timed by its strategy's cost model."""
+    cls = strategy_class(shape.strategy)
+    cfg = candidate_config(base, shape)
+    candidate = Candidate(shape, closed_form_bytes=cls.device_bytes(cfg, facts))
     try:
-        cfg = candidate_config(base, shape)
         validate(cfg)
         if request.device == "this":
-            _check_this_machine(cfg)
+            check_can_start(cfg, cls)
     except ConfigError as err:
         candidate.fits, candidate.why_not = False, str(err)
         return candidate
-    candidate.cost = step_cost(shape, facts, profile, base.strategy, request.threads)
-    if profile.device_type == "cpu" and shape.strategy in RELAYS:
-        candidate.host_state_bytes = eps_host_bytes(shape, facts, str(base.strategy.eps) == "sharded")
+    candidate.cost = cls.step_cost(cfg, facts, profile)
+    if profile.device_type == "cpu":  # the host state is in the same memory the dry run counts
+        candidate.host_state_bytes = cls.host_state_bytes(cfg, facts)
     return candidate
-
-
-def _check_this_machine(cfg) -> None:
-    from relaytrain.budget import check_host_memory
-    from relaytrain.launch import check_machine
-    from relaytrain.strategies import strategy_class
-
-    cls = strategy_class(cfg.strategy.name)
-    check_machine(cfg, cls.processes(cfg))
-    if cfg.train.check_memory:
-        check_host_memory(cfg, cls)
 
 
 def candidate_config(base, shape: Shape):
@@ -360,13 +298,13 @@ class MemoryWalk:
 
     def __init__(self, budget: float, max_simulations: int):
         self.budget, self.max_simulations = budget, max_simulations
-        self.too_big: dict[tuple, int] = {}  # (strategy, w, d, recompute) -> smallest b that did not fit
-        self.state: dict[tuple, int] = {}  # (strategy, w, d) -> simulated weights + gradients + optimizer state
-        self.runs: dict[str, int] = {}  # dry runs per strategy
-        self.found: set[str] = set()  # strategies with a candidate that fits
+        self.too_big: dict[tuple, int] = {}  # (strategy, options, w, d, recompute) -> smallest b that did not fit
+        self.state: dict[tuple, int] = {}  # (strategy, options, w, d) -> simulated weights + gradients + optimizer state
+        self.runs: dict[str, int] = {}  # dry runs per variant
+        self.found: set[str] = set()  # variants with a candidate that fits
 
     def visit(self, c: Candidate, base) -> None:
-        name, family, layout = c.shape.strategy, _family(c.shape), _family(c.shape)[:3]
+        name, family, layout = variant(c.shape), _family(c.shape), _family(c.shape)[:4]
         if name in self.found:
             c.why_not = f"not simulated: a faster {name} candidate fits"
         elif self.state.get(layout, 0) > self.budget:
@@ -380,26 +318,30 @@ class MemoryWalk:
         elif sum(self.runs.values()) >= self.max_simulations or self.runs.get(name, 0) >= MAX_PER_STRATEGY:
             c.why_not = "not simulated: the dry-run budget was spent"
         else:
-            self._dry_run(c, base, family, layout)
+            self._dry_run(c, base, name, family, layout)
 
-    def _dry_run(self, c: Candidate, base, family: tuple, layout: tuple) -> None:
-        self.runs[c.shape.strategy] = self.runs.get(c.shape.strategy, 0) + 1
+    def _dry_run(self, c: Candidate, base, name: str, family: tuple, layout: tuple) -> None:
+        self.runs[name] = self.runs.get(name, 0) + 1
         _simulate(c, base, self.budget)
         if c.fits:
-            self.found.add(c.shape.strategy)
+            self.found.add(name)
         elif c.simulated_bytes is not None:
             self.too_big[family] = min(self.too_big.get(family, c.shape.microbatch_size), c.shape.microbatch_size)
             state = sum(c.by_kind.get(kind, 0) for kind in STATE_KINDS)
             self.state[layout] = max(self.state.get(layout, 0), state)
 
 
+def variant(shape: Shape) -> str:
+    """A strategy with the options its shapes vary (l2l, l2l stash=cpu): each gets its own fastest."""
+    return " ".join([shape.strategy, *(f"{key}={value}" for key, value in shape.options)])
+
+
 def _family(shape: Shape) -> tuple:
-    return shape.strategy, shape.replicas, shape.stages, shape.recompute
+    """What fixes a shape's memory but for its micro-batch (the first four: but for b and recompute)."""
+    return shape.strategy, shape.options, shape.replicas, shape.stages, shape.recompute
 
 
 def _simulate(c: Candidate, base, budget: float) -> None:
-    from relaytrain.memory import simulate
-
     try:
         simulation = simulate(candidate_config(base, c.shape), steps=2)
     except ConfigError as err:  # e.g. a dataset smaller than the batch: the real run would stop the same way
@@ -439,10 +381,7 @@ def infeasible_line(plan: Plan, where: Path) -> str:
 
 
 def write_plan(plan: Plan, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "plan.json"
-    path.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
-    return path
+    return write_json(Path(out_dir) / "plan.json", plan.to_json(), indent=2)
 
 
 def print_plan(plan: Plan, path: Path) -> None:
@@ -480,50 +419,16 @@ def print_plan(plan: Plan, path: Path) -> None:
 
 
 def _rows_to_show(plan: Plan) -> list[Candidate]:
-    """Every candidate whose memory was decided by a dry run, and each strategy's fastest."""
+    """Every candidate whose memory was decided by a dry run, and each variant's fastest."""
     fastest = {}
     for c in plan.candidates:
-        fastest.setdefault(c.shape.strategy, c)
-    rows = [c for c in plan.candidates if c.simulated_bytes is not None or fastest[c.shape.strategy] is c]
+        fastest.setdefault(variant(c.shape), c)
+    rows = [c for c in plan.candidates if c.simulated_bytes is not None or fastest[variant(c.shape)] is c]
     return rows[:TABLE_ROWS]
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
-
-
-def plan_command(args: list[str]) -> int:
-    """`relaytrain plan [KEY=VALUE ...] [--out DIR]`."""
-    if "--help" in args or "-h" in args:
-        from relaytrain.profile import spec_names
-
-        print(USAGE.format(profiles=", ".join(spec_names())), end="")
-        return 0
-    out, overrides = _parse_args(args)
-    plan = make_plan(overrides)
-    out_dir = out or Path("outputs/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
-    path = write_plan(plan, out_dir)
-    if plan.best is None:
-        raise ConfigError(infeasible_line(plan, out_dir))
-    print_plan(plan, path)
-    return 0
-
-
-def _parse_args(args: list[str]) -> tuple[Path | None, list[str]]:
-    out, overrides = None, []
-    items = iter(args)
-    for arg in items:
-        if arg == "--out":
-            value = next(items, None)
-            if value is None:
-                raise ConfigError("--out needs a directory; usage: relaytrain plan [KEY=VALUE ...] [--out DIR]")
-            out = Path(value)
-        elif arg.startswith("-"):
-            raise ConfigError(f"unknown option {arg}; usage: relaytrain plan [KEY=VALUE ...] [--out DIR] "
-                              f"(see relaytrain plan --help)")
-        else:
-            overrides.append(arg)
-    return out, overrides
 
 
 # --------------------------------------------------------------------------- one config
@@ -539,29 +444,17 @@ class Prediction:
     device_memory_bytes: int | None
 
 
-def shape_of(cfg) -> Shape:
-    """The shape a config runs."""
-    s = cfg.strategy
-    name = str(s.name)
-    recompute = "always" if name in RELAYS else str(getattr(s, "recompute", "none"))
-    return Shape(name, s.microbatch_size, s.num_microbatches, getattr(s, "replicas", 1), getattr(s, "stages", 1),
-                 recompute)
-
-
 def predict(cfg) -> Prediction:
-    """Predict `cfg`'s step on this machine with the planner's cost model, profiling one block
+    """Predict `cfg`'s step on this machine with its strategy's cost model, profiling one block
     briefly at the config's micro-batch size (and gloo, when it has several workers). Device
     memory: the meta-device dry run on a CUDA device; None on a CPU (no separate device)."""
-    from relaytrain.memory import simulate
-
-    shape = shape_of(cfg)
-    if shape.strategy not in COST_MODELS:
-        raise ConfigError(f"strategy={shape.strategy}: the planner has no cost model for it")
+    cls, s = strategy_class(cfg.strategy.name), cfg.strategy
     device = _this_device(cfg)
     # Every power of two up to b: the profile stops timing where a block's forward and backward
     # would pass PART_BUDGET_S and extrapolates from there, so a large model costs seconds, not minutes.
-    sizes = sorted({*_powers_of_two_dividing(shape.microbatch_size), shape.microbatch_size})
-    profile = measure(cfg, sizes, [shape.workers], device)
-    cost = step_cost(shape, ModelFacts.of(cfg), profile, cfg.strategy, cfg.train.threads)
+    sizes = sorted({*powers_of_two_dividing(s.microbatch_size), s.microbatch_size})
+    profile = measure(cfg, sizes, [cls.processes(cfg)], device)
+    cost = cls.step_cost(cfg, ModelFacts.of(cfg), profile)
     memory = simulate(cfg).peak_bytes if device.type == "cuda" else None
-    return Prediction(cost.step_s, shape.batch / cost.step_s, memory)
+    batch = s.microbatch_size * s.num_microbatches * cls.replicas(cfg)
+    return Prediction(cost.step_s, batch / cost.step_s, memory)

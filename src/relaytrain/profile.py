@@ -33,9 +33,13 @@ import torch
 import torch.distributed as dist
 
 from relaytrain import metrics
+from relaytrain.checkpoint import unique_named_parameters
 from relaytrain.errors import ConfigError
+from relaytrain.models import build_model, part_parameters
 from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.optim import build_optimizer, state_words
 from relaytrain.precision import Precision
+from relaytrain.world import threads_per_process
 
 REPEATS = 5  # timed repetitions per figure, after one warm-up; the median is kept
 PART_BUDGET_S = 0.4  # a block's forward + backward slower than this: larger sizes are extrapolated
@@ -119,7 +123,7 @@ class Profile:
         """
         if self.device_type != "cpu":
             return self.timings[0]
-        threads = threads_for(self.cores, workers, configured_threads)
+        threads = threads_per_process(configured_threads, workers, self.cores)
         if threads not in self.timings:
             raise ValueError(f"this profile was not measured with {threads} threads per worker")
         return self.timings[threads].scaled(max(1.0, workers * threads / self.cores))
@@ -128,11 +132,6 @@ class Profile:
         out = asdict(self)
         out["timings"] = {str(k): _timings_json(t) for k, t in self.timings.items()}
         return out
-
-
-def threads_for(cores: int, workers: int, configured: int = 0) -> int:
-    """torch threads per worker: `train.threads` when set, else the cores shared out."""
-    return configured or max(1, cores // workers)
 
 
 def _timings_json(t: Timings) -> dict:
@@ -149,7 +148,7 @@ def measure(cfg, microbatch_sizes: list[int], worker_counts: list[int], device: 
     micro-batch sizes, for runs of each of these numbers of workers."""
     cores = os.cpu_count() or 1
     configured = cfg.train.threads
-    keys = sorted({threads_for(cores, w, configured) for w in worker_counts}) if device.type == "cpu" else [0]
+    keys = sorted({threads_per_process(configured, w, cores) for w in worker_counts}) if device.type == "cpu" else [0]
     saved = torch.get_num_threads()
     try:
         timings = {}
@@ -189,8 +188,6 @@ def measure_timings(cfg, sizes: list[int], device: torch.device) -> Timings:
 
 def one_block_model(cfg, device: torch.device) -> LayeredModel:
     """The configured model with one block, fresh weights (their values do not change the time)."""
-    from relaytrain.models import build_model
-
     m = copy.deepcopy(cfg.model)
     m.num_layers, m.pretrained, m.resolved_from = 1, None, None
     model = build_model(m, seed=0, quiet=True).to(device)
@@ -253,8 +250,6 @@ def _forward_backward(forward, precision: Precision, device: torch.device) -> Pa
 
 def _time_optimizers(model: LayeredModel, cfg) -> tuple[float, float]:
     """One optimizer step over one block's parameters, and over the embeddings' and head's."""
-    from relaytrain.checkpoint import unique_named_parameters
-
     block = list(model.blocks[0].named_parameters())
     in_block = {id(p) for _, p in block}
     ends = [(n, p) for n, p in unique_named_parameters(model) if id(p) not in in_block]
@@ -263,8 +258,6 @@ def _time_optimizers(model: LayeredModel, cfg) -> tuple[float, float]:
 
 def _time_optimizer(named: list, cfg) -> float:
     """Median seconds of one step of the configured optimizer over fp32 copies of `named`."""
-    from relaytrain.optim import build_optimizer
-
     masters = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in named]  # fp32, on p's device
     for _, p in masters:
         p.grad = torch.randn_like(p) * 1e-3
@@ -292,13 +285,7 @@ def _host_optimizer_s_per_param(cfg, timings: dict[int, Timings], device: torch.
 
 
 def _block_parameters(cfg) -> int:
-    from relaytrain.models import count_parameters
-
-    m = copy.deepcopy(cfg.model)
-    m.pretrained, m.resolved_from, m.num_layers = None, None, 1
-    one = count_parameters(m)
-    m.num_layers = 2
-    return count_parameters(m) - one
+    return part_parameters(cfg.model)[1]
 
 
 def _pinned_copy_rate(device: torch.device, megabytes: int = 256) -> float:
@@ -492,15 +479,10 @@ def embed_bytes(cfg, b: int) -> float:
 def optimizer_bytes_per_param(cfg) -> int:
     """Bytes an optimizer step reads and writes per fp32 parameter: weight, gradient and state
     read, weight and state written (AdamW/LAMB: 2 moments; SGD: momentum or none)."""
-    from relaytrain.strategies.base import optimizer_words
-
-    words = optimizer_words(cfg)
+    words = state_words(cfg.optim)
     return 4 * (2 + words) + 4 * (1 + words)
 
 
 def _ends_parameters(cfg) -> int:
-    from relaytrain.models import count_parameters
-
-    m = copy.deepcopy(cfg.model)
-    m.pretrained, m.resolved_from = None, None
-    return count_parameters(m) - m.num_layers * _block_parameters(cfg)
+    embed, _, head = part_parameters(cfg.model)
+    return embed + head

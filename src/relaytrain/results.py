@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import platform
 import time
+from pathlib import Path
 
 import torch
 
 from relaytrain import metrics
+from relaytrain.files import write_json
 from relaytrain.models import count_parameters
+from relaytrain.preflight import estimate_host_bytes
 
 
 def process_report(strategy, world, host: metrics.HostMemory, device_memory: dict) -> dict:
@@ -63,7 +66,7 @@ def assemble_results(cfg, cls, history: dict, measured: list[float], reports: li
         "throughput": metrics.throughput([] if world.simulated else measured, samples, samples * d.seq_len,
                                          flops_per_token),
         "memory": memory(cls, cfg, reports),
-        "strategy_report": cls.summarize(cfg, [r["strategy"] for r in reports]),
+        "strategy_report": cls.combine_reports(cfg, [r["strategy"] for r in reports]),
         "threads": metrics.cpu_threads(),
         "overrides": list(overrides),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
@@ -79,8 +82,6 @@ def memory(cls, cfg, reports: list[dict]) -> dict:
                  key=lambda dm: dm["peak_allocated_bytes"] or 0)
     out = {"device": device}
     if device.get("simulated"):
-        from relaytrain.budget import estimate_host_bytes
-
         out.update(host_peak_rss_bytes=None, host_estimate_bytes=estimate_host_bytes(cfg, cls),
                    host_note="a dry run: host memory estimated from the config, not measured")
     else:
@@ -94,3 +95,7 @@ def memory(cls, cfg, reports: list[dict]) -> dict:
             for r in reports
         ]
     return out
+
+
+def write_results(run_dir: Path, results: dict) -> Path:
+    return write_json(Path(run_dir) / "results.json", results, indent=2)

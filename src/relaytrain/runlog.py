@@ -13,32 +13,29 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import time
 from pathlib import Path
 
 from relaytrain.errors import ConfigError
+from relaytrain.evaluation import METRICS as EVAL_METRICS
+from relaytrain.files import write_json
 
 STATUS = "status.json"
 METRICS = "metrics.csv"
 COLUMNS = [
     "step", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "host_rss_bytes", "device_allocated_bytes",
-    "eval_loss", "eval_accuracy", "eval_perplexity", "eval_matthews_correlation", "eval_f1", "eval_items",
+    *(f"eval_{name}" for name in EVAL_METRICS), "eval_items",
 ]
 RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "interrupted"
 
 
 def write_status(run_dir: Path, status: str, **fields) -> None:
     """status.json, replaced atomically: a reader never sees half of it."""
-    path = Path(run_dir) / STATUS
-    path.parent.mkdir(parents=True, exist_ok=True)
     previous = read_status(run_dir) or {}
     record = {**previous, **fields, "status": status, "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if status == RUNNING and "started_at" not in fields:
         record.setdefault("started_at", record["updated_at"])
-    tmp = path.with_name(f".{STATUS}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(path)
+    write_json(Path(run_dir) / STATUS, record)
 
 
 def read_status(run_dir: Path) -> dict | None:

@@ -15,6 +15,6 @@ failed_jobs: list[str] = []  # run directories of this process's failed sweep jo
 
 class SweepReport(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
-        from relaytrain.summary import summarize
+        from relaytrain.report import compare_runs
 
-        summarize([config.hydra.sweep.dir], out=config.hydra.sweep.dir)
+        compare_runs([config.hydra.sweep.dir], out=config.hydra.sweep.dir)

@@ -20,22 +20,22 @@ import torch
 import transformers
 
 from relaytrain import checkpoint, metrics, runlog
-from relaytrain.budget import check_host_memory
-from relaytrain.config import validate
+from relaytrain.compose import validate
 from relaytrain.data import TokenDataset, build_datasets, build_loader, eval_batches
+from relaytrain.display import StepProgress, print_one_line, print_results_table
 from relaytrain.errors import Aborted, ConfigError, Interrupted, TrainingDiverged
-from relaytrain.estimate import duration, estimate
 from relaytrain.evaluation import better
-from relaytrain.launch import check_machine, launch, under_torchrun
+from relaytrain.launch import launch
 from relaytrain.memory import DeviceMemory
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import explicit_overrides
 from relaytrain.models.pretrained import resolve as resolve_pretrained
 from relaytrain.optim import lr_at
-from relaytrain.report import StepProgress, print_one_line, print_summary, write_results
-from relaytrain.results import assemble_results, process_report
+from relaytrain.preflight import check_can_start
+from relaytrain.results import assemble_results, process_report, write_results
 from relaytrain.strategies import strategy_class
-from relaytrain.world import StopVotes, World, pick_device
+from relaytrain.units import duration
+from relaytrain.world import StopVotes, World, under_torchrun
 
 EMPTY_PART = {"weights": {}, "optimizer": {}, "scaler": None, "extra": None}
 
@@ -54,15 +54,16 @@ class Job:
 
 
 def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: bool = True,
-        quiet: bool = False) -> dict:
+        quiet: bool = False, estimate=None) -> dict:
     """Train as `cfg` says, write `run_dir/results.json`, print the summary (the whole table, or
     with `table=False` one line, or with `quiet` nothing at all), return the results (an empty
     dict on the processes of a torchrun launch that do not report). `run_dir/status.json` says
-    how the run ended."""
+    how the run ended. `estimate`: the planner's prediction the caller made (`relaytrain.estimate`),
+    for the ETA before the first step ends."""
     run_dir = Path(run_dir)
     logs = not under_torchrun() or int(os.environ["RANK"]) == 0
     try:
-        results = _run(cfg, run_dir, overrides or [], logs, quiet)
+        results = _run(cfg, run_dir, overrides or [], logs, quiet, estimate.step_s if estimate else None)
     except (Interrupted, Aborted) as stop:
         if logs:
             runlog.write_status(run_dir, runlog.INTERRUPTED, error=str(stop))
@@ -77,29 +78,22 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
         return {}
     runlog.write_status(run_dir, runlog.FINISHED, step=results["steps"])
     if not quiet:
-        (print_summary if table else print_one_line)(results, run_dir / "results.json")
+        (print_results_table if table else print_one_line)(results, run_dir / "results.json")
     return results
 
 
-def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool) -> dict | None:
+def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, estimate_s: float | None) -> dict | None:
     cfg = resolve_pretrained(cfg, explicit_overrides(overrides))
     validate(cfg)
     cls = strategy_class(cfg.strategy.name)
-    check_machine(cfg, cls.processes(cfg))
-    if cfg.train.check_memory:
-        check_host_memory(cfg, cls)
+    check_can_start(cfg, cls)
     resume = _find_resume(cfg, cls, run_dir)
     if logs:
         runlog.write_status(run_dir, runlog.RUNNING, strategy=str(cfg.strategy.name), step=0)
     # Once, before any worker: data errors end here.
     dataset, eval_dataset = build_datasets(cfg, tokenizer_dir=str(run_dir))
     build_loader(cfg, dataset, cls.replicas(cfg))  # refuses a dataset smaller than one minibatch
-    device = pick_device(cfg.train.device)
-    # Only for a run that shows it: the profile behind it takes a moment (seconds for BERT-Large).
-    guess = estimate(cfg, cls) if logs and not quiet and device.type != "meta" else None
-    if guess is not None:
-        print(guess.line(cfg.train.steps, device), flush=True)
-    job = Job(run_dir, dataset, eval_dataset, resume, overrides, guess.step_s if guess else None, quiet)
+    job = Job(run_dir, dataset, eval_dataset, resume, overrides, estimate_s, quiet)
     return launch(train_process, cfg, cls.processes(cfg), lambda rank: cls.describe_process(cfg, rank),
                   run_dir, job, lambda: checkpoint.latest(run_dir))
 
@@ -109,7 +103,7 @@ def _find_resume(cfg, cls, run_dir: Path) -> Path | None:
     path = checkpoint.find(cfg.train.resume, run_dir) if cfg.train.resume else None
     if path is None:
         return None
-    found = checkpoint.read(path, cfg, cls.name, cls.layout(cfg))
+    found = checkpoint.read(path, cfg, cls.name, cls.state_layout(cfg))
     line = f"resuming from step {found.step} of {path}"
     if not found.exact:
         line += (f" (saved by strategy={found.strategy} with layout {found.manifest['layout']}: weights and "
@@ -288,7 +282,7 @@ class Trainer:
         part = self.strategy.state_dict() or dict(EMPTY_PART)
         part = {**part, "rng": checkpoint.rng_state(self.world.device)}
         trainer = {"step": step, "history": self.history} if self.reporter else None
-        manifest = {"strategy": self.cls.name, "layout": self.cls.layout(self.cfg),
+        manifest = {"strategy": self.cls.name, "layout": self.cls.state_layout(self.cfg),
                     "identity": checkpoint.identity(self.cfg)}
         return checkpoint.save(self.world, self.directory, step, part, trainer, manifest,
                                self.cfg.train.keep_checkpoints, best=best)
@@ -300,7 +294,7 @@ class Trainer:
             torch.manual_seed(self.cfg.train.seed)
             self.strategy.start(0)
             return 0
-        found = checkpoint.read(self.job.resume, self.cfg, self.cls.name, self.cls.layout(self.cfg))
+        found = checkpoint.read(self.job.resume, self.cfg, self.cls.name, self.cls.state_layout(self.cfg))
         self.strategy.start(found.step)
         self.strategy.load_state_dict(found.state_for(self.strategy.parameter_names(), self.world.rank))
         rng = found.rng(self.world.rank)

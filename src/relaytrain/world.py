@@ -2,7 +2,7 @@
 
 A run is one process (baseline, l2l) or several (pipelines, l2l with replicas), started by
 `relaytrain.launch`. Each process gets a `World`: where it stands and what device it computes
-on, the stop request its launcher relays to it, and a gloo group of its own for the trainer's
+on, the stop request its launcher passes on to it, and a gloo group of its own for the trainer's
 small agreements (stop votes, barriers, gathering reports), so those never queue behind a
 strategy's gradient traffic, whatever backend the strategy uses.
 """
@@ -155,9 +155,15 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
-def threads_per_process(configured: int, local_processes: int) -> int:
-    """torch threads for each of `local_processes` on this machine: the cores shared out, unless set."""
-    return configured or max(1, (os.cpu_count() or 1) // local_processes)
+def under_torchrun() -> bool:
+    """This process is one worker of a torchrun launch (it was given its rank and world size)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def threads_per_process(configured: int, local_processes: int, cores: int | None = None) -> int:
+    """torch threads for each of `local_processes` on a machine of `cores` (this one's unless
+    given): `train.threads` when set, else the cores shared out."""
+    return configured or max(1, (cores or os.cpu_count() or 1) // local_processes)
 
 
 class StopVotes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from relaytrain.models.gpt2 import LayeredGPT2
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 from relaytrain.models.pretrained import load_hf_config
 
-__all__ = ["Block", "LayeredModel", "MicroBatch", "build_model", "hf_config", "count_parameters"]
+__all__ = ["Block", "LayeredModel", "MicroBatch", "build_model", "hf_config", "count_parameters", "part_parameters"]
 
 _AUTO_CLASS = {
     "classification": AutoModelForSequenceClassification,
@@ -120,3 +121,21 @@ def count_parameters(m) -> int:
         hf_model = _AUTO_CLASS[str(m.task)].from_config(hf_config(m))
     unique = {id(p): p.numel() for p in hf_model.parameters()}
     return sum(unique.values())
+
+
+def part_parameters(m) -> tuple[int, int, int]:
+    """Parameters of the embeddings, of one block and of the head of the model the config
+    describes (a tied weight counted once, with the embeddings), from a one-block model on the
+    meta device: what the cost models and the profile scale by the number of blocks."""
+    one_block = copy.deepcopy(m)
+    one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
+    with torch.device("meta"):
+        model = build_model(one_block, quiet=True)
+    seen: set[int] = set()
+
+    def count(module) -> int:
+        fresh = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        return sum(p.numel() for p in fresh)
+
+    return count(model.embed), count(model.blocks[0]), count(model.head)

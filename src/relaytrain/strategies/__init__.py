@@ -2,7 +2,14 @@
 
 Each strategy is a class registered by name (`@register("l2l")`) in a module of this package;
 `strategy_class(name)` finds it. Modules are discovered, not listed: a new strategy is a new
-module (plus its config file and tests), and nothing here changes.
+module (plus its config file and tests), and nothing here changes. Registering checks that
+the class answers the whole contract, the planner's questions included, so a strategy
+without a cost model fails at import instead of being left out of `relaytrain plan`.
+
+A *preset* is a strategy with some of its keys fixed, made by a config file alone:
+`configs/strategy/l2l_stash_cpu.yaml` is `l2l` with `stash: cpu`. It runs the class it names
+in its defaults (`l2l_schema`), keeps its own name for the user (results.json, the report),
+and refuses an override of a key it fixes.
 """
 
 from __future__ import annotations
@@ -10,13 +17,20 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
+from dataclasses import dataclass
+from importlib import resources
 
 import torch
+import yaml
 
 from relaytrain.errors import ConfigError
 from relaytrain.strategies.base import Capabilities, StepResult, Strategy
+from relaytrain.world import World
 
-__all__ = ["Capabilities", "StepResult", "Strategy", "build_strategy", "register", "registry", "strategy_class"]
+__all__ = ["Capabilities", "Preset", "StepResult", "Strategy", "build_strategy", "check_preset", "choices", "presets",
+           "register", "registry", "strategy_class"]
+
+SCHEMA_SUFFIX = "_schema"  # a strategy's typed config group in Hydra's ConfigStore: <name>_schema
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 _discovered = False
@@ -28,6 +42,10 @@ def register(name: str):
     def add(cls: type[Strategy]) -> type[Strategy]:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"strategy {name!r} is registered twice ({_REGISTRY[name].__qualname__}, {cls.__qualname__})")
+        unanswered = sorted(getattr(cls, "__abstractmethods__", ()))
+        if unanswered:
+            raise TypeError(f"strategy {name!r} ({cls.__qualname__}) does not answer {', '.join(unanswered)} of the "
+                            f"contract in strategies/base.py (the planner needs every strategy's cost and memory)")
         cls.name = name
         _REGISTRY[name] = cls
         return cls
@@ -45,21 +63,65 @@ def registry() -> dict[str, type[Strategy]]:
     return dict(sorted(_REGISTRY.items()))
 
 
+@dataclass(frozen=True)
+class Preset:
+    """A config file that runs a registered strategy with some keys fixed."""
+
+    name: str
+    strategy: str  # the registered strategy it runs
+    fixed: dict  # strategy key -> the value the preset sets
+
+
+def presets() -> dict[str, Preset]:
+    """Every preset in the packaged config files: a strategy option that is not a registered name."""
+    classes = registry()
+    found = {}
+    for path in (resources.files("relaytrain.configs") / "strategy").iterdir():
+        name = path.name.removesuffix(".yaml")
+        if not path.name.endswith(".yaml") or name in classes:
+            continue
+        content = yaml.safe_load(path.read_text()) or {}
+        schema = next((d for d in content.get("defaults", []) if str(d).endswith(SCHEMA_SUFFIX)), None)
+        if schema is None or schema.removesuffix(SCHEMA_SUFFIX) not in classes:
+            raise ValueError(f"configs/strategy/{path.name} names no registered strategy's schema in its defaults")
+        fixed = {k: v for k, v in content.items() if k not in ("defaults", "name")}
+        found[name] = Preset(name, schema.removesuffix(SCHEMA_SUFFIX), fixed)
+    return dict(sorted(found.items()))
+
+
+def choices() -> list[str]:
+    """Every `strategy=` option: the registered strategies and the presets."""
+    return sorted([*registry(), *presets()])
+
+
 def strategy_class(name) -> type[Strategy]:
+    """The class that runs `strategy=name` (a preset runs its strategy's)."""
     known = registry()
     name = str(name)
-    if name not in known:
-        hint = difflib.get_close_matches(name, known, n=1)
-        fix = f"did you mean strategy={hint[0]}? " if hint else ""
-        raise ConfigError(f"strategy={name} is not a known strategy; {fix}choose one of: {', '.join(known)}")
-    return known[name]
+    if name in known:
+        return known[name]
+    preset = presets().get(name)
+    if preset is not None:
+        return known[preset.strategy]
+    hint = difflib.get_close_matches(name, choices(), n=1)
+    fix = f"did you mean strategy={hint[0]}? " if hint else ""
+    raise ConfigError(f"strategy={name} is not a known strategy; {fix}choose one of: {', '.join(choices())}")
+
+
+def check_preset(cfg) -> None:
+    """A preset's fixed keys keep their values (one line naming the strategy that has the key)."""
+    preset = presets().get(str(cfg.strategy.name))
+    if preset is None:
+        return
+    for key, value in preset.fixed.items():
+        if str(cfg.strategy[key]) != str(value):
+            raise ConfigError(f"strategy.{key} is not a key of strategy={preset.name}; only strategy={preset.strategy} "
+                              f"has it (see relaytrain train --help)")
 
 
 def build_strategy(model, cfg, device: str | torch.device = "cpu") -> Strategy:
     """A one-process strategy, here in this process, on `device` (for tests, benchmarks and
     notebooks); `relaytrain.train.run` is the way to run any strategy, several processes included."""
-    from relaytrain.world import World
-
     cls = strategy_class(cfg.strategy.name)
     if cls.processes(cfg) != 1:
         raise ConfigError(f"strategy={cfg.strategy.name} runs {cls.processes(cfg)} processes; "

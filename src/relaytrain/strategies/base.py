@@ -1,19 +1,23 @@
-"""The strategy contract: everything the trainer, the launcher, the checkpoints and the report
-need to know about a way of training, in one class per strategy.
+"""The strategy contract: everything the trainer, the launcher, the checkpoints, the report and
+the planner need to know about a way of training, in one class per strategy.
 
 A strategy owns *where the weights live* and *in what order work runs*. The class answers,
-before any process starts, what it needs (`processes`, `replicas`, `check_config`,
-`estimate_host_bytes`, `layout`, `capabilities`); an instance, one per process, does the work
-(`step`, `evaluate`, `drain`) and hands over its state (`state_dict`, `load_state_dict`,
-`weights`) and figures (`report`, then the class's `summarize` over every process's report).
+before any process starts, what a run needs (`processes`, `replicas`, `check_config`,
+`estimate_host_bytes`, `state_layout`, `capabilities`) and what the planner asks (`shapes`,
+`step_cost`, `device_bytes`, `host_state_bytes`, `recomputes`); an instance, one per process,
+does the work (`step`, `evaluate`, `drain`) and hands over its state (`state_dict`,
+`load_state_dict`, `weights`) and figures (`report`, then the class's `combine_reports` over
+every process's report).
 
-The trainer (`relaytrain.train`) drives every strategy through this interface alone: it never
-asks for a strategy's name. A new strategy is one module with a registered subclass, its
-config file in `configs/strategy/`, and its tests.
+The trainer (`relaytrain.train`) and the planner (`relaytrain.plan`) drive every strategy
+through this interface alone: neither asks for a strategy's name. A new strategy is one
+module with a registered subclass, its config file in `configs/strategy/`, and its tests;
+registering refuses a class that leaves a question of the contract unanswered.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,12 +27,21 @@ import torch
 
 from relaytrain import metrics
 from relaytrain.config import StrategyConfig
+from relaytrain.costmodel import (
+    FP32,
+    ModelFacts,
+    Shape,
+    StepCost,
+    block_activation_bytes,
+    logits_bytes,
+    logits_per_sample,
+)
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.optim import state_words
 from relaytrain.precision import Precision
+from relaytrain.profile import Profile
 from relaytrain.world import World
-
-FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,12 @@ class Capabilities:
     grad_clip: bool = True  # global-norm clipping (needs every gradient before any update)
     fp16: bool = True  # fp16 loss scaling (one overflow decision across every weight)
     cross_precision: bool = False  # cmp_*: fp32 masters apart from the half weights computed with
+
+    @property
+    def update_delay(self) -> int:
+        """Steps between the weights a gradient is taken at and the weights it updates: 0 is the
+        plain loop's rule; 1 is PipeDream-2BW's W(t+1) = W(t) - lr grad f(W(t-1))."""
+        return self.weight_versions - 1
 
 
 @dataclass
@@ -80,9 +99,9 @@ class Strategy(ABC):
         return weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live_blocks=cfg.model.num_layers)
 
     @classmethod
-    def layout(cls, cfg) -> dict:
+    def state_layout(cls, cfg) -> dict:
         """How the run's state is split over processes: a checkpoint resumes exactly (RNG streams
-        and all) only under the same strategy and layout; otherwise by parameter name."""
+        and all) only under the same strategy and state layout; otherwise by parameter name."""
         return {"processes": cls.processes(cfg)}
 
     @classmethod
@@ -90,9 +109,48 @@ class Strategy(ABC):
         return f"rank {rank}"
 
     @classmethod
-    def summarize(cls, cfg, reports: list[dict]) -> dict:
+    def combine_reports(cls, cfg, reports: list[dict]) -> dict:
         """results.json's `strategy_report`, from every process's `report()` (rank order)."""
         return reports[0]
+
+    # -- what the planner asks: class level, no process and no tensor -----------------------------
+    # `cfg` is a whole config with the shape's keys set (`plan.candidate_config`); `facts` the
+    # model's sizes; `profile` the machine. Every figure is a prediction.
+    @classmethod
+    @abstractmethod
+    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
+        """Every shape of this strategy that trains `batch` samples a step on at most `workers`
+        workers (devices) for a model of `num_layers` blocks: what the planner may try."""
+
+    @classmethod
+    @abstractmethod
+    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
+        """The predicted step time on `profile`'s machine, composed from the shared formulas of
+        `relaytrain.costmodel` and the profile's per-part times."""
+
+    @classmethod
+    @abstractmethod
+    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
+        """Closed-form device memory of the fullest worker (weights, gradients, optimizer state,
+        activations): prunes hopeless candidates before the dry run, and is shown beside it."""
+
+    @classmethod
+    def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
+        """State one worker keeps in host memory apart from the device's (an eager param server's
+        masters and optimizer state); on a CPU it is the same memory the dry run counts."""
+        return 0
+
+    @classmethod
+    def recomputes(cls, cfg) -> bool:
+        """Whether backward recomputes the forward (a FLOP estimate counts it once more)."""
+        return False
+
+    @classmethod
+    def shape_options(cls, **keys) -> tuple[tuple[str, str], ...]:
+        """The strategy keys of a shape that differ from this strategy's defaults: what its
+        command must set beyond the micro-batches, replicas, stages and recompute."""
+        defaults = {f.name: f.default for f in dataclasses.fields(cls.Config)}
+        return tuple((key, str(value)) for key, value in keys.items() if str(value) != str(defaults.get(key)))
 
     # -- one process's work -------------------------------------------------------------------
     def __init__(self, model: LayeredModel, cfg, world: World):
@@ -184,21 +242,8 @@ def replica_rows(minibatch: list[MicroBatch], replica: int, replicas: int) -> li
     return [mb.rows(rows) for mb in minibatch]
 
 
-def optimizer_words(cfg) -> int:
-    """fp32 words of optimizer state per parameter: two moments for AdamW and LAMB, SGD's momentum."""
-    if cfg.optim.name == "sgd":
-        return 1 if cfg.optim.momentum else 0
-    return 2
-
-
 def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
-    return num_params * FP32 * (2 + optimizer_words(cfg))
-
-
-def activation_bytes_per_block(cfg, dtype_bytes: int) -> int:
-    """Activations one block keeps for backward, for one micro-batch (Korthikanti et al., 2022)."""
-    m, s, b = cfg.model, cfg.data.seq_len, cfg.strategy.microbatch_size
-    return dtype_bytes * (17 * s * b * m.hidden_size + 5 * m.num_heads * s * s * b // 2)
+    return num_params * FP32 * (2 + state_words(cfg.optim))
 
 
 def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries: int = 0) -> int:
@@ -207,7 +252,5 @@ def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries:
     if device_type != "cpu":
         return 0
     m, b, s = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len
-    activations = activation_bytes_per_block(cfg, FP32) * live_blocks + stash_entries * b * s * m.hidden_size * FP32
-    if m.task != "classification":
-        activations += b * s * m.vocab_size * FP32 * 3
-    return activations
+    block = block_activation_bytes(b, s, m.hidden_size, m.num_heads, FP32)
+    return block * live_blocks + stash_entries * b * s * m.hidden_size * FP32 + logits_bytes(b, logits_per_sample(cfg))

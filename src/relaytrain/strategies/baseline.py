@@ -14,12 +14,22 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from relaytrain.checkpoint import load_model_state, model_state, unique_named_parameters
-from relaytrain.config import Choice, StrategyConfig
+from relaytrain.config import Recompute, StrategyConfig
+from relaytrain.costmodel import (
+    ModelFacts,
+    Shape,
+    StepCost,
+    both,
+    optimizer_s,
+    powers_of_two_dividing,
+    stage_bytes,
+)
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch, eval_mode
 from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler
+from relaytrain.profile import Profile
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
     StepResult,
@@ -30,12 +40,6 @@ from relaytrain.strategies.base import (
     scalar,
     weights_grads_optimizer_bytes,
 )
-
-
-class Recompute(Choice):
-    none = "none"  # keep every activation for backward
-    block = "block"  # keep each block's input, recompute the block in backward
-    stage = "stage"  # pipelines: keep each stage's input, recompute the stage in backward
 
 
 @dataclass
@@ -57,9 +61,39 @@ class Baseline(Strategy):
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
         # One micro-batch at a time: every block's activations, or (recompute) one block's and every block's input.
-        recompute = cfg.strategy.recompute == Recompute.block
-        live, stash = (1, cfg.model.num_layers) if recompute else (cfg.model.num_layers, 0)
+        live, stash = (1, cfg.model.num_layers) if cls.recomputes(cfg) else (cfg.model.num_layers, 0)
         return weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live, stash)
+
+    # -- what the planner asks --------------------------------------------------------------------
+    @classmethod
+    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
+        """One worker: every micro-batch size b dividing the batch (m = batch / b), with and
+        without block recompute."""
+        return [Shape(cls.name, b, batch // b, recompute=str(recompute))
+                for b in powers_of_two_dividing(batch) for recompute in (Recompute.none, Recompute.block)]
+
+    @classmethod
+    def recomputes(cls, cfg) -> bool:
+        return cfg.strategy.recompute == Recompute.block
+
+    @classmethod
+    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
+        """L2L paper, Algorithm 1: per micro-batch, the embeddings, every block and the head
+        forward and backward (block recompute: one more forward per block); then one optimizer
+        step over the whole model."""
+        s, n = cfg.strategy, facts.num_layers
+        t = profile.for_workers(1, cfg.train.threads)
+        block, embed, head = (t.part(part, s.microbatch_size) for part in ("block", "embed", "head"))
+        recompute = block.forward_s if cls.recomputes(cfg) else 0.0
+        compute = s.num_microbatches * (both(embed) + n * (both(block) + recompute) + both(head))
+        optimizer = optimizer_s(t, facts, n, embed=True, head=True)
+        return StepCost(compute + optimizer, {"compute": compute, "optimizer": optimizer})
+
+    @classmethod
+    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
+        """The whole model as one stage with one micro-batch in flight."""
+        return stage_bytes(facts, cfg.strategy.microbatch_size, facts.num_layers, facts.params, last=True,
+                           in_flight=1, versions=1, recompute=str(cfg.strategy.recompute))
 
     def __init__(self, model, cfg, world):
         super().__init__(model, cfg, world)
@@ -67,7 +101,7 @@ class Baseline(Strategy):
         self.optimizer = build_optimizer(model.named_parameters(), cfg.optim)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
-        self.recompute = cfg.strategy.recompute == Recompute.block
+        self.recompute = self.recomputes(cfg)
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:

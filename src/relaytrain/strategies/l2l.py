@@ -32,9 +32,7 @@ replicated on every worker, or sharded across them).
 
 from __future__ import annotations
 
-import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -45,24 +43,36 @@ from torch.func import functional_call
 from relaytrain import metrics
 from relaytrain.checkpoint import load_model_state, model_state, unique_named_parameters
 from relaytrain.config import Choice, StrategyConfig, WorkersConfig
-from relaytrain.eps import EagerParamServer, Part, Peers, Shipment
+from relaytrain.costmodel import (
+    FP32,
+    LOOPS_ALWAYS,
+    ModelFacts,
+    Shape,
+    StepCost,
+    allreduce_s,
+    both,
+    powers_of_two_dividing,
+    upload_s,
+)
+from relaytrain.eps import EagerParamServer, Peers, Shipment
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
+from relaytrain.optim import state_words
 from relaytrain.precision import LossScaler
+from relaytrain.profile import Profile, Timings
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
-    FP32,
     Capabilities,
     StepResult,
     Strategy,
     cpu_activation_bytes,
     minibatch_items,
-    optimizer_words,
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.relay import Transfer, Transfers
+from relaytrain.strategies.relay import ActivationStash, WeightRelay, capture_rng, replayed_rng
+from relaytrain.strategies.transfers import Transfers
 
 _PHASE_LABELS = {"forward": "forward", "recompute_backward": "recompute+backward",
                  "transfer_wait": "transfer wait", "optimizer_exposed": "exposed optimizer"}
@@ -87,132 +97,6 @@ class HeadLoss(nn.Module):
         return self._model.head_loss(hidden, labels)
 
 
-# --------------------------------------------------------------------------- weight relay
-
-
-@dataclass
-class Resident:
-    """A part's weights on the device: the autograd leaves its gradients land on."""
-
-    transfer: Transfer
-    leaves: list[torch.Tensor]
-
-
-class WeightRelay:
-    """Brings parts to the device in relay order, never more than `capacity` at once.
-
-    While part k computes, the part of the next visit is uploaded (prefetch). When room is
-    needed, the resident part whose next visit is farthest away leaves; so at the turn-around
-    the last block, needed again right after the head, stays and does not cross twice.
-    """
-
-    def __init__(self, parts: list[Part], transfers: Transfers, device: torch.device, capacity: int, prefetch: bool):
-        self.parts = parts
-        self.transfers = transfers
-        self.capacity = capacity
-        self.prefetch = prefetch and capacity >= 2
-        head = len(parts) - 1
-        self.order = list(range(head + 1)) + list(range(head - 1, -1, -1))
-        # Buffers (position ids) are constant: on the device once, outside the relay.
-        self.buffers = [{n: b.to(device) for n, b in p.module.named_buffers()} for p in parts]
-        self.resident: dict[int, Resident] = {}
-        self.cursor = 0
-        self.peak_resident = 0
-
-    def start_step(self) -> None:
-        """Forget last step's device copies: the EPS has updated every part since."""
-        self.resident.clear()
-        self.cursor = 0
-
-    def next_visit(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-        """The weights of the next part in relay order (for a functional call) and its leaves."""
-        index = self.order[self.cursor]
-        self._make_resident(index)
-        if self.prefetch and self.cursor + 1 < len(self.order):
-            self._make_resident(self.order[self.cursor + 1])
-        self.cursor += 1
-        leaves = self.resident[index].leaves
-        self.transfers.acquire(self.resident[index].transfer)
-        weights = dict(zip(self.parts[index].names, leaves, strict=True)) | self.buffers[index]
-        return weights, leaves
-
-    def _make_resident(self, index: int) -> None:
-        if index in self.resident:
-            return
-        while len(self.resident) >= self.capacity:
-            del self.resident[self._farthest_needed()]
-        transfer = self.transfers.upload(self.parts[index].wires)
-        leaves = [t.requires_grad_(True) for t in transfer.tensors]
-        self.resident[index] = Resident(transfer, leaves)
-        self.peak_resident = max(self.peak_resident, len(self.resident))
-
-    def _farthest_needed(self) -> int:
-        current = self.order[self.cursor]
-
-        def next_use(index: int) -> float:
-            ahead = self.order[self.cursor + 1:]
-            return ahead.index(index) if index in ahead else math.inf
-
-        return max((i for i in self.resident if i != current), key=next_use)
-
-
-# --------------------------------------------------------------------------- activation stash
-
-
-class ActivationStash:
-    """Each block's input per micro-batch, kept on the device or offloaded to the host.
-
-    With `on_host`, `put` starts an asynchronous download and `take` brings the entry back,
-    starting the upload of the entry the backward needs next so it overlaps the recompute.
-    """
-
-    def __init__(self, transfers: Transfers, on_host: bool):
-        self.transfers = transfers
-        self.on_host = on_host
-        self.entries: dict[tuple[int, int], Transfer | torch.Tensor] = {}
-        self.uploads: dict[tuple[int, int], Transfer] = {}
-
-    def put(self, key: tuple[int, int], hidden: torch.Tensor) -> None:
-        self.entries[key] = self.transfers.offload([hidden]) if self.on_host else hidden
-
-    def take(self, key: tuple[int, int], next_key: tuple[int, int] | None) -> torch.Tensor:
-        if not self.on_host:
-            return self.entries.pop(key)
-        transfer = self.uploads.pop(key, None) or self._upload(key)
-        if next_key is not None:
-            self.uploads[next_key] = self._upload(next_key)
-        return self.transfers.acquire(transfer)[0]
-
-    def _upload(self, key: tuple[int, int]) -> Transfer:
-        offloaded = self.entries.pop(key)
-        return self.transfers.upload(offloaded.tensors, after=offloaded.done)
-
-
-# --------------------------------------------------------------------------- RNG replay
-
-
-def capture_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
-@contextmanager
-def replayed_rng(state, device: torch.device):
-    """Run with the RNG as it was at `state` (same dropout masks), then continue the stream as before."""
-    saved = capture_rng(device)
-    _restore_rng(state, device)
-    try:
-        yield
-    finally:
-        _restore_rng(saved, device)
-
-
 # --------------------------------------------------------------------------- the strategy
 
 
@@ -227,21 +111,12 @@ class EpsPlacement(Choice):
 
 
 @dataclass
-class RelayConfig(WorkersConfig, StrategyConfig):
+class L2LConfig(WorkersConfig, StrategyConfig):
+    name: str = "l2l"
+    stash: Stash = Stash.device  # where each block's input waits for the backward (cpu: the preset l2l_stash_cpu)
     prefetch: bool = True  # relay the next part in while the current one computes
     max_resident_blocks: int = 2  # parts on the device at once: the executing one and the prefetched one
     eps: EpsPlacement = EpsPlacement.sharded  # with replicas: where the EPS state lives
-
-
-@dataclass
-class L2LConfig(RelayConfig):
-    name: str = "l2l"
-    stash: Stash = Stash.device  # where each block's input waits for the backward
-
-
-@dataclass
-class L2LStashCpuConfig(RelayConfig):
-    name: str = "l2l_stash_cpu"
 
 
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each extra worker
@@ -257,6 +132,7 @@ class L2L(Strategy):
 
     @classmethod
     def stash_on_host(cls, cfg) -> bool:
+        """Where the block inputs wait: the one rule the run, its estimates and its cost model read."""
         return cfg.strategy.stash == Stash.cpu
 
     @classmethod
@@ -278,21 +154,30 @@ class L2L(Strategy):
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
         s, m = cfg.strategy, cfg.model
-        sharded = s.replicas > 1 and s.eps == EpsPlacement.sharded
-        # fp32 masters on every worker; gradients and optimizer state on all, or on the owners only.
-        state_words = (1 + optimizer_words(cfg)) / (s.replicas if sharded else 1)
-        per_worker = num_params * FP32 * (1 + state_words + 1)  # + transit copies of what crosses to the device
-        stash_entries = m.num_layers * s.num_microbatches
-        per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=stash_entries)
+        per_worker = cls._eps_state_bytes(cfg, num_params) + num_params * FP32  # + transit copies of what crosses
+        per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
         if device_type != "cpu" and cls.stash_on_host(cfg):  # the stash waits in host memory
-            half = str(cfg.precision.name).startswith("cmp")
-            per_worker += stash_entries * s.microbatch_size * cfg.data.seq_len * m.hidden_size * (2 if half else FP32)
+            per_worker += cls._host_stash_bytes(cfg, 2 if str(cfg.precision.name).startswith("cmp") else FP32)
         if s.replicas > 1:
             per_worker += WORKER_OVERHEAD_BYTES
         return int(s.replicas * per_worker)
 
     @classmethod
-    def layout(cls, cfg) -> dict:
+    def _eps_state_bytes(cls, cfg, num_params: int) -> float:
+        """The eager param server on one worker's host: the fp32 masters, and their gradients and
+        optimizer state (sharded over the replicas: on each part's owner only)."""
+        s = cfg.strategy
+        share = s.replicas if s.replicas > 1 and s.eps == EpsPlacement.sharded else 1
+        return num_params * FP32 * (1 + (1 + state_words(cfg.optim)) / share)
+
+    @classmethod
+    def _host_stash_bytes(cls, cfg, value_bytes: int) -> int:
+        """Every block's input for every micro-batch, waiting in host memory (stash on the host)."""
+        s, m = cfg.strategy, cfg.model
+        return m.num_layers * s.num_microbatches * s.microbatch_size * cfg.data.seq_len * m.hidden_size * value_bytes
+
+    @classmethod
+    def state_layout(cls, cfg) -> dict:
         s = cfg.strategy
         return {"replicas": s.replicas, "eps": str(s.eps) if s.replicas > 1 else "local"}
 
@@ -301,7 +186,7 @@ class L2L(Strategy):
         return f"rank {rank} (replica {rank} of {cfg.strategy.replicas})"
 
     @classmethod
-    def summarize(cls, cfg, reports: list[dict]) -> dict:
+    def combine_reports(cls, cfg, reports: list[dict]) -> dict:
         summary = dict(reports[0])
         if len(reports) > 1:
             summary["per_worker"] = [r["replica"] for r in reports]
@@ -314,6 +199,69 @@ class L2L(Strategy):
                 "gradient sums s/step (exposed)": f"{total / steps:.3f} ({exposed / steps:.3f})",
             }
         return summary
+
+    # -- what the planner asks --------------------------------------------------------------------
+    @classmethod
+    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
+        """Any number of replicas w that divides the batch, each micro-batch size b of a worker's
+        share (the inner loop u = batch / (w b)), the stash on the device or on the host."""
+        return [Shape(cls.name, b, batch // (w * b), w, 1, LOOPS_ALWAYS, cls.shape_options(stash=stash))
+                for w in range(1, workers + 1) if batch % w == 0
+                for b in powers_of_two_dividing(batch // w) for stash in Stash]
+
+    @classmethod
+    def recomputes(cls, cfg) -> bool:
+        return True  # every block is recomputed from its stashed input in backward
+
+    @classmethod
+    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
+        """L2L paper §2.2.1, equations 1-6: with C the forward of one block on one micro-batch and
+        X the transfer of one block, a minibatch of u micro-batches costs N (4uC + 2X): forward
+        uC + X, recompute and backward 3uC + X. Here the measured forward and backward replace C
+        and 2C, and with `strategy.prefetch` a transfer overlaps the compute of the part before
+        it, so each part costs the larger of the two rather than their sum. The stash on the host
+        adds, per block, every micro-batch's input down in forward and up in backward. The eager
+        param server updates each part on the host while the parts below compute (only what
+        outlasts the backward is exposed) and, with replicas, each part's gradients are summed
+        over them in the background the same way."""
+        s, n = cfg.strategy, facts.num_layers
+        b, u, overlap = s.microbatch_size, s.num_microbatches, bool(s.prefetch)
+        t = profile.for_workers(s.replicas, cfg.train.threads)
+        block, embed, head = (t.part(part, b) for part in ("block", "embed", "head"))
+        x_block, x_embed, x_head = (upload_s(params * facts.weight_bytes, profile)
+                                    for params in (facts.block_params, facts.embed_params, facts.head_params))
+        stash = u * upload_s(facts.boundary_bytes(b), profile) if cls.stash_on_host(cfg) else 0.0
+        forward = (_relayed(u * embed.forward_s, x_embed, overlap)
+                   + n * _relayed(u * block.forward_s, max(x_block, stash), overlap))
+        turnaround = _relayed(u * both(head), x_head, overlap)
+        backward = (n * _relayed(u * (block.forward_s + block.backward_s), x_block + stash, overlap)
+                    + _relayed(u * both(embed), x_embed, overlap))
+        compute = u * (both(embed) + embed.forward_s + n * (2 * block.forward_s + block.backward_s) + both(head))
+        transfers = 2 * (n * x_block + x_embed) + x_head + 2 * n * stash
+        optimizer, sums = _eps_exposed(cfg, facts, profile, t, backward)
+        parts = {"compute": compute, "transfers": transfers, "optimizer (exposed)": optimizer}
+        if s.replicas > 1:
+            parts["gradient sums (exposed)"] = sums
+        notes = [] if profile.host_to_device_bytes_per_s else ["the device is the host: nothing crosses a link"]
+        return StepCost(forward + turnaround + backward + optimizer + sums, parts, notes)
+
+    @classmethod
+    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
+        """Two resident parts with their gradients, the stash (on the device: every block's input
+        for every micro-batch; on the host: the entries in transit), the gradients travelling
+        down, one block's activations and the head's."""
+        b, u = cfg.strategy.microbatch_size, cfg.strategy.num_microbatches
+        largest_part = max(facts.embed_params, facts.block_params, facts.head_params)
+        resident = 2 * largest_part * facts.weight_bytes * 2  # two parts, weights and gradients
+        entries = 2 if cls.stash_on_host(cfg) else u * facts.num_layers
+        in_flight = (entries + u) * facts.boundary_bytes(b)
+        return int(resident + in_flight + facts.block_activation_bytes(b) + facts.head_activation_bytes(b))
+
+    @classmethod
+    def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
+        """The eager param server's state, and the stash where it waits on the host."""
+        stash = cls._host_stash_bytes(cfg, facts.activation_bytes) if cls.stash_on_host(cfg) else 0
+        return int(cls._eps_state_bytes(cfg, facts.params) + stash)
 
     # -- one worker ---------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
@@ -552,17 +500,6 @@ class L2L(Strategy):
         self.eps.close()
 
 
-@register("l2l_stash_cpu")
-class L2LStashCpu(L2L):
-    """L2L with every block input offloaded to host memory: device memory constant in depth."""
-
-    Config = L2LStashCpuConfig
-
-    @classmethod
-    def stash_on_host(cls, cfg) -> bool:
-        return True
-
-
 def _aligned(size: int, present: list[int], tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """`tensors` at the positions `present` of a list of `size` (None where a leaf had no gradient)."""
     out: list[torch.Tensor | None] = [None] * size
@@ -576,3 +513,53 @@ def _next_stash_key(index: int, u: int, num_microbatches: int) -> tuple[int, int
     if u + 1 < num_microbatches:
         return index, u + 1
     return (index - 1, 0) if index > 1 else None
+
+
+# --------------------------------------------------------------------------- the cost model's parts
+
+
+def _relayed(compute_s: float, transfer_s: float, overlap: bool) -> float:
+    """A part's time: its compute and its transfer overlap with prefetch, else they add up."""
+    return max(compute_s, transfer_s) if overlap else compute_s + transfer_s
+
+
+def _eps_exposed(cfg, facts: ModelFacts, profile: Profile, t: Timings, backward_s: float) -> tuple[float, float]:
+    """The eager param server's updates and (replicas) gradient sums not hidden by the backward.
+
+    On a GPU machine both run on the host and the links beside the device's backward of the
+    parts below; what outlasts the backward (at least the embeddings' own update and sum, the
+    last to start) is exposed. On a CPU they run on the cores the backward uses: all of it
+    counts. A sharded EPS updates each part once, on its owner: a worker's share is 1 / w.
+    """
+    s = cfg.strategy
+    share = 1 / s.replicas if str(s.eps) == "sharded" else 1.0
+    update_embed, updates = _eps_updates_s(facts, profile, t)
+    sums = allreduce_s(facts.params * facts.weight_bytes, s.replicas, profile, messages=facts.num_layers + 2)
+    last_sum = allreduce_s(facts.embed_params * facts.weight_bytes, s.replicas, profile)
+    if profile.device_type == "cpu":
+        return updates * share, sums
+    return max(update_embed * share, updates * share - backward_s), max(last_sum, sums - backward_s)
+
+
+def _eps_updates_s(facts: ModelFacts, profile: Profile, t: Timings) -> tuple[float, float]:
+    """Seconds of the embeddings' update, and of every part's: on a CPU the optimizer steps timed
+    with the worker's threads, on a GPU machine the host's optimizer rate."""
+    ends = facts.embed_params + facts.head_params
+    if profile.device_type == "cpu":
+        embed = t.optimizer_ends_s * facts.embed_params / max(ends, 1)
+        return embed, facts.num_layers * t.optimizer_block_s + t.optimizer_ends_s
+    per_param = profile.host_optimizer_s_per_param
+    return facts.embed_params * per_param, facts.params * per_param
+
+
+def paper_step_s(num_layers: int, u: int, c: float, x: float) -> float:
+    """Equation 4 of the L2L paper: N (u C + X) forward + N (3 u C + X) recompute and backward."""
+    return num_layers * (4 * u * c + 2 * x)
+
+
+def paper_transfer_overhead(u: int, c: float, x: float) -> float:
+    """The share of an L2L step spent on transfers, from equation 6: 2X / (4uC + 2X).
+
+    1 when nothing computes, X / (2C + X) without inner looping (u = 1), and falling to 0 as
+    u grows: the inner loop amortises each block's transfer over u micro-batches."""
+    return 2 * x / (4 * u * c + 2 * x)

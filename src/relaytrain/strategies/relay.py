@@ -1,102 +1,147 @@
-"""Host <-> device transfers for the relay, ordered by CUDA streams and events.
+"""The relay of L2L (Algorithm 2 of the L2L paper): parts of the model travel to the device
+one visit at a time, block inputs wait for the backward in a stash, and a recomputed block
+replays its forward's random stream.
 
-On CUDA, uploads (weights, stash coming back) run on a copy stream and downloads
-(gradients, stash going out) on an offload stream, both from/to pinned host memory so the
-copies are asynchronous DMA that overlaps with compute. Every transfer returns a
-`Transfer` whose event its consumer waits on before reading: the compute stream for
-uploads, the EPS worker or a later upload for downloads. Tensors created on one stream and
-used on another are `record_stream`-ed so the caching allocator never recycles memory a
-stream still reads.
+- `WeightRelay` brings the parts to the device in relay order (embed, blocks, head, blocks in
+  reverse, embed), never more than a fixed number at once, prefetching the next visit.
+- `ActivationStash` keeps each block's input per micro-batch on the device, or on the host.
+- `replayed_rng` gives a recomputed block the dropout masks of its first forward.
 
-On the CPU the device *is* the host: an upload is a detached alias of the host tensor and a
-download hands the tensor over as it is, with no events; the relay code above is the same.
-
-In a dry run (the meta device) host and device tensors are both shapes on the meta device:
-an upload is then a copy (device memory the dry run counts), a download a copy declared as
-host memory (`memory.on_host`), so the simulated device memory is the CUDA run's.
+The strategy that walks the relay and feeds the eager param server is `l2l.py`.
 """
 
 from __future__ import annotations
 
-import time
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from relaytrain.memory import on_host
+from relaytrain.eps import Part
+from relaytrain.strategies.transfers import Transfer, Transfers
+
+# --------------------------------------------------------------------------- weight relay
 
 
 @dataclass
-class Transfer:
-    tensors: list[torch.Tensor]
-    done: torch.cuda.Event | None = None  # None: already complete (CPU)
+class Resident:
+    """A part's weights on the device: the autograd leaves its gradients land on."""
+
+    transfer: Transfer
+    leaves: list[torch.Tensor]
 
 
-class Transfers:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.dry = device.type == "meta"
-        self.upload_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.offload_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.wait_s = 0.0  # host time blocked on uploads the compute needed and did not have yet
+class WeightRelay:
+    """Brings parts to the device in relay order, never more than `capacity` at once.
 
-    def upload(self, host: list[torch.Tensor], after: torch.cuda.Event | None = None) -> Transfer:
-        """Copy host tensors to the device on the copy stream (after `after`, e.g. an offload)."""
-        if self.dry:
-            return Transfer([t.detach().clone() for t in host])
-        if not self.cuda:
-            return Transfer([t.detach() for t in host])
-        with torch.cuda.stream(self.upload_stream):
-            if after is not None:
-                self.upload_stream.wait_event(after)
-            out = [t.to(self.device, non_blocking=True) for t in host]
-            return Transfer(out, _record(self.upload_stream))
+    While part k computes, the part of the next visit is uploaded (prefetch). When room is
+    needed, the resident part whose next visit is farthest away leaves; so at the turn-around
+    the last block, needed again right after the head, stays and does not cross twice.
+    """
 
-    def offload(self, device_tensors: list[torch.Tensor], host_out: list[torch.Tensor] | None = None) -> Transfer:
-        """Copy device tensors to (pinned) host memory on the offload stream, after the compute so far."""
-        if self.dry:
-            with on_host():
-                return Transfer([t.detach().clone() for t in device_tensors])
-        if not self.cuda:
-            return Transfer([t.detach() for t in device_tensors])
-        self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.offload_stream):
-            if host_out is None:
-                host_out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_tensors]
-            for h, t in zip(host_out, device_tensors, strict=True):
-                h.copy_(t, non_blocking=True)
-                t.record_stream(self.offload_stream)
-            return Transfer(host_out, _record(self.offload_stream))
+    def __init__(self, parts: list[Part], transfers: Transfers, device: torch.device, capacity: int, prefetch: bool):
+        self.parts = parts
+        self.transfers = transfers
+        self.capacity = capacity
+        self.prefetch = prefetch and capacity >= 2
+        head = len(parts) - 1
+        self.order = list(range(head + 1)) + list(range(head - 1, -1, -1))
+        # Buffers (position ids) are constant: on the device once, outside the relay.
+        self.buffers = [{n: b.to(device) for n, b in p.module.named_buffers()} for p in parts]
+        self.resident: dict[int, Resident] = {}
+        self.cursor = 0
+        self.peak_resident = 0
 
-    def collective(self, start, tensor: torch.Tensor):
-        """Start a collective over `tensor` after the compute so far. On CUDA it runs on the offload
-        stream, which waits for it, so an `offload` queued next copies its result; the host
-        needs nothing more (None). On the CPU the caller gets the work to wait on."""
-        if not self.cuda:
-            return start()
-        self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.offload_stream):
-            tensor.record_stream(self.offload_stream)
-            start().wait()  # a stream wait (NCCL), not a host one
-        return None
+    def start_step(self) -> None:
+        """Forget last step's device copies: the EPS has updated every part since."""
+        self.resident.clear()
+        self.cursor = 0
 
-    def acquire(self, transfer: Transfer) -> list[torch.Tensor]:
-        """The uploaded tensors, safe to compute on from the current stream."""
-        if transfer.done is not None:
-            if not transfer.done.query():
-                start = time.perf_counter()
-                transfer.done.synchronize()
-                self.wait_s += time.perf_counter() - start
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(transfer.done)
-            for t in transfer.tensors:
-                t.record_stream(stream)
-            transfer.done = None
-        return transfer.tensors
+    def next_visit(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """The weights of the next part in relay order (for a functional call) and its leaves."""
+        index = self.order[self.cursor]
+        self._make_resident(index)
+        if self.prefetch and self.cursor + 1 < len(self.order):
+            self._make_resident(self.order[self.cursor + 1])
+        self.cursor += 1
+        leaves = self.resident[index].leaves
+        self.transfers.acquire(self.resident[index].transfer)
+        weights = dict(zip(self.parts[index].names, leaves, strict=True)) | self.buffers[index]
+        return weights, leaves
+
+    def _make_resident(self, index: int) -> None:
+        if index in self.resident:
+            return
+        while len(self.resident) >= self.capacity:
+            del self.resident[self._farthest_needed()]
+        transfer = self.transfers.upload(self.parts[index].wires)
+        leaves = [t.requires_grad_(True) for t in transfer.tensors]
+        self.resident[index] = Resident(transfer, leaves)
+        self.peak_resident = max(self.peak_resident, len(self.resident))
+
+    def _farthest_needed(self) -> int:
+        current = self.order[self.cursor]
+
+        def next_use(index: int) -> float:
+            ahead = self.order[self.cursor + 1:]
+            return ahead.index(index) if index in ahead else math.inf
+
+        return max((i for i in self.resident if i != current), key=next_use)
 
 
-def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
+# --------------------------------------------------------------------------- activation stash
+
+
+class ActivationStash:
+    """Each block's input per micro-batch, kept on the device or offloaded to the host.
+
+    With `on_host`, `put` starts an asynchronous download and `take` brings the entry back,
+    starting the upload of the entry the backward needs next so it overlaps the recompute.
+    """
+
+    def __init__(self, transfers: Transfers, on_host: bool):
+        self.transfers = transfers
+        self.on_host = on_host
+        self.entries: dict[tuple[int, int], Transfer | torch.Tensor] = {}
+        self.uploads: dict[tuple[int, int], Transfer] = {}
+
+    def put(self, key: tuple[int, int], hidden: torch.Tensor) -> None:
+        self.entries[key] = self.transfers.offload([hidden]) if self.on_host else hidden
+
+    def take(self, key: tuple[int, int], next_key: tuple[int, int] | None) -> torch.Tensor:
+        if not self.on_host:
+            return self.entries.pop(key)
+        transfer = self.uploads.pop(key, None) or self._upload(key)
+        if next_key is not None:
+            self.uploads[next_key] = self._upload(next_key)
+        return self.transfers.acquire(transfer)[0]
+
+    def _upload(self, key: tuple[int, int]) -> Transfer:
+        offloaded = self.entries.pop(key)
+        return self.transfers.upload(offloaded.tensors, after=offloaded.done)
+
+
+# --------------------------------------------------------------------------- RNG replay
+
+
+def capture_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+@contextmanager
+def replayed_rng(state, device: torch.device):
+    """Run with the RNG as it was at `state` (same dropout masks), then continue the stream as before."""
+    saved = capture_rng(device)
+    _restore_rng(state, device)
+    try:
+        yield
+    finally:
+        _restore_rng(saved, device)

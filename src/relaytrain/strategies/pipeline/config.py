@@ -6,8 +6,7 @@ No `from __future__ import annotations` here: the field types stay real types, s
 
 from dataclasses import dataclass
 
-from relaytrain.config import Choice, StrategyConfig, WorkersConfig
-from relaytrain.strategies.baseline import Recompute
+from relaytrain.config import Choice, Recompute, StrategyConfig, WorkersConfig
 
 
 class Offload(Choice):

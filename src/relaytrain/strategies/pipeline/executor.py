@@ -23,22 +23,32 @@ slice the stage has done the same actions in either mode.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from relaytrain.metrics import PhaseTimer
+from relaytrain.strategies.pipeline.comms import Comms, Mailbox
 from relaytrain.strategies.pipeline.schedule import Action, Op, SlicePlan
 from relaytrain.strategies.pipeline.validate import ScheduleError, StageInvariants
-
-if TYPE_CHECKING:
-    from relaytrain.strategies.pipeline.runtime import PipelineStrategy
 
 RECEIVE = (Op.RECV_ACT, Op.RECV_GRAD)
 RECVS_AHEAD = 1  # receives posted ahead of their action, per direction (see Comms.async_p2p)
 
 
+class Stage(Protocol):
+    """What an executor needs of the stage it drives (`runtime.PipelineStrategy`)."""
+
+    stage: int
+    comms: Comms
+    mailbox: Mailbox
+    timer: PhaseTimer
+
+    def do(self, action: Action) -> None: ...
+
+
 class StaticExecutor:
     """The program's order."""
 
-    def __init__(self, stage: PipelineStrategy):
+    def __init__(self, stage: Stage):
         self.stage = stage
 
     def run(self, program: list[Action], start: int, end: int, invariants: StageInvariants) -> None:
@@ -94,7 +104,7 @@ def preferred(plan: SlicePlan, ready: list[Action], invariants: StageInvariants)
 class MessageDrivenExecutor:
     """Whichever permitted unit has its message; `preferred`'s choice when both have."""
 
-    def __init__(self, stage: PipelineStrategy):
+    def __init__(self, stage: Stage):
         self.stage = stage
         self.units = 0  # units run
         self.out_of_order = 0  # of which, run while the program's next unit was another one

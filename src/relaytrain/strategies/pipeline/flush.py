@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from relaytrain.strategies import register
 from relaytrain.strategies.pipeline.runtime import PipelineConfig, PipelineStrategy
+from relaytrain.strategies.pipeline.schedule import FlushSchedule
 
 
 @dataclass
@@ -17,4 +18,4 @@ class FlushConfig(PipelineConfig):
 @register("pipe_flush")
 class Flush(PipelineStrategy):
     Config = FlushConfig
-    schedule = "pipe_flush"
+    schedule = FlushSchedule

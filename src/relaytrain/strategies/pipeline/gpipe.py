@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from relaytrain.strategies import register
 from relaytrain.strategies.pipeline.runtime import PipelineConfig, PipelineStrategy
+from relaytrain.strategies.pipeline.schedule import GPipeSchedule
 
 
 @dataclass
@@ -18,4 +19,4 @@ class GPipeConfig(PipelineConfig):
 @register("pipe_gpipe")
 class GPipe(PipelineStrategy):
     Config = GPipeConfig
-    schedule = "gpipe"
+    schedule = GPipeSchedule

@@ -41,7 +41,7 @@ from relaytrain.precision import LossScaler
 from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.pipeline.stage import StageModule
 from relaytrain.strategies.pipeline.weights import VersionBuffers
-from relaytrain.strategies.relay import Transfers
+from relaytrain.strategies.transfers import Transfers
 
 FAILURE_POLL_S = 0.05  # how often a stage waiting for an update checks that the EPS worker has not failed
 

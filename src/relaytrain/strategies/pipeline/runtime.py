@@ -21,6 +21,7 @@ kind of work. Where the weights live is `weights.py` (on the device) or `offload
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -29,21 +30,33 @@ from typing import ClassVar
 import torch
 
 from relaytrain import memory
+from relaytrain.config import Recompute
+from relaytrain.costmodel import (
+    FP32,
+    ModelFacts,
+    Shape,
+    StepCost,
+    allreduce_s,
+    both,
+    optimizer_s,
+    p2p_s,
+    powers_of_two_dividing,
+    stage_bytes,
+)
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch, eval_mode
+from relaytrain.optim import state_words
+from relaytrain.profile import Profile, Timings
 from relaytrain.strategies.base import (
-    FP32,
     Capabilities,
     StepResult,
     Strategy,
     cpu_activation_bytes,
     minibatch_items,
-    optimizer_words,
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.baseline import Recompute
 from relaytrain.strategies.pipeline.comms import (
     TIED_TAG,
     Comms,
@@ -58,17 +71,11 @@ from relaytrain.strategies.pipeline.config import Execution, Offload, PipelineCo
 from relaytrain.strategies.pipeline.executor import MessageDrivenExecutor, StaticExecutor
 from relaytrain.strategies.pipeline.jitter import ENV, StageJitter
 from relaytrain.strategies.pipeline.offload import HostVersions
-from relaytrain.strategies.pipeline.schedule import (
-    Action,
-    Op,
-    build_schedule,
-    check_shape,
-    stop_points,
-    weight_version,
-)
+from relaytrain.strategies.pipeline.schedule import Action, Op, Schedule, stop_points
 from relaytrain.strategies.pipeline.stage import StageModule, partition
-from relaytrain.strategies.pipeline.validate import StageInvariants, bubble_formula, check_schedule, simulate
+from relaytrain.strategies.pipeline.validate import StageInvariants, check_schedule, simulate
 from relaytrain.strategies.pipeline.weights import VersionBuffers, WeightVersions
+from relaytrain.units import gib
 
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each worker
 
@@ -88,11 +95,18 @@ class Segment:
 
 
 class PipelineStrategy(Strategy):
-    """One stage of one replica of a pipeline; subclasses name their schedule."""
+    """One stage of one replica of a pipeline; subclasses name their schedule class, and what
+    the strategy can honour follows from it."""
 
     Config = PipelineConfig
     capabilities = Capabilities(grad_clip=False, fp16=False)
-    schedule: ClassVar[str] = ""  # the kind `schedule.build_schedule` makes
+    schedule: ClassVar[type[Schedule]]  # the program each stage runs, and its rules
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "schedule" in cls.__dict__:  # one owner for each rule: the schedule says, the strategy follows
+            cls.stop_lag = cls.schedule.stop_lag
+            cls.capabilities = dataclasses.replace(cls.capabilities, weight_versions=cls.schedule.weight_versions)
 
     # -- what it needs -----------------------------------------------------------------------
     @classmethod
@@ -121,8 +135,8 @@ class PipelineStrategy(Strategy):
         if s.layout is not None and (len(s.layout) != s.stages or sum(s.layout) != m.num_layers or min(s.layout) < 1):
             raise ConfigError(f"strategy.layout={list(s.layout)} must give {s.stages} positive block counts "
                               f"summing to model.num_layers={m.num_layers}")
-        check_shape(cls.schedule, s.stages, s.num_microbatches, cfg.train.steps)
-        check_schedule(build_schedule(cls.schedule, s.stages, s.num_microbatches, min(cfg.train.steps, 3)))
+        cls.schedule.check_shape(s.stages, s.num_microbatches, cfg.train.steps)
+        check_schedule(cls.schedule.build(s.stages, s.num_microbatches, min(cfg.train.steps, 3)))
         jitter = StageJitter.from_environment()
         if jitter is not None and jitter.stage >= s.stages:
             raise ConfigError(f"{ENV} slows stage {jitter.stage}, but the pipeline has stages 0 to {s.stages - 1}")
@@ -130,10 +144,10 @@ class PipelineStrategy(Strategy):
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
         s = cfg.strategy
-        versions = cls.capabilities.weight_versions
-        in_flight = min(s.stages, s.num_microbatches) if cls.schedule != "gpipe" else s.num_microbatches
+        versions = cls.schedule.weight_versions
+        in_flight = cls.schedule.in_flight(s.stages, s.num_microbatches, stage=0)  # the first stage holds the most
         masters = 1 if s.offload == Offload.host else 0  # host copies of the weights, apart from the working ones
-        per_replica = num_params * FP32 * (versions + 1 + optimizer_words(cfg) + masters)
+        per_replica = num_params * FP32 * (versions + 1 + state_words(cfg.optim) + masters)
         if s.recompute == Recompute.none:
             per_replica += cpu_activation_bytes(cfg, device_type, live_blocks=cfg.model.num_layers * in_flight)
         else:
@@ -144,7 +158,7 @@ class PipelineStrategy(Strategy):
         return int(workers + s.replicas * per_replica)
 
     @classmethod
-    def layout(cls, cfg) -> dict:
+    def state_layout(cls, cfg) -> dict:
         s = cfg.strategy
         return {"stages": [len(r) for r in partition(cfg.model.num_layers, s.stages, s.layout)],
                 "replicas": s.replicas}
@@ -154,15 +168,15 @@ class PipelineStrategy(Strategy):
         return Topology(cfg.strategy.stages, cfg.strategy.replicas).describe(rank)
 
     @classmethod
-    def summarize(cls, cfg, reports: list[dict]) -> dict:
+    def combine_reports(cls, cfg, reports: list[dict]) -> dict:
         """Per-stage figures and the bubble (idle share of step time, measured over the steps
         after warm-up), next to what the bubble formula and the schedule's dry run predict."""
         s = cfg.strategy
         stages = [r["stage_figures"] for r in reports]
         measured = sum(st["bubble_fraction"] for st in stages) / len(stages)
-        formula = bubble_formula(s.stages, s.num_microbatches) if cls.schedule != "pipe_2bw" else 0.0
-        simulated = simulate(build_schedule(cls.schedule, s.stages, s.num_microbatches, cfg.train.steps)).bubble_fraction()
-        layout = cls.layout(cfg)["stages"]
+        formula = cls.schedule.bubble(s.stages, s.num_microbatches)
+        simulated = simulate(cls.schedule.build(s.stages, s.num_microbatches, cfg.train.steps)).bubble_fraction()
+        layout = cls.state_layout(cfg)["stages"]
         return {
             "stages": s.stages,
             "replicas": s.replicas,
@@ -173,7 +187,7 @@ class PipelineStrategy(Strategy):
             "bubble_fraction_measured": measured,
             "bubble_fraction_formula": formula,
             "bubble_fraction_schedule": simulated,
-            "bubble_note": "formula: (d-1)/(m+d-1) per flush; pipe_2bw has no flush (0 in steady state). "
+            "bubble_note": f"formula: {cls.schedule.bubble_words(s.stages, s.num_microbatches)}; "
                            "schedule: dry run of the whole run with backward = 2 x forward",
             "summary": {
                 "pipeline": f"{s.stages} stages x {s.replicas} replicas, blocks {layout}",
@@ -183,6 +197,80 @@ class PipelineStrategy(Strategy):
                 **_stage_rows(stages),
             },
         }
+
+    # -- what the planner asks --------------------------------------------------------------------
+    @classmethod
+    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
+        """Every worker in the pipeline: w x d = workers with 2 <= d <= the model's blocks and w
+        dividing the batch; each micro-batch size b of a replica's share with m = batch / (w b) as
+        the schedule allows; no recompute, block or stage recompute."""
+        return [Shape(cls.name, b, batch // (workers // d * b), workers // d, d, str(recompute))
+                for d in range(2, min(workers, num_layers) + 1) if workers % d == 0 and batch % (workers // d) == 0
+                for b in powers_of_two_dividing(batch // (workers // d))
+                if cls.schedule.refusal(d, batch // (workers // d * b)) is None
+                for recompute in Recompute]
+
+    @classmethod
+    def recomputes(cls, cfg) -> bool:
+        return cfg.strategy.recompute != Recompute.none
+
+    @classmethod
+    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
+        """PipeDream-2BW's THROUGHPUT(.) (§4.2.1) for one minibatch of m micro-batches on d stages
+        x w replicas: stage i costs t_i = max(T_i^comp, T_i^comm) per micro-batch, compute (with
+        recompute) and the activations and gradients exchanged with its neighbours overlapping;
+        the schedule composes the minibatch from the t_i (filled and drained once, or kept full).
+        Then the all-reduce of each stage's gradients across the replicas (hidden under the next
+        minibatch where the schedule lets it) and the stage's optimizer step."""
+        s = cfg.strategy
+        m, d, b = s.num_microbatches, s.stages, s.microbatch_size
+        t = profile.for_workers(cls.processes(cfg), cfg.train.threads)
+        compute = cls._stage_times(cfg, t)
+        exchange = p2p_s(facts.boundary_bytes(b), cls.processes(cfg), profile)
+        slots = [max(work, exchange) for work in compute]
+        pipeline = cls.schedule.minibatch_time(slots, m)
+        stages = cls._stages(cfg)
+        sums = max(allreduce_s(facts.stage_params(*stage) * FP32, s.replicas, profile) for stage in stages)
+        hidden = cls.schedule.hides_gradient_sums and profile.device_type != "cpu"  # a CPU sums on the cores that compute
+        exposed_sums = max(0.0, sums - pipeline) if hidden else sums
+        optimizer = max(optimizer_s(t, facts, *stage) for stage in stages)
+        parts = {"compute": m * max(compute), "bubble": pipeline - m * max(slots),
+                 "activations exchange": 2 * m * exchange, "gradient sums (exposed)": exposed_sums,
+                 "optimizer": optimizer}
+        return StepCost(pipeline + exposed_sums + optimizer, parts,
+                        [f"bubble {cls.schedule.bubble_words(d, m)}"])
+
+    @classmethod
+    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
+        """The fullest stage's MEMORY(.): its weight versions, gradients and optimizer state, and
+        the activations of the micro-batches its schedule keeps in flight there."""
+        s = cfg.strategy
+        return max(stage_bytes(facts, s.microbatch_size, blocks, facts.stage_params(blocks, first, last), last,
+                               cls.schedule.in_flight(s.stages, s.num_microbatches, i), cls.schedule.weight_versions,
+                               str(s.recompute))
+                   for i, (blocks, first, last) in enumerate(cls._stages(cfg)))
+
+    @classmethod
+    def _stages(cls, cfg) -> list[tuple[int, bool, bool]]:
+        """(blocks, holds the embeddings, holds the head) of each stage."""
+        s = cfg.strategy
+        counts = [len(r) for r in partition(cfg.model.num_layers, s.stages, s.layout)]
+        return [(n, i == 0, i == len(counts) - 1) for i, n in enumerate(counts)]
+
+    @classmethod
+    def _stage_times(cls, cfg, t: Timings) -> list[float]:
+        """T_i^comp: each stage's forward + backward (+ recompute) seconds for one micro-batch."""
+        b, recompute = cfg.strategy.microbatch_size, cfg.strategy.recompute
+        block, embed, head = (t.part(part, b) for part in ("block", "embed", "head"))
+        times = []
+        for blocks, first, last in cls._stages(cfg):
+            work = blocks * both(block) + (both(embed) if first else 0.0) + (both(head) if last else 0.0)
+            if recompute == Recompute.block:
+                work += blocks * block.forward_s
+            elif recompute == Recompute.stage:
+                work += blocks * block.forward_s + (embed.forward_s if first else 0.0) + (head.forward_s if last else 0.0)
+            times.append(work)
+        return times
 
     # -- one stage -----------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
@@ -267,7 +355,7 @@ class PipelineStrategy(Strategy):
 
     def _segment(self, first: int, end: int) -> Segment:
         s = self.cfg.strategy
-        schedule = build_schedule(self.schedule, s.stages, self.m, end, first)
+        schedule = self.schedule.build(s.stages, self.m, end, first)
         program = schedule.actions(self.stage)
         starts = {c: i for i, c in stop_points(program, self.m).items()}
         starts[first] = 0
@@ -347,7 +435,7 @@ class PipelineStrategy(Strategy):
 
     # -- updates ------------------------------------------------------------------------------
     def reduce_grads(self, a: Action) -> None:
-        grads = self.versions.take_grads(weight_version(self.schedule, a.batch * self.m, self.m))
+        grads = self.versions.take_grads(self.schedule.weight_version(a.batch * self.m, self.m))
         reduction = GradReduction(self.comms, grads, self.num_tied, self.tied_recvs.pop(a.batch, None))
         self.reductions[a.batch] = reduction
         for work, tensor in reduction.sends:
@@ -491,9 +579,9 @@ def _stage_rows(stages: list[dict]) -> dict[str, str]:
     rows = {"stage message wait (s/step)": each(per_step("message_wait_s")),
             "stage exposed update (s/step)": each(per_step("exposed_update_s"))}
     if all(st["device_peak_bytes"] is not None for st in stages):
-        rows["stage device peak"] = each(lambda st: _size(st["device_peak_bytes"]))
+        rows["stage device peak"] = each(lambda st: gib(st["device_peak_bytes"]))
     if any(st["host_offload_bytes"] for st in stages):
-        rows["stage host offload: masters + optimizer"] = each(lambda st: _size(sum(st["host_offload_bytes"].values())))
+        rows["stage host offload: masters + optimizer"] = each(lambda st: gib(sum(st["host_offload_bytes"].values())))
     if "units" in stages[0]:
         rows["stage units run out of static order"] = each(lambda st: f"{st['out_of_order']}/{st['units']}")
     for st in stages:
@@ -503,7 +591,3 @@ def _stage_rows(stages: list[dict]) -> dict[str, str]:
                 f"stage {delay['stage']}: U[0, {delay['max_fraction']:.0%}) of each compute, seed {delay['seed']}, "
                 f"{delay['added_s']:.2f} s added")
     return rows
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

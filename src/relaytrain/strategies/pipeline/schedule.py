@@ -1,28 +1,24 @@
-"""Pipeline schedules as data: what each stage does, step by step (no torch, no processes).
+"""Pipeline schedules as data: what each stage does, step by step (no tensors, no processes).
 
-A schedule is a pure function of (kind, stages d, micro-batches per update m, batches n), or
-of the batches [first, n) a run resumed from a checkpoint at step `first` still has to do.
-Each stage gets a *program*: a list of steps, each step a short list of `Action`s around
-one unit of work (receive, compute, send), as DeepSpeed's instruction generators yield
-them. The runtime (`runtime.py`) executes a program through a dispatch table, in program
-order or as messages arrive (`executor.py`, which sees a slice of the program as a
-`SlicePlan`); the validator (`validate.py`) dry-runs all programs together; the viewer
-(`view.py`) draws them.
+A schedule is a class per kind of pipeline (`FlushSchedule`, `TwoBWSchedule`, `GPipeSchedule`)
+that owns its rules: the order of each stage's forwards and backwards, which weight version a
+micro-batch computes with, how many versions a stage keeps, how many micro-batches a stage
+holds in flight, where an update goes, how long the pipeline idles, and how far one stage
+may run ahead of another (the stop vote's lag). The runtime (`runtime.py`), the validator
+(`validate.py`), the viewer (`view.py`) and the strategies' cost models ask the class; none
+of them knows which kind it is. A new schedule is its class here and its strategy module.
 
-Micro-batches are numbered globally, k = b*m + j for micro-batch j of batch b, so the 2BW
-rule "micro-batch k of batch b = k // m uses weight version max(b - 1, 0)" reads directly
+Built for a shape (stages d, micro-batches per update m, batches n, or the batches [first, n)
+a run resumed at step `first` still has to do), a schedule holds each stage's *program*: a list
+of steps, each a short list of `Action`s around one unit of work (receive, compute, send), as
+DeepSpeed's instruction generators yield them. The runtime executes a program through a
+dispatch table, in program order or as messages arrive (`executor.py`, which sees a slice of
+the program as a `SlicePlan`); the validator dry-runs all programs together; the viewer draws
+them.
+
+Micro-batches are numbered globally, k = b*m + j for micro-batch j of batch b, so a rule such
+as 2BW's "micro-batch k of batch b = k // m uses weight version max(b - 1, 0)" reads directly
 off the actions.
-
-Kinds:
-- `pipe_flush` (PipeDream-Flush): 1F1B within each batch, then a flush: reduce gradients,
-  one optimizer step, and the next batch starts on the new weights (version b for batch b).
-- `pipe_2bw` (PipeDream-2BW): 1F1B over all n*m micro-batches without flushes. After a
-  stage's last backward of batch b its gradients are reduced; the optimizer step that makes
-  version b+1 runs just before the stage's first forward that uses it (the first
-  micro-batch of batch b+2), which is the version switch. Waiting until then lets the
-  reduction run behind later micro-batches instead of stalling the pipeline.
-- `gpipe`: all forwards of a batch, then all backwards, then the flush (the comparison the
-  paper draws in Figures 1a and 3).
 """
 
 from __future__ import annotations
@@ -30,10 +26,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import ClassVar
 
+from relaytrain.costmodel import fill_and_drain_bubble
 from relaytrain.errors import ConfigError
-
-KINDS = ("pipe_flush", "pipe_2bw", "gpipe")
 
 
 class Op(Enum):
@@ -65,15 +61,114 @@ class Action:
 Step = list[Action]
 
 
+def one_f_one_b_depth(stages: int, m: int, stage: int) -> int:
+    """Micro-batches 1F1B keeps in flight on `stage`: its warm-up forwards plus one, at most m.
+    The depth that keeps the pipeline full (the message-driven executor aims for it too)."""
+    return min(stages - stage, m)
+
+
 @dataclass(frozen=True)
 class Schedule:
-    kind: str
+    """A pipeline schedule: its rules (the class) and, built for a shape, every stage's program.
+
+    Subclasses set the class attributes and say the order of compute (`compute_order`); where
+    updates go and what a stage holds follow from the defaults unless a schedule says otherwise.
+    """
+
     stages: int
     num_microbatches: int  # m: micro-batches per weight update
     num_batches: int  # n: weight updates
     programs: tuple[tuple[tuple[Action, ...], ...], ...]  # [stage][step] -> actions
     first_batch: int = 0  # the programs run batches [first_batch, num_batches)
 
+    name: ClassVar[str] = ""  # as users name it: the strategy that runs it
+    legend: ClassVar[str] = ""  # one line for `relaytrain schedule`: what the picture shows
+    weight_versions: ClassVar[int] = 1  # versions a stage keeps: the newest and (2BW) the one before
+    stop_lag: ClassVar[int] = 1  # batches a stage may be ahead of the slowest (see `stop_points`)
+    hides_gradient_sums: ClassVar[bool] = False  # the sums run behind the next minibatch (no flush waits)
+    batches_shown: ClassVar[int] = 2  # what `relaytrain schedule` draws unless told
+
+    # -- rules -----------------------------------------------------------------------------
+    @classmethod
+    def refusal(cls, stages: int, m: int) -> str | None:
+        """Why this schedule cannot run d stages with m micro-batches per update (None: it can)."""
+        return None
+
+    @classmethod
+    def weight_version(cls, microbatch: int, m: int) -> int:
+        """The weight version micro-batch k computes with (forward and backward alike)."""
+        return microbatch // m
+
+    @classmethod
+    def in_flight(cls, stages: int, m: int, stage: int) -> int:
+        """The most micro-batches `stage` holds between their forward and backward: its stash."""
+        return one_f_one_b_depth(stages, m, stage)
+
+    @classmethod
+    def bubble(cls, stages: int, m: int) -> float:
+        """The idle share of stage time its formula predicts for equal stages."""
+        return fill_and_drain_bubble(stages, m)
+
+    @classmethod
+    def bubble_words(cls, stages: int, m: int) -> str:
+        return f"(d-1)/(m+d-1) = {cls.bubble(stages, m):.3f} per flush"
+
+    @classmethod
+    def minibatch_time(cls, slots: list[float], m: int) -> float:
+        """A minibatch's pipeline time when stage i takes slots[i] per micro-batch: filled and
+        drained once (PipeDream-2BW §4.2.1): sum of the slots + (m - 1) x the slowest."""
+        return sum(slots) + (m - 1) * max(slots)
+
+    @classmethod
+    def compute_order(cls, stages: int, m: int, stage: int, batches: int, first: int) -> list[tuple[Op, int]]:
+        """(FORWARD or BACKWARD, micro-batch) in the order `stage` runs them for batches [first, batches)."""
+        raise NotImplementedError
+
+    @classmethod
+    def place_updates(cls, steps: list[Step], m: int) -> list[Step]:
+        """Insert OPTIMIZER_STEP(b), which creates version b + 1: right after batch b's reduction,
+        since the next batch computes with the new version at once."""
+        placed: list[Step] = []
+        for step in steps:
+            placed.append(step)
+            if step[-1].op is Op.REDUCE_GRADS:
+                placed.append([_optimizer_step(step[-1].batch)])
+        return placed
+
+    # -- building ------------------------------------------------------------------------------
+    @classmethod
+    def check_shape(cls, stages: int, m: int, batches: int) -> None:
+        """Refuse (stages, micro-batches) the schedule cannot run, naming the keys to change."""
+        if stages < 1 or m < 1 or batches < 1:
+            raise ConfigError(f"stages={stages}, micro-batches={m} and batches={batches} must be positive")
+        refused = cls.refusal(stages, m)
+        if refused:
+            raise ConfigError(refused)
+
+    @classmethod
+    def build(cls, stages: int, num_microbatches: int, num_batches: int = 1, first_batch: int = 0) -> Schedule:
+        cls.check_shape(stages, num_microbatches, num_batches)
+        if not 0 <= first_batch < num_batches:
+            raise ConfigError(f"a schedule's first batch {first_batch} must be in [0, {num_batches})")
+        programs = tuple(
+            tuple(tuple(step) for step in cls.stage_program(stages, num_microbatches, stage, num_batches, first_batch))
+            for stage in range(stages)
+        )
+        return cls(stages, num_microbatches, num_batches, programs, first_batch)
+
+    @classmethod
+    def stage_program(cls, stages: int, m: int, stage: int, batches: int, first: int = 0) -> list[Step]:
+        """Steps of one stage for batches [first, batches): each forward/backward with its transfers,
+        plus the update steps. Ids and versions are the whole run's, so a resumed run's program is
+        the rest of the uninterrupted run's work (2BW starts on versions first - 1 and first)."""
+        steps: list[Step] = []
+        for op, k in cls.compute_order(stages, m, stage, batches, first):
+            steps.append(_compute_step(op, k, stage, stages, cls.weight_version(k, m), m))
+            if op is Op.BACKWARD and k % m == m - 1:  # this stage's last backward of batch b
+                steps.append([Action(Op.REDUCE_GRADS, batch=k // m)])
+        return cls.place_updates(steps, m)
+
+    # -- a built schedule -----------------------------------------------------------------------
     @property
     def total_microbatches(self) -> int:
         return self.num_microbatches * self.num_batches
@@ -88,56 +183,108 @@ class Schedule:
         return [action for step in self.programs[stage] for action in step]
 
 
-def weight_version(kind: str, microbatch: int, m: int) -> int:
-    """The weight version micro-batch k computes with (forward and backward alike)."""
-    batch = microbatch // m
-    return max(batch - 1, 0) if kind == "pipe_2bw" else batch
+class FlushSchedule(Schedule):
+    """PipeDream-Flush: 1F1B within each batch, then a flush: reduce gradients, one optimizer
+    step, and the next batch starts on the new weights (version b for batch b)."""
+
+    name = "pipe_flush"
+    legend = "1F1B within each minibatch, then a flush: one weight version, the baseline's updates"
+
+    @classmethod
+    def compute_order(cls, stages, m, stage, batches, first):
+        return [item for b in range(first, batches) for item in _one_f_one_b(stages, stage, b * m, m)]
 
 
-def check_shape(kind: str, stages: int, m: int, batches: int) -> None:
-    """Refuse (stages, micro-batches) a schedule cannot run, naming the keys to change."""
-    if kind not in KINDS:
-        raise ConfigError(f"schedule {kind!r} is not one of {', '.join(KINDS)}")
-    if stages < 1 or m < 1 or batches < 1:
-        raise ConfigError(f"stages={stages}, micro-batches={m} and batches={batches} must be positive")
-    if kind == "pipe_2bw" and m < stages:
+class GPipeSchedule(Schedule):
+    """GPipe: all forwards of a batch, then all backwards, then the flush (the comparison the
+    PipeDream-2BW paper draws in its Figures 1a and 3): every micro-batch's activations alive at once."""
+
+    name = "pipe_gpipe"
+    legend = "every forward of a minibatch, then every backward, then a flush: one weight version"
+
+    @classmethod
+    def in_flight(cls, stages, m, stage):
+        return m
+
+    @classmethod
+    def compute_order(cls, stages, m, stage, batches, first):
+        return [item for b in range(first, batches)
+                for item in [(Op.FORWARD, b * m + j) for j in range(m)] + [(Op.BACKWARD, b * m + j) for j in range(m)]]
+
+
+class TwoBWSchedule(Schedule):
+    """PipeDream-2BW: 1F1B over all n*m micro-batches without flushes. After a stage's last
+    backward of batch b its gradients are reduced; the optimizer step that makes version b+1
+    runs just before the stage's first forward that uses it (the first micro-batch of batch
+    b+2), which is the version switch. Waiting until then lets the reduction run behind later
+    micro-batches instead of stalling the pipeline."""
+
+    name = "pipe_2bw"
+    legend = "1F1B without flushes: two weight versions, each update one step delayed"
+    weight_versions = 2
+    # The first stage starts batch c while the last is still in c - 1 (m >= d keeps it there),
+    # past c - 2's reduction: the newest vote every stage has cast is c - 2's.
+    stop_lag = 2
+    hides_gradient_sums = True
+    batches_shown = 3  # the first new version is used from batch 3 on
+
+    @classmethod
+    def refusal(cls, stages, m):
         # With fewer micro-batches than stages, stage 0 would start batch b+2 before its own
         # last backward of batch b: a third weight version would be needed.
-        raise ConfigError(
-            f"pipe_2bw needs strategy.num_microbatches >= strategy.stages (got {m} < {stages}); "
-            f"raise strategy.num_microbatches to at least {stages}"
-        )
+        if m < stages:
+            return (f"pipe_2bw needs strategy.num_microbatches >= strategy.stages (got {m} < {stages}); "
+                    f"raise strategy.num_microbatches to at least {stages}")
+        return None
 
+    @classmethod
+    def weight_version(cls, microbatch, m):
+        return max(microbatch // m - 1, 0)
 
-def build_schedule(kind: str, stages: int, num_microbatches: int, num_batches: int = 1, first_batch: int = 0) -> Schedule:
-    check_shape(kind, stages, num_microbatches, num_batches)
-    if not 0 <= first_batch < num_batches:
-        raise ConfigError(f"a schedule's first batch {first_batch} must be in [0, {num_batches})")
-    programs = tuple(
-        tuple(tuple(step) for step in stage_program(kind, stages, num_microbatches, stage, num_batches, first_batch))
-        for stage in range(stages)
-    )
-    return Schedule(kind, stages, num_microbatches, num_batches, programs, first_batch)
+    @classmethod
+    def bubble(cls, stages, m):
+        return 0.0
 
+    @classmethod
+    def bubble_words(cls, stages, m):
+        return "none in steady state (no flush)"
 
-def stage_program(kind: str, stages: int, m: int, stage: int, batches: int, first: int = 0) -> list[Step]:
-    """Steps of one stage for batches [first, batches): each forward/backward with its transfers,
-    plus the update steps. Ids and versions are the whole run's, so a resumed run's program is
-    the rest of the uninterrupted run's work (2BW starts on versions first - 1 and first)."""
-    order = _compute_order(kind, stages, m, stage, batches, first)
-    steps: list[Step] = []
-    for op, k in order:
-        steps.append(_compute_step(op, k, stage, stages, weight_version(kind, k, m), m))
-        if op is Op.BACKWARD and k % m == m - 1:  # this stage's last backward of batch b
-            steps.append([Action(Op.REDUCE_GRADS, batch=k // m)])
-    return _place_optimizer_steps(kind, steps, m, batches)
+    @classmethod
+    def minibatch_time(cls, slots, m):
+        return m * max(slots)  # the pipeline stays full: every stage works every slot
 
-
-def _compute_order(kind: str, stages: int, m: int, stage: int, batches: int, first: int) -> list[tuple[Op, int]]:
-    if kind == "pipe_2bw":  # one 1F1B stream over every micro-batch of the run: no flushes
+    @classmethod
+    def compute_order(cls, stages, m, stage, batches, first):
         return _one_f_one_b(stages, stage, first * m, m * (batches - first))
-    per_batch = _one_f_one_b if kind == "pipe_flush" else _all_forward_all_backward
-    return [item for b in range(first, batches) for item in per_batch(stages, stage, b * m, m)]
+
+    @classmethod
+    def place_updates(cls, steps, m):
+        """OPTIMIZER_STEP(b) just before the first forward that uses version b + 1, or at the end
+        of the run for the last updates."""
+        placed: list[Step] = []
+        pending: list[int] = []  # batches reduced but not yet applied
+        for step in steps:
+            head = step[-1] if step[-1].op is Op.REDUCE_GRADS else _compute_of(step)
+            if head.op is Op.FORWARD:
+                while pending and pending[0] + 1 <= head.version:
+                    placed.append([_optimizer_step(pending.pop(0))])
+            placed.append(step)
+            if head.op is Op.REDUCE_GRADS:
+                pending.append(head.batch)
+        return placed + [[_optimizer_step(b)] for b in pending]
+
+
+def schedules() -> dict[str, type[Schedule]]:
+    """Every schedule by name."""
+    return {cls.name: cls for cls in Schedule.__subclasses__()}
+
+
+def build_schedule(name: str, stages: int, num_microbatches: int, num_batches: int = 1, first_batch: int = 0) -> Schedule:
+    """The schedule `name` (a pipeline strategy's name) built for this shape."""
+    known = schedules()
+    if name not in known:
+        raise ConfigError(f"schedule {name!r} is not one of {', '.join(known)}")
+    return known[name].build(stages, num_microbatches, num_batches, first_batch)
 
 
 def _one_f_one_b(stages: int, stage: int, first: int, count: int) -> list[tuple[Op, int]]:
@@ -154,10 +301,6 @@ def _one_f_one_b(stages: int, stage: int, first: int, count: int) -> list[tuple[
     return order
 
 
-def _all_forward_all_backward(stages: int, stage: int, first: int, count: int) -> list[tuple[Op, int]]:
-    return [(Op.FORWARD, first + j) for j in range(count)] + [(Op.BACKWARD, first + j) for j in range(count)]
-
-
 def _compute_step(op: Op, k: int, stage: int, stages: int, version: int, m: int) -> Step:
     first, last = stage == 0, stage == stages - 1
     work = Action(op, k, k // m, version)
@@ -170,30 +313,6 @@ def _compute_step(op: Op, k: int, stage: int, stages: int, version: int, m: int)
     return [*recv, work, *send]
 
 
-def _place_optimizer_steps(kind: str, steps: list[Step], m: int, batches: int) -> list[Step]:
-    """Insert OPTIMIZER_STEP(b), which creates version b + 1.
-
-    Flush kinds step right after the reduction (the next batch needs version b + 1 at
-    once). 2BW steps just before the first forward that uses version b + 1, or at the end
-    of the run for the last updates.
-    """
-    placed: list[Step] = []
-    pending: list[int] = []  # 2BW: batches reduced but not yet applied
-    for step in steps:
-        head = step[-1] if step[-1].op is Op.REDUCE_GRADS else _compute_of(step)
-        if kind == "pipe_2bw" and head.op is Op.FORWARD:
-            while pending and pending[0] + 1 <= head.version:
-                placed.append([_optimizer_step(pending.pop(0))])
-        placed.append(step)
-        if head.op is Op.REDUCE_GRADS:
-            if kind == "pipe_2bw":
-                pending.append(head.batch)
-            else:
-                placed.append([_optimizer_step(head.batch)])
-    placed += [[_optimizer_step(b)] for b in pending]
-    return placed
-
-
 def _optimizer_step(batch: int) -> Action:
     return Action(Op.OPTIMIZER_STEP, batch=batch, version=batch + 1)
 
@@ -203,14 +322,6 @@ def _compute_of(step: Step) -> Action:
 
 
 # ----------------------------------------------------------------------- stopping early
-
-
-def stop_vote_lag(kind: str) -> int:
-    """Stages vote on stopping at each REDUCE_GRADS(b); the vote that decides whether batch c
-    starts is batch c - lag's, the newest one every stage has cast before any stage starts c.
-    With flushes no stage starts c before every stage finished c - 1. 2BW's first stage starts
-    c while the last one is still in c - 1 (m >= d keeps it there), past c - 2's reduction."""
-    return 2 if kind == "pipe_2bw" else 1
 
 
 def stop_points(actions: list[Action], m: int) -> dict[int, int]:

@@ -1,14 +1,14 @@
 """PipeDream-2BW: 1F1B without flushes and two weight versions per stage; each update uses the
-gradients of the version one step older, W(t+1) = W(t) - lr * grad f(W(t-1))."""
+gradients of the version one step older, W(t+1) = W(t) - lr * grad f(W(t-1)). The schedule
+keeps the two versions and lets the first stage run a batch ahead of the last (its stop lag)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from relaytrain.strategies import register
-from relaytrain.strategies.base import Capabilities
 from relaytrain.strategies.pipeline.runtime import PipelineConfig, PipelineStrategy
-from relaytrain.strategies.pipeline.schedule import stop_vote_lag
+from relaytrain.strategies.pipeline.schedule import TwoBWSchedule
 
 
 @dataclass
@@ -19,6 +19,4 @@ class TwoBWConfig(PipelineConfig):
 @register("pipe_2bw")
 class TwoBW(PipelineStrategy):
     Config = TwoBWConfig
-    schedule = "pipe_2bw"
-    capabilities = Capabilities(weight_versions=2, grad_clip=False, fp16=False)
-    stop_lag = stop_vote_lag("pipe_2bw")  # the first stage runs a batch ahead of the last
+    schedule = TwoBWSchedule

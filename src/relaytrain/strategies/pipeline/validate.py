@@ -28,9 +28,8 @@ from relaytrain.strategies.pipeline.schedule import (
     Op,
     Schedule,
     SlicePlan,
+    one_f_one_b_depth,
     stop_points,
-    stop_vote_lag,
-    weight_version,
 )
 
 
@@ -60,11 +59,6 @@ class Timeline:
         """Idle share of stage-time between the first start and the last end (all stages)."""
         span = self.makespan * len(self.events)
         return 1.0 - sum(self.busy(s) for s in range(len(self.events))) / span if span else 0.0
-
-
-def bubble_formula(stages: int, m: int) -> float:
-    """Idle share of a flushed pipeline with uniform stages: (d - 1) / (m + d - 1)."""
-    return (stages - 1) / (m + stages - 1)
 
 
 def check_schedule(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
@@ -104,10 +98,11 @@ class StageInvariants:
     """The rules every order of one stage's work keeps, checked action by action:
 
     - forwards in micro-batch order, backwards too, each backward after its forward;
-    - the version rule: micro-batch k computes with `weight_version(kind, k, m)`, which the
-      stage must hold (2BW: the newest version or the one before; otherwise the newest);
+    - the version rule: micro-batch k computes with the schedule's `weight_version(k, m)`, one of
+      the `weight_versions` newest the stage holds (2BW: the newest or the one before);
     - at most two weight versions live: the newest and those of micro-batches in flight;
-    - the stash bound: at most min(d - i, m) activations in flight on stage i (GPipe: m);
+    - the stash bound: at most the schedule's `in_flight` activations on stage i (1F1B:
+      min(d - i, m); GPipe: m);
     - per batch, in batch order, one REDUCE_GRADS after its last backward, then one OPTIMIZER_STEP.
 
     `record` applies an action (ScheduleError if it breaks a rule); `allows` asks whether a
@@ -115,10 +110,10 @@ class StageInvariants:
     """
 
     def __init__(self, schedule: Schedule, stage: int):
-        d, m, kind = schedule.stages, schedule.num_microbatches, schedule.kind
-        self.kind, self.stage, self.m, self.batches = kind, stage, m, schedule.num_batches
-        self.steady_depth = min(d - stage, m)  # 1F1B's bound: the stash that keeps the pipeline full
-        self.stash_limit = m if kind == "gpipe" else self.steady_depth
+        d, m = schedule.stages, schedule.num_microbatches
+        self.rules, self.stage, self.m, self.batches = type(schedule), stage, m, schedule.num_batches
+        self.steady_depth = one_f_one_b_depth(d, m, stage)  # the stash that keeps the pipeline full
+        self.stash_limit = self.rules.in_flight(d, m, stage)
         self.in_flight: dict[int, int] = {}  # micro-batch -> version its forward used
         self.latest = schedule.first_batch  # the newest version this stage holds: optimizer steps done
         self.next = {Op.FORWARD: schedule.first_batch * m, Op.BACKWARD: schedule.first_batch * m}
@@ -158,14 +153,14 @@ class StageInvariants:
         return None
 
     def _compute_violation(self, action: Action) -> str | None:
-        k, rule = action.microbatch, weight_version(self.kind, action.microbatch, self.m)
+        k, rule = action.microbatch, self.rules.weight_version(action.microbatch, self.m)
         if action.op is Op.BACKWARD and k not in self.in_flight:
             return f"{action} before its forward"
         if k != self.next[action.op]:
             return f"{action} runs out of micro-batch order (next is {self.next[action.op]})"
         if action.version != rule:
             return f"{action} breaks the version rule (expected v={rule})"
-        if not self.latest - 1 <= rule <= self.latest or (self.kind != "pipe_2bw" and rule != self.latest):
+        if not self.latest - self.rules.weight_versions < rule <= self.latest:
             return f"{action} needs version {rule} but the stage holds up to {self.latest}"
         in_flight = len(self.in_flight) + (action.op is Op.FORWARD)
         if in_flight > self.stash_limit:
@@ -198,7 +193,7 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
     stalled = [(s, run.programs[s][p]) for s, p in enumerate(run.position) if p < len(run.programs[s])]
     if stalled:
         waits = "; ".join(f"stage {s} waits at {a}" for s, a in stalled)
-        raise ScheduleError(f"{schedule.kind} deadlocks: {waits}")
+        raise ScheduleError(f"{schedule.name} deadlocks: {waits}")
     unmatched = {key: list(queue) for key, queue in run.channels.items() if queue}
     if unmatched:
         raise ScheduleError(f"sends never received: {unmatched}")
@@ -287,7 +282,7 @@ def check_message_driven(schedule: Schedule) -> int:
         state = frontier.pop()
         moves = model.moves(state)
         if not moves and not model.finished(state):
-            raise ScheduleError(f"{schedule.kind} message-driven execution can deadlock: {model.describe(state)}")
+            raise ScheduleError(f"{schedule.name} message-driven execution can deadlock: {model.describe(state)}")
         for nxt in moves:
             if nxt.key not in seen:
                 seen.add(nxt.key)
@@ -317,7 +312,7 @@ class _GlobalState:
 class _MessageModel:
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
-        self.lag = stop_vote_lag(schedule.kind)
+        self.lag = schedule.stop_lag
         self.slices = [self._slices(schedule.actions(s)) for s in range(schedule.stages)]
         self.sent = [{(a.op, a.microbatch) for a in schedule.actions(s) if a.op in (Op.SEND_ACT, Op.SEND_GRAD)}
                      for s in range(schedule.stages)]

@@ -1,8 +1,4 @@
-"""`relaytrain schedule`: a schedule's timeline as in the paper's Figures 1-3.
-
-    relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8
-    relaytrain schedule strategy=pipe_flush --batches 2 --out flush.svg
-    relaytrain schedule strategy=pipe_gpipe strategy.stages=2
+"""A schedule's timeline as in the PipeDream-2BW paper's Figures 1-3 (`relaytrain schedule`).
 
 Rows are stages, columns time units from the schedule's dry run with a backward costing
 twice a forward (the papers' convention). Each box shows the micro-batch id, 1-based as in
@@ -10,8 +6,9 @@ the figures; forwards and backwards have their own colours, and the colours swit
 weight version the work uses, so 2BW's version changes show as colour changes. Without
 colour (piped, NO_COLOR) every box reads on its own: `|F12` / `|B12` for a forward /
 backward on an even weight version, `|f12` / `|b12` on an odd one. A timeline wider than
-the console is split into bands of time columns. `--out` writes the same picture with a
-legend as SVG (no extra dependency) or PNG (needs matplotlib).
+the console is split into bands of time columns. The same picture, with a legend, goes to
+SVG (no extra dependency) or PNG (needs matplotlib). Whatever the schedule, the drawing asks
+it only for its programs, its name, its legend and its bubble.
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ from rich.console import Console
 from rich.text import Text
 
 from relaytrain.errors import ConfigError
-from relaytrain.strategies import registry, strategy_class
-from relaytrain.strategies.pipeline.schedule import KINDS, Op, Schedule, build_schedule
-from relaytrain.strategies.pipeline.validate import Timeline, bubble_formula, check_schedule
+from relaytrain.strategies.pipeline.schedule import Op, Schedule
+from relaytrain.strategies.pipeline.validate import Timeline, check_schedule
 
 LABEL = 9  # characters of the "stage N  " column before the timeline
 TICK = 5  # time units between two labels of the time axis
@@ -37,56 +33,12 @@ SVG_FILL = {0: ("#3b6fd8", "#4caf50"), 1: ("#b04cc8", "#e6c229")}
 VERSION_NAMES = {0: "even", 1: "odd"}
 SWITCH_NOTE = "black bar: new weight version (optimizer step)"
 SWITCH_FILL = "#000000"  # the legend's bar: black, yet not counted among the grid's fill="black" switch bars
-USAGE = ("relaytrain schedule [KEY=VALUE ...] [--schedule pipe_flush|pipe_2bw|gpipe] [--batches N] "
-         "[--out FILE.svg|.png]")
-HELP = f"""\
-usage: {USAGE}
-
-Draw a pipeline schedule's timeline, as in the PipeDream-2BW paper's Figures 1-3: a row per
-stage, a column per time unit of the schedule's dry run (forward = 1 unit, backward = 2),
-each box one micro-batch's forward or backward with its id (1-based) and the weight version
-it uses (the colour; upper/lower case F/B when the output has no colour). Below the grid: the
-bubble (idle share) and when each stage makes and first uses each weight version. A timeline
-wider than the terminal is split into bands. Colour is left out when the output is not a
-terminal or NO_COLOR is set.
-
-options:
-  -h, --help        show this text and exit
-  --schedule KIND   draw KIND ({", ".join(KINDS)}) instead of the strategy's own schedule
-  --batches N       weight updates to draw (default: 3 for pipe_2bw, to show its first version switch; else 2)
-  --out FILE        also write the picture, with a legend: FILE.svg (needs nothing) or FILE.png (matplotlib)
-
-keys (the same as for `relaytrain train`):
-  strategy=NAME                  pipe_flush, pipe_2bw or pipe_gpipe: the schedule drawn
-  strategy.stages=D              pipeline stages (the rows)
-  strategy.num_microbatches=M    micro-batches per weight update (pipe_2bw needs M >= D)
-
-examples:
-  relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8
-  relaytrain schedule strategy=pipe_flush --batches 2 --out flush.svg
-  relaytrain schedule strategy=pipe_gpipe strategy.stages=2 --out gpipe.png
-  relaytrain schedule strategy=pipe_flush --schedule gpipe strategy.num_microbatches=12 | less
-"""
 
 
-def schedule_command(args: list[str], compose) -> int:
-    """`compose(overrides)` gives the config `relaytrain train` would compose (a ConfigError if it cannot)."""
-    options, overrides = _parse_args(args)
-    if "--help" in options:
-        print(HELP, end="")
-        return 0
-    out = Path(options["--out"]) if "--out" in options else None
+def show(schedule: Schedule, out: Path | None = None) -> None:
+    """Print the schedule's grid and what it shows in words; with `out`, write the image too."""
     if out is not None:
         check_image_path(out)  # before anything is printed: a failure leaves only its one line
-    s = compose(overrides).strategy
-    kind = options.get("--schedule") or getattr(strategy_class(s.name), "schedule", None)
-    if kind not in KINDS:
-        pipelines = [n for n, c in registry().items() if getattr(c, "schedule", None)]
-        raise ConfigError(f"strategy={s.name} has no pipeline schedule; "
-                          f"use strategy={' or '.join(pipelines)} (or --schedule {'|'.join(KINDS)})")
-    # 2BW's first new version is used from batch 3 on: show enough batches to see it.
-    batches = _positive_int(options.get("--batches", "3" if kind == "pipe_2bw" else "2"), "--batches")
-    schedule = build_schedule(kind, s.stages, s.num_microbatches, batches)
     timeline = check_schedule(schedule)
     console = Console()
     console.print(render_grid(schedule, timeline, console.width, plain=is_plain(console)), highlight=False)
@@ -94,31 +46,6 @@ def schedule_command(args: list[str], compose) -> int:
         console.print(line, highlight=False)
     if out is not None:
         console.print(f"wrote {write_image(schedule, timeline, out)}", highlight=False)
-    return 0
-
-
-def _parse_args(args: list[str]) -> tuple[dict[str, str], list[str]]:
-    options, overrides = {}, []
-    items = iter(args)
-    for arg in items:
-        if arg in ("-h", "--help"):
-            options["--help"] = ""
-        elif arg in ("--out", "--batches", "--schedule"):
-            value = next(items, None)
-            if value is None:
-                raise ConfigError(f"{arg} needs a value; usage: {USAGE}")
-            options[arg] = value
-        elif arg.startswith("-"):
-            raise ConfigError(f"unknown option {arg}; usage: {USAGE} (see relaytrain schedule --help)")
-        else:
-            overrides.append(arg)
-    return options, overrides
-
-
-def _positive_int(value: str, name: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"{name}={value} must be a positive integer")
-    return int(value)
 
 
 # ----------------------------------------------------------------------- boxes
@@ -187,7 +114,7 @@ def render_grid(schedule: Schedule, timeline: Timeline, width: int | None = None
     cell, span = cell_width(schedule), math.ceil(timeline.makespan)
     per_band = span if width is None else _band_units(width, cell)
     rows = [[b for b in boxes(timeline) if b.stage == stage] for stage in range(schedule.stages)]
-    text = Text(f"{schedule.kind}: {schedule.stages} stages, {schedule.num_microbatches} micro-batches "
+    text = Text(f"{schedule.name}: {schedule.stages} stages, {schedule.num_microbatches} micro-batches "
                 f"per update, {schedule.num_batches} updates\ntime units: forward = 1, backward = 2\n")
     for first in range(0, span, per_band):
         if first:
@@ -259,10 +186,9 @@ def _plain_legend(banded: bool) -> Text:
 
 def describe(schedule: Schedule, timeline: Timeline) -> list[str]:
     """The figures the grid shows, in words: bubble, and when each stage's versions change."""
-    lines = [f"bubble (idle share of stage time): {timeline.bubble_fraction():.3f} in this dry run"]
-    if schedule.kind != "pipe_2bw":
-        formula = bubble_formula(schedule.stages, schedule.num_microbatches)
-        lines[0] += f"; (d-1)/(m+d-1) = {formula:.3f} per flush"
+    lines = [schedule.legend,
+             f"bubble (idle share of stage time): {timeline.bubble_fraction():.3f} in this dry run; formula: "
+             f"{schedule.bubble_words(schedule.stages, schedule.num_microbatches)}"]
     for stage, events in enumerate(timeline.events):
         changes = [_version_change(e, events) for e in events if e.action.op is Op.OPTIMIZER_STEP]
         lines.append(f"stage {stage}: " + "; ".join(changes))
@@ -313,7 +239,7 @@ def render_svg(schedule: Schedule, timeline: Timeline, unit: int = 18, row: int 
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{grid_bottom + 8 + legend_height}" '
         f'font-family="monospace" font-size="11">',
-        f'<text x="4" y="16">{schedule.kind}: d={schedule.stages}, m={schedule.num_microbatches}, '
+        f'<text x="4" y="16">{schedule.name}: d={schedule.stages}, m={schedule.num_microbatches}, '
         f'{schedule.num_batches} updates (black bars: new weight version)</text>',
     ]
     for stage in range(schedule.stages):
@@ -374,7 +300,7 @@ def png_figure(schedule: Schedule, timeline: Timeline):
     ax.set_yticks(range(schedule.stages), [f"stage {s}" for s in range(schedule.stages)])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward = 1, backward = 2)")
-    ax.set_title(f"{schedule.kind}: d={schedule.stages}, m={schedule.num_microbatches} "
+    ax.set_title(f"{schedule.name}: d={schedule.stages}, m={schedule.num_microbatches} "
                  "(black: new weight version)")
     handles = [Line2D([], [], color=fill, linewidth=2, label=label) if label == SWITCH_NOTE
                else Patch(color=fill, label=label) for fill, label in legend_entries()]

@@ -9,9 +9,10 @@ import pytest
 import yaml
 from rich.console import Console
 
-from relaytrain import runlog, summary
+from relaytrain import report, runlog
 from relaytrain.cli import main
-from relaytrain.summary import COLUMNS, summarize, swept_keys
+from relaytrain.report import COLUMNS, swept_keys
+from relaytrain.report import compare_runs as summarize
 
 GIB = 2**30
 SWEPT = ["strategy.num_microbatches", "strategy.stages"]
@@ -282,7 +283,7 @@ def test_without_matplotlib_the_table_and_csv_come_with_one_line(sweep, monkeypa
 
 def test_a_narrow_terminal_gets_the_table_fitted(sweep, monkeypatch):
     terminal = Console(file=io.StringIO(), force_terminal=True, width=120, color_system=None)
-    monkeypatch.setattr(summary, "console", terminal)
+    monkeypatch.setattr(report, "console", terminal)
     summarize([sweep])
     text = terminal.file.getvalue()
     table = text[:text.index("wrote summary.csv")]

@@ -1,0 +1,179 @@
+"""The config a run or a command works with: composed by Hydra from the packaged YAML and every
+strategy's and optimizer's typed schema, then checked across keys and by its strategy.
+
+- `register_schema` stores the schemas in Hydra's ConfigStore (the root one, each optimizer's,
+  each registered strategy's `Strategy.Config`).
+- `compose(overrides)` is what a command composes: any problem Hydra or OmegaConf finds is one
+  `ConfigError` line naming the key and the fix. OmegaConf's errors are read by type and
+  attribute, not by their English: `ConfigAttributeError` + `object_type` gives the schema that
+  lacks a key (and the registry the options that have it), `ValidationError` + the node's class
+  or enum type what was expected, and `difflib` the close match.
+- `compose_config(overrides)` is the same without the translation (tests, scripts, notebooks).
+- `validate(cfg)` runs the shared checks (`config.check_shared`), a preset's fixed keys, what the
+  precision and optimizer ask of the strategy's capabilities, and the strategy's own rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from hydra.core.config_store import ConfigStore
+
+from relaytrain.config import OPTIMIZER_CONFIGS, RelayTrainConfig, check_shared
+from relaytrain.errors import ConfigError
+from relaytrain.strategies import check_preset, registry, strategy_class
+
+CONFIG_MODULE = "relaytrain.configs"
+_NODE_KINDS = {"IntegerNode": "integer", "FloatNode": "number", "BooleanNode": "boolean (true or false)",
+               "StringNode": "string"}
+
+
+def register_schema() -> None:
+    """Store the root schema and every strategy's and optimizer's schema in Hydra's ConfigStore."""
+    store = ConfigStore.instance()
+    store.store(name="relaytrain_schema", node=RelayTrainConfig)
+    for name, schema in OPTIMIZER_CONFIGS.items():
+        store.store(group="optim", name=f"{name}_schema", node=schema)
+    for name, cls in registry().items():
+        store.store(group="strategy", name=f"{name}_schema", node=cls.Config)
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()):
+    """The config `relaytrain train OVERRIDES...` would run with (no validation, no Hydra run
+    dir), Hydra's own exceptions on a bad override: for tests, benchmarks and notebooks."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose(overrides: list[str] | tuple[str, ...]):
+    """The config these overrides compose (no cross-key checks), or one ConfigError line."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return compose_config(overrides)
+    except MissingConfigException as err:
+        raise ConfigError(_missing_option_message(err)) from err
+    except ConfigCompositionException as err:
+        raise ConfigError(_composition_message(err)) from err
+    except OmegaConfBaseException as err:
+        raise ConfigError(_omegaconf_message(err)) from err
+
+
+def validate(cfg) -> None:
+    """Every check a config must pass before any work; ConfigError on the first problem."""
+    cls = strategy_class(cfg.strategy.name)
+    check_shared(cfg)
+    check_preset(cfg)
+    _check_capabilities(cfg, cls)
+    cls.check_config(cfg)
+
+
+def _check_capabilities(cfg, cls) -> None:
+    """What the precision and optimizer ask of a strategy, against what the strategy can do."""
+    can, precision, name = cls.capabilities, cfg.precision.name, cfg.strategy.name
+    if precision.value.startswith("cmp") and not can.cross_precision:
+        able = " or ".join(f"strategy={n}" for n, c in registry().items() if c.capabilities.cross_precision)
+        raise ConfigError(
+            f"precision={precision} (cross mixed precision) needs the eager param server; "
+            f"use {able} or precision=amp_{precision.value.split('_')[1]}"
+        )
+    if precision.value.endswith("fp16") and not can.fp16:
+        raise ConfigError(
+            f"precision={precision} needs one loss-scale decision across every weight, which strategy={name} "
+            f"does not make; use precision=amp_bf16 or fp32"
+        )
+    if cfg.optim.grad_clip > 0 and not can.grad_clip:
+        raise ConfigError(
+            f"optim.grad_clip={cfg.optim.grad_clip}: global-norm clipping across stages would stall "
+            f"strategy={name} at every update; set optim.grad_clip=0"
+        )
+
+
+# --------------------------------------------------------------------------- one-line errors
+
+
+def _missing_option_message(err) -> str:
+    options = list(getattr(err, "options", None) or [])
+    group = getattr(err, "missing_cfg_file", "") or ""
+    if "/" in group:
+        group, option = group.rsplit("/", 1)
+        hint = difflib.get_close_matches(option, options, n=1)
+        fix = f"did you mean {group}={hint[0]}? " if hint else ""
+        return f"{group}={option} is not a known option; {fix}choose one of: {', '.join(sorted(options))}"
+    return first_line(err)
+
+
+def _composition_message(err) -> str:
+    cause = err.__cause__
+    if cause is not None and hasattr(cause, "full_key"):
+        return _omegaconf_message(cause)
+    text = str(err)
+    if "Could not find" in text or "Could not load" in text:
+        return first_line(err).replace("Could not find", "no config option").rstrip(".") + " (see relaytrain train --help)"
+    return first_line(err)
+
+
+def _omegaconf_message(err) -> str:
+    """One line from OmegaConf's structured error: which key, what it expected, the close match."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    key = getattr(err, "full_key", "") or ""
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+        return _unknown_key_message(key, getattr(err, "object_type", None))
+    if isinstance(err, ValidationError):
+        value = getattr(err, "value", None)
+        node = getattr(err, "child_node", None)
+        enum_type = getattr(node, "enum_type", None)
+        if enum_type is not None:
+            choices = [member.name for member in enum_type]
+            hint = difflib.get_close_matches(str(value), choices, n=1)
+            fix = f"did you mean {key}={hint[0]}? " if hint else ""
+            return f"{key}={value} is not one of {', '.join(choices)}; {fix}".rstrip("; ").rstrip()
+        kind = _NODE_KINDS.get(type(node).__name__, "value of the key's type")
+        return f"{key}={value} is not a valid {kind}; give one (see relaytrain train --help)"
+    msg = getattr(err, "msg", str(err)).splitlines()[0]
+    return f"{key}: {msg}" if key else msg
+
+
+def _unknown_key_message(key: str, schema) -> str:
+    """An unknown key: a close match among the keys of its section, and for the strategy and
+    optim groups, which options do have the key."""
+    section, _, leaf = key.rpartition(".")
+    owners = _options_with_key(section, leaf)
+    chosen = getattr(schema, "name", None) if schema is not None else None
+    if owners and chosen:
+        return (f"{key} is not a key of {section}={chosen}; only {section}={'/'.join(owners)} "
+                f"{'has' if len(owners) == 1 else 'have'} it (see relaytrain train --help)")
+    known = ([f.name for f in dataclasses.fields(schema)] if schema is not None and dataclasses.is_dataclass(schema)
+             else _keys_of(section))
+    hint = difflib.get_close_matches(leaf, known, n=1)
+    if hint:
+        return f"unknown key {key}; did you mean {section + '.' if section else ''}{hint[0]}?"
+    return f"unknown key {key}; see `relaytrain train --help` for the keys"
+
+
+def _options_with_key(section: str, leaf: str) -> list[str]:
+    schemas = {"strategy": {n: c.Config for n, c in registry().items()}, "optim": OPTIMIZER_CONFIGS}.get(section, {})
+    return [name for name, schema in schemas.items() if leaf in {f.name for f in dataclasses.fields(schema)}]
+
+
+def _keys_of(section: str) -> list[str]:
+    for f in dataclasses.fields(RelayTrainConfig):
+        if f.name == section and f.default_factory is not None and dataclasses.is_dataclass(f.default_factory):
+            return [g.name for g in dataclasses.fields(f.default_factory)]
+    return [f.name for f in dataclasses.fields(RelayTrainConfig)] if not section else []
+
+
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

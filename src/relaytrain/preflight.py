@@ -1,0 +1,66 @@
+"""Before anything starts: can this machine start the run's processes, and hold its host memory?
+
+`check_can_start(cfg, cls)` is the one pre-launch check: `relaytrain train` runs it on every
+combination of a sweep before Hydra makes a run directory, the trainer again before it starts
+workers, and the planner on each candidate it would run on this machine. The host memory is an
+estimate from the config's shapes (labelled as such), not a measurement; the strategy makes it
+(`Strategy.estimate_host_bytes`), since only it knows where its weights, gradients, optimizer
+state and activations live. It errs high: a refused run costs the user one line, an
+out-of-memory kill costs them the machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+from relaytrain.errors import ConfigError
+from relaytrain.models import count_parameters
+from relaytrain.world import pick_device, under_torchrun
+
+HEADROOM = 1.0 * 2**30  # Python, torch and the libraries themselves
+WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time out, not progress
+
+
+def check_can_start(cfg, cls) -> None:
+    """Refuse, in one line, a run this machine cannot start or hold."""
+    check_machine(cfg, cls.processes(cfg))
+    if cfg.train.check_memory:
+        check_host_memory(cfg, cls)
+
+
+def check_machine(cfg, processes: int) -> None:
+    """Refuse a run whose workers this machine cannot start."""
+    device = pick_device(cfg.train.device)
+    backend = str(getattr(cfg.strategy, "backend", "auto"))
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("strategy.backend=nccl needs CUDA devices; use strategy.backend=gloo or auto")
+    if processes == 1 or under_torchrun():
+        return
+    if device.type == "cuda" and processes > torch.cuda.device_count():
+        raise ConfigError(f"strategy={cfg.strategy.name} runs {processes} workers, one GPU each, and "
+                          f"{torch.cuda.device_count()} are visible; lower strategy.stages or strategy.replicas, "
+                          f"or run under torchrun on more machines")
+    cpus = os.cpu_count() or 1
+    if device.type == "cpu" and processes > WORKERS_PER_CPU * cpus:
+        raise ConfigError(f"strategy={cfg.strategy.name} runs {processes} workers on {cpus} CPU cores, more than "
+                          f"{WORKERS_PER_CPU} per core; lower strategy.stages or strategy.replicas")
+
+
+def estimate_host_bytes(cfg, cls) -> int:
+    device_type = pick_device(cfg.train.device).type
+    return int(cls.estimate_host_bytes(cfg, count_parameters(cfg.model), device_type) + HEADROOM)
+
+
+def check_host_memory(cfg, cls) -> int:
+    need = estimate_host_bytes(cfg, cls)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ConfigError(
+            f"this run needs about {need / 2**30:.1f} GiB of host memory (estimate) but {available / 2**30:.1f} GiB "
+            f"is available; use a smaller model (model.num_layers, model.hidden_size), a smaller batch "
+            f"(strategy.microbatch_size), or train.check_memory=false to try anyway"
+        )
+    return need
