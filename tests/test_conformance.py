@@ -1,0 +1,150 @@
+"""One suite every strategy passes, taken from the registry rather than listed by hand: a new
+strategy (or preset) is held to it the moment it is registered.
+
+Each `strategy=` option trains two steps of a tiny BERT through the trainer and equals the plain
+loop (or, where its capabilities declare delayed updates, the delayed rule), evaluates held-out
+data, resumes from its step-1 checkpoint to the same weights bit for bit, appears in
+`relaytrain --help` and in `relaytrain plan` with a cost and a memory figure, and refuses in
+one line what it cannot honour.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from relaytrain import checkpoint
+from relaytrain.cli import main
+from relaytrain.compose import validate
+from relaytrain.costmodel import ModelFacts
+from relaytrain.errors import ConfigError
+from relaytrain.models import build_model
+from relaytrain.plan import candidate_config, make_plan
+from relaytrain.profile import from_spec, load_spec
+from relaytrain.strategies import Capabilities, Strategy, choices, register, registry, strategy_class
+from relaytrain.strategies.base import StepResult
+from relaytrain.train import run
+from tests.conftest import TINY_BERT, tiny_cfg, train_plain_loop
+
+STEPS = 2
+# What each capability a strategy may lack asks for, and the override that asks for it.
+ASKS = {"grad_clip": "optim.grad_clip=1.0", "fp16": "precision=amp_fp16", "cross_precision": "precision=cmp_bf16"}
+
+
+def conformance_cfg(name: str, *overrides: str):
+    return tiny_cfg("bert", f"strategy={name}", f"train.steps={STEPS}", "train.warmup_steps=0",
+                    "train.checkpoint_every=1", "train.keep_checkpoints=0", "train.save_model=true",
+                    "data.eval_fraction=0.25", "strategy.num_microbatches=3", "optim=sgd", "optim.lr=0.05",
+                    *overrides)
+
+
+def saved_weights(run_dir, cfg) -> torch.nn.Module:
+    """The model a run saved with train.save_model, loaded back."""
+    saved = copy.deepcopy(cfg)
+    OmegaConf.update(saved, "model.pretrained", str(run_dir / "model"))
+    return build_model(saved.model).hf_model
+
+
+def plain_reference(cfg, delay: int) -> torch.nn.Module:
+    """One process over the whole minibatch: the plain loop, or the delayed rule."""
+    single = copy.deepcopy(cfg)
+    replicas = strategy_class(cfg.strategy.name).replicas(cfg)
+    OmegaConf.update(single, "strategy.microbatch_size", cfg.strategy.microbatch_size * replicas)
+    return train_plain_loop(single, STEPS, delay=delay).hf_model
+
+
+@pytest.mark.parametrize("name", choices())
+def test_trains_evaluates_and_resumes_as_its_update_rule_says(name, tmp_path):
+    cfg = conformance_cfg(name)
+    cls = strategy_class(name)
+    results = run(cfg, tmp_path / "run")
+    ours = saved_weights(tmp_path / "run", cfg)
+    reference = plain_reference(cfg, cls.capabilities.update_delay)
+    for (key, a), (_, b) in zip(ours.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=key)
+    (evaluation,) = results["eval"]
+    assert evaluation["step"] == STEPS and evaluation["items"] > 0 and torch.isfinite(torch.tensor(evaluation["loss"]))
+
+    first = checkpoint.step_dir(checkpoint.checkpoint_dir(tmp_path / "run"), 1)
+    resumed_cfg = conformance_cfg(name, f"train.resume={first}")
+    resumed = run(resumed_cfg, tmp_path / "resumed")
+    for (key, a), (_, b) in zip(ours.named_parameters(), saved_weights(tmp_path / "resumed", cfg).named_parameters(),
+                                strict=True):
+        assert torch.equal(a, b), f"{name}: {key} differs after resuming"
+    assert resumed["loss"] == results["loss"] and resumed["eval"] == results["eval"]
+
+
+@pytest.mark.parametrize("name", choices())
+def test_refuses_in_one_line_what_it_cannot_honour(name, capsys):
+    can = strategy_class(name).capabilities
+    for capability, ask in ASKS.items():
+        if getattr(can, capability):
+            validate(tiny_cfg("bert", f"strategy={name}", ask))  # honoured: no complaint
+            continue
+        assert main(["train", *TINY_BERT, f"strategy={name}", ask]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("relaytrain: error: ") and ask.split("=")[0] in err[0], err
+
+
+def test_every_strategy_is_listed_in_the_help(capsys):
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for name in choices():
+        assert name in listed
+
+
+@pytest.mark.parametrize("name", registry())
+def test_every_strategy_has_shapes_a_cost_and_a_closed_form_memory(name):
+    """On a spec-sheet GPU profile, with no measurement: every shape the strategy offers for two
+    workers has a positive predicted step and a positive closed-form device memory."""
+    cls = strategy_class(name)
+    base = tiny_cfg("bert", f"strategy={name}")
+    facts = ModelFacts.of(base)
+    shapes = cls.shapes(workers=2, batch=8, num_layers=base.model.num_layers)
+    assert shapes and all(s.strategy == name and s.batch == 8 and s.workers <= 2 for s in shapes)
+    profile = from_spec(load_spec("v100_16gb"), base, sorted({s.microbatch_size for s in shapes}))
+    for shape in shapes:
+        cfg = candidate_config(base, shape)
+        assert cls.step_cost(cfg, facts, profile).step_s > 0, shape
+        assert cls.device_bytes(cfg, facts) > 0, shape
+
+
+@pytest.fixture(scope="module")
+def plan_of_everything():
+    return make_plan([*TINY_BERT, "train.threads=1", "plan.workers=2", "plan.batch_size=8",
+                      "plan.device_memory_gb=4"])
+
+
+@pytest.mark.parametrize("name", choices())
+def test_every_strategy_is_planned_with_a_time_and_a_dry_run(name, plan_of_everything):
+    cls, keys = strategy_class(name), tiny_cfg("bert", f"strategy={name}").strategy
+    mine = [c for c in plan_of_everything.candidates if c.shape.strategy == cls.name]
+    varied = {key for c in mine for key, _ in c.shape.options}
+    wanted = cls.shape_options(**{key: keys[key] for key in varied})  # a preset's own variant
+    ours = [c for c in mine if c.shape.options == wanted]
+    assert ours, f"{name} is missing from the plan"
+    assert all(c.cost is not None and c.cost.step_s > 0 and c.closed_form_bytes > 0 for c in ours)
+    assert any(c.memory_bytes for c in ours), f"no {name} candidate was dry-run"
+
+
+def test_a_strategy_without_a_cost_model_is_refused_when_registered():
+    class Incomplete(Strategy):
+        def step(self, minibatch, lr) -> StepResult: ...
+        def evaluate(self, batches): ...
+        def parameter_names(self): ...
+        def state_dict(self): ...
+        def load_state_dict(self, state): ...
+        def weights(self): ...
+
+    with pytest.raises(TypeError, match="device_bytes, shapes, step_cost"):
+        register("incomplete")(Incomplete)
+    assert "incomplete" not in registry()
+
+
+def test_capabilities_declare_the_update_rule():
+    assert Capabilities().update_delay == 0 and Capabilities(weight_versions=2).update_delay == 1
+    with pytest.raises(ConfigError, match="not a known strategy"):
+        strategy_class("no_such_strategy")
