@@ -409,8 +409,8 @@ def print_plan(plan: Plan, path: Path) -> None:
     if len(shown) < len(plan.candidates):
         console.print(f"{len(plan.candidates) - len(shown)} more candidates in {path}", highlight=False)
     if p.device_type == "cpu":
-        console.print("CPU: no host<->device transfer; workers share the cores; L2L rows' memory adds the "
-                      "eager param server's host state (the same memory)", highlight=False)
+        console.print("CPU: no host<->device transfer; workers share the cores; a row's memory adds the state "
+                      "its strategy keeps on the host (an eager param server's: the same memory)", highlight=False)
     console.print(f"best (predicted): {best.shape.strategy} {best.shape.describe()}: {best.cost.step_s:.3g} s a step, "
                   f"{best.samples_per_s:.3g} samples/s, {best.memory_bytes / GiB:.2f} GB of device memory "
                   f"(simulated)", highlight=False)

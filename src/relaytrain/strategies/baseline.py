@@ -1,24 +1,38 @@
-"""Baseline: Algorithm 1 of the L2L paper.
+"""Baseline: Algorithm 1 of the L2L paper, and plain data parallelism around it.
 
 All weights on the device; for each micro-batch, forward and backward through the whole
 model; gradients accumulate over the micro-batches; one optimizer step per minibatch.
 `strategy.recompute=block` checkpoints each block (its activations are recomputed in
 backward), the fair in-memory comparison for L2L, which always recomputes.
+
+With `strategy.replicas=R`, R workers each run this on their share of every micro-batch, the
+model wrapped in torch's `DistributedDataParallel`: gradients are summed over the workers in
+buckets while the last micro-batch's backward runs (`no_sync` for the micro-batches before it),
+so each step makes one all-reduce, overlapped with compute. Every micro-batch's loss is
+already divided by the item count of the *whole* minibatch, so the workers' gradients are
+summed, not averaged (`_sum_hook`), and the update equals the plain loop's over the whole
+minibatch, clipping and the fp16 overflow check included (both see the summed gradients).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from relaytrain.checkpoint import load_model_state, model_state, unique_named_parameters
-from relaytrain.config import Recompute, StrategyConfig
+from relaytrain.config import Recompute, StrategyConfig, WorkersConfig
 from relaytrain.costmodel import (
+    FP32,
     ModelFacts,
     Shape,
     StepCost,
+    allreduce_s,
     both,
     optimizer_s,
     powers_of_two_dividing,
@@ -26,9 +40,9 @@ from relaytrain.costmodel import (
 )
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
-from relaytrain.models.layered import MicroBatch, eval_mode
+from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
 from relaytrain.optim import build_optimizer, set_lr
-from relaytrain.precision import LossScaler
+from relaytrain.precision import LossScaler, Precision
 from relaytrain.profile import Profile
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
@@ -37,15 +51,49 @@ from relaytrain.strategies.base import (
     cpu_activation_bytes,
     minibatch_items,
     optimizer_tensors,
+    replica_rows,
     scalar,
     weights_grads_optimizer_bytes,
 )
 
+WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each extra worker
+BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket: one all-reduce message each
+
 
 @dataclass
-class BaselineConfig(StrategyConfig):
+class BaselineConfig(WorkersConfig, StrategyConfig):
     name: str = "baseline"
     recompute: Recompute = Recompute.none  # none, or block: keep each block's input, recompute it in backward
+
+
+class MicrobatchLoss(nn.Module):
+    """The whole model as one module whose forward is a micro-batch's loss over the minibatch's
+    items: what `DistributedDataParallel` wraps (it syncs what a forward of the module used)."""
+
+    def __init__(self, model: LayeredModel, recompute: bool, precision: Precision):
+        super().__init__()
+        self.model, self.recompute, self.precision = model, recompute, precision
+
+    def forward(self, mb: MicroBatch, items: int) -> torch.Tensor:
+        with self.precision.autocast_context(mb.input_ids.device):
+            return self.model.head_loss(self.trunk(mb), mb.labels) / items
+
+    def trunk(self, mb: MicroBatch) -> torch.Tensor:
+        """Embeddings and every block: the last block's output."""
+        hidden = self.model.embed(mb.input_ids)
+        ctx = self.model.context(mb, hidden)
+        for block in self.model.blocks:
+            if self.recompute and torch.is_grad_enabled():
+                hidden = checkpoint(block, hidden, ctx, use_reentrant=False)
+            else:
+                hidden = block(hidden, ctx)
+        return hidden
+
+
+def _sum_hook(group, bucket):  # no annotations: DDP checks them, and these would be strings
+    """All-reduce a bucket of gradients as a sum (DDP's own hook averages over the workers)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])
 
 
 @register("baseline")
@@ -53,24 +101,42 @@ class Baseline(Strategy):
     Config = BaselineConfig
 
     @classmethod
+    def processes(cls, cfg) -> int:
+        return cfg.strategy.replicas
+
+    @classmethod
+    def replicas(cls, cfg) -> int:
+        return cfg.strategy.replicas
+
+    @classmethod
     def check_config(cls, cfg) -> None:
-        if cfg.strategy.recompute == Recompute.stage:
+        s = cfg.strategy
+        if s.recompute == Recompute.stage:
             raise ConfigError("strategy.recompute=stage is for pipelines (the baseline is one stage); "
                               "use strategy.recompute=block")
+        if s.replicas < 1:
+            raise ConfigError(f"strategy.replicas={s.replicas} must be at least 1")
 
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
         # One micro-batch at a time: every block's activations, or (recompute) one block's and every block's input.
         live, stash = (1, cfg.model.num_layers) if cls.recomputes(cfg) else (cfg.model.num_layers, 0)
-        return weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live, stash)
+        per_worker = weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live, stash)
+        replicas = cfg.strategy.replicas
+        return replicas * per_worker + (replicas * WORKER_OVERHEAD_BYTES if replicas > 1 else 0)
+
+    @classmethod
+    def describe_process(cls, cfg, rank: int) -> str:
+        return f"rank {rank} (replica {rank} of {cfg.strategy.replicas})"
 
     # -- what the planner asks --------------------------------------------------------------------
     @classmethod
     def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
-        """One worker: every micro-batch size b dividing the batch (m = batch / b), with and
-        without block recompute."""
-        return [Shape(cls.name, b, batch // b, recompute=str(recompute))
-                for b in powers_of_two_dividing(batch) for recompute in (Recompute.none, Recompute.block)]
+        """Any number of replicas w that divides the batch (one worker each), every micro-batch size
+        b of a worker's share (m = batch / (w b)), with and without block recompute."""
+        return [Shape(cls.name, b, batch // (w * b), w, 1, str(recompute))
+                for w in range(1, workers + 1) if batch % w == 0
+                for b in powers_of_two_dividing(batch // w) for recompute in (Recompute.none, Recompute.block)]
 
     @classmethod
     def recomputes(cls, cfg) -> bool:
@@ -80,14 +146,23 @@ class Baseline(Strategy):
     def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
         """L2L paper, Algorithm 1: per micro-batch, the embeddings, every block and the head
         forward and backward (block recompute: one more forward per block); then one optimizer
-        step over the whole model."""
+        step over the whole model. With replicas, the all-reduce of every gradient, in buckets
+        during the last micro-batch's backward: what outlasts that backward is exposed (on a
+        CPU all of it: the cores that compute also sum)."""
         s, n = cfg.strategy, facts.num_layers
-        t = profile.for_workers(1, cfg.train.threads)
+        t = profile.for_workers(s.replicas, cfg.train.threads)
         block, embed, head = (t.part(part, s.microbatch_size) for part in ("block", "embed", "head"))
         recompute = block.forward_s if cls.recomputes(cfg) else 0.0
         compute = s.num_microbatches * (both(embed) + n * (both(block) + recompute) + both(head))
         optimizer = optimizer_s(t, facts, n, embed=True, head=True)
-        return StepCost(compute + optimizer, {"compute": compute, "optimizer": optimizer})
+        parts = {"compute": compute, "optimizer": optimizer}
+        if s.replicas > 1:
+            nbytes = facts.params * FP32
+            sums = allreduce_s(nbytes, s.replicas, profile, messages=-(-nbytes // BUCKET_BYTES))
+            last_backward = embed.backward_s + n * (block.backward_s + recompute) + head.backward_s
+            parts["gradient sums (exposed)"] = sums if profile.device_type == "cpu" else max(
+                allreduce_s(min(nbytes, BUCKET_BYTES), s.replicas, profile), sums - last_backward)
+        return StepCost(sum(parts.values()), parts)
 
     @classmethod
     def device_bytes(cls, cfg, facts: ModelFacts) -> int:
@@ -95,35 +170,54 @@ class Baseline(Strategy):
         return stage_bytes(facts, cfg.strategy.microbatch_size, facts.num_layers, facts.params, last=True,
                            in_flight=1, versions=1, recompute=str(cfg.strategy.recompute))
 
+    # -- one worker -------------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
         super().__init__(model, cfg, world)
         model.to(self.device)
         self.optimizer = build_optimizer(model.named_parameters(), cfg.optim)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
-        self.recompute = self.recomputes(cfg)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.replica, self.num_replicas = world.rank, cfg.strategy.replicas
+        self.net = MicrobatchLoss(model, self.recomputes(cfg), self.precision)
+        # A dry run has no process group to sum over; with gradients as bucket views DDP adds no
+        # device memory, so the dry run's figure holds for the real run.
+        self.synced = world.distributed and not world.simulated
+        self.loss_of = self.net
+        if self.synced:
+            # The module is on its device already and a micro-batch is moved there before the call.
+            self.loss_of = DistributedDataParallel(self.net, device_ids=None, gradient_as_bucket_view=True,
+                                                   bucket_cap_mb=BUCKET_BYTES / 2**20)
+            self.loss_of.register_comm_hook(None, _sum_hook)
 
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
-        items = minibatch_items(self.model, minibatch)
+        items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every replica's rows
+        mine = replica_rows(minibatch, self.replica, self.num_replicas)
         loss_sum = torch.zeros((), device=self.device)
         with self.timer.phase("forward+backward"):
-            for u, mb in enumerate(minibatch):
-                self.progress(f"micro-batch {u + 1}/{len(minibatch)}")
-                loss = self._loss(mb.to(self.device, non_blocking=True), items)
-                self.scaler.scale_loss(loss).backward()
+            for u, mb in enumerate(mine):
+                self.progress(f"micro-batch {u + 1}/{len(mine)}")
+                last = u == len(mine) - 1  # the one whose backward sums the gradients over the replicas
+                with self.loss_of.no_sync() if self.synced and not last else contextlib.nullcontext():
+                    loss = self.loss_of(mb.to(self.device, non_blocking=True), items)
+                    self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
+        if self.synced:
+            dist.all_reduce(loss_sum)  # every replica's share of the minibatch's mean loss
         with self.timer.phase("optimizer"):
             skipped = self._update(lr)
         return StepResult(loss=scalar(loss_sum), skipped=skipped)
 
     def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats:
+        """Each replica its rows; the sums over the replicas on every one of them."""
         stats = EvalStats.zeros(self.model.num_labels)
         with eval_mode(self.model), torch.no_grad(), self.precision.autocast_context(self.device):
             for minibatch in batches:
-                for mb in minibatch:
+                for mb in replica_rows(minibatch, self.replica, self.num_replicas):
                     mb = mb.to(self.device)
-                    stats += self.model.eval_stats(self._trunk(mb), mb.labels)
+                    stats += self.model.eval_stats(self.net.trunk(mb), mb.labels)
+        if self.synced:
+            dist.all_reduce(stats.sums, group=self.world.control)
         return stats
 
     def memory_holders(self) -> dict[str, list]:
@@ -135,21 +229,6 @@ class Baseline(Strategy):
         measured = max(self.timer.counts.get("optimizer", 0), 1)
         return {"phase_times_s": phases,
                 "summary": {f"{name} (mean s/step)": f"{seconds / measured:.3f}" for name, seconds in phases.items()}}
-
-    def _trunk(self, mb: MicroBatch) -> torch.Tensor:
-        """Embeddings and every block: the last block's output."""
-        hidden = self.model.embed(mb.input_ids)
-        ctx = self.model.context(mb, hidden)
-        for block in self.model.blocks:
-            if self.recompute and torch.is_grad_enabled():
-                hidden = checkpoint(block, hidden, ctx, use_reentrant=False)
-            else:
-                hidden = block(hidden, ctx)
-        return hidden
-
-    def _loss(self, mb: MicroBatch, items: int) -> torch.Tensor:
-        with self.precision.autocast_context(self.device):
-            return self.model.head_loss(self._trunk(mb), mb.labels) / items
 
     def _update(self, lr: float) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -165,12 +244,16 @@ class Baseline(Strategy):
 
     # -- state ----------------------------------------------------------------------------------
     def parameter_names(self) -> list[str]:
-        return list(self.weights())
+        return [name for name, _ in unique_named_parameters(self.model)]
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        if self.replica != 0:  # every replica holds the same weights
+            return None
         return {name: p.detach() for name, p in unique_named_parameters(self.model)}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict | None:
+        if self.replica != 0:  # and the same optimizer state
+            return None
         params = [p for _, p in unique_named_parameters(self.model)]
         return model_state(self.model, params, [self.optimizer], self.scaler)
 
