@@ -35,6 +35,7 @@ COMPARED = {
     "eps_exposed_share": "EPS work exposed after overlap with backward",
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
     "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d) / bubble formula",
+    "interleaved_vs_flush": "pipe_interleaved (d = 2, v = 2, m = 4) / pipe_flush (d = 2, m = 4)",
     "md_vs_static_gpipe_jitter": "GPipe d = 2, stage 0 jittered: message-driven / static",
     "md_vs_static_gpipe_even": "GPipe d = 2, no jitter: message-driven / static",
     "md_vs_static_flush_jitter": "1F1B d = 3, stage 1 jittered: message-driven / static",

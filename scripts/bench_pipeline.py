@@ -8,6 +8,10 @@
 2. pipe_2bw against pipe_flush at m = d, printed beside what the bubble formula predicts:
    a flush idles (d-1)/(m+d-1) of the time, 2BW (almost) never, so at most
    (m+d-1)/m times faster. Target >= 1.2, and >= 0.97 of the formula's prediction.
+3. pipe_interleaved (v = 2 chunks a stage) against pipe_flush, both at m = 2d: the bubble
+   formula predicts (m + d - 1)/(m + (d - 1)/v) times the flush's throughput, before the
+   interleaved schedule's v times as many messages. Target >= 1.0; the ratio to the formula's
+   prediction is reported beside it.
 
     .venv/bin/python scripts/bench_pipeline.py [--steps 14] [--rounds 5] [--json bench_pipeline.json]
 
@@ -36,6 +40,7 @@ from benchlib import headline
 from relaytrain.compose import compose_config
 from relaytrain.costmodel import fill_and_drain_bubble
 from relaytrain.models.layered import MicroBatch
+from relaytrain.strategies.pipeline.schedule import InterleavedSchedule
 from relaytrain.train import run
 
 MODEL = [
@@ -43,12 +48,14 @@ MODEL = [
     "model.intermediate_size=1024", "model.vocab_size=2048", "model.dropout=0.0",
     "data.seq_len=64", "data.num_samples=2048", "optim=sgd", "optim.lr=0.01",
 ]
+CHUNKS = 2  # model chunks a stage for pipe_interleaved: the model's 4 blocks as 2 x 2 chunks of one
 
 
-def bench_cfg(strategy: str, stages: int, m: int, steps: int, warmup: int):
+def bench_cfg(strategy: str, stages: int, m: int, steps: int, warmup: int, *more: str):
     return compose_config([
         *MODEL, f"strategy={strategy}", f"strategy.stages={stages}", f"strategy.num_microbatches={m}",
         "strategy.microbatch_size=4", f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.log_every=1000",
+        *more,
     ])
 
 
@@ -195,6 +202,8 @@ def main(argv: list[str]) -> int:
         "torch_flush_kept_malloc": lambda: torch_1f1b(flush_cfg, tuned_allocator=True),
         "flush_md": lambda: ours(bench_cfg("pipe_flush", d, d, args.steps, args.warmup)),
         "2bw_md": lambda: ours(bench_cfg("pipe_2bw", d, d, args.steps, args.warmup)),
+        "interleaved": lambda: ours(bench_cfg("pipe_interleaved", d, 2 * d, args.steps, args.warmup,
+                                              f"strategy.chunks={CHUNKS}")),
     }
     rounds = [{name: run() for name, run in contestants.items()} for _ in range(args.rounds)]
     best = {name: min(r[name] for r in rounds) for name in contestants}
@@ -202,10 +211,13 @@ def main(argv: list[str]) -> int:
 
     # The headline is the median of each round's own ratio: robust to one lucky round of either side.
     predicted = 1.0 / (1.0 - fill_and_drain_bubble(d, d))
+    interleaved_predicted = (1 - InterleavedSchedule.bubble(d, 2 * d, CHUNKS)) / (1 - fill_and_drain_bubble(d, 2 * d))
     headlines = {
         "flush_vs_torch_1f1b": headline([r["torch_flush"] / r["ours_flush"] for r in rounds], 1.0),
         "2bw_vs_flush_of_formula": headline([r["flush_md"] / r["2bw_md"] / predicted for r in rounds], 0.97),
+        "interleaved_vs_flush": headline([r["ours_flush"] / r["interleaved"] for r in rounds], 1.0),
     }
+    median_interleaved = headlines["interleaved_vs_flush"]["median"]
     median_flush = headlines["flush_vs_torch_1f1b"]["median"]
     median_2bw = headlines["2bw_vs_flush_of_formula"]["median"] * predicted
     figures = {
@@ -227,6 +239,12 @@ def main(argv: list[str]) -> int:
             "ratio": flush_md / two_bw_md, "ratio_median_round": median_2bw,
             "predicted_by_bubble_formula": predicted, "target": 1.2,
         },
+        "interleaved_vs_flush": {
+            "stages": d, "chunks": CHUNKS, "microbatches": 2 * d, "flush_step_s": ours_flush,
+            "interleaved_step_s": best["interleaved"], "ratio_median_round": median_interleaved,
+            "predicted_by_bubble_formula": interleaved_predicted,
+            "of_formula_median_round": median_interleaved / interleaved_predicted, "target": 1.0,
+        },
         "headlines": headlines,
     }
     a, b = figures["flush_vs_torch_1f1b"], figures["2bw_vs_flush_at_m_eq_d"]
@@ -234,6 +252,9 @@ def main(argv: list[str]) -> int:
           f"{a['torch_step_s']:.3f} s per step -> ratio {a['ratio']:.2f}, median round {median_flush:.2f} (target >= 1.0)")
     print(f"pipe_2bw vs pipe_flush (d=m={d}): {b['2bw_step_s']:.3f} s vs {b['flush_step_s']:.3f} s per step -> "
           f"ratio {b['ratio']:.2f}, median round {median_2bw:.2f} (target >= 1.2; bubble formula predicts {predicted:.2f})")
+    print(f"pipe_interleaved (v={CHUNKS}) vs pipe_flush (d={d}, m={2 * d}): {best['interleaved']:.3f} s vs "
+          f"{ours_flush:.3f} s per step -> median round {median_interleaved:.2f} (target >= 1.0; the bubble formula "
+          f"predicts {interleaved_predicted:.2f}, so {median_interleaved / interleaved_predicted:.2f} of it)")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -35,9 +35,10 @@ ASKS = {"grad_clip": "optim.grad_clip=1.0", "fp16": "precision=amp_fp16", "cross
 
 
 def conformance_cfg(name: str, *overrides: str):
-    return tiny_cfg("bert", f"strategy={name}", f"train.steps={STEPS}", "train.warmup_steps=0",
+    """A tiny BERT of four blocks, four micro-batches of 8: every strategy's defaults fit it."""
+    return tiny_cfg("bert", f"strategy={name}", "model.num_layers=4", f"train.steps={STEPS}", "train.warmup_steps=0",
                     "train.checkpoint_every=1", "train.keep_checkpoints=0", "train.save_model=true",
-                    "data.eval_fraction=0.25", "strategy.num_microbatches=3", "optim=sgd", "optim.lr=0.05",
+                    "data.eval_fraction=0.25", "strategy.num_microbatches=4", "optim=sgd", "optim.lr=0.05",
                     *overrides)
 
 
@@ -82,9 +83,9 @@ def test_refuses_in_one_line_what_it_cannot_honour(name, capsys):
     can = strategy_class(name).capabilities
     for capability, ask in ASKS.items():
         if getattr(can, capability):
-            validate(tiny_cfg("bert", f"strategy={name}", ask))  # honoured: no complaint
+            validate(tiny_cfg("bert", f"strategy={name}", "model.num_layers=4", ask))  # honoured: no complaint
             continue
-        assert main(["train", *TINY_BERT, f"strategy={name}", ask]) == 2
+        assert main(["train", *TINY_BERT, "model.num_layers=4", f"strategy={name}", ask]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("relaytrain: error: ") and ask.split("=")[0] in err[0], err
 
@@ -101,7 +102,7 @@ def test_every_strategy_has_shapes_a_cost_and_a_closed_form_memory(name):
     """On a spec-sheet GPU profile, with no measurement: every shape the strategy offers for two
     workers has a positive predicted step and a positive closed-form device memory."""
     cls = strategy_class(name)
-    base = tiny_cfg("bert", f"strategy={name}")
+    base = tiny_cfg("bert", f"strategy={name}", "model.num_layers=4")
     facts = ModelFacts.of(base)
     shapes = cls.shapes(workers=2, batch=8, num_layers=base.model.num_layers)
     assert shapes and all(s.strategy == name and s.batch == 8 and s.workers <= 2 for s in shapes)
@@ -114,13 +115,13 @@ def test_every_strategy_has_shapes_a_cost_and_a_closed_form_memory(name):
 
 @pytest.fixture(scope="module")
 def plan_of_everything():
-    return make_plan([*TINY_BERT, "train.threads=1", "plan.workers=2", "plan.batch_size=8",
+    return make_plan([*TINY_BERT, "model.num_layers=4", "train.threads=1", "plan.workers=2", "plan.batch_size=8",
                       "plan.device_memory_gb=4"])
 
 
 @pytest.mark.parametrize("name", choices())
 def test_every_strategy_is_planned_with_a_time_and_a_dry_run(name, plan_of_everything):
-    cls, keys = strategy_class(name), tiny_cfg("bert", f"strategy={name}").strategy
+    cls, keys = strategy_class(name), tiny_cfg("bert", f"strategy={name}", "model.num_layers=4").strategy
     mine = [c for c in plan_of_everything.candidates if c.shape.strategy == cls.name]
     varied = {key for c in mine for key, _ in c.shape.options}
     wanted = cls.shape_options(**{key: keys[key] for key in varied})  # a preset's own variant

@@ -43,20 +43,21 @@ class ScriptedMailbox:
         self.posted: dict = {}
         self.delivered: set = set()
 
-    def is_posted(self, op, k):
-        return (op, k) in self.posted
+    def is_posted(self, receive):
+        return (receive.op, receive.microbatch) in self.posted
 
-    def post(self, op, k):
-        self.posted[(op, k)] = True
+    def post(self, receive):
+        self.posted[(receive.op, receive.microbatch)] = True
 
-    def arrived(self, op, k):
-        if self.prefetched and (op, k) in self.posted and self._may_arrive((op, k)):
-            self.delivered.add((op, k))  # every message here as soon as causality allows
-        return (op, k) in self.delivered
+    def arrived(self, receive):
+        key = (receive.op, receive.microbatch)
+        if self.prefetched and key in self.posted and self._may_arrive(key):
+            self.delivered.add(key)  # every message here as soon as causality allows
+        return key in self.delivered
 
-    def wait_any(self, keys):
-        """Deliver posted messages in a random (adversarial) order until one of `keys` is here."""
-        keys = list(keys)
+    def wait_any(self, receives):
+        """Deliver posted messages in a random (adversarial) order until one of `receives` is here."""
+        keys = [(r.op, r.microbatch) for r in receives]
         while not any(k in self.delivered for k in keys):
             pending = [k for k in self.posted if k not in self.delivered and self._may_arrive(k)]
             assert pending, f"stage waits for {keys}, which can never arrive"

@@ -48,6 +48,7 @@ def whole_minibatch_cfg(cfg, name="baseline"):
     single = copy.deepcopy(cfg)
     OmegaConf.update(single, "strategy.name", name)
     OmegaConf.update(single, "strategy.microbatch_size", cfg.strategy.microbatch_size * cfg.strategy.replicas)
+    OmegaConf.update(single, "strategy.replicas", 1)
     return single
 
 

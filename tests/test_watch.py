@@ -30,7 +30,7 @@ STRATEGIES = choices()  # every strategy= option, from the registry
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_phase_times_sum_to_no_more_than_the_step_time_beside_them(tmp_path, strategy):
     steps = ["strategy.num_microbatches=2"] if strategy.startswith("pipe") else []
-    cfg = tiny_cfg("bert", f"strategy={strategy}", "train.steps=5", "train.warmup_steps=2",
+    cfg = tiny_cfg("bert", f"strategy={strategy}", "model.num_layers=4", "train.steps=5", "train.warmup_steps=2",
                    "strategy.microbatch_size=4", *steps, "train.checkpoint_every=2", "data.eval_fraction=0.1")
     results = run(cfg, tmp_path)
     report = results["strategy_report"]

@@ -72,12 +72,14 @@ keys (the same as for `relaytrain train`):
   strategy=NAME                  a pipeline strategy ({{schedules}}): the schedule drawn
   strategy.stages=D              pipeline stages (the rows)
   strategy.num_microbatches=M    micro-batches per weight update (pipe_2bw needs M >= D)
+  strategy.chunks=V              model chunks per stage (pipe_interleaved; M a multiple of D)
 
 examples:
   relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8
   relaytrain schedule strategy=pipe_flush --batches 2 --out flush.svg
   relaytrain schedule strategy=pipe_gpipe strategy.stages=2 --out gpipe.png
   relaytrain schedule strategy=pipe_flush --schedule pipe_gpipe strategy.num_microbatches=12 | less
+  relaytrain schedule strategy=pipe_interleaved strategy.stages=4 strategy.chunks=2 strategy.num_microbatches=8
 """
 
 PLAN_USAGE = "relaytrain plan [KEY=VALUE ...] [--out DIR]"
@@ -329,7 +331,7 @@ def _schedule(args: list[str]) -> int:
         given = f"--schedule {chosen}" if chosen else f"strategy={s.name}"
         raise ConfigError(f"{given} has no pipeline schedule; choose strategy= or --schedule among {names}")
     batches = _positive_int(options.get("--batches", str(schedule.batches_shown)), "--batches")
-    show(schedule.build(s.stages, s.num_microbatches, batches), out)
+    show(schedule.build(s.stages, s.num_microbatches, batches, chunks=s.get("chunks", 1)), out)
     return 0
 
 

@@ -1,7 +1,9 @@
 """Who talks to whom: ranks laid out as replicas x stages, point-to-point transfers, gradient sums.
 
 Rank r = replica * stages + stage: each pipeline (replica) is a run of consecutive ranks.
-Activations flow to the next rank, gradients to the previous one. Gradients of a stage are
+Activations flow to the next rank, gradients to the previous one (round the ring under an
+interleaved schedule, where the last stage's chunk feeds the first stage's next chunk); each
+boundary between virtual stages is a message stream of its own (`route`). Gradients of a stage are
 summed over its replicas (the paper's equi-replicated stages); a weight held by both the
 first and the last stage (GPT-2's tied embedding and LM head) is summed over all their
 copies, so every copy takes the same update and the tie holds.
@@ -20,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relaytrain.strategies.pipeline.schedule import Op
+from relaytrain.strategies.pipeline.schedule import Action, message
 from relaytrain.world import DoneWork
 
 POLL_S = (5e-5, 1e-3)  # NCCL: how often a watcher asks whether a transfer has completed (backing off)
@@ -57,8 +59,9 @@ class Comms:
         self.topology = topology
         self.dry = dry  # a dry run on the meta device: the same buffers, nothing sent
         self.stage, self.replica = topology.position(rank)
-        self.prev = rank - 1 if self.stage > 0 else None
-        self.next = rank + 1 if self.stage < topology.stages - 1 else None
+        # Neighbours round the ring of this replica's stages (the ends meet only when interleaved).
+        self.prev = topology.rank((self.stage - 1) % topology.stages, self.replica)
+        self.next = topology.rank((self.stage + 1) % topology.stages, self.replica)
         self.timeout = timedelta(seconds=timeout_s)
         self.replica_group = self._replica_group()
         self.tied_group = self._tied_group() if has_tied_weights else None
@@ -130,11 +133,12 @@ class Comms:
         """Start receiving into `buffer`; `wait(timeout)` on the result before reading it."""
         return DoneWork() if self.dry else dist.irecv(buffer, source, tag=tag, group=group)
 
-    def lane(self, op: Op) -> tuple[int, object]:
-        """The peer and process group of a transfer action (receive or send)."""
-        if op in (Op.RECV_ACT, Op.SEND_GRAD):
-            return self.prev, self.act_group if op is Op.RECV_ACT else self.grad_group
-        return self.next, self.act_group if op is Op.SEND_ACT else self.grad_group
+    def route(self, action: Action) -> tuple[int, object, int]:
+        """The peer rank, process group and tag of a transfer action (receive or send): one tag
+        per boundary and direction, so each stream keeps its own order."""
+        peer, gradient, boundary = message(action, self.stage, self.topology.stages)
+        group = self.grad_group if gradient else self.act_group
+        return self.topology.rank(peer, self.replica), group, MESSAGE_TAG + 2 * boundary + gradient
 
     def all_reduce(self, tensor: torch.Tensor, group, async_op: bool = False):
         if self.dry:
@@ -142,7 +146,8 @@ class Comms:
         return dist.all_reduce(tensor, group=group, async_op=async_op)
 
 
-TIED_TAG = 1  # the tied-gradient exchange, apart from activations and gradients (tag 0)
+TIED_TAG = 1  # the tied-gradient exchange, apart from evaluation's messages (tag 0)
+MESSAGE_TAG = 2  # activations and gradients: MESSAGE_TAG + 2 x boundary (+ 1 for a gradient)
 
 
 class TiedExchange:
@@ -335,7 +340,8 @@ class Watcher:
 
 
 class Mailbox:
-    """This stage's incoming activations and gradients, keyed by (receive op, micro-batch).
+    """This stage's incoming activations and gradients, keyed by their receive action (its op,
+    chunk and micro-batch).
 
     Each receive lands in a buffer of its own, posted ahead of the action that reads it where
     the backend allows (`Comms.async_p2p`) and taken by that action. With `watch` (message-driven
@@ -346,44 +352,43 @@ class Mailbox:
                  watch: bool):
         self.comms, self.shape, self.device = comms, shape, device
         self.watcher = watcher if watch else None
-        self.posted: dict[tuple[Op, int], tuple[dist.Work | None, torch.Tensor]] = {}
+        self.posted: dict[Action, tuple[dist.Work | None, torch.Tensor]] = {}
 
-    def post(self, op: Op, microbatch: int) -> None:
+    def post(self, receive: Action) -> None:
         buffer = torch.empty(self.shape, dtype=torch.float32, device=self.device)
-        source, group = self.comms.lane(op)
-        channel, key = ("recv", op.value), (op, microbatch)
+        source, group, tag = self.comms.route(receive)
+        channel = ("recv", receive.op.value)
         if self.watcher is not None and not self.watcher.poll and not self.comms.dry:
             # gloo: the channel's thread posts it, in posting order (see Watcher); `take` never
             # waits on the work itself there.
-            self.posted[key] = (None, buffer)
-            self.watcher.watch(channel, key, start=lambda: self.comms.post_recv(buffer, source, group=group))
+            self.posted[receive] = (None, buffer)
+            self.watcher.watch(channel, receive, start=lambda: self.comms.post_recv(buffer, source, tag, group))
             return
-        work = self.comms.post_recv(buffer, source, group=group)
-        self.posted[key] = (work, buffer)
+        work = self.comms.post_recv(buffer, source, tag, group)
+        self.posted[receive] = (work, buffer)
         if self.watcher is not None:
-            self.watcher.watch(channel, key, work)
+            self.watcher.watch(channel, receive, work)
 
-    def is_posted(self, op: Op, microbatch: int) -> bool:
-        return (op, microbatch) in self.posted
+    def is_posted(self, receive: Action) -> bool:
+        return receive in self.posted
 
-    def arrived(self, op: Op, microbatch: int) -> bool:
-        return self.watcher is not None and self.watcher.is_done((op, microbatch))
+    def arrived(self, receive: Action) -> bool:
+        return self.watcher is not None and self.watcher.is_done(receive)
 
-    def wait_any(self, keys: Iterable[tuple[Op, int]]) -> None:
+    def wait_any(self, receives: Iterable[Action]) -> None:
         """Block until one of these posted receives has arrived (with `watch` only)."""
-        self.watcher.wait_any(keys)
+        self.watcher.wait_any(receives)
 
-    def take(self, op: Op, microbatch: int) -> torch.Tensor:
+    def take(self, receive: Action) -> torch.Tensor:
         """The received tensor, once it has arrived (posting the receive now if it was not)."""
-        key = (op, microbatch)
-        if key not in self.posted:
-            self.post(op, microbatch)
-        work, buffer = self.posted.pop(key)
+        if receive not in self.posted:
+            self.post(receive)
+        work, buffer = self.posted.pop(receive)
         if self.watcher is None:
             work.wait(self.comms.timeout)
             return buffer
-        self.watcher.wait_any([key])
-        self.watcher.forget(key)
+        self.watcher.wait_any([receive])
+        self.watcher.forget(receive)
         if self.watcher.poll:
             work.wait(self.comms.timeout)  # NCCL: orders the compute stream after the (completed) receive
         return buffer

@@ -69,10 +69,10 @@ class StaticExecutor:
         mailbox, i = self.stage.mailbox, start
         while i < horizon:
             a = program[i]
-            if a.op in RECEIVE and not mailbox.is_posted(a.op, a.microbatch):
-                if sum(1 for op, _ in mailbox.posted if op is a.op) >= RECVS_AHEAD:
+            if a.op in RECEIVE and not mailbox.is_posted(a):
+                if sum(1 for posted in mailbox.posted if posted.op is a.op) >= RECVS_AHEAD:
                     break
-                mailbox.post(a.op, a.microbatch)
+                mailbox.post(a)
             i += 1
         return i
 
@@ -124,17 +124,17 @@ class MessageDrivenExecutor:
         while True:
             for unit in plan.candidates():  # post both receives: data lands while the stage computes
                 r = plan.receive(unit)
-                if r is not None and not mailbox.is_posted(r.op, r.microbatch):
-                    mailbox.post(r.op, r.microbatch)
+                if r is not None and not mailbox.is_posted(r):
+                    mailbox.post(r)
             allowed = [u for u in plan.candidates() if invariants.allows(plan.entails(u))]
             if not allowed:
                 raise ScheduleError(f"stage {self.stage.stage}: none of {plan.candidates()} may run next")
             receives = {u: plan.receive(u) for u in allowed}
-            ready = [u for u, r in receives.items() if r is None or mailbox.arrived(r.op, r.microbatch)]
+            ready = [u for u, r in receives.items() if r is None or mailbox.arrived(r)]
             if ready:
                 return preferred(plan, ready, invariants)
             with self.stage.timer.phase("message_wait"):
-                mailbox.wait_any([(r.op, r.microbatch) for r in receives.values()])
+                mailbox.wait_any(list(receives.values()))
 
     def _run(self, actions: list[Action], invariants: StageInvariants) -> None:
         for action in actions:

@@ -50,7 +50,7 @@ def stage_parts(stage: StageModule) -> list[tuple[str, nn.Module]]:
     """The stage's parts in forward order: the buckets its update runs in."""
     m = stage.model
     parts = [("embed", m.embed)] if m.embed is not None else []
-    parts += [(f"block.{stage.block_offset + i}", block) for i, block in enumerate(m.blocks)]
+    parts += [(f"block.{index}", block) for index, block in zip(stage.block_indices, m.blocks, strict=True)]
     return parts + ([("head", m.head)] if m.head is not None else [])
 
 

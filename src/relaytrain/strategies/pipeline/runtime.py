@@ -71,7 +71,7 @@ from relaytrain.strategies.pipeline.config import Execution, Offload, PipelineCo
 from relaytrain.strategies.pipeline.executor import MessageDrivenExecutor, StaticExecutor
 from relaytrain.strategies.pipeline.jitter import ENV, StageJitter
 from relaytrain.strategies.pipeline.offload import HostVersions
-from relaytrain.strategies.pipeline.schedule import Action, Op, Schedule, stop_points
+from relaytrain.strategies.pipeline.schedule import Action, Op, Schedule, stop_points, virtual_stage
 from relaytrain.strategies.pipeline.stage import StageModule, partition
 from relaytrain.strategies.pipeline.validate import StageInvariants, check_schedule, simulate
 from relaytrain.strategies.pipeline.weights import VersionBuffers, WeightVersions
@@ -110,6 +110,11 @@ class PipelineStrategy(Strategy):
 
     # -- what it needs -----------------------------------------------------------------------
     @classmethod
+    def chunks(cls, cfg) -> int:
+        """Model chunks per stage: one, or several under an interleaved schedule."""
+        return 1
+
+    @classmethod
     def processes(cls, cfg) -> int:
         return cfg.strategy.stages * cfg.strategy.replicas
 
@@ -129,14 +134,19 @@ class PipelineStrategy(Strategy):
                               f"(or strategy.stages=2 or more)")
         if s.replicas < 1:
             raise ConfigError(f"strategy.replicas={s.replicas} must be at least 1")
-        if s.stages > m.num_layers:
-            raise ConfigError(f"strategy.stages={s.stages} exceeds model.num_layers={m.num_layers}; "
-                              f"every stage needs a block")
-        if s.layout is not None and (len(s.layout) != s.stages or sum(s.layout) != m.num_layers or min(s.layout) < 1):
-            raise ConfigError(f"strategy.layout={list(s.layout)} must give {s.stages} positive block counts "
-                              f"summing to model.num_layers={m.num_layers}")
-        cls.schedule.check_shape(s.stages, s.num_microbatches, cfg.train.steps)
-        check_schedule(cls.schedule.build(s.stages, s.num_microbatches, min(cfg.train.steps, 3)))
+        parts, v = s.stages * cls.chunks(cfg), cls.chunks(cfg)
+        what = f"strategy.stages={s.stages}" + (f" x strategy.chunks={v}" if v > 1 else "")
+        if parts > m.num_layers:
+            raise ConfigError(f"{what} exceeds model.num_layers={m.num_layers}; every "
+                              f"{'chunk' if v > 1 else 'stage'} needs a block")
+        if s.layout is not None and (len(s.layout) != parts or sum(s.layout) != m.num_layers or min(s.layout) < 1):
+            raise ConfigError(f"strategy.layout={list(s.layout)} must give {parts} positive block counts "
+                              f"(one per {'model chunk' if v > 1 else 'stage'}) summing to model.num_layers={m.num_layers}")
+        cls.schedule.check_shape(s.stages, s.num_microbatches, cfg.train.steps, v)
+        check_schedule(cls.schedule.build(s.stages, s.num_microbatches, min(cfg.train.steps, 3), chunks=v))
+        if s.execution == Execution.message_driven and not cls.schedule.reorderable:
+            raise ConfigError(f"strategy.execution=message_driven: strategy={s.name}'s order across its chunks is "
+                              f"its schedule's; use strategy.execution=static")
         jitter = StageJitter.from_environment()
         if jitter is not None and jitter.stage >= s.stages:
             raise ConfigError(f"{ENV} slows stage {jitter.stage}, but the pipeline has stages 0 to {s.stages - 1}")
@@ -144,8 +154,9 @@ class PipelineStrategy(Strategy):
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
         s = cfg.strategy
-        versions = cls.schedule.weight_versions
-        in_flight = cls.schedule.in_flight(s.stages, s.num_microbatches, stage=0)  # the first stage holds the most
+        versions, v = cls.schedule.weight_versions, cls.chunks(cfg)
+        # The first stage holds the most; a unit in flight holds a chunk's blocks.
+        in_flight = -(-cls.schedule.in_flight(s.stages, s.num_microbatches, 0, v) // v)
         masters = 1 if s.offload == Offload.host else 0  # host copies of the weights, apart from the working ones
         per_replica = num_params * FP32 * (versions + 1 + state_words(cfg.optim) + masters)
         if s.recompute == Recompute.none:
@@ -159,9 +170,21 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
+        """Blocks per model chunk (per stage, without interleaving) and the replicas."""
+        return {"stages": [len(r) for r in cls.model_chunks(cfg)], "replicas": cfg.strategy.replicas}
+
+    @classmethod
+    def model_chunks(cls, cfg) -> list[range]:
+        """The blocks of each of the model's d x v chunks, in model order: stage s holds chunks
+        s, s + d, ... (one each without interleaving)."""
         s = cfg.strategy
-        return {"stages": [len(r) for r in partition(cfg.model.num_layers, s.stages, s.layout)],
-                "replicas": s.replicas}
+        return partition(cfg.model.num_layers, s.stages * cls.chunks(cfg), s.layout)
+
+    @classmethod
+    def stage_blocks(cls, cfg, stage: int) -> list[range]:
+        """The blocks `stage` holds, one range per chunk."""
+        chunks, stages = cls.model_chunks(cfg), cfg.strategy.stages
+        return [chunks[virtual_stage(stage, c, stages)] for c in range(cls.chunks(cfg))]
 
     @classmethod
     def describe_process(cls, cfg, rank: int) -> str:
@@ -174,8 +197,9 @@ class PipelineStrategy(Strategy):
         s = cfg.strategy
         stages = [r["stage_figures"] for r in reports]
         measured = sum(st["bubble_fraction"] for st in stages) / len(stages)
-        formula = cls.schedule.bubble(s.stages, s.num_microbatches)
-        simulated = simulate(cls.schedule.build(s.stages, s.num_microbatches, cfg.train.steps)).bubble_fraction()
+        v = cls.chunks(cfg)
+        formula = cls.schedule.bubble(s.stages, s.num_microbatches, v)
+        simulated = simulate(cls.schedule.build(s.stages, s.num_microbatches, cfg.train.steps, chunks=v)).bubble_fraction()
         layout = cls.state_layout(cfg)["stages"]
         return {
             "stages": s.stages,
@@ -187,10 +211,11 @@ class PipelineStrategy(Strategy):
             "bubble_fraction_measured": measured,
             "bubble_fraction_formula": formula,
             "bubble_fraction_schedule": simulated,
-            "bubble_note": f"formula: {cls.schedule.bubble_words(s.stages, s.num_microbatches)}; "
+            "bubble_note": f"formula: {cls.schedule.bubble_words(s.stages, s.num_microbatches, v)}; "
                            "schedule: dry run of the whole run with backward = 2 x forward",
             "summary": {
-                "pipeline": f"{s.stages} stages x {s.replicas} replicas, blocks {layout}",
+                "pipeline": (f"{s.stages} stages x {s.replicas} replicas" + (f", {v} chunks each" if v > 1 else "")
+                             + f", blocks {layout}"),
                 "execution, offload": f"{s.execution}, {s.offload}",
                 "bubble measured / formula": f"{measured:.3f} / {formula:.3f}",
                 "stage samples/s": ", ".join(f"{st['samples_per_s']:.1f}" for st in stages),
@@ -204,11 +229,18 @@ class PipelineStrategy(Strategy):
         """Every worker in the pipeline: w x d = workers with 2 <= d <= the model's blocks and w
         dividing the batch; each micro-batch size b of a replica's share with m = batch / (w b) as
         the schedule allows; no recompute, block or stage recompute."""
-        return [Shape(cls.name, b, batch // (workers // d * b), workers // d, d, str(recompute))
+        return [Shape(cls.name, b, batch // (workers // d * b), workers // d, d, str(recompute),
+                      cls.shape_options(chunks=v) if v > 1 else ())
                 for d in range(2, min(workers, num_layers) + 1) if workers % d == 0 and batch % (workers // d) == 0
                 for b in powers_of_two_dividing(batch // (workers // d))
-                if cls.schedule.refusal(d, batch // (workers // d * b)) is None
+                for v in cls.chunk_choices(d, num_layers)
+                if cls.schedule.refusal(d, batch // (workers // d * b), v) is None
                 for recompute in Recompute]
+
+    @classmethod
+    def chunk_choices(cls, stages: int, num_layers: int) -> list[int]:
+        """The model chunks per stage the planner tries on `stages` stages (one: no interleaving)."""
+        return [1]
 
     @classmethod
     def recomputes(cls, cfg) -> bool:
@@ -222,13 +254,13 @@ class PipelineStrategy(Strategy):
         the schedule composes the minibatch from the t_i (filled and drained once, or kept full).
         Then the all-reduce of each stage's gradients across the replicas (hidden under the next
         minibatch where the schedule lets it) and the stage's optimizer step."""
-        s = cfg.strategy
+        s, v = cfg.strategy, cls.chunks(cfg)
         m, d, b = s.num_microbatches, s.stages, s.microbatch_size
         t = profile.for_workers(cls.processes(cfg), cfg.train.threads)
         compute = cls._stage_times(cfg, t)
-        exchange = p2p_s(facts.boundary_bytes(b), cls.processes(cfg), profile)
+        exchange = v * p2p_s(facts.boundary_bytes(b), cls.processes(cfg), profile)  # one message per chunk
         slots = [max(work, exchange) for work in compute]
-        pipeline = cls.schedule.minibatch_time(slots, m)
+        pipeline = cls.schedule.minibatch_time(slots, m, v)
         stages = cls._stages(cfg)
         sums = max(allreduce_s(facts.stage_params(*stage) * FP32, s.replicas, profile) for stage in stages)
         hidden = cls.schedule.hides_gradient_sums and profile.device_type != "cpu"  # a CPU sums on the cores that compute
@@ -238,24 +270,24 @@ class PipelineStrategy(Strategy):
                  "activations exchange": 2 * m * exchange, "gradient sums (exposed)": exposed_sums,
                  "optimizer": optimizer}
         return StepCost(pipeline + exposed_sums + optimizer, parts,
-                        [f"bubble {cls.schedule.bubble_words(d, m)}"])
+                        [f"bubble {cls.schedule.bubble_words(d, m, v)}"])
 
     @classmethod
     def device_bytes(cls, cfg, facts: ModelFacts) -> int:
         """The fullest stage's MEMORY(.): its weight versions, gradients and optimizer state, and
         the activations of the micro-batches its schedule keeps in flight there."""
-        s = cfg.strategy
+        s, v = cfg.strategy, cls.chunks(cfg)
+        # A unit in flight holds one chunk's activations: 1/v of the stage's blocks.
         return max(stage_bytes(facts, s.microbatch_size, blocks, facts.stage_params(blocks, first, last), last,
-                               cls.schedule.in_flight(s.stages, s.num_microbatches, i), cls.schedule.weight_versions,
-                               str(s.recompute))
+                               cls.schedule.in_flight(s.stages, s.num_microbatches, i, v) / v,
+                               cls.schedule.weight_versions, str(s.recompute))
                    for i, (blocks, first, last) in enumerate(cls._stages(cfg)))
 
     @classmethod
     def _stages(cls, cfg) -> list[tuple[int, bool, bool]]:
         """(blocks, holds the embeddings, holds the head) of each stage."""
-        s = cfg.strategy
-        counts = [len(r) for r in partition(cfg.model.num_layers, s.stages, s.layout)]
-        return [(n, i == 0, i == len(counts) - 1) for i, n in enumerate(counts)]
+        d = cfg.strategy.stages
+        return [(sum(len(r) for r in cls.stage_blocks(cfg, i)), i == 0, i == d - 1) for i in range(d)]
 
     @classmethod
     def _stage_times(cls, cfg, t: Timings) -> list[float]:
@@ -279,10 +311,9 @@ class PipelineStrategy(Strategy):
         self.topology = Topology(s.stages, s.replicas)
         self.stage, self.replica = self.topology.position(world.rank)
         self.first, self.last = self.stage == 0, self.stage == s.stages - 1
-        self.m = s.num_microbatches
+        self.m, self.v = s.num_microbatches, self.chunks(cfg)
         self.steps = cfg.train.steps
-        blocks = partition(model.num_blocks, s.stages, s.layout)[self.stage]
-        stage = StageModule(model, blocks, self.first, self.last, s.recompute)
+        stage = StageModule(model, self.stage_blocks(cfg, self.stage), self.first, self.last, s.recompute)
         message_driven = s.execution == Execution.message_driven
         self.comms = Comms(self.topology, world.rank, bool(stage.tied_names), world.timeout_s, dry=world.simulated,
                            lanes=message_driven)
@@ -301,10 +332,10 @@ class PipelineStrategy(Strategy):
         self.batch = 0  # the next batch `step` runs
         self.lrs: dict[int, float] = {}
         self.minibatches: dict[int, tuple[list[MicroBatch], int]] = {}
-        self.stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # k -> (input, output)
-        self.inbox: dict[tuple[Op, int], torch.Tensor] = {}  # received, not yet computed with
+        self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # unit -> (input, output)
+        self.inbox: dict[tuple[Op, tuple[int, int]], torch.Tensor] = {}  # received, not yet computed with
         self.tied_recvs: dict[int, TiedExchange] = {}  # per batch: the partner's tied gradients, posted early
-        self.grads_out: dict[int, torch.Tensor] = {}
+        self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
         self.batch_loss: dict[int, torch.Tensor] = {}
         self.reductions: dict[int, GradReduction] = {}  # reduced, not yet applied (in batch order)
         self.dispatch = {
@@ -355,7 +386,7 @@ class PipelineStrategy(Strategy):
 
     def _segment(self, first: int, end: int) -> Segment:
         s = self.cfg.strategy
-        schedule = self.schedule.build(s.stages, self.m, end, first)
+        schedule = self.schedule.build(s.stages, self.m, end, first, self.v)
         program = schedule.actions(self.stage)
         starts = {c: i for i, c in stop_points(program, self.m).items()}
         starts[first] = 0
@@ -384,27 +415,29 @@ class PipelineStrategy(Strategy):
     # -- compute ----------------------------------------------------------------------------
     def forward(self, a: Action) -> None:
         mb, items = self._microbatch(a.microbatch)
-        hidden = None if self.first else self.inbox.pop((Op.RECV_ACT, a.microbatch))
+        module = self.versions.module(a.version)
+        hidden = None if module.embeds(a.chunk) else self.inbox.pop((Op.RECV_ACT, a.unit))
         with self.timer.phase("update_wait"):  # offload: the update that made this version must have landed
             self.versions.await_version(a.version)
         with self.timer.phase("forward"), self._jittered("forward", a), self.precision.autocast_context(self.device):
-            out = self.versions.module(a.version)(mb, hidden, items)
-        self.stash[a.microbatch] = (hidden, out)
-        if self.last:
+            out = module(mb, hidden, items, a.chunk)
+        self.stash[a.unit] = (hidden, out)
+        if module.computes_loss(a.chunk):
             self.batch_loss[a.batch] = self.batch_loss.get(a.batch, 0.0) + out.detach()
 
     def backward(self, a: Action) -> None:
-        hidden, out = self.stash.pop(a.microbatch)
-        if self.comms.tied_peer is not None and a.microbatch % self.m == self.m - 1:
+        hidden, out = self.stash.pop(a.unit)
+        module = self.versions.module(a.version)
+        if self.comms.tied_peer is not None and a.unit == (0, (a.batch + 1) * self.m - 1):
             # This stage's last backward of the batch: the partner's tied gradients may come during it.
             tied = self.versions.params[a.version % len(self.versions.buffers)][len(self.versions.names) - self.num_tied:]
             self.tied_recvs[a.batch] = TiedExchange(self.comms, tied)
         with self.timer.phase("backward"), self._jittered("backward", a):
-            grad = None if self.last else self.inbox.pop((Op.RECV_GRAD, a.microbatch))
+            grad = None if module.computes_loss(a.chunk) else self.inbox.pop((Op.RECV_GRAD, a.unit))
             out.backward(grad)
-        if not self.first:
-            self.grads_out[a.microbatch] = hidden.grad
-        if self.last:
+        if not module.embeds(a.chunk):
+            self.grads_out[a.unit] = hidden.grad
+        if module.computes_loss(a.chunk):
             self.progress(f"micro-batch {a.microbatch % self.m + 1}/{self.m} through the pipeline")
 
     def _jittered(self, op: str, a: Action):
@@ -413,10 +446,10 @@ class PipelineStrategy(Strategy):
 
     # -- transfers ----------------------------------------------------------------------------
     def send_act(self, a: Action) -> None:
-        self._send(self.stash[a.microbatch][1].detach().float(), a.op)
+        self._send(self.stash[a.unit][1].detach().float(), a)
 
     def send_grad(self, a: Action) -> None:
-        self._send(self.grads_out.pop(a.microbatch), a.op)
+        self._send(self.grads_out.pop(a.unit), a)
 
     def recv_act(self, a: Action) -> None:
         self._recv(a, requires_grad=True)
@@ -424,14 +457,14 @@ class PipelineStrategy(Strategy):
     def recv_grad(self, a: Action) -> None:
         self._recv(a, requires_grad=False)
 
-    def _send(self, tensor: torch.Tensor, op: Op) -> None:
-        to, group = self.comms.lane(op)
-        self.outbox.send(tensor, to, group=group)
+    def _send(self, tensor: torch.Tensor, a: Action) -> None:
+        to, group, tag = self.comms.route(a)
+        self.outbox.send(tensor, to, tag=tag, group=group)
 
     def _recv(self, a: Action, requires_grad: bool) -> None:
         with self.timer.phase("message_wait"):
-            buffer = self.mailbox.take(a.op, a.microbatch)
-        self.inbox[(a.op, a.microbatch)] = buffer.requires_grad_(requires_grad)
+            buffer = self.mailbox.take(a)
+        self.inbox[(a.op, a.unit)] = buffer.requires_grad_(requires_grad)
 
     # -- updates ------------------------------------------------------------------------------
     def reduce_grads(self, a: Action) -> None:
@@ -477,7 +510,8 @@ class PipelineStrategy(Strategy):
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats | None:
         """A forward-only schedule on the newest weights: each micro-batch flows through the
-        stages; the last stages add up the evaluation sums, then over the replicas."""
+        stages (round them once per chunk); the last stages add up the evaluation sums, then
+        over the replicas."""
         module = self.versions.latest()
         model = module.model
         stats = EvalStats.zeros(model.num_labels) if self.last else None
@@ -485,12 +519,13 @@ class PipelineStrategy(Strategy):
             for minibatch in batches:
                 for mb in replica_rows(minibatch, self.replica, self.topology.replicas):
                     mb = mb.to(self.device)
-                    hidden = None if self.first else self.comms.recv(self._buffer(), self.comms.prev)
-                    out = module.trunk(mb, hidden)
-                    if self.last:
-                        stats += model.eval_stats(out, mb.labels)
-                    else:
-                        self.comms.send(out.float().contiguous(), self.comms.next).wait(self.comms.timeout)
+                    for chunk in range(self.v):
+                        hidden = None if module.embeds(chunk) else self.comms.recv(self._buffer(), self.comms.prev)
+                        out = module.trunk(mb, hidden, chunk)
+                        if module.computes_loss(chunk):
+                            stats += model.eval_stats(out, mb.labels)
+                        else:
+                            self.comms.send(out.float().contiguous(), self.comms.next).wait(self.comms.timeout)
         if self.last and self.comms.replica_group is not None:
             self.comms.all_reduce(stats.sums, self.comms.replica_group)
         return stats if self.world.rank == self.reporter(self.cfg) else None

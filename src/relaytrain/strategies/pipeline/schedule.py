@@ -52,19 +52,47 @@ class Action:
     microbatch: int | None = None  # global micro-batch id k (compute and transfers)
     batch: int | None = None
     version: int | None = None  # weights a forward/backward uses; the version a step creates
+    chunk: int = 0  # which of the stage's model chunks computes (interleaved schedules; else 0)
 
     def __str__(self) -> str:
         what = f"{self.op.value}(mb={self.microbatch}" if self.microbatch is not None else f"{self.op.value}(b={self.batch}"
-        return what + (f", v={self.version})" if self.version is not None else ")")
+        return what + (f", chunk={self.chunk}" if self.chunk else "") + (f", v={self.version})" if self.version is not None
+                                                                          else ")")
+
+    @property
+    def unit(self) -> tuple[int, int]:
+        """(chunk, micro-batch): what a stash entry, a message and a compute action are about."""
+        return self.chunk, self.microbatch
 
 
 Step = list[Action]
+Work = tuple[Op, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk): one unit of compute
 
 
 def one_f_one_b_depth(stages: int, m: int, stage: int) -> int:
     """Micro-batches 1F1B keeps in flight on `stage`: its warm-up forwards plus one, at most m.
     The depth that keeps the pipeline full (the message-driven executor aims for it too)."""
     return min(stages - stage, m)
+
+
+def virtual_stage(stage: int, chunk: int, stages: int) -> int:
+    """Where a stage's chunk sits in the whole pipeline: model chunk c of stage s is the model's
+    c x d + s-th, so activations go round the stages v times (Megatron's interleaved layout)."""
+    return chunk * stages + stage
+
+
+TRANSFERS = (Op.RECV_ACT, Op.SEND_ACT, Op.RECV_GRAD, Op.SEND_GRAD)
+
+
+def message(action: Action, stage: int, stages: int) -> tuple[int, bool, int]:
+    """Whom a transfer action talks to and which stream it is on: (peer stage, is a gradient,
+    boundary). The boundary is the one between virtual stages e and e + 1 it crosses: a send and
+    its receive name the same one, and the messages of one stream arrive in the order they were
+    sent. Activations go to the next stage round the ring, gradients to the previous one."""
+    place = virtual_stage(stage, action.chunk, stages)
+    downstream = action.op in (Op.SEND_ACT, Op.RECV_GRAD)
+    peer = (stage + 1) % stages if downstream else (stage - 1) % stages
+    return peer, action.op in (Op.RECV_GRAD, Op.SEND_GRAD), place if downstream else place - 1
 
 
 @dataclass(frozen=True)
@@ -80,19 +108,22 @@ class Schedule:
     num_batches: int  # n: weight updates
     programs: tuple[tuple[tuple[Action, ...], ...], ...]  # [stage][step] -> actions
     first_batch: int = 0  # the programs run batches [first_batch, num_batches)
+    chunks: int = 1  # v: model chunks per stage (interleaved schedules)
 
     name: ClassVar[str] = ""  # as users name it: the strategy that runs it
     legend: ClassVar[str] = ""  # one line for `relaytrain schedule`: what the picture shows
     weight_versions: ClassVar[int] = 1  # versions a stage keeps: the newest and (2BW) the one before
     stop_lag: ClassVar[int] = 1  # batches a stage may be ahead of the slowest (see `stop_points`)
     hides_gradient_sums: ClassVar[bool] = False  # the sums run behind the next minibatch (no flush waits)
+    reorderable: ClassVar[bool] = True  # message-driven execution may change how forwards and backwards interleave
     batches_shown: ClassVar[int] = 2  # what `relaytrain schedule` draws unless told
 
     # -- rules -----------------------------------------------------------------------------
     @classmethod
-    def refusal(cls, stages: int, m: int) -> str | None:
-        """Why this schedule cannot run d stages with m micro-batches per update (None: it can)."""
-        return None
+    def refusal(cls, stages: int, m: int, chunks: int = 1) -> str | None:
+        """Why this schedule cannot run d stages of v chunks with m micro-batches per update
+        (None: it can)."""
+        return None if chunks == 1 else f"{cls.name} runs one model chunk per stage, not {chunks}"
 
     @classmethod
     def weight_version(cls, microbatch: int, m: int) -> int:
@@ -100,28 +131,29 @@ class Schedule:
         return microbatch // m
 
     @classmethod
-    def in_flight(cls, stages: int, m: int, stage: int) -> int:
-        """The most micro-batches `stage` holds between their forward and backward: its stash."""
+    def in_flight(cls, stages: int, m: int, stage: int, chunks: int = 1) -> int:
+        """The most units (chunk, micro-batch) `stage` holds between their forward and backward:
+        its stash."""
         return one_f_one_b_depth(stages, m, stage)
 
     @classmethod
-    def bubble(cls, stages: int, m: int) -> float:
+    def bubble(cls, stages: int, m: int, chunks: int = 1) -> float:
         """The idle share of stage time its formula predicts for equal stages."""
         return fill_and_drain_bubble(stages, m)
 
     @classmethod
-    def bubble_words(cls, stages: int, m: int) -> str:
+    def bubble_words(cls, stages: int, m: int, chunks: int = 1) -> str:
         return f"(d-1)/(m+d-1) = {cls.bubble(stages, m):.3f} per flush"
 
     @classmethod
-    def minibatch_time(cls, slots: list[float], m: int) -> float:
+    def minibatch_time(cls, slots: list[float], m: int, chunks: int = 1) -> float:
         """A minibatch's pipeline time when stage i takes slots[i] per micro-batch: filled and
         drained once (PipeDream-2BW §4.2.1): sum of the slots + (m - 1) x the slowest."""
         return sum(slots) + (m - 1) * max(slots)
 
     @classmethod
-    def compute_order(cls, stages: int, m: int, stage: int, batches: int, first: int) -> list[tuple[Op, int]]:
-        """(FORWARD or BACKWARD, micro-batch) in the order `stage` runs them for batches [first, batches)."""
+    def compute_order(cls, stages: int, m: int, stage: int, batches: int, first: int, chunks: int = 1) -> list[Work]:
+        """The units `stage` computes for batches [first, batches), in order."""
         raise NotImplementedError
 
     @classmethod
@@ -137,34 +169,39 @@ class Schedule:
 
     # -- building ------------------------------------------------------------------------------
     @classmethod
-    def check_shape(cls, stages: int, m: int, batches: int) -> None:
-        """Refuse (stages, micro-batches) the schedule cannot run, naming the keys to change."""
-        if stages < 1 or m < 1 or batches < 1:
-            raise ConfigError(f"stages={stages}, micro-batches={m} and batches={batches} must be positive")
-        refused = cls.refusal(stages, m)
+    def check_shape(cls, stages: int, m: int, batches: int, chunks: int = 1) -> None:
+        """Refuse (stages, micro-batches, chunks) the schedule cannot run, naming the keys to change."""
+        if stages < 1 or m < 1 or batches < 1 or chunks < 1:
+            raise ConfigError(f"stages={stages}, micro-batches={m}, chunks={chunks} and batches={batches} "
+                              f"must be positive")
+        refused = cls.refusal(stages, m, chunks)
         if refused:
             raise ConfigError(refused)
 
     @classmethod
-    def build(cls, stages: int, num_microbatches: int, num_batches: int = 1, first_batch: int = 0) -> Schedule:
-        cls.check_shape(stages, num_microbatches, num_batches)
+    def build(cls, stages: int, num_microbatches: int, num_batches: int = 1, first_batch: int = 0,
+              chunks: int = 1) -> Schedule:
+        cls.check_shape(stages, num_microbatches, num_batches, chunks)
         if not 0 <= first_batch < num_batches:
             raise ConfigError(f"a schedule's first batch {first_batch} must be in [0, {num_batches})")
         programs = tuple(
-            tuple(tuple(step) for step in cls.stage_program(stages, num_microbatches, stage, num_batches, first_batch))
+            tuple(tuple(step) for step in cls.stage_program(stages, num_microbatches, stage, num_batches, first_batch,
+                                                            chunks))
             for stage in range(stages)
         )
-        return cls(stages, num_microbatches, num_batches, programs, first_batch)
+        return cls(stages, num_microbatches, num_batches, programs, first_batch, chunks)
 
     @classmethod
-    def stage_program(cls, stages: int, m: int, stage: int, batches: int, first: int = 0) -> list[Step]:
+    def stage_program(cls, stages: int, m: int, stage: int, batches: int, first: int = 0, chunks: int = 1) -> list[Step]:
         """Steps of one stage for batches [first, batches): each forward/backward with its transfers,
         plus the update steps. Ids and versions are the whole run's, so a resumed run's program is
         the rest of the uninterrupted run's work (2BW starts on versions first - 1 and first)."""
+        order = cls.compute_order(stages, m, stage, batches, first, chunks)
+        last_backward = {k // m: i for i, (op, k, _) in enumerate(order) if op is Op.BACKWARD}
         steps: list[Step] = []
-        for op, k in cls.compute_order(stages, m, stage, batches, first):
-            steps.append(_compute_step(op, k, stage, stages, cls.weight_version(k, m), m))
-            if op is Op.BACKWARD and k % m == m - 1:  # this stage's last backward of batch b
+        for i, (op, k, chunk) in enumerate(order):
+            steps.append(_compute_step(op, k, chunk, stage, stages, chunks, cls.weight_version(k, m), m))
+            if last_backward[k // m] == i:  # this stage's last backward of batch b
                 steps.append([Action(Op.REDUCE_GRADS, batch=k // m)])
         return cls.place_updates(steps, m)
 
@@ -191,7 +228,7 @@ class FlushSchedule(Schedule):
     legend = "1F1B within each minibatch, then a flush: one weight version, the baseline's updates"
 
     @classmethod
-    def compute_order(cls, stages, m, stage, batches, first):
+    def compute_order(cls, stages, m, stage, batches, first, chunks=1):
         return [item for b in range(first, batches) for item in _one_f_one_b(stages, stage, b * m, m)]
 
 
@@ -203,13 +240,13 @@ class GPipeSchedule(Schedule):
     legend = "every forward of a minibatch, then every backward, then a flush: one weight version"
 
     @classmethod
-    def in_flight(cls, stages, m, stage):
+    def in_flight(cls, stages, m, stage, chunks=1):
         return m
 
     @classmethod
-    def compute_order(cls, stages, m, stage, batches, first):
+    def compute_order(cls, stages, m, stage, batches, first, chunks=1):
         return [item for b in range(first, batches)
-                for item in [(Op.FORWARD, b * m + j) for j in range(m)] + [(Op.BACKWARD, b * m + j) for j in range(m)]]
+                for item in [(Op.FORWARD, b * m + j, 0) for j in range(m)] + [(Op.BACKWARD, b * m + j, 0) for j in range(m)]]
 
 
 class TwoBWSchedule(Schedule):
@@ -229,32 +266,32 @@ class TwoBWSchedule(Schedule):
     batches_shown = 3  # the first new version is used from batch 3 on
 
     @classmethod
-    def refusal(cls, stages, m):
+    def refusal(cls, stages, m, chunks=1):
         # With fewer micro-batches than stages, stage 0 would start batch b+2 before its own
         # last backward of batch b: a third weight version would be needed.
         if m < stages:
             return (f"pipe_2bw needs strategy.num_microbatches >= strategy.stages (got {m} < {stages}); "
                     f"raise strategy.num_microbatches to at least {stages}")
-        return None
+        return super().refusal(stages, m, chunks)
 
     @classmethod
     def weight_version(cls, microbatch, m):
         return max(microbatch // m - 1, 0)
 
     @classmethod
-    def bubble(cls, stages, m):
+    def bubble(cls, stages, m, chunks=1):
         return 0.0
 
     @classmethod
-    def bubble_words(cls, stages, m):
+    def bubble_words(cls, stages, m, chunks=1):
         return "none in steady state (no flush)"
 
     @classmethod
-    def minibatch_time(cls, slots, m):
+    def minibatch_time(cls, slots, m, chunks=1):
         return m * max(slots)  # the pipeline stays full: every stage works every slot
 
     @classmethod
-    def compute_order(cls, stages, m, stage, batches, first):
+    def compute_order(cls, stages, m, stage, batches, first, chunks=1):
         return _one_f_one_b(stages, stage, first * m, m * (batches - first))
 
     @classmethod
@@ -274,42 +311,115 @@ class TwoBWSchedule(Schedule):
         return placed + [[_optimizer_step(b)] for b in pending]
 
 
+class InterleavedSchedule(Schedule):
+    """Interleaved 1F1B (Narayanan et al., 2021; the survey's Fig. 9): each stage holds v model
+    chunks (stage s: the model's chunks s, s + d, ...), so a micro-batch goes round the stages v
+    times and the pipeline fills and drains in 1/v of the time: the bubble is (d - 1) / (v m) of
+    the ideal time, for v times the point-to-point messages. Megatron's order per stage: warm-up
+    forwards (2 (d - s - 1) + (v - 1) d of them, every one when m = d; one chunk: 1F1B's d - s - 1),
+    then one forward and one backward, then the remaining backwards; the k-th forward of a batch runs chunk
+    (k mod dv) div d on micro-batch (k div dv) d + k mod d, the backwards visit the chunks in
+    reverse. A flush per minibatch, one weight version: the plain loop's updates. m must be a
+    multiple of d, as Megatron requires."""
+
+    name = "pipe_interleaved"
+    legend = "interleaved 1F1B: v model chunks per stage, a flush per minibatch; one weight version"
+    reorderable = False  # the order across chunks is the schedule's: message-driven execution keeps to it
+
+    @classmethod
+    def refusal(cls, stages, m, chunks=1):
+        if m % stages:
+            return (f"pipe_interleaved needs strategy.num_microbatches to be a multiple of strategy.stages "
+                    f"(got {m} for {stages} stages); use {max(stages, m - m % stages)} or {m + stages - m % stages}")
+        return None
+
+    @classmethod
+    def in_flight(cls, stages, m, stage, chunks=1):
+        return min(_interleaved_warmup(stages, m, stage, chunks) + 1, m * chunks)
+
+    @classmethod
+    def bubble(cls, stages, m, chunks=1):
+        return (stages - 1) / (chunks * m + stages - 1)
+
+    @classmethod
+    def bubble_words(cls, stages, m, chunks=1):
+        return (f"(d-1)/(v m+d-1) = {cls.bubble(stages, m, chunks):.3f} per flush "
+                f"(bubble time (d-1)/(v m) = {(stages - 1) / (chunks * m):.3f} of the ideal)")
+
+    @classmethod
+    def minibatch_time(cls, slots, m, chunks=1):
+        """Filling and draining takes 1/v of a slot per stage: sum / v + (m - 1/v) x the slowest,
+        which is (m + (d - 1) / v) slots for equal stages."""
+        return sum(slots) / chunks + (m - 1 / chunks) * max(slots)
+
+    @classmethod
+    def compute_order(cls, stages, m, stage, batches, first, chunks=1):
+        return [item for b in range(first, batches) for item in _interleaved(stages, stage, b * m, m, chunks)]
+
+
+def _interleaved_warmup(stages: int, m: int, stage: int, chunks: int) -> int:
+    """Forwards before the first backward: Megatron's rule for several chunks, 1F1B's for one."""
+    if chunks == 1:
+        return min(stages - stage - 1, m)
+    if m == stages:  # every forward first: the pipeline never reaches a steady state
+        return m * chunks
+    return min(2 * (stages - stage - 1) + (chunks - 1) * stages, m * chunks)
+
+
+def _interleaved(stages: int, stage: int, first: int, m: int, chunks: int) -> list[Work]:
+    """One batch of interleaved 1F1B on `stage` (micro-batches first .. first + m - 1)."""
+    group = stages * chunks
+
+    def unit(op: Op, i: int) -> Work:
+        chunk = (i % group) // stages
+        return op, first + (i // group) * stages + i % stages, chunk if op is Op.FORWARD else chunks - 1 - chunk
+
+    total, warmup = m * chunks, _interleaved_warmup(stages, m, stage, chunks)
+    order = [unit(Op.FORWARD, i) for i in range(warmup)]
+    for j in range(total - warmup):
+        order += [unit(Op.FORWARD, warmup + j), unit(Op.BACKWARD, j)]
+    return order + [unit(Op.BACKWARD, j) for j in range(total - warmup, total)]
+
+
 def schedules() -> dict[str, type[Schedule]]:
     """Every schedule by name."""
     return {cls.name: cls for cls in Schedule.__subclasses__()}
 
 
-def build_schedule(name: str, stages: int, num_microbatches: int, num_batches: int = 1, first_batch: int = 0) -> Schedule:
+def build_schedule(name: str, stages: int, num_microbatches: int, num_batches: int = 1, first_batch: int = 0,
+                   chunks: int = 1) -> Schedule:
     """The schedule `name` (a pipeline strategy's name) built for this shape."""
     known = schedules()
     if name not in known:
         raise ConfigError(f"schedule {name!r} is not one of {', '.join(known)}")
-    return known[name].build(stages, num_microbatches, num_batches, first_batch)
+    return known[name].build(stages, num_microbatches, num_batches, first_batch, chunks)
 
 
-def _one_f_one_b(stages: int, stage: int, first: int, count: int) -> list[tuple[Op, int]]:
+def _one_f_one_b(stages: int, stage: int, first: int, count: int) -> list[Work]:
     """Warm-up forwards, then alternate forward/backward, then drain the backwards.
 
     Stage i runs d - i - 1 forwards ahead, so it never holds more than min(d - i, count)
     activations: the memory bound of 1F1B.
     """
     warmup = min(stages - stage - 1, count)
-    order = [(Op.FORWARD, first + j) for j in range(warmup)]
+    order = [(Op.FORWARD, first + j, 0) for j in range(warmup)]
     for j in range(count - warmup):
-        order += [(Op.FORWARD, first + warmup + j), (Op.BACKWARD, first + j)]
-    order += [(Op.BACKWARD, first + j) for j in range(count - warmup, count)]
+        order += [(Op.FORWARD, first + warmup + j, 0), (Op.BACKWARD, first + j, 0)]
+    order += [(Op.BACKWARD, first + j, 0) for j in range(count - warmup, count)]
     return order
 
 
-def _compute_step(op: Op, k: int, stage: int, stages: int, version: int, m: int) -> Step:
-    first, last = stage == 0, stage == stages - 1
-    work = Action(op, k, k // m, version)
+def _compute_step(op: Op, k: int, chunk: int, stage: int, stages: int, chunks: int, version: int, m: int) -> Step:
+    """A unit with its transfers: the first virtual stage reads the input ids, the last the labels."""
+    place = virtual_stage(stage, chunk, stages)
+    first, last = place == 0, place == stages * chunks - 1
+    work = Action(op, k, k // m, version, chunk)
     if op is Op.FORWARD:
-        recv = [] if first else [Action(Op.RECV_ACT, k, k // m)]
-        send = [] if last else [Action(Op.SEND_ACT, k, k // m)]
+        recv = [] if first else [Action(Op.RECV_ACT, k, k // m, chunk=chunk)]
+        send = [] if last else [Action(Op.SEND_ACT, k, k // m, chunk=chunk)]
     else:
-        recv = [] if last else [Action(Op.RECV_GRAD, k, k // m)]
-        send = [] if first else [Action(Op.SEND_GRAD, k, k // m)]
+        recv = [] if last else [Action(Op.RECV_GRAD, k, k // m, chunk=chunk)]
+        send = [] if first else [Action(Op.SEND_GRAD, k, k // m, chunk=chunk)]
     return [*recv, work, *send]
 
 

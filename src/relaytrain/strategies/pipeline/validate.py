@@ -28,8 +28,10 @@ from relaytrain.strategies.pipeline.schedule import (
     Op,
     Schedule,
     SlicePlan,
+    message,
     one_f_one_b_depth,
     stop_points,
+    virtual_stage,
 )
 
 
@@ -81,23 +83,31 @@ def _check_stage(schedule: Schedule, stage: int) -> None:
 
 
 def _check_counts(schedule: Schedule, stage: int, actions: list[Action]) -> None:
+    """Every chunk of the stage computes every micro-batch once each way, with the transfers its
+    place in the pipeline has (the first virtual stage receives nothing forward, the last sends
+    nothing forward)."""
     expected = list(schedule.microbatches)
-    for op in COMPUTE:
-        seen = sorted(a.microbatch for a in actions if a.op is op)
-        if seen != expected:
-            raise ScheduleError(f"stage {stage}: {op.value} runs micro-batches {seen}, expected each of {expected} once")
-    first, last = stage == 0, stage == schedule.stages - 1
-    for op, present in ((Op.RECV_ACT, not first), (Op.SEND_ACT, not last), (Op.RECV_GRAD, not last),
-                        (Op.SEND_GRAD, not first)):
-        count = sum(a.op is op for a in actions)
-        if count != (len(expected) if present else 0):
-            raise ScheduleError(f"stage {stage}: {count} {op.value} actions for {len(expected)} micro-batches")
+    last_place = schedule.stages * schedule.chunks - 1
+    for chunk in range(schedule.chunks):
+        mine = [a for a in actions if a.chunk == chunk]
+        for op in COMPUTE:
+            seen = sorted(a.microbatch for a in mine if a.op is op)
+            if seen != expected:
+                raise ScheduleError(f"stage {stage}: {op.value} of chunk {chunk} runs micro-batches {seen}, "
+                                    f"expected each of {expected} once")
+        place = virtual_stage(stage, chunk, schedule.stages)
+        for op, present in ((Op.RECV_ACT, place > 0), (Op.SEND_ACT, place < last_place),
+                            (Op.RECV_GRAD, place < last_place), (Op.SEND_GRAD, place > 0)):
+            count = sum(a.op is op for a in mine)
+            if count != (len(expected) if present else 0):
+                raise ScheduleError(f"stage {stage}: {count} {op.value} actions of chunk {chunk} for "
+                                    f"{len(expected)} micro-batches")
 
 
 class StageInvariants:
     """The rules every order of one stage's work keeps, checked action by action:
 
-    - forwards in micro-batch order, backwards too, each backward after its forward;
+    - each chunk's forwards in micro-batch order, its backwards too, each backward after its forward;
     - the version rule: micro-batch k computes with the schedule's `weight_version(k, m)`, one of
       the `weight_versions` newest the stage holds (2BW: the newest or the one before);
     - at most two weight versions live: the newest and those of micro-batches in flight;
@@ -110,13 +120,14 @@ class StageInvariants:
     """
 
     def __init__(self, schedule: Schedule, stage: int):
-        d, m = schedule.stages, schedule.num_microbatches
+        d, m, v = schedule.stages, schedule.num_microbatches, schedule.chunks
         self.rules, self.stage, self.m, self.batches = type(schedule), stage, m, schedule.num_batches
         self.steady_depth = one_f_one_b_depth(d, m, stage)  # the stash that keeps the pipeline full
-        self.stash_limit = self.rules.in_flight(d, m, stage)
-        self.in_flight: dict[int, int] = {}  # micro-batch -> version its forward used
+        self.stash_limit = self.rules.in_flight(d, m, stage, v)
+        self.in_flight: dict[tuple[int, int], int] = {}  # (chunk, micro-batch) -> version its forward used
         self.latest = schedule.first_batch  # the newest version this stage holds: optimizer steps done
-        self.next = {Op.FORWARD: schedule.first_batch * m, Op.BACKWARD: schedule.first_batch * m}
+        # The next micro-batch of each kind of work, per chunk.
+        self.next = {(op, chunk): schedule.first_batch * m for op in COMPUTE for chunk in range(v)}
         self.reduced = schedule.first_batch  # batches [first, reduced) have been reduced
 
     def record(self, action: Action) -> None:
@@ -146,7 +157,7 @@ class StageInvariants:
         if action.op is Op.REDUCE_GRADS:
             if action.batch != self.reduced:
                 return "expected one reduction and one step per batch, in order"
-            if self.next[Op.BACKWARD] < (action.batch + 1) * self.m:
+            if any(self.next[key] < (action.batch + 1) * self.m for key in self.next if key[0] is Op.BACKWARD):
                 return f"batch {action.batch}'s update runs before its gradients are complete"
         if action.op is Op.OPTIMIZER_STEP and (action.batch != self.latest or action.batch >= self.reduced):
             return f"batch {action.batch}'s update runs before its gradients are complete"
@@ -154,10 +165,10 @@ class StageInvariants:
 
     def _compute_violation(self, action: Action) -> str | None:
         k, rule = action.microbatch, self.rules.weight_version(action.microbatch, self.m)
-        if action.op is Op.BACKWARD and k not in self.in_flight:
+        if action.op is Op.BACKWARD and action.unit not in self.in_flight:
             return f"{action} before its forward"
-        if k != self.next[action.op]:
-            return f"{action} runs out of micro-batch order (next is {self.next[action.op]})"
+        if k != self.next[action.op, action.chunk]:
+            return f"{action} runs out of micro-batch order (next is {self.next[action.op, action.chunk]})"
         if action.version != rule:
             return f"{action} breaks the version rule (expected v={rule})"
         if not self.latest - self.rules.weight_versions < rule <= self.latest:
@@ -172,15 +183,15 @@ class StageInvariants:
 
     def _apply(self, action: Action) -> None:
         if action.op is Op.FORWARD:
-            self.in_flight[action.microbatch] = action.version
+            self.in_flight[action.unit] = action.version
         elif action.op is Op.BACKWARD:
-            del self.in_flight[action.microbatch]
+            del self.in_flight[action.unit]
         elif action.op is Op.REDUCE_GRADS:
             self.reduced += 1
         elif action.op is Op.OPTIMIZER_STEP:
             self.latest = action.version
         if action.op in COMPUTE:
-            self.next[action.op] += 1
+            self.next[action.op, action.chunk] += 1
 
 
 # ------------------------------------------------------------------------- dry run
@@ -208,7 +219,8 @@ class _DryRun:
         self.position = [0] * schedule.stages
         self.clock = [0.0] * schedule.stages
         self.events: list[list[Event]] = [[] for _ in range(schedule.stages)]
-        self.channels: dict[tuple[int, int], deque] = {}  # (from, to) -> (micro-batch, send time)
+        # (from, to, is a gradient, boundary): a stream of messages -> (micro-batch, send time)
+        self.channels: dict[tuple[int, int, bool, int], deque] = {}
         self.reduced: dict[int, dict[int, float]] = {}  # batch -> stage -> time its reduction started
         last = schedule.stages - 1
         self.partners = {0: {0, last}, last: {0, last}}  # tied embeddings couple the end stages
@@ -229,10 +241,10 @@ class _DryRun:
         if op in COMPUTE:
             self._record(stage, now, now + self.durations[op], action)
         elif op in (Op.SEND_ACT, Op.SEND_GRAD):
-            peer = stage + 1 if op is Op.SEND_ACT else stage - 1
-            self.channels.setdefault((stage, peer), deque()).append((action.microbatch, now))
+            peer, gradient, boundary = message(action, stage, self.schedule.stages)
+            self.channels.setdefault((stage, peer, gradient, boundary), deque()).append((action.microbatch, now))
         elif op in (Op.RECV_ACT, Op.RECV_GRAD):
-            return self._receive(stage, stage - 1 if op is Op.RECV_ACT else stage + 1, action)
+            return self._receive(stage, action)
         elif op is Op.REDUCE_GRADS:
             self.reduced.setdefault(action.batch, {})[stage] = now
         else:
@@ -244,8 +256,9 @@ class _DryRun:
             self._record(stage, start, start, action)
         return True
 
-    def _receive(self, stage: int, peer: int, action: Action) -> bool:
-        queue = self.channels.get((peer, stage))
+    def _receive(self, stage: int, action: Action) -> bool:
+        peer, gradient, boundary = message(action, stage, self.schedule.stages)
+        queue = self.channels.get((peer, stage, gradient, boundary))
         if not queue:
             return False
         microbatch, sent_at = queue.popleft()
@@ -414,5 +427,6 @@ class _MessageModel:
 
     @staticmethod
     def _done(state: _GlobalState, s: int, op: Op) -> int:
-        """One past the last micro-batch stage s has run `op` for (each kind runs in order)."""
-        return state.invariants[s].next[op]
+        """One past the last micro-batch stage s has run `op` for (each kind runs in order; a
+        schedule message-driven execution may reorder has one chunk)."""
+        return state.invariants[s].next[op, 0]

@@ -3,9 +3,11 @@
 Rows are stages, columns time units from the schedule's dry run with a backward costing
 twice a forward (the papers' convention). Each box shows the micro-batch id, 1-based as in
 the figures; forwards and backwards have their own colours, and the colours switch with the
-weight version the work uses, so 2BW's version changes show as colour changes. Without
-colour (piped, NO_COLOR) every box reads on its own: `|F12` / `|B12` for a forward /
-backward on an even weight version, `|f12` / `|b12` on an odd one. A timeline wider than
+weight version the work uses, so 2BW's version changes show as colour changes (under an
+interleaved schedule the colours tell the model chunks apart instead, as the survey's Fig. 9
+does). Without colour (piped, NO_COLOR) every box reads on its own: `|F12` / `|B12` for a
+forward / backward on an even weight version, `|f12` / `|b12` on an odd one (interleaved: the
+chunk's letter follows, `|F12a`, and lower case marks an odd chunk). A timeline wider than
 the console is split into bands of time columns. The same picture, with a legend, goes to
 SVG (no extra dependency) or PNG (needs matplotlib). Whatever the schedule, the drawing asks
 it only for its programs, its name, its legend and its bubble.
@@ -30,7 +32,7 @@ TICK = 5  # time units between two labels of the time axis
 STYLES = {0: ("bold white on blue", "bold black on green"),
           1: ("bold white on magenta", "bold black on yellow")}
 SVG_FILL = {0: ("#3b6fd8", "#4caf50"), 1: ("#b04cc8", "#e6c229")}
-VERSION_NAMES = {0: "even", 1: "odd"}
+PARITY = {0: "even", 1: "odd"}
 SWITCH_NOTE = "black bar: new weight version (optimizer step)"
 SWITCH_FILL = "#000000"  # the legend's bar: black, yet not counted among the grid's fill="black" switch bars
 
@@ -60,7 +62,8 @@ class Box:
     end: float
     microbatch: int  # 1-based, as in the figures
     forward: bool
-    odd: bool  # computes with an odd weight version: the colour switch of the figures
+    odd: bool  # the second shade: an odd weight version (an odd model chunk, interleaved): the figures' colour switch
+    chunk_mark: str = ""  # the model chunk's letter, where a stage holds several
 
     @property
     def fill(self) -> str:
@@ -72,15 +75,22 @@ class Box:
 
     @property
     def code(self) -> str:
-        """The box without colour: F/B for forward/backward, lower case on an odd weight version."""
+        """The box without colour: F/B for forward/backward, lower case in the second shade."""
         letter = "F" if self.forward else "B"
-        return (letter.lower() if self.odd else letter) + str(self.microbatch)
+        return (letter.lower() if self.odd else letter) + str(self.microbatch) + self.chunk_mark
 
 
-def boxes(timeline: Timeline) -> list[Box]:
+def shaded_by(schedule: Schedule) -> str:
+    """What the two shades tell apart: weight versions, or (several chunks a stage) model chunks."""
+    return "model chunk" if schedule.chunks > 1 else "weight version"
+
+
+def boxes(schedule: Schedule, timeline: Timeline) -> list[Box]:
+    chunked = schedule.chunks > 1
     return [
         Box(stage, e.start, e.end, e.action.microbatch + 1, forward=e.action.op is Op.FORWARD,
-            odd=e.action.version % 2 == 1)
+            odd=(e.action.chunk if chunked else e.action.version) % 2 == 1,
+            chunk_mark=chr(ord("a") + e.action.chunk) if chunked else "")
         for stage, events in enumerate(timeline.events)
         for e in events
         if e.action.op in (Op.FORWARD, Op.BACKWARD)
@@ -102,9 +112,10 @@ def is_plain(console: Console) -> bool:
 
 
 def cell_width(schedule: Schedule) -> int:
-    """Characters per time unit: the largest id plus two, so even a one-unit forward keeps a
-    separator and a letter (plain) or a space on each side (colour) around its id."""
-    return len(str(schedule.total_microbatches)) + 2
+    """Characters per time unit: the largest id plus two (three with a chunk's letter), so even a
+    one-unit forward keeps a separator and a letter (plain) or a space on each side (colour)
+    around its id."""
+    return len(str(schedule.total_microbatches)) + 2 + (schedule.chunks > 1)
 
 
 def render_grid(schedule: Schedule, timeline: Timeline, width: int | None = None,
@@ -113,14 +124,16 @@ def render_grid(schedule: Schedule, timeline: Timeline, width: int | None = None
     (one band if None), so a narrow terminal never wraps a row into the next one."""
     cell, span = cell_width(schedule), math.ceil(timeline.makespan)
     per_band = span if width is None else _band_units(width, cell)
-    rows = [[b for b in boxes(timeline) if b.stage == stage] for stage in range(schedule.stages)]
-    text = Text(f"{schedule.name}: {schedule.stages} stages, {schedule.num_microbatches} micro-batches "
+    rows = [[b for b in boxes(schedule, timeline) if b.stage == stage] for stage in range(schedule.stages)]
+    chunks = f" of {schedule.chunks} model chunks" if schedule.chunks > 1 else ""
+    text = Text(f"{schedule.name}: {schedule.stages} stages{chunks}, {schedule.num_microbatches} micro-batches "
                 f"per update, {schedule.num_batches} updates\ntime units: forward = 1, backward = 2\n")
     for first in range(0, span, per_band):
         if first:
             text.append("\n")
         text.append_text(_band(rows, first, min(first + per_band, span), cell, plain))
-    text.append_text(_plain_legend(span > per_band) if plain else _colour_legend())
+    shade = shaded_by(schedule)
+    text.append_text(_plain_legend(span > per_band, shade) if plain else _colour_legend(shade))
     return text
 
 
@@ -168,17 +181,20 @@ def _box_text(box: Box, chars: int, continued: bool, plain: bool) -> Text:
     return Text(f"{box.microbatch:^{chars}}", style=box.style)
 
 
-def _colour_legend() -> Text:
+def _colour_legend(shade: str) -> Text:
     text = Text("legend: ", style="dim")
-    for version, (forward_style, backward_style) in STYLES.items():
+    for parity, (forward_style, backward_style) in STYLES.items():
         text.append(" forward ", style=forward_style).append(" ").append(" backward ", style=backward_style)
-        text.append(f" {VERSION_NAMES[version]} weight version   ", style="dim")
+        text.append(f" {PARITY[parity]} {shade}   ", style="dim")
     return text.append("\n        numbers: micro-batch ids; · idle", style="dim")
 
 
-def _plain_legend(banded: bool) -> Text:
-    lines = ["legend: |F7 forward, |B7 backward of micro-batch 7, even weight version",
-             "        |f7 forward, |b7 backward, odd weight version; . idle"]
+def _plain_legend(banded: bool, shade: str) -> Text:
+    mark = "a" if shade == "model chunk" else ""
+    lines = [f"legend: |F7{mark} forward, |B7{mark} backward of micro-batch 7, even {shade}",
+             f"        |f7{'b' if mark else ''} forward, |b7{'b' if mark else ''} backward, odd {shade}; . idle"]
+    if mark:
+        lines.append("        a, b, ...: the stage's model chunk (its first, second, ...)")
     if banded:
         lines.append("        ~B7 continues a box from the band above")
     return Text("\n".join(lines))
@@ -188,7 +204,7 @@ def describe(schedule: Schedule, timeline: Timeline) -> list[str]:
     """The figures the grid shows, in words: bubble, and when each stage's versions change."""
     lines = [schedule.legend,
              f"bubble (idle share of stage time): {timeline.bubble_fraction():.3f} in this dry run; formula: "
-             f"{schedule.bubble_words(schedule.stages, schedule.num_microbatches)}"]
+             f"{schedule.bubble_words(schedule.stages, schedule.num_microbatches, schedule.chunks)}"]
     for stage, events in enumerate(timeline.events):
         changes = [_version_change(e, events) for e in events if e.action.op is Op.OPTIMIZER_STEP]
         lines.append(f"stage {stage}: " + "; ".join(changes))
@@ -206,10 +222,10 @@ def _version_change(step, events) -> str:
 # ----------------------------------------------------------------------- images
 
 
-def legend_entries() -> list[tuple[str, str]]:
+def legend_entries(shade: str = "weight version") -> list[tuple[str, str]]:
     """(fill, text) for each colour of the images, the version-switch bar last."""
-    entries = [(SVG_FILL[version][i], f"{what}, {VERSION_NAMES[version]} weight version")
-               for version in SVG_FILL for i, what in enumerate(("forward", "backward"))]
+    entries = [(SVG_FILL[parity][i], f"{what}, {PARITY[parity]} {shade}")
+               for parity in SVG_FILL for i, what in enumerate(("forward", "backward"))]
     return [*entries, (SWITCH_FILL, SWITCH_NOTE)]
 
 
@@ -234,7 +250,7 @@ def render_svg(schedule: Schedule, timeline: Timeline, unit: int = 18, row: int 
     """The grid as SVG, with the legend below the boxes so it covers none of them."""
     left, top = 70, 30
     grid_bottom = top + schedule.stages * row
-    legend, legend_width, legend_height = _svg_legend(grid_bottom + 8)
+    legend, legend_width, legend_height = _svg_legend(grid_bottom + 8, shaded_by(schedule))
     width = max(left + int(timeline.makespan * unit) + 10, legend_width)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{grid_bottom + 8 + legend_height}" '
@@ -244,7 +260,7 @@ def render_svg(schedule: Schedule, timeline: Timeline, unit: int = 18, row: int 
     ]
     for stage in range(schedule.stages):
         parts.append(f'<text x="4" y="{top + stage * row + row * 0.6:.0f}">stage {stage}</text>')
-    for box in boxes(timeline):
+    for box in boxes(schedule, timeline):
         x, y, w = left + box.start * unit, top + box.stage * row, (box.end - box.start) * unit
         parts.append(f'<rect x="{x:.0f}" y="{y}" width="{w:.0f}" height="{row - 4}" '
                      f'fill="{box.fill}" stroke="white"/>')
@@ -257,15 +273,16 @@ def render_svg(schedule: Schedule, timeline: Timeline, unit: int = 18, row: int 
     return "\n".join(parts) + "\n"
 
 
-def _svg_legend(top: int, line: int = 16, column: int = 250) -> tuple[list[str], int, int]:
+def _svg_legend(top: int, shade: str, line: int = 16, column: int = 250) -> tuple[list[str], int, int]:
     """Legend items two to a line (forward, backward of one version; then the bar), and its size."""
     parts = []
-    for i, (fill, label) in enumerate(legend_entries()):
+    entries = legend_entries(shade)
+    for i, (fill, label) in enumerate(entries):
         x, y = 4 + (i % 2) * column, top + (i // 2) * line
         swatch = (f'<path d="M{x + 5} {y}h3v12h-3z" fill="{fill}"/>' if label == SWITCH_NOTE else
                   f'<path d="M{x} {y}h14v12h-14z" fill="{fill}"/>')
         parts += [swatch, f'<text x="{x + 20}" y="{y + 10}">{label}</text>']
-    lines = math.ceil(len(legend_entries()) / 2)
+    lines = math.ceil(len(entries) / 2)
     return parts, 4 + 2 * column, lines * line + 4
 
 
@@ -291,7 +308,7 @@ def png_figure(schedule: Schedule, timeline: Timeline):
     size = (max(7.0, timeline.makespan * 0.25), 0.6 * schedule.stages + 2)  # + 1 inch for the legend
     fig = figure_class(figsize=size, layout="constrained")
     ax = fig.add_subplot()
-    for box in boxes(timeline):
+    for box in boxes(schedule, timeline):
         ax.barh(box.stage, box.end - box.start, left=box.start, color=box.fill, edgecolor="white")
         ax.text((box.start + box.end) / 2, box.stage, str(box.microbatch), ha="center", va="center",
                 color="white", fontsize=8)
@@ -303,6 +320,6 @@ def png_figure(schedule: Schedule, timeline: Timeline):
     ax.set_title(f"{schedule.name}: d={schedule.stages}, m={schedule.num_microbatches} "
                  "(black: new weight version)")
     handles = [Line2D([], [], color=fill, linewidth=2, label=label) if label == SWITCH_NOTE
-               else Patch(color=fill, label=label) for fill, label in legend_entries()]
+               else Patch(color=fill, label=label) for fill, label in legend_entries(shaded_by(schedule))]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     return fig
