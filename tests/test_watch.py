@@ -128,24 +128,54 @@ def test_a_config_meant_for_a_gpu_says_so_before_it_starts():
     assert "this config is meant for a GPU: to try it on this CPU, shorten it" in line
 
 
+# The run under test, with its second step held open until the run is aborted: the baseline's
+# step marks where it is (inside step 2; the first signal seen) and waits, so nothing depends on
+# how fast the machine is. Waiting on an Event is interruptible: the second signal's handler
+# raises there, as it would in any long step.
+HELD_RUN = """
+import sys, threading
+from pathlib import Path
+from relaytrain.cli import main
+from relaytrain.strategies.baseline import Baseline
+
+marks, steps = Path(sys.argv[1]), []
+plain_step = Baseline.step
+
+def held_step(self, minibatch, lr):
+    steps.append(None)
+    if len(steps) < 2:
+        return plain_step(self, minibatch, lr)
+    (marks / "inside").touch()
+    while not self.world.stop.signum:
+        threading.Event().wait(0.01)
+    (marks / "asked").touch()
+    threading.Event().wait()
+
+Baseline.step = held_step
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def test_two_sigints_end_a_long_step_at_once_naming_the_latest_checkpoint(tmp_path):
-    """A step of a few seconds: the first SIGINT asks to stop after it, the second ends the run
-    at once; the newest complete checkpoint is named, and it loads."""
-    args = ["train", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
-            "model.intermediate_size=1024", "data.seq_len=256", "strategy.microbatch_size=16",
+    """The first SIGINT asks to stop after the step in flight, the second ends the run at once;
+    the newest complete checkpoint is named, and it loads."""
+    args = ["train", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+            "model.intermediate_size=128", "data.seq_len=32", "strategy.microbatch_size=4",
             "strategy.num_microbatches=2", "train.steps=50", "train.warmup_steps=1", "train.checkpoint_every=1",
-            f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.Popen([sys.executable, "-m", "relaytrain.cli", *args], env={**os.environ, "CI": "1"},
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", HELD_RUN, str(marks), *args], env={**os.environ, "CI": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(checkpoint.checkpoint_dir(tmp_path) / "step-00000001", proc)
-    time.sleep(0.3)  # well inside step 2
+    wait_for(marks / "inside", proc)  # step 2 is in flight, and stays so
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    wait_for(marks / "asked", proc)  # the first signal was taken
     proc.send_signal(signal.SIGINT)
     sent = time.monotonic()
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - sent < 5, "the second SIGINT did not end the run at once"
     assert proc.returncode == 128 + signal.SIGINT
+    tmp_path = tmp_path / "run"
     latest = checkpoint.latest(tmp_path)
     lines = err.strip().splitlines()
     assert "SIGINT: stopping after the step in flight" in lines[0] and "send it again to stop at once" in lines[0]
