@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (a clean allocator and thread pool),
 then one summary table. Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,l2l,pipeline,l2l_scaling,planner,axonn] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ BENCHMARKS = {
     "l2l": HERE / "bench_l2l.py",
     "pipeline": HERE / "bench_pipeline.py",
     "l2l_scaling": HERE / "bench_l2l_scaling.py",
+    "data_parallel": HERE / "bench_data_parallel.py",
     "planner": HERE / "bench_planner.py",
     "axonn": HERE / "bench_axonn.py",
 }
@@ -36,6 +37,8 @@ COMPARED = {
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
     "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d) / bubble formula",
     "interleaved_vs_flush": "pipe_interleaved (d = 2, v = 2, m = 4) / pipe_flush (d = 2, m = 4)",
+    "baseline_replicas_scaling": "baseline, 2 replicas / (2 x one worker)",
+    "fsdp_vs_baseline_replicas": "fsdp / baseline, 2 replicas each",
     "md_vs_static_gpipe_jitter": "GPipe d = 2, stage 0 jittered: message-driven / static",
     "md_vs_static_gpipe_even": "GPipe d = 2, no jitter: message-driven / static",
     "md_vs_static_flush_jitter": "1F1B d = 3, stage 1 jittered: message-driven / static",

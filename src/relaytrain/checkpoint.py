@@ -18,6 +18,13 @@ them. That is why checkpoints are strategy-neutral: a baseline checkpoint resume
 `l2l`, a 2-stage pipeline's under 3 stages or under `l2l`. Under the same strategy and layout
 the resume is exact, RNG streams included; otherwise weights, optimizer state and the step are
 exact, and the RNG streams start afresh (this is said in one line).
+
+A strategy whose state is sharded across its processes (FSDP: `Strategy.sharded_state_dict`)
+has it written by every process together with `torch.distributed.checkpoint` into the
+checkpoint's `sharded/` directory, keyed by the same names (optimizer state under
+optimizer/<name>/<state>); its parts keep the rest. The manifest lists those files too, so
+completeness means the same. A reader that is not sharded gets whole tensors by name from it
+(`state_for`), and a sharded one loads it straight into its shards, on any number of processes.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from relaytrain.errors import ConfigError
 from relaytrain.files import atomic_write, fsync_dir, write_json
@@ -43,6 +51,8 @@ BEST = "best.json"  # in the checkpoints directory: the step `train.keep_best` k
 STEP = re.compile(r"^step-(\d{8})$")
 STAGING = re.compile(r"^step-(\d{8})\.parts$")
 NAME_KEYED = ("weights", "optimizer")  # part sections merged by parameter name (plus every `extra` section)
+SHARDED = "sharded"  # the directory of a sharded strategy's state (torch.distributed.checkpoint)
+OPTIMIZER_PREFIX = "optimizer/"  # a sharded key of optimizer state: optimizer/<name>/<state>
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -140,12 +150,15 @@ def identity(cfg) -> dict:
 
 
 def save(world, directory: Path, step: int, part: dict, trainer: dict | None, manifest: dict, keep: int,
-         best: bool = False) -> Path:
+         best: bool = False, sharded: dict | None = None) -> Path:
     """Write this process's part (every process calls this at the same step) and, on the
     process given `trainer`, the trainer's state; rank 0 publishes once all are on disk.
-    `best`: the checkpoint also becomes the best one, kept beside the latest `keep`."""
+    `best`: the checkpoint also becomes the best one, kept beside the latest `keep`.
+    `sharded`: this process's shards (every process gives them), saved together."""
     staging = _staging_dir(directory, step)
     staging.mkdir(parents=True, exist_ok=True)
+    if sharded is not None:
+        dcp.save(sharded, checkpoint_id=staging / SHARDED)
     atomic_write(staging / part_name(world.rank), lambda f: torch.save(part, f))
     if trainer is not None:
         atomic_write(staging / TRAINER, lambda f: torch.save(trainer, f))
@@ -171,7 +184,9 @@ def publish(directory: Path, step: int, contents: dict, keep: int) -> Path:
     Older complete ones beyond the newest `keep` are removed, except the best one."""
     staging, final = _staging_dir(directory, step), step_dir(directory, step)
     files = [part_name(rank) for rank in range(contents["processes"])] + [TRAINER]
-    record = {**contents, "format": FORMAT, "step": step,
+    if (staging / SHARDED).is_dir():
+        files += sorted(f.relative_to(staging).as_posix() for f in (staging / SHARDED).iterdir())
+    record = {**contents, "format": FORMAT, "step": step, "sharded": (staging / SHARDED).is_dir(),
               "files": {name: (staging / name).stat().st_size for name in files}}
     write_json(staging / MANIFEST, record)
     if final.exists():  # saved before by a run that was resumed from an earlier step
@@ -272,6 +287,15 @@ class Checkpoint:
     def strategy(self) -> str:
         return self.manifest["strategy"]
 
+    @property
+    def sharded(self) -> bool:
+        """Whether a sharded strategy's state is in `sharded_dir` rather than in the parts."""
+        return bool(self.manifest.get("sharded"))
+
+    @property
+    def sharded_dir(self) -> Path:
+        return self.path / SHARDED
+
     def trainer(self) -> dict:
         return _load(self.path / TRAINER)
 
@@ -295,6 +319,10 @@ class Checkpoint:
             out["scaler"] = out["scaler"] or part["scaler"]
             if wanted <= out["weights"].keys():  # a parameter's sections live in the part that holds it
                 break
+        if self.sharded:
+            weights, optimizer = read_sharded(self.sharded_dir, wanted - out["weights"].keys())
+            out["weights"].update(weights)
+            out["optimizer"].update(optimizer)
         missing = sorted(wanted - out["weights"].keys())
         if missing:
             raise ConfigError(f"checkpoint {self.path} holds no weights for {missing[0]} (and {len(missing) - 1} more); "
@@ -320,6 +348,30 @@ def read(path: Path, cfg, strategy: str, layout: dict) -> Checkpoint:
                           f"raise train.steps to train further")
     exact = manifest["strategy"] == strategy and manifest["layout"] == layout
     return Checkpoint(path, manifest, exact)
+
+
+def read_sharded(directory: Path, names: set[str]) -> tuple[dict, dict]:
+    """Whole tensors by name from a sharded checkpoint, on one process (no process group): the
+    weights of `names`, and their optimizer state by name and state."""
+    try:
+        stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    except Exception as err:  # a missing or corrupt metadata file: torch raises many kinds
+        raise ConfigError(f"checkpoint {directory} cannot be read ({type(err).__name__}); it is corrupt: "
+                          f"resume from an earlier checkpoint") from err
+    wanted = [key for key in stored if key in names or
+              (key.startswith(OPTIMIZER_PREFIX) and key[len(OPTIMIZER_PREFIX):].rsplit("/", 1)[0] in names)]
+    # A tensor is read into a whole one of its size; anything else comes back in the dict.
+    state = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype) if hasattr(stored[key], "size")
+             else None for key in wanted}
+    if state:
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
+    weights = {key: value for key, value in state.items() if not key.startswith(OPTIMIZER_PREFIX)}
+    optimizer: dict = {}
+    for key, value in state.items():
+        if key.startswith(OPTIMIZER_PREFIX):
+            name, field = key[len(OPTIMIZER_PREFIX):].rsplit("/", 1)
+            optimizer.setdefault(name, {})[field] = value
+    return weights, optimizer
 
 
 def _load(file: Path) -> dict:

@@ -23,6 +23,7 @@ each worker takes the signals itself.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -129,10 +130,14 @@ def _joined(entry, cfg, world: World, payload, init_method: str):
     try:
         result = entry(cfg, world, payload)
     except Interrupted:  # every process stopped at the same step, after its checkpoint: all in step
+        gc.collect()
         world.leave()
         raise
     # Left only when all agree: tearing the group down under peers still inside a collective
-    # aborts the process before it could say why it failed. A failing worker just exits.
+    # aborts the process before it could say why it failed. A failing worker just exits. The
+    # run's objects go first: a gloo work that a strategy's wrapper (DDP, FSDP) still holds,
+    # destroyed after the group or during the interpreter's teardown, aborts the process.
+    gc.collect()
     world.leave()
     return result
 

@@ -408,6 +408,8 @@ def print_plan(plan: Plan, path: Path) -> None:
     console.print(table)
     if len(shown) < len(plan.candidates):
         console.print(f"{len(plan.candidates) - len(shown)} more candidates in {path}", highlight=False)
+    for name, why in _refused_variants(plan).items():
+        console.print(f"not considered: {name} ({why})", highlight=False)
     if p.device_type == "cpu":
         console.print("CPU: no host<->device transfer; workers share the cores; a row's memory adds the state "
                       "its strategy keeps on the host (an eager param server's: the same memory)", highlight=False)
@@ -419,12 +421,24 @@ def print_plan(plan: Plan, path: Path) -> None:
 
 
 def _rows_to_show(plan: Plan) -> list[Candidate]:
-    """Every candidate whose memory was decided by a dry run, and each variant's fastest."""
+    """Every candidate whose memory was decided by a dry run, and each variant's fastest of those
+    the checks let through (a variant refused whole is one line below the table)."""
     fastest = {}
     for c in plan.candidates:
-        fastest.setdefault(variant(c.shape), c)
-    rows = [c for c in plan.candidates if c.simulated_bytes is not None or fastest[variant(c.shape)] is c]
+        if c.cost is not None:
+            fastest.setdefault(variant(c.shape), c)
+    rows = [c for c in plan.candidates if c.simulated_bytes is not None or fastest.get(variant(c.shape)) is c]
     return rows[:TABLE_ROWS]
+
+
+def _refused_variants(plan: Plan) -> dict[str, str]:
+    """The variants none of whose candidates passed the checks, with the first reason."""
+    timed = {variant(c.shape) for c in plan.candidates if c.cost is not None}
+    refused: dict[str, str] = {}
+    for c in plan.candidates:
+        if variant(c.shape) not in timed:
+            refused.setdefault(variant(c.shape), c.why_not)
+    return refused
 
 
 def _fmt(value: float | None, spec: str) -> str:

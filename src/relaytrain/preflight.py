@@ -27,6 +27,7 @@ WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time ou
 def check_can_start(cfg, cls) -> None:
     """Refuse, in one line, a run this machine cannot start or hold."""
     check_machine(cfg, cls.processes(cfg))
+    cls.check_device(cfg, pick_device(cfg.train.device))
     if cfg.train.check_memory:
         check_host_memory(cfg, cls)
 

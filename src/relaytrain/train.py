@@ -285,7 +285,7 @@ class Trainer:
         manifest = {"strategy": self.cls.name, "layout": self.cls.state_layout(self.cfg),
                     "identity": checkpoint.identity(self.cfg)}
         return checkpoint.save(self.world, self.directory, step, part, trainer, manifest,
-                               self.cfg.train.keep_checkpoints, best=best)
+                               self.cfg.train.keep_checkpoints, best=best, sharded=self.strategy.sharded_state_dict())
 
     def _restore(self) -> int:
         """Fresh: seed the dropout stream (the same whichever strategy runs). Resumed: the
@@ -296,7 +296,7 @@ class Trainer:
             return 0
         found = checkpoint.read(self.job.resume, self.cfg, self.cls.name, self.cls.state_layout(self.cfg))
         self.strategy.start(found.step)
-        self.strategy.load_state_dict(found.state_for(self.strategy.parameter_names(), self.world.rank))
+        self.strategy.load_checkpoint(found)
         rng = found.rng(self.world.rank)
         if rng is not None:
             checkpoint.set_rng_state(rng, self.world.device)
@@ -312,7 +312,7 @@ class Trainer:
             weights = self.world.gather(self.strategy.weights(), 0)
             if self.world.rank == 0:
                 save_model(self.cfg, self.strategy, weights, self.job.run_dir)
-        device = self.tracker.figures() if self.tracker else metrics.device_memory(self.world.device)
+        device = self.strategy.simulated_memory(self.tracker) if self.tracker else metrics.device_memory(self.world.device)
         report = process_report(self.strategy, self.world, self.host, device)
         reports = self.world.gather(report, self.cls.reporter(self.cfg))
         if not self.reporter:
@@ -327,7 +327,10 @@ def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Pat
     """Hugging Face `save_pretrained` into run_dir/model, loadable by AutoModel*.from_pretrained,
     from the weights every process holds (by name); the run's trained tokenizer travels with it."""
     merged = {name: t for weights in gathered if weights is not None for name, t in weights.items()}
-    hf_model = strategy.model.hf_model if strategy.world.size == 1 else build_model(cfg.model, cfg.train.seed).hf_model
+    # One process whose model holds plain, whole tensors: write them; otherwise a fresh model
+    # (a pipeline stage holds part of the model, a sharded strategy parts of every tensor).
+    own = strategy.world.size == 1 and all(type(p.data) is torch.Tensor for p in strategy.model.parameters())
+    hf_model = strategy.model.hf_model if own else build_model(cfg.model, cfg.train.seed).hf_model
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
             if name not in merged:

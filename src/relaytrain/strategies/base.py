@@ -36,6 +36,7 @@ from relaytrain.costmodel import (
     logits_bytes,
     logits_per_sample,
 )
+from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.optim import state_words
@@ -92,6 +93,11 @@ class Strategy(ABC):
     @classmethod
     def check_config(cls, cfg) -> None:
         """The strategy's own rules, beyond what its typed config and the shared checks enforce."""
+
+    @classmethod
+    def check_device(cls, cfg, device: torch.device) -> None:
+        """What the strategy refuses on the device this run would use (the planner's spec-sheet
+        GPUs skip this: it is about the machine, not the config)."""
 
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
@@ -194,6 +200,17 @@ class Strategy(ABC):
         """The inverse: `weights`/`optimizer` hold (at least) `parameter_names()`; `extra` is
         None when the checkpoint came from another strategy or layout."""
 
+    def sharded_state_dict(self) -> dict | None:
+        """State sharded across the processes (tensors split by torch.distributed), keyed by name,
+        which every process saves together beside its part; None for a strategy whose parts
+        hold all of it."""
+        return None
+
+    def load_checkpoint(self, found) -> None:
+        """Resume from `found` (a `checkpoint.Checkpoint`): by name from whichever parts (or
+        sharded directory) hold this process's parameters."""
+        self.load_state_dict(found.state_for(self.parameter_names(), self.world.rank))
+
     @abstractmethod
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Current weights by Hugging Face name, for saving the model; None from a replica."""
@@ -207,6 +224,11 @@ class Strategy(ABC):
         state, stash): how a dry run's simulated peak is broken down (memory.DeviceMemory)."""
         return {}
 
+    def simulated_memory(self, tracker) -> dict:
+        """memory.device of a dry run's results: what the tracker saw (a strategy whose memory the
+        meta device cannot show whole says what it adds, and labels it)."""
+        return tracker.figures()
+
     def progress(self, text: str) -> None:
         """Where the step in flight is, for the user watching a long step (cheap when nobody is)."""
         if self.on_progress is not None:
@@ -217,6 +239,24 @@ class Strategy(ABC):
 
 
 # --------------------------------------------------------------------------- shared helpers
+
+
+class ReplicatedStrategy(Strategy):
+    """A strategy whose every process is a data-parallel worker: `strategy.replicas` of them,
+    each on its share of every micro-batch (the baseline, FSDP, L2L)."""
+
+    @classmethod
+    def processes(cls, cfg) -> int:
+        return cfg.strategy.replicas
+
+    @classmethod
+    def replicas(cls, cfg) -> int:
+        return cfg.strategy.replicas
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.strategy.replicas < 1:
+            raise ConfigError(f"strategy.replicas={cfg.strategy.replicas} must be at least 1")
 
 
 def optimizer_tensors(optimizers) -> list[torch.Tensor]:

@@ -46,8 +46,8 @@ from relaytrain.precision import LossScaler, Precision
 from relaytrain.profile import Profile
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
+    ReplicatedStrategy,
     StepResult,
-    Strategy,
     cpu_activation_bytes,
     minibatch_items,
     optimizer_tensors,
@@ -68,14 +68,17 @@ class BaselineConfig(WorkersConfig, StrategyConfig):
 
 class MicrobatchLoss(nn.Module):
     """The whole model as one module whose forward is a micro-batch's loss over the minibatch's
-    items: what `DistributedDataParallel` wraps (it syncs what a forward of the module used)."""
+    items (or, `evaluate`, its evaluation sums): what `DistributedDataParallel` and FSDP wrap
+    (they act on what a forward of the module uses)."""
 
     def __init__(self, model: LayeredModel, recompute: bool, precision: Precision):
         super().__init__()
         self.model, self.recompute, self.precision = model, recompute, precision
 
-    def forward(self, mb: MicroBatch, items: int) -> torch.Tensor:
+    def forward(self, mb: MicroBatch, items: int = 1, evaluate: bool = False) -> torch.Tensor:
         with self.precision.autocast_context(mb.input_ids.device):
+            if evaluate:
+                return self.model.eval_stats(self.trunk(mb), mb.labels).sums
             return self.model.head_loss(self.trunk(mb), mb.labels) / items
 
     def trunk(self, mb: MicroBatch) -> torch.Tensor:
@@ -90,6 +93,20 @@ class MicrobatchLoss(nn.Module):
         return hidden
 
 
+def evaluate_replicated(net: MicrobatchLoss, batches: list[list[MicroBatch]], replica: int, replicas: int,
+                        device: torch.device, group) -> EvalStats:
+    """Forward only through `net` over this replica's rows of every evaluation batch; the sums
+    over the replicas' `group` (None: one worker) on every replica."""
+    stats = EvalStats.zeros(net.model.num_labels)
+    with eval_mode(net), torch.no_grad():
+        for minibatch in batches:
+            for mb in replica_rows(minibatch, replica, replicas):
+                stats += EvalStats(net(mb.to(device), evaluate=True).cpu())
+    if group is not None:
+        dist.all_reduce(stats.sums, group=group)
+    return stats
+
+
 def _sum_hook(group, bucket):  # no annotations: DDP checks them, and these would be strings
     """All-reduce a bucket of gradients as a sum (DDP's own hook averages over the workers)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
@@ -97,25 +114,15 @@ def _sum_hook(group, bucket):  # no annotations: DDP checks them, and these woul
 
 
 @register("baseline")
-class Baseline(Strategy):
+class Baseline(ReplicatedStrategy):
     Config = BaselineConfig
 
     @classmethod
-    def processes(cls, cfg) -> int:
-        return cfg.strategy.replicas
-
-    @classmethod
-    def replicas(cls, cfg) -> int:
-        return cfg.strategy.replicas
-
-    @classmethod
     def check_config(cls, cfg) -> None:
-        s = cfg.strategy
-        if s.recompute == Recompute.stage:
+        super().check_config(cfg)
+        if cfg.strategy.recompute == Recompute.stage:
             raise ConfigError("strategy.recompute=stage is for pipelines (the baseline is one stage); "
                               "use strategy.recompute=block")
-        if s.replicas < 1:
-            raise ConfigError(f"strategy.replicas={s.replicas} must be at least 1")
 
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
@@ -210,15 +217,8 @@ class Baseline(Strategy):
 
     def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats:
         """Each replica its rows; the sums over the replicas on every one of them."""
-        stats = EvalStats.zeros(self.model.num_labels)
-        with eval_mode(self.model), torch.no_grad(), self.precision.autocast_context(self.device):
-            for minibatch in batches:
-                for mb in replica_rows(minibatch, self.replica, self.num_replicas):
-                    mb = mb.to(self.device)
-                    stats += self.model.eval_stats(self.net.trunk(mb), mb.labels)
-        if self.synced:
-            dist.all_reduce(stats.sums, group=self.world.control)
-        return stats
+        return evaluate_replicated(self.net, batches, self.replica, self.num_replicas, self.device,
+                                   self.world.control if self.synced else None)
 
     def memory_holders(self) -> dict[str, list]:
         return {"weights": self.params, "gradients": [p.grad for p in self.params],

@@ -64,8 +64,8 @@ from relaytrain.profile import Profile, Timings
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
     Capabilities,
+    ReplicatedStrategy,
     StepResult,
-    Strategy,
     cpu_activation_bytes,
     minibatch_items,
     replica_rows,
@@ -123,7 +123,7 @@ WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in ea
 
 
 @register("l2l")
-class L2L(Strategy):
+class L2L(ReplicatedStrategy):
     """Algorithm 2 over the eager param server. The EPS's masters *are* the model's parameters,
     so the model always holds the trained weights; `step` returns only after every update has landed."""
 
@@ -136,18 +136,9 @@ class L2L(Strategy):
         return cfg.strategy.stash == Stash.cpu
 
     @classmethod
-    def processes(cls, cfg) -> int:
-        return cfg.strategy.replicas
-
-    @classmethod
-    def replicas(cls, cfg) -> int:
-        return cfg.strategy.replicas
-
-    @classmethod
     def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
         s = cfg.strategy
-        if s.replicas < 1:
-            raise ConfigError(f"strategy.replicas={s.replicas} must be at least 1")
         if s.max_resident_blocks < 1:
             raise ConfigError(f"strategy.max_resident_blocks={s.max_resident_blocks} must be at least 1")
 

@@ -1,0 +1,408 @@
+"""FSDP: torch's fully sharded data parallelism (FSDP2, `fully_shard`; ZeRO stage 3) as a strategy.
+
+R workers each train on their share of every micro-batch, as the baseline's replicas do, but
+none holds the whole model: every parameter, its gradient and its optimizer state are split
+in R shards along their first dimension. `fully_shard` is applied to each block and then to
+the root (the embeddings and the head together, so a tied embedding and LM head stay one
+parameter): before a unit computes, its parameters are all-gathered; after it, they are
+dropped again (`strategy.reshard_after_forward=true`: gathered once more for the backward,
+ZeRO-3) or kept until its backward (`false`, ZeRO-2-like: more memory, half the gathers);
+its gradients are reduce-scattered, so each worker updates only its shards. Micro-batches
+before the last skip the reduce-scatter (`set_requires_gradient_sync(False)`): one per step.
+
+Semantics are the plain loop's. Every micro-batch's loss is divided by the whole minibatch's
+item count, so the workers' gradients must be summed, not averaged: every sharded unit reduces
+with a plain SUM and a divide factor of 1 (gloo has no pre-multiplied sum, so the factor alone
+would not do). Clipping sees the whole model's norm (torch's `clip_grad_norm_` reduces over
+the shards, in another order than one process: the norm may differ in its last bit), and the
+fp16 overflow check is agreed across the workers. `amp_bf16` / `amp_fp16` are FSDP's
+`MixedPrecisionPolicy` (half-precision parameters for compute, gradients reduced in fp32);
+`strategy.offload=host` is its `CPUOffloadPolicy` (the shards and the optimizer in host
+memory), refused on a CPU device, where it would change nothing.
+
+Checkpoints are `torch.distributed.checkpoint` directories keyed by Hugging Face name (the
+checkpoint layer writes them beside the parts): a run resumes exactly on the same number of
+workers and by name on any other (DCP reshards), from a baseline's checkpoint, and the
+baseline resumes from FSDP's. With one worker the strategy makes a process group of one.
+
+A dry run cannot run FSDP's collectives on the meta device: it runs the same model unsharded
+and reports its activations as tracked, with weights, gradients and optimizer state divided
+by R and the gathered units added by FSDP's closed form, labelled so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state
+from relaytrain.config import Choice, Recompute, StrategyConfig, WorkersConfig
+from relaytrain.costmodel import (
+    FP32,
+    ModelFacts,
+    Shape,
+    StepCost,
+    allreduce_s,
+    both,
+    optimizer_s,
+    powers_of_two_dividing,
+    stage_bytes,
+    upload_s,
+)
+from relaytrain.errors import ConfigError
+from relaytrain.evaluation import EvalStats
+from relaytrain.models.layered import MicroBatch
+from relaytrain.optim import build_optimizer, set_lr, state_words
+from relaytrain.precision import LossScaler, Precision
+from relaytrain.profile import Profile
+from relaytrain.strategies import register
+from relaytrain.strategies.base import (
+    ReplicatedStrategy,
+    StepResult,
+    cpu_activation_bytes,
+    minibatch_items,
+    optimizer_tensors,
+    replica_rows,
+    scalar,
+)
+from relaytrain.strategies.baseline import MicrobatchLoss, evaluate_replicated
+
+WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each extra worker
+GATHERED_BLOCKS = 2  # a block computing and the next one prefetched, gathered at once
+
+
+
+class Placement(Choice):
+    none = "none"  # shards on the device
+    host = "host"  # shards and optimizer state in host memory (CPUOffloadPolicy)
+
+
+@dataclass
+class FsdpConfig(WorkersConfig, StrategyConfig):
+    name: str = "fsdp"
+    reshard_after_forward: bool = True  # true: ZeRO-3, parameters gathered again for backward; false: kept from forward to backward
+    offload: Placement = Placement.none  # host: parameter, gradient and optimizer shards in host memory (needs a CUDA device)
+    recompute: Recompute = Recompute.none  # none, or block: keep each block's input, recompute it in backward
+
+
+@register("fsdp")
+class Fsdp(ReplicatedStrategy):
+    """One worker of R, holding 1/R of every parameter, gradient and optimizer state."""
+
+    Config = FsdpConfig
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if cfg.strategy.recompute == Recompute.stage:
+            raise ConfigError("strategy.recompute=stage is for pipelines; use strategy.recompute=block")
+
+    @classmethod
+    def check_device(cls, cfg, device: torch.device) -> None:
+        if cfg.strategy.offload == Placement.host and device.type == "cpu":
+            raise ConfigError("strategy.offload=host keeps the shards in host memory apart from the device's; on a "
+                              "CPU device they are there already: use strategy.offload=none")
+
+    @classmethod
+    def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
+        """Every worker builds the whole model once before sharding it; then it keeps its shards
+        (on the host when the device is the host, or with offload) and one micro-batch's activations."""
+        s, m = cfg.strategy, cfg.model
+        live, stash = (1, m.num_layers) if cls.recomputes(cfg) else (m.num_layers, 0)
+        shards = num_params * FP32 * (2 + state_words(cfg.optim)) / s.replicas
+        on_host = shards if device_type == "cpu" or s.offload == Placement.host else 0
+        per_worker = num_params * FP32 + on_host + cpu_activation_bytes(cfg, device_type, live, stash)
+        return int(s.replicas * per_worker + (s.replicas * WORKER_OVERHEAD_BYTES if s.replicas > 1 else 0))
+
+    @classmethod
+    def state_layout(cls, cfg) -> dict:
+        return {"processes": cfg.strategy.replicas, "sharded": True}
+
+    @classmethod
+    def describe_process(cls, cfg, rank: int) -> str:
+        return f"rank {rank} (shard {rank} of {cfg.strategy.replicas})"
+
+    # -- what the planner asks --------------------------------------------------------------------
+    @classmethod
+    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
+        """Any number of workers w that divides the batch (2 or more: one worker shards nothing),
+        every micro-batch size of a worker's share, with and without block recompute, resharding
+        after forward or not, the shards on the device or the host."""
+        return [Shape(cls.name, b, batch // (w * b), w, 1, str(recompute),
+                      cls.shape_options(reshard_after_forward=reshard, offload=offload))
+                for w in range(2, workers + 1) if batch % w == 0
+                for b in powers_of_two_dividing(batch // w)
+                for recompute in (Recompute.none, Recompute.block)
+                for reshard in (True, False) for offload in Placement]
+
+    @classmethod
+    def recomputes(cls, cfg) -> bool:
+        return cfg.strategy.recompute == Recompute.block
+
+    @classmethod
+    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
+        """The baseline's compute on each worker's share, plus FSDP's traffic: every micro-batch
+        all-gathers every parameter for its forward and (resharding) again for its backward, and
+        each step reduce-scatters the gradients once. On a GPU the gathers overlap the compute of
+        the unit before them (prefetch): what outlasts the compute is exposed, and one unit's
+        gather at least; on a CPU the cores that compute also move the bytes: all of it counts.
+        Offload adds each gather's upload of the shards and the optimizer step on the host."""
+        s, n = cfg.strategy, facts.num_layers
+        w = s.replicas
+        t = profile.for_workers(w, cfg.train.threads)
+        block, embed, head = (t.part(part, s.microbatch_size) for part in ("block", "embed", "head"))
+        recompute = block.forward_s if cls.recomputes(cfg) else 0.0
+        compute = s.num_microbatches * (both(embed) + n * (both(block) + recompute) + both(head))
+        # A ring all-gather or reduce-scatter moves half an all-reduce's bytes.
+        gather = allreduce_s(facts.params * facts.weight_bytes, w, profile, messages=n + 1) / 2
+        gathers = s.num_microbatches * (2 if s.reshard_after_forward else 1)
+        traffic = gathers * gather + allreduce_s(facts.params * FP32, w, profile, messages=n + 1) / 2
+        offloaded = s.offload == Placement.host
+        if offloaded:
+            traffic += gathers * upload_s(facts.params * FP32 / w, profile)
+        if profile.device_type == "cpu":
+            exposed = traffic
+        else:
+            exposed = max(traffic - compute, gather / (n + 1))
+        optimizer = (facts.params * profile.host_optimizer_s_per_param if offloaded
+                     else optimizer_s(t, facts, n, embed=True, head=True)) / w
+        parts = {"compute": compute, "gathers and reduce-scatters (exposed)": exposed, "optimizer": optimizer}
+        return StepCost(sum(parts.values()), parts)
+
+    @classmethod
+    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
+        """1/R of the weights, gradients and optimizer state (none with offload), the units
+        gathered at once (the root's embeddings and head and the blocks around the one computing;
+        without resharding every block, from its forward to its backward), and one micro-batch's
+        activations as the baseline keeps them."""
+        s = cfg.strategy
+        activations = stage_bytes(facts, s.microbatch_size, facts.num_layers, 0, last=True, in_flight=1,
+                                  versions=0, recompute=str(s.recompute))
+        shards = 0 if s.offload == Placement.host else facts.params * FP32 * (2 + facts.state_words) / s.replicas
+        return int(shards + cls._gathered_params(cfg, facts.embed_params + facts.head_params, facts.block_params,
+                                                  facts.num_layers) * facts.weight_bytes + activations)
+
+    @classmethod
+    def _gathered_params(cls, cfg, ends: int, block: int, num_layers: int) -> int:
+        """Parameters held whole at the peak: the root's, and the gathered blocks."""
+        blocks = min(GATHERED_BLOCKS, num_layers) if cfg.strategy.reshard_after_forward else num_layers
+        return ends + blocks * block
+
+    # -- one worker -------------------------------------------------------------------------------
+    def __init__(self, model, cfg, world):
+        super().__init__(model, cfg, world)
+        s = cfg.strategy
+        self.replica, self.num_replicas = world.rank, s.replicas
+        self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
+                                 cfg.precision.growth_interval)
+        self.hf_names = {name: model.hf_name(p) for name, p in model.named_parameters()}  # before sharding
+        # FSDP's policy casts the parameters; autocast on top would cast twice.
+        self.net = MicrobatchLoss(model, self.recomputes(cfg), Precision.from_name("fp32"))
+        self.sharded = not world.simulated
+        self.own_group = False
+        if self.sharded:
+            self._shard(model, cfg)
+        else:
+            model.to(self.device)
+        self.params = [p for p in self.net.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer([(self.hf_names[n], p) for n, p in self.net.model.named_parameters()],
+                                         cfg.optim)
+
+    def _shard(self, model, cfg) -> None:
+        """fully_shard every block, then the root; a process group of one where the run has none."""
+        if not dist.is_initialized():
+            store = dist.HashStore()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+            self.own_group = True
+        offloaded = cfg.strategy.offload == Placement.host
+        if not offloaded:
+            model.to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.num_replicas,))
+        policy = dict(mesh=mesh, reshard_after_forward=bool(cfg.strategy.reshard_after_forward),
+                      offload_policy=CPUOffloadPolicy() if offloaded else None)
+        if self.precision.half is not None:
+            policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.half, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, **{k: v for k, v in policy.items() if v is not None})
+        fully_shard(self.net, **{k: v for k, v in policy.items() if v is not None})
+        for unit in (m for m in self.net.modules() if isinstance(m, FSDPModule)):  # the setters do not recurse
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_gradient_divide_factor(1.0)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
+        items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every worker's rows
+        mine = replica_rows(minibatch, self.replica, self.num_replicas)
+        loss_sum = torch.zeros((), device=self.device)
+        with self.timer.phase("forward+backward"):
+            for u, mb in enumerate(mine):
+                self.progress(f"micro-batch {u + 1}/{len(mine)}")
+                if self.sharded:  # one reduce-scatter a step: with the last micro-batch's backward
+                    self.net.set_requires_gradient_sync(u == len(mine) - 1)
+                loss = self.net(mb.to(self.device, non_blocking=True), items)
+                self.scaler.scale_loss(loss).backward()
+                loss_sum += loss.detach()
+        if self.sharded and self.num_replicas > 1:
+            dist.all_reduce(loss_sum)
+        with self.timer.phase("optimizer"):
+            skipped = self._update(lr)
+        return StepResult(loss=scalar(loss_sum), skipped=skipped)
+
+    def _update(self, lr: float) -> bool:
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        overflow = self.scaler.unscale_and_check(grads)
+        if self.sharded and self.scaler.enabled:  # one decision for every shard
+            flag = torch.tensor([int(overflow)], device=self.device)
+            dist.all_reduce(flag, dist.ReduceOp.MAX)
+            overflow = bool(flag)
+        if not overflow:
+            if self.cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        self.scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        return overflow
+
+    def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats:
+        """Through the root's forward (it gathers the embeddings and the head); each worker its rows."""
+        return evaluate_replicated(self.net, batches, self.replica, self.num_replicas, self.device,
+                                   self.world.control if self.world.distributed and self.sharded else None)
+
+    # -- state ------------------------------------------------------------------------------------
+    def parameter_names(self) -> list[str]:
+        return list(dict.fromkeys(self.hf_names.values()))
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """The whole weights on the first worker (every worker gathers: a collective)."""
+        whole = {self.hf_names[n]: _whole(p).detach().cpu() for n, p in self.net.model.named_parameters()}
+        return whole if self.replica == 0 else None
+
+    def state_dict(self) -> dict:
+        """This worker's part: only what is not sharded (the loss scaler); the shards go to the
+        checkpoint's sharded directory (`sharded_state_dict`)."""
+        return {"weights": {}, "optimizer": {}, "scaler": self.scaler.state_dict(), "extra": None}
+
+    def sharded_state_dict(self) -> dict | None:
+        """Every shard this worker holds, keyed by Hugging Face name (optimizer state: under
+        optimizer/<name>/<state>), for torch.distributed.checkpoint."""
+        if not self.sharded:
+            return None
+        out = {}
+        for name, p in self.net.model.named_parameters():
+            hf = self.hf_names[name]
+            out[hf] = p
+            for key, value in self.optimizer.state.get(p, {}).items():
+                out[f"{OPTIMIZER_PREFIX}{hf}/{key}"] = value
+        return out
+
+    def load_checkpoint(self, found: Checkpoint) -> None:
+        """A sharded checkpoint straight into the shards (DCP reshards to this run's workers);
+        any other by name, each worker keeping its shards of the whole tensors."""
+        if not (found.sharded and self.sharded):
+            super().load_checkpoint(found)
+            return
+        self._prime_optimizer()
+        state = self.sharded_state_dict()
+        dcp.load(state, checkpoint_id=found.sharded_dir)
+        for key, value in state.items():  # non-tensor state (a step count) comes back in the dict
+            if key.startswith(OPTIMIZER_PREFIX) and not torch.is_tensor(value):
+                hf, field = key[len(OPTIMIZER_PREFIX):].rsplit("/", 1)
+                self.optimizer.state[self._param(hf)][field] = value
+        part = found.state_for([], self.world.rank)
+        if part.get("scaler"):
+            self.scaler.load_state_dict(part["scaler"])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Whole tensors by name (another strategy's checkpoint): each worker keeps its shards."""
+        with torch.no_grad():
+            for name, p in self.net.model.named_parameters():
+                _local(p).copy_(_local(self._my_shard(state["weights"][self.hf_names[name]], p)))
+        by_name = {hf: {k: self._my_shard(v, self._param(hf)) if _is_whole(v, self._param(hf)) else v
+                        for k, v in fields.items()}
+                   for hf, fields in state["optimizer"].items()}
+        names = {p: self.hf_names[n] for n, p in self.net.model.named_parameters()}
+        load_optimizer_state([self.optimizer], lambda p: names[p], by_name)
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _param(self, hf: str) -> torch.Tensor:
+        return next(p for n, p in self.net.model.named_parameters() if self.hf_names[n] == hf)
+
+    def _my_shard(self, whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """This worker's shard of a whole tensor, as FSDP splits `like` (no collective)."""
+        if not isinstance(like, DTensor):
+            return whole
+        return distribute_tensor(whole.to(like.device).detach(), like.device_mesh, like.placements,
+                                 src_data_rank=None)
+
+    def _prime_optimizer(self) -> None:
+        """Make the optimizer's state exist (it is made lazily, by a first step) so a checkpoint can
+        be loaded into it: one step on zero gradients at learning rate 0, then overwritten."""
+        if self.optimizer.state:
+            return
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        set_lr(self.optimizer, 0.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def memory_holders(self) -> dict[str, list]:
+        return {"weights": [_local(p) for p in self.params],
+                "gradients": [_local(p.grad) for p in self.params if p.grad is not None],
+                "optimizer state": [_local(t) for t in optimizer_tensors([self.optimizer])]}
+
+    def simulated_memory(self, tracker) -> dict:
+        """The dry run ran the model unsharded: its activations as tracked, its weights, gradients
+        and optimizer state as FSDP holds them (1/R each; none with offload) plus the units
+        gathered at once: FSDP's closed form, said so."""
+        figures = tracker.figures()
+        by_kind = dict(figures["by_kind"])
+        state = ("weights", "gradients", "optimizer state")
+        whole = sum(by_kind[k] for k in state)
+        offloaded = self.cfg.strategy.offload == Placement.host
+        for kind in state:
+            by_kind[kind] = 0 if offloaded else by_kind[kind] // self.num_replicas
+        ends = sum(p.numel() for part in (self.model.embed, self.model.head) for p in part.parameters())
+        block = sum(p.numel() for p in self.model.blocks[0].parameters())
+        param_bytes = (self.precision.half or torch.float32).itemsize
+        by_kind["parameters gathered"] = self._gathered_params(self.cfg, ends, block, len(self.model.blocks)) * param_bytes
+        peak = figures["peak_allocated_bytes"] - whole + sum(by_kind[k] for k in (*state, "parameters gathered"))
+        return {**figures, "peak_allocated_bytes": peak, "by_kind": by_kind, "closed_form": True,
+                "note": "simulated activations (a dry run of the unsharded model on the meta device); weights, "
+                        "gradients and optimizer state as FSDP shards them and the gathered units by its closed form "
+                        "(the meta device runs no collectives)"}
+
+    def report(self) -> dict:
+        phases = dict(self.timer.totals)
+        measured = max(self.timer.counts.get("optimizer", 0), 1)
+        s = self.cfg.strategy
+        return {"phase_times_s": phases,
+                "summary": {"shards": f"{s.replicas} workers, reshard after forward: {s.reshard_after_forward}, "
+                                      f"offload: {s.offload}",
+                            **{f"{name} (mean s/step)": f"{seconds / measured:.3f}" for name, seconds in phases.items()}}}
+
+    def close(self) -> None:
+        if self.own_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A worker's own part of a sharded tensor; a plain tensor is its own."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered from every worker: a collective)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _is_whole(value, like: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.shape == like.shape and isinstance(like, DTensor)

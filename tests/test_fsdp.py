@@ -1,0 +1,117 @@
+"""FSDP (`strategy=fsdp`, torch's fully_shard) on real gloo process groups.
+
+Two workers each holding half of every tensor: the weights equal the plain loop over the whole
+minibatch (a tied GPT-2 with clipping; a BERT without resharding, with block recompute and SGD
+momentum; LAMB's per-tensor trust ratio across shards), a checkpoint written with
+torch.distributed.checkpoint resumes exactly on two workers, by name on one (DCP reshards) and
+under the baseline, a baseline checkpoint resumes under FSDP, offload is refused on a CPU, and
+the dry run reports a worker's memory by FSDP's closed form, labelled so.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from relaytrain import checkpoint
+from relaytrain.cli import main
+from relaytrain.compose import compose_config
+from relaytrain.dryrun import simulate
+from relaytrain.models import build_model
+from relaytrain.train import run
+from tests.conftest import TINY_BERT, tiny_cfg, train_plain_loop
+
+STEPS = 3
+
+
+def fsdp_cfg(family: str, *overrides: str):
+    return tiny_cfg(family, "strategy=fsdp", f"train.steps={STEPS}", "train.save_model=true",
+                    "strategy.microbatch_size=2", "strategy.num_microbatches=3", "strategy.timeout_s=60", *overrides)
+
+
+def saved_model(cfg, run_dir):
+    saved = copy.deepcopy(cfg)
+    OmegaConf.update(saved, "model.pretrained", str(run_dir / "model"))
+    return build_model(saved.model).hf_model
+
+
+def whole_minibatch(cfg, strategy: str = "baseline"):
+    """The same run in one process over the whole minibatch."""
+    single = copy.deepcopy(cfg)
+    replicas = cfg.strategy.replicas
+    OmegaConf.update(single, "strategy.name", strategy)
+    OmegaConf.update(single, "strategy.replicas", 1)
+    OmegaConf.update(single, "strategy.microbatch_size", cfg.strategy.microbatch_size * replicas)
+    return single
+
+
+def assert_same(a, b, exact: bool = False):
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        if exact:
+            assert torch.equal(x, y), name
+        else:
+            torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("gpt2", ["optim.grad_clip=0.5"]),
+    ("bert", ["optim=sgd", "optim.momentum=0.9", "strategy.reshard_after_forward=false", "strategy.recompute=block"]),
+    ("bert", ["optim=lamb", "data.eval_fraction=0.25"]),
+])
+def test_two_workers_equal_the_plain_loop_over_the_whole_minibatch(family, overrides, tmp_path):
+    cfg = fsdp_cfg(family, *overrides)
+    results = run(cfg, tmp_path / "fsdp")
+    assert_same(saved_model(cfg, tmp_path / "fsdp"), train_plain_loop(whole_minibatch(cfg), STEPS).hf_model)
+    assert results["processes"] == 2 and "2 workers" in results["strategy_report"]["summary"]["shards"]
+    if results["eval"]:  # both workers' rows, summed
+        single = run(whole_minibatch(cfg), tmp_path / "single")
+        assert results["eval"][-1]["items"] == single["eval"][-1]["items"]
+        assert results["eval"][-1]["loss"] == pytest.approx(single["eval"][-1]["loss"], rel=1e-5)
+
+
+def test_a_sharded_checkpoint_resumes_exactly_on_two_workers_and_by_name_elsewhere(tmp_path):
+    cfg = fsdp_cfg("gpt2", "train.checkpoint_every=1", "train.keep_checkpoints=0")
+    run(cfg, tmp_path / "whole")
+    step_one = checkpoint.step_dir(checkpoint.checkpoint_dir(tmp_path / "whole"), 1)
+    assert (step_one / "sharded" / ".metadata").is_file()  # torch.distributed.checkpoint's own layout
+    assert checkpoint.is_complete(step_one)
+    final = saved_model(cfg, tmp_path / "whole")
+    resumed = {
+        "two workers": fsdp_cfg("gpt2", f"train.resume={step_one}"),
+        "one worker": fsdp_cfg("gpt2", f"train.resume={step_one}", "strategy.replicas=1", "strategy.microbatch_size=4"),
+        "the baseline": whole_minibatch(fsdp_cfg("gpt2", f"train.resume={step_one}")),
+    }
+    for name, again in resumed.items():
+        run(again, tmp_path / name.replace(" ", "_"))
+        assert_same(final, saved_model(cfg, tmp_path / name.replace(" ", "_")), exact=name == "two workers")
+
+
+def test_a_baseline_checkpoint_resumes_under_fsdp(tmp_path):
+    baseline = whole_minibatch(fsdp_cfg("gpt2", "train.checkpoint_every=1", "train.keep_checkpoints=0"))
+    run(baseline, tmp_path / "baseline")
+    step_one = checkpoint.step_dir(checkpoint.checkpoint_dir(tmp_path / "baseline"), 1)
+    sharded = fsdp_cfg("gpt2", f"train.resume={step_one}")
+    run(sharded, tmp_path / "fsdp")
+    assert_same(saved_model(baseline, tmp_path / "baseline"), saved_model(sharded, tmp_path / "fsdp"))
+
+
+def test_offload_on_a_cpu_is_refused_in_one_line(capsys):
+    assert main(["train", *TINY_BERT, "strategy=fsdp", "strategy.offload=host", "train.device=cpu"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "strategy.offload=host" in line and "use strategy.offload=none" in line
+
+
+def test_the_dry_run_shards_the_state_by_its_closed_form():
+    base = [*TINY_BERT, "strategy.microbatch_size=4", "strategy.num_microbatches=2"]
+    baseline = simulate(compose_config([*base, "strategy=baseline"]))
+    sharded = simulate(compose_config([*base, "strategy=fsdp", "strategy.replicas=2"]))
+    whole, half = baseline.per_process[0].by_kind, sharded.per_process[0].by_kind
+    assert len(sharded.per_process) == 2
+    for kind in ("weights", "gradients", "optimizer state"):
+        assert half[kind] == whole[kind] // 2
+    assert half["parameters gathered"] > 0 and sharded.peak_bytes < baseline.peak_bytes
+    kept = simulate(compose_config([*base, "strategy=fsdp", "strategy.reshard_after_forward=false"]))
+    assert kept.per_process[0].by_kind["parameters gathered"] > half["parameters gathered"]
