@@ -50,8 +50,9 @@ class FlatState:
         self._buffers: dict[str, torch.Tensor] = {}  # state key -> its buffer
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then the state it kept (the loaded tensors, or copies) moves into the buffers."""
         super().load_state_dict(state_dict)
-        self._adopt(self._start)  # torch keeps the loaded tensors (or copies of them)
+        self._adopt(self._start)
 
     def _zeros(self, key: str, p: torch.Tensor) -> torch.Tensor:
         """New state `key` of `p`, zero as `torch.zeros_like(p)`, in the key's buffer."""

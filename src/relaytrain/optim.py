@@ -144,8 +144,10 @@ class FlatAdamW(_StepEachGroup, FlatState, torch.optim.AdamW):
     That Python (`_init_group`, grouping the tensors by device and dtype, checks) was paid per
     part and group, and was most of what the eager param server's per-part updates cost beyond
     one whole-model step (docs/benchmarks.md). The kernel, its arguments and the step counts
-    are the ones `torch.optim.AdamW(fused=True)` uses, so the numbers are bit for bit its own.
-    Unfused (a dry run, `optim.fused=false`), torch's functional `adam` runs, as AdamW's step would.
+    are the ones `torch.optim.AdamW(fused=True)` uses, so the numbers are bit for bit its own
+    (torch.amp's GradScaler, which hands a fused step its scale, is not used: relaytrain
+    unscales itself). Unfused (a dry run, `optim.fused=false`), torch's functional `adam` runs,
+    as AdamW's step would.
     """
 
     def _update(self, group: dict, params: list[torch.Tensor]) -> None:
