@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from relaytrain.checkpoint import load_optimizer_state, optimizer_state
 from relaytrain.config import OPTIMIZER_CONFIGS
 from relaytrain.eps import EagerParamServer
 from relaytrain.optim import build_optimizer
@@ -54,10 +55,10 @@ def run_eps(model: Chain, cfg, steps=3, scaler=None, grad_scale=1.0, wire_dtype=
     return eps, overflows
 
 
-def run_whole_model(model: Chain, cfg, steps=3):
+def run_whole_model(model: Chain, cfg, steps=3, first_step=0, optimizer=None):
     """The reference: one optimizer over the whole model; tied gradients summed by hand."""
-    optimizer = build_optimizer(model.named_parameters(), cfg)
-    for step in range(steps):
+    optimizer = optimizer or build_optimizer(model.named_parameters(), cfg)
+    for step in range(first_step, first_step + steps):
         for index in reversed(range(len(model.parts))):
             for p, g in zip(model.parts[index].parameters(), random_grads(model.parts[index], 100 * step + index),
                             strict=True):
@@ -66,6 +67,7 @@ def run_whole_model(model: Chain, cfg, steps=3):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    return optimizer
 
 
 def assert_same(a: nn.Module, b: nn.Module):
@@ -280,3 +282,142 @@ def test_waiting_for_the_early_table_after_a_failed_update_raises_instead_of_han
             eps.await_table_early()
     finally:
         eps.close()
+
+
+# -- flat per-part buffers ---------------------------------------------------------------------
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_parts_masters_are_views_into_its_one_buffer(tied):
+    """Every master the part owns lies inside the part's buffer, the pieces tile it, and no other
+    storage holds a master: views, not copies. The tied head reads the embeddings' buffer."""
+    model = Chain(tied)
+    eps = EagerParamServer(model.named_modules_in_order(), optim_cfg(), LossScaler(False))
+    eps.close()
+    for part in eps.parts:
+        buffer = part.buffer
+        assert buffer.untyped_storage().nbytes() == buffer.numel() * 4 == sum(p.numel() for p in part.owned) * 4
+        end = buffer.data_ptr()
+        for p in sorted(part.owned, key=torch.Tensor.data_ptr):  # the pieces tile the buffer
+            assert storage(p) == storage(buffer) and p.data_ptr() == end
+            end += p.numel() * 4
+        assert end == buffer.data_ptr() + buffer.numel() * 4
+        assert all(w.data_ptr() == p.data_ptr() for w, p in zip(part.wires, part.masters, strict=True))  # fp32
+    assert {storage(p) for p in model.parameters()} == {storage(part.buffer) for part in eps.parts}
+    if tied:
+        assert storage(model.parts[2].weight) == storage(eps.parts[0].buffer)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
+def test_each_parts_optimizer_state_is_views_into_one_buffer_per_kind(name):
+    """Adam's moments, SGD's momentum: one buffer per kind and part, a view per parameter."""
+    model = Chain()
+    eps, _ = run_eps(model, optim_cfg(name), steps=2)
+    for part in eps.parts:
+        state = part.optimizer.state
+        assert set(state) == set(part.owned)
+        for key in state[part.owned[0]]:
+            if key == "step":
+                continue
+            views = [state[p][key] for p in part.owned]
+            assert len({storage(v) for v in views}) == 1, key
+            assert views[0].untyped_storage().nbytes() == sum(p.numel() for p in part.owned) * 4
+
+
+def test_one_fused_kernel_call_per_part_and_param_group(monkeypatch):
+    """The whole update of a part is one call of torch's fused AdamW per param group (decayed or
+    not) over all of that group's tensors, not torch.optim's per-call machinery."""
+    calls = []
+    kernel = torch._fused_adamw_
+
+    def counted(params, *args, **kwargs):
+        calls.append(len(params))
+        return kernel(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", counted)
+    model = Chain(tied=True)
+    eps, _ = run_eps(model, optim_cfg("adamw"), steps=2)
+    groups = [len(g["params"]) for part in reversed(eps.parts) for g in part.optimizer.param_groups]  # as submitted
+    assert calls == 2 * groups  # two steps
+    assert len(groups) == 5 and sum(groups) == len(list(model.parameters()))
+
+
+FLAT_CASES = [("adamw", {}), ("adamw", {"fused": False}), ("lamb", {}), ("sgd", {}), ("sgd", {"momentum": 0.0}),
+              ("sgd", {"weight_decay": 0.01})]
+
+
+@pytest.mark.parametrize("name,overrides", FLAT_CASES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_flat_updates_are_bit_identical_to_the_per_tensor_optimizer(name, overrides, tied):
+    """Weights and optimizer state, by parameter name (the checkpoint's format), equal those of
+    the per-tensor torch optimizer over the whole model, bit for bit, over four steps."""
+    cfg = optim_cfg(name, **overrides)
+    ours, reference = Chain(tied), Chain(tied)
+    eps, _ = run_eps(ours, cfg, steps=4)
+    whole = run_whole_model(reference, cfg, steps=4)
+    for (name_, a), b in zip(ours.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b), name_
+    assert_same_state(optimizer_state([p.optimizer for p in eps.parts], names(ours)),
+                      optimizer_state([whole], names(reference)))
+
+
+def names(model: nn.Module):
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return lambda p: by_id[id(p)]
+
+
+def assert_same_state(ours: dict, theirs: dict):
+    assert ours.keys() == theirs.keys()
+    for name, state in theirs.items():
+        assert list(ours[name]) == list(state), name
+        for key, value in state.items():
+            mine = ours[name][key]
+            assert (torch.equal(mine, value) and mine.dtype == value.dtype) if torch.is_tensor(value) else mine == value
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "sgd"])
+def test_a_checkpoint_of_the_per_tensor_optimizer_loads_into_the_flat_buffers(name):
+    """Optimizer state saved by name from a whole-model torch optimizer (the baseline's part of a
+    checkpoint) loads into the EPS's flat buffers, and training goes on bit for bit."""
+    cfg = optim_cfg(name)
+    ours, reference = Chain(tied=True), Chain(tied=True)
+    whole = run_whole_model(reference, cfg, steps=2)
+    with torch.no_grad():
+        for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
+            a.copy_(b)
+    eps = EagerParamServer(ours.named_modules_in_order(), cfg, LossScaler(False))
+    try:
+        load_optimizer_state([part.optimizer for part in eps.parts], names(ours),
+                             optimizer_state([whole], names(reference)))
+        for part in eps.parts:  # loaded into the buffers, not kept beside them
+            states = [part.optimizer.state[p] for p in part.owned]
+            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                assert len({storage(state[key]) for state in states if key in state}) <= 1, key
+        eps.set_lr(cfg.lr)
+        for index in reversed(range(len(eps.parts))):
+            eps.submit(index, random_grads(ours.parts[index], 100 * 2 + index))
+        eps.wait()
+    finally:
+        eps.close()
+    run_whole_model(reference, cfg, steps=1, first_step=2, optimizer=whole)
+    for a, b in zip(ours.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_eps_runs_on_the_meta_device_for_a_dry_run():
+    """A dry run's EPS holds meta tensors: the same buffers and updates, nothing computed."""
+    model = Chain(tied=True).to("meta")
+    eps = EagerParamServer(model.named_modules_in_order(), optim_cfg(), LossScaler(False))
+    try:
+        eps.set_lr(1e-2)
+        for index in reversed(range(len(eps.parts))):
+            eps.submit(index, [torch.empty_like(p) for p in eps.parts[index].masters])
+        eps.wait()
+    finally:
+        eps.close()
+    assert all(part.buffer.is_meta and part.optimizer.state for part in eps.parts)
+    assert all(p.is_meta for p in model.parameters())

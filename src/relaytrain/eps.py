@@ -8,6 +8,17 @@ Face model always holds the trained weights), one optimizer built by `build_opti
 stepping part by part gives exactly the whole-model step) and a *wire* copy: what travels
 to the device (the master itself for fp32, a half copy for cross mixed precision).
 
+Flat buffers (`relaytrain.flat`). A part's own masters live in one contiguous buffer,
+`Part.buffer`, in param-group order; each parameter's `.data` is a view into it, so the
+model, checkpoints and `save_pretrained` see the same parameters as before. The part's
+optimizer is the flat variant of the configured one (`build_optimizer(flat=True)`): its
+state (Adam's moments, SGD's momentum) is one buffer per kind with a view per parameter,
+keyed by parameter as torch's is (the checkpoint format does not change), and fused AdamW
+updates the part with one kernel call per param group (decayed or not), without the Python
+torch.optim wraps around each call. The numbers are bit for bit those of torch's per-tensor
+optimizers. Gradients stay the tensors that arrive: gathering them into a buffer would add
+a pass over every gradient, which costs more than it saves (docs/l2l.md, "Flat buffers").
+
 `submit(part, grads)` hands one part's gradients to a background worker thread that adds
 them into the master `.grad` and steps that part's optimizer, while the caller goes on with
 the backward of the parts below (torch ops release the GIL). `wait()` finishes the step's
@@ -38,9 +49,10 @@ updated once. Two placements of the EPS state:
   the gradients and optimizer state, no further traffic;
 - `sharded` (ZeRO-style): each part has one owner worker, balanced by size. Its gradients
   are reduced to the owner only, the owner alone keeps the part's gradients and optimizer
-  state and steps it, then broadcasts the updated fp32 weights. Host memory per worker falls
-  from 4 to 1 + 3/R fp32 words per parameter (AdamW), and each update runs once, not R
-  times, for the same traffic (a reduce plus a broadcast is an all-reduce's volume).
+  state and steps it, then broadcasts the updated fp32 weights (its buffer, one tensor:
+  every worker lays a part out alike). Host memory per worker falls from 4 to 1 + 3/R fp32
+  words per parameter (AdamW), and each update runs once, not R times, for the same
+  traffic (a reduce plus a broadcast is an all-reduce's volume).
 """
 
 from __future__ import annotations
@@ -56,7 +68,8 @@ import torch.distributed as dist
 from torch import nn
 
 from relaytrain import memory
-from relaytrain.optim import build_optimizer, set_lr
+from relaytrain.flat import flatten
+from relaytrain.optim import build_optimizer, param_groups, set_lr
 from relaytrain.precision import LossScaler
 from relaytrain.world import DoneWork
 
@@ -72,6 +85,7 @@ class Part:
     owned: list[nn.Parameter]  # the subset this part's optimizer updates
     owned_names: list[str]
     wires: list[torch.Tensor]  # host copies in the device's dtype (the masters themselves in fp32)
+    buffer: torch.Tensor | None  # the owned masters, contiguous (their `.data` are views); None if none
     optimizer: torch.optim.Optimizer | None = None  # None on a replica that does not own the part
 
     @property
@@ -316,7 +330,7 @@ class EagerParamServer:
         self.rank = peers.rank if peers else 0
         for part, owner in zip(self.parts, self.owners, strict=True):
             if owner == self.rank and part.owned:
-                part.optimizer = build_optimizer(zip(part.owned_names, part.owned, strict=True), optim_cfg)
+                part.optimizer = build_optimizer(zip(part.owned_names, part.owned, strict=True), optim_cfg, flat=True)
         # The baseline's parameter order (model.parameters()), so clipping sums the same way.
         self.all_masters = [p for part in self.parts for p in part.owned]
         self.my_masters = [p for part in self.local_parts() for p in part.owned]
@@ -355,8 +369,8 @@ class EagerParamServer:
         """Whether `update_table_early` applies: an update per element (AdamW, SGD), not deferred,
         one worker, and part `index` owns `table`."""
         part = self.parts[index]
-        return (not self.defer and self.peers is None and part.optimizer is not None
-                and type(part.optimizer) in _ELEMENTWISE and any(p is table for p in part.owned))
+        return (not self.defer and self.peers is None and isinstance(part.optimizer, _ELEMENTWISE)
+                and any(p is table for p in part.owned))
 
     def update_table_early(self, index: int, table: nn.Parameter, rows: torch.Tensor) -> None:
         """Update embedding table `table` of part `index` now, except its `rows`.
@@ -505,13 +519,12 @@ class EagerParamServer:
             part.optimizer.zero_grad(set_to_none=True)
             _refresh_wires(part)
         if self.peers is not None and self.peers.sharded:
-            self.peers.broadcast(part.owned, self.rank)
+            self.peers.broadcast(_flat(part), self.rank)
 
     def _receive(self, index: int) -> None:
-        """Sharded, not the owner: the owner's updated weights of part `index`."""
+        """Sharded, not the owner: the owner's updated weights of part `index`, into the same layout."""
         part = self.parts[index]
-        with torch.no_grad():
-            self.peers.broadcast([p.data for p in part.owned], self.owners[index])
+        self.peers.broadcast(_flat(part), self.owners[index])
         _refresh_wires(part)
 
 
@@ -574,22 +587,31 @@ def _per_row(value, table: torch.Tensor) -> bool:
 
 
 def _build_parts(modules, wire_dtype: torch.dtype, pin: bool) -> list[Part]:
+    """The parts in relay order. A master belongs to the first part that uses it; each part's
+    own masters move into one buffer (every replica builds the same layout), then the wires
+    are made, so an fp32 wire is a view of the buffer too."""
     parts, wire_of = [], {}  # wire_of: id(master) -> its one wire, shared by every part using it
     for name, module in modules:
-        names, masters, owned = [], [], []
-        for pname, p in module.named_parameters():
-            if not p.requires_grad:
-                continue
-            if id(p) not in wire_of:
-                if pin and not p.is_pinned():
-                    p.data = p.data.pin_memory()
-                wire_of[id(p)] = _wire(p, wire_dtype, pin)
-                owned.append((pname, p))
-            names.append(pname)
-            masters.append(p)
-        wires = [wire_of[id(p)] for p in masters]
-        parts.append(Part(name, module, names, masters, [p for _, p in owned], [n for n, _ in owned], wires))
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        owned = [(n, p) for n, p in named if id(p) not in wire_of]
+        buffer = flatten(_layout(owned), pin) if owned else None
+        for _, p in owned:
+            wire_of[id(p)] = _wire(p, wire_dtype, pin)
+        masters = [p for _, p in named]
+        parts.append(Part(name, module, [n for n, _ in named], masters, [p for _, p in owned],
+                          [n for n, _ in owned], [wire_of[id(p)] for p in masters], buffer))
     return parts
+
+
+def _layout(named: list[tuple[str, nn.Parameter]]) -> list[nn.Parameter]:
+    """A part's masters in param-group order (decayed, then not), the order of its optimizer's
+    state buffers: each group is one stretch of both."""
+    return [p for group in param_groups(named, weight_decay=0.0) for p in group["params"]]
+
+
+def _flat(part: Part) -> list[torch.Tensor]:
+    """What crosses between replicas for a part: its masters as one tensor (or nothing)."""
+    return [] if part.buffer is None else [part.buffer]
 
 
 def _wire(master: nn.Parameter, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -4,6 +4,10 @@ Every strategy builds its optimizers here, so the same config means the same upd
 whether the step runs on the device (baseline), on the host per block (the eager param
 server) or per pipeline stage. The learning rate is set by the training loop each step from
 `lr_at(step)`, which keeps the schedule position a plain integer (trivial to checkpoint).
+
+The eager param server asks for the *flat* variants (`build_optimizer(..., flat=True)`): the
+same update rules, bit for bit, with their state in one buffer per kind (`relaytrain.flat`)
+and, for fused AdamW, one kernel call per parameter group.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
+
+from relaytrain.flat import FlatState
 
 
 def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -25,17 +33,18 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o) -> torch.optim.Optimizer:
+def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o, flat: bool = False) -> torch.optim.Optimizer:
+    """The configured optimizer; `flat`: its variant with flat state (FlatAdamW, FlatLamb, FlatSGD)."""
     groups = param_groups(named_params, o.weight_decay)
     if o.name == "adamw":
         # torch's fused AdamW runs on CPU and CUDA: one kernel over all tensors of a group. A dry
         # run (meta device) takes the multi-tensor kernel: the same state, no fused kernel there.
         meta = any(p.device.type == "meta" for g in groups for p in g["params"])
-        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=o.fused and not meta,
-                                 foreach=True if meta else None)
+        return (FlatAdamW if flat else torch.optim.AdamW)(
+            groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=o.fused and not meta, foreach=True if meta else None)
     if o.name == "lamb":
-        return Lamb(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-    return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, foreach=True)
+        return (FlatLamb if flat else Lamb)(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    return (FlatSGD if flat else torch.optim.SGD)(groups, lr=o.lr, momentum=o.momentum, foreach=True)
 
 
 def state_words(o) -> int:
@@ -86,11 +95,15 @@ class Lamb(torch.optim.Optimizer):
             for p, state in zip(params, states, strict=True):
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["exp_avg"] = self._zeros("exp_avg", p)
+                    state["exp_avg_sq"] = self._zeros("exp_avg_sq", p)
                 state["step"] += 1
             self._update(group, params, grads, states)
         return loss
+
+    def _zeros(self, key: str, p: torch.Tensor) -> torch.Tensor:
+        """New state `key` of `p` (`FlatState` puts it in its flat buffer instead)."""
+        return torch.zeros_like(p)
 
     def _update(self, group, params, grads, states) -> None:
         beta1, beta2 = group["betas"]
@@ -112,3 +125,90 @@ class Lamb(torch.optim.Optimizer):
         for p, u, w_norm, u_norm in zip(params, update, w_norms, u_norms, strict=True):
             trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
             p.add_(u * trust, alpha=-group["lr"])
+
+
+class _StepEachGroup:
+    """The frame of torch.optim's `step` for the flat optimizers: the closure (with autograd
+    on), then `_update(group, params)` for each group, over its parameters with a gradient."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update(group, params)
+        return loss
+
+
+class FlatAdamW(_StepEachGroup, FlatState, torch.optim.AdamW):
+    """torch's AdamW with its moments in flat buffers (`FlatState`). Fused, each parameter group
+    is one call of torch's fused kernel, without the Python torch.optim puts around it.
+
+    That Python (`_init_group`, grouping the tensors by device and dtype, checks) was paid per
+    part and group, and was most of what the eager param server's per-part updates cost beyond
+    one whole-model step (docs/benchmarks.md). The kernel, its arguments and the step counts
+    are the ones `torch.optim.AdamW(fused=True)` uses, so the numbers are bit for bit its own
+    (torch.amp's GradScaler, which hands a fused step its scale, is not used: relaytrain
+    unscales itself). Unfused (a dry run, `optim.fused=false`), torch's functional `adam` runs,
+    as AdamW's step would.
+    """
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        states = [self._state(p, group) for p in params]
+        grads = [p.grad for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else []
+        steps = [s["step"] for s in states]
+        beta1, beta2 = group["betas"]
+        rule = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "weight_decay": group["weight_decay"],
+                "eps": group["eps"], "amsgrad": group["amsgrad"], "maximize": group["maximize"]}
+        if not group["fused"]:
+            adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=group["foreach"],
+                 capturable=group["capturable"], decoupled_weight_decay=True, **rule)
+            return
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, **rule)
+
+    def _state(self, p: torch.Tensor, group: dict) -> dict:
+        """`p`'s state, made the first time as torch's `_init_group` makes it: the step count on
+        the parameter's device for the fused kernel, on the CPU for the others (which read it
+        with `.item()`), and zero moments."""
+        state = self.state[p]
+        if not state:
+            device = p.device if group["fused"] or group["capturable"] else torch.device("cpu")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+            state["exp_avg"] = self._zeros("exp_avg", p)
+            state["exp_avg_sq"] = self._zeros("exp_avg_sq", p)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = self._zeros("max_exp_avg_sq", p)
+        return state
+
+
+class FlatLamb(FlatState, Lamb):
+    """LAMB with its moments in flat buffers. Its math stays per tensor (the trust ratio is)."""
+
+
+class FlatSGD(_StepEachGroup, FlatState, torch.optim.SGD):
+    """torch's SGD with its momentum in a flat buffer: torch's functional `sgd` (foreach: one
+    call per operation and group) over the flat views. torch makes a momentum buffer as a copy
+    of the first gradient it sees; that copy moves into the flat buffer right after the step."""
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        rule = {"weight_decay": group["weight_decay"], "momentum": group["momentum"], "lr": group["lr"],
+                "dampening": group["dampening"], "nesterov": group["nesterov"], "maximize": group["maximize"],
+                "foreach": group["foreach"], "fused": group["fused"]}
+        grads = [p.grad for p in params]
+        if not group["momentum"]:
+            sgd(params, grads, [], **rule)
+            return
+        buffers = [self.state[p].get("momentum_buffer") for p in params]
+        fresh = [p for p, buffer in zip(params, buffers, strict=True) if buffer is None]
+        sgd(params, grads, buffers, **rule)  # fills the missing buffers with copies of the gradients
+        for p, buffer in zip(params, buffers, strict=True):
+            self.state[p]["momentum_buffer"] = buffer
+        self._adopt(fresh)
