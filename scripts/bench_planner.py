@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shlex
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 from rich.console import Console
 from rich.table import Table
 
+from benchlib import OtherLoad
 from relaytrain.compose import compose_config
 from relaytrain.plan import make_plan
 from relaytrain.train import run
@@ -46,29 +45,6 @@ CONFIGS = {  # name: strategy / workers
     "l2l/2": ["plan.strategies=[l2l]", "plan.workers=2"],
 }
 TARGET = 0.25  # |predicted / measured - 1|, at most
-
-
-class OtherLoad:
-    """Cores other processes kept busy during a block: the machine's busy CPU seconds less this
-    process's and its finished children's (the run's workers), over the wall seconds."""
-
-    def __enter__(self) -> OtherLoad:
-        self.start, self.busy, self.mine = time.monotonic(), _machine_busy_s(), _own_cpu_s()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        others = (_machine_busy_s() - self.busy) - (_own_cpu_s() - self.mine)
-        self.cores = max(0.0, others / (time.monotonic() - self.start))
-
-
-def _machine_busy_s() -> float:
-    t = psutil.cpu_times()
-    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-
-
-def _own_cpu_s() -> float:
-    own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return sum(u.ru_utime + u.ru_stime for u in own)
 
 
 def wait_until_quiet(limit_s: float, window_s: float = 3.0, threshold: float = 0.25) -> float:

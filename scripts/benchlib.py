@@ -1,9 +1,14 @@
 """What every benchmark script reports for a comparison: the median of its rounds' ratios
-(the headline: robust to one lucky or unlucky round), the best round and the spread."""
+(the headline: robust to one lucky or unlucky round), the best round and the spread; and how
+busy other processes kept the machine meanwhile."""
 
 from __future__ import annotations
 
+import resource
 import statistics
+import time
+
+import psutil
 
 
 def headline(per_round: list[float], target: float, lower_is_better: bool = False) -> dict:
@@ -22,3 +27,26 @@ def headline(per_round: list[float], target: float, lower_is_better: bool = Fals
         "lower_is_better": lower_is_better,
         "met": median < target if lower_is_better else median >= target,
     }
+
+
+class OtherLoad:
+    """Cores other processes kept busy during a block: the machine's busy CPU seconds less this
+    process's and its finished children's (the run's workers), over the wall seconds."""
+
+    def __enter__(self) -> OtherLoad:
+        self.start, self.busy, self.mine = time.monotonic(), _machine_busy_s(), _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        others = (_machine_busy_s() - self.busy) - (_own_cpu_s() - self.mine)
+        self.cores = max(0.0, others / (time.monotonic() - self.start))
+
+
+def _machine_busy_s() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+def _own_cpu_s() -> float:
+    own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in own)
