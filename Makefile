@@ -23,6 +23,10 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
 
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -38,7 +42,7 @@ test-slow: $(VENV)/.installed-dev
 test-gpu: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed-bench
 	$(BIN)/python scripts/bench.py
 
 lint: $(VENV)/.installed-dev

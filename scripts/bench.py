@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (a clean allocator and thread pool),
 then one summary table. Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from rich.table import Table
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = {
     "baseline": HERE / "bench_baseline.py",
+    "hf_trainer": HERE / "bench_hf_trainer.py",
     "l2l": HERE / "bench_l2l.py",
     "pipeline": HERE / "bench_pipeline.py",
     "l2l_scaling": HERE / "bench_l2l_scaling.py",
@@ -31,6 +32,7 @@ BENCHMARKS = {
 # the order of the summary table, with what each compares.
 COMPARED = {
     "baseline_vs_plain_loop": "baseline / plain PyTorch loop",
+    "baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (bert_base)",
     "l2l_vs_recompute_baseline": "l2l / baseline with recompute",
     "eps_vs_fused_adamw": "EPS per-part updates / whole-model fused AdamW",
     "eps_exposed_share": "EPS work exposed after overlap with backward",
