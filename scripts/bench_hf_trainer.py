@@ -48,7 +48,7 @@ from torch.utils.data import StackDataset
 
 from benchlib import OtherLoad, headline
 from relaytrain import metrics
-from relaytrain.config import compose_config
+from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer
