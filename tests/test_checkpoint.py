@@ -167,3 +167,23 @@ def test_a_baseline_checkpoint_resumes_under_l2l(tmp_path, family):
     ours, theirs = weights(tmp_path / "then"), weights(tmp_path / "whole")
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_finished_run_relaunched_says_so_and_more_steps_continue_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    again = [*RUN, "train.steps=4", "train.checkpoint_every=2", "train.resume=auto", f"hydra.run.dir={run_dir}"]
+    assert main(again) == 0
+    results = (run_dir / "results.json").read_text()
+    capsys.readouterr()
+
+    assert main(again) == 0  # a relaunched sweep job that had finished: nothing to do, no error
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"this run already finished its 4 steps ({run_dir / 'results.json'}); raise train.steps to "
+                   f"train further"]
+    assert (run_dir / "results.json").read_text() == results  # kept as it was
+    assert [p.name for p in checkpoint.list_checkpoints(checkpoint.checkpoint_dir(run_dir))][-1] == "step-00000004"
+
+    longer = [*again[:-2], "train.steps=6", *again[-2:]]
+    assert main(longer) == 0
+    assert "resuming from step 4" in capsys.readouterr().out
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 6

@@ -9,6 +9,7 @@ from relaytrain.cli import main
 from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.dryrun import simulate
+from relaytrain.errors import ConfigError
 from relaytrain.memory import DeviceMemory
 from relaytrain.models import build_model
 from relaytrain.strategies import build_strategy, choices
@@ -167,3 +168,20 @@ def test_the_simulation_agrees_with_the_cuda_allocator_within_10_percent(tmp_pat
     measured = run(compose_config([*common, "train.device=cuda"]), tmp_path, quiet=True)
     allocated = measured["memory"]["device"]["peak_allocated_bytes"]
     assert simulated == pytest.approx(allocated, rel=0.10)
+
+
+def test_a_dry_run_reports_the_host_memory_a_real_run_would_refuse(tmp_path, monkeypatch):
+    """A dry run plans for the target machine: this one's free memory does not stop it."""
+    import collections
+
+    import relaytrain.preflight
+
+    little = collections.namedtuple("Memory", "available")(2**20)  # 1 MiB free: no real run fits
+    monkeypatch.setattr(relaytrain.preflight.psutil, "virtual_memory", lambda: little)
+    cfg = compose_config([*TINY, "train.steps=1", "train.warmup_steps=0"])
+    with pytest.raises(ConfigError, match="GiB of host memory"):
+        run(cfg, tmp_path / "real", quiet=True)
+    dry = compose_config([*TINY, "train.steps=1", "train.warmup_steps=0", "train.device=meta"])
+    memory = run(dry, tmp_path / "dry", quiet=True)["memory"]
+    assert memory["host_estimate_bytes"] > little.available and memory["host_peak_rss_bytes"] is None
+    assert "estimated from the config" in memory["host_note"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import time
 
 import pytest
 import torch
@@ -276,3 +277,13 @@ def test_bert_large_on_one_16gb_v100_fits_and_twice_as_deep_only_l2l_does():
     baseline = [c for c in deep.candidates if c.shape.strategy == "baseline"]
     assert any(c.simulated_bytes for c in baseline)
     assert not any(c.fits for c in baseline)
+
+
+def test_plan_writes_where_hydra_run_dir_says(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", *TINY, "plan.workers=1", "plan.batch_size=8", "plan.strategies=[baseline]"]
+    assert main([*args, "hydra.run.dir=mine/${now:%Y}"]) == 0
+    assert "ignored" not in capsys.readouterr().out  # consumed, not ignored
+    assert (tmp_path / "mine" / time.strftime("%Y") / "plan.json").is_file()
+    assert main([*args, "hydra.run.dir=mine", "--out", "theirs"]) == 0  # --out, said on the command line, wins
+    assert (tmp_path / "theirs" / "plan.json").is_file()

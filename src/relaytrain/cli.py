@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-import time
 from pathlib import Path
 
 from relaytrain.errors import ConfigError
@@ -93,7 +92,7 @@ Usage: {PLAN_USAGE}
   plan.batch_size=B       the global minibatch (default strategy.microbatch_size x strategy.num_microbatches)
   plan.device=NAME        `this` (profile this machine, default), a GPU profile ({{profiles}}) or a JSON file
   plan.strategies=[a,b]   strategies to consider (default: all)
-  --out DIR               where plan.json goes (default outputs/plan/DATE_TIME)
+  --out DIR               where plan.json goes (default: hydra.run.dir if given, else outputs/plan/DATE_TIME)
 
 Times are predictions from a cost model over the profile (measured here, or spec-sheet figures);
 device memory is a dry run of the real strategy code on PyTorch's meta device. The planner decides
@@ -222,13 +221,15 @@ def _run_hydra(args: list[str]) -> int:
         from hydra.types import RunMode
 
         from relaytrain.errors import Aborted, Interrupted
-        from relaytrain.train import run
+        from relaytrain.train import finished_results, run
 
         hydra_cfg = HydraConfig.get()
         in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
         overrides = list(hydra_cfg.overrides.task)
+        run_dir = hydra_cfg.runtime.output_dir
         try:
-            run(cfg, hydra_cfg.runtime.output_dir, overrides, table=not in_sweep, estimate=_estimate(cfg, overrides))
+            finished = finished_results(cfg, Path(run_dir)) is not None  # nothing to estimate
+            run(cfg, run_dir, overrides, table=not in_sweep, estimate=None if finished else _estimate(cfg, overrides))
         except (Interrupted, Aborted) as stop:  # the whole sweep stops too: the user asked
             print(f"relaytrain: {stop}", file=sys.stderr)
             sys.exit(128 + stop.signum)  # the shell's convention for "ended by this signal"
@@ -241,7 +242,7 @@ def _run_hydra(args: list[str]) -> int:
                   else f"{type(err).__name__}: {first_line(err)} (HYDRA_FULL_ERROR=1 shows the traceback)")
             if not in_sweep:
                 sys.exit(EXIT_USAGE if isinstance(err, ConfigError) else 1)  # passes through Hydra's error report
-            sweep.failed_jobs.append(hydra_cfg.runtime.output_dir)  # the sweep goes on; its table shows the row
+            sweep.failed_jobs.append(run_dir)  # the sweep goes on; its table shows the row
 
     saved = sys.argv
     sys.argv = ["relaytrain train", *args]
@@ -351,13 +352,13 @@ def _plan(args: list[str]) -> int:
 
         print(PLAN_HELP.format(profiles=", ".join(spec_names())), end="")
         return 0
-    from relaytrain.plan import infeasible_line, make_plan, print_plan, write_plan
+    from relaytrain.plan import infeasible_line, make_plan, out_dir, print_plan, write_plan
 
     plan = make_plan(overrides)
-    out_dir = Path(options["--out"]) if "--out" in options else Path("outputs/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
-    path = write_plan(plan, out_dir)
+    where = out_dir(overrides, options.get("--out"))
+    path = write_plan(plan, where)
     if plan.best is None:
-        raise ConfigError(infeasible_line(plan, out_dir))
+        raise ConfigError(infeasible_line(plan, where))
     print_plan(plan, path)
     return 0
 

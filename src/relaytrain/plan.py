@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import shlex
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,7 @@ TABLE_ROWS = 24
 WIDE = 160  # columns of the table when the output is not a terminal (a file, a pipe)
 PLANNER_KEYS = ("strategy", "plan", "hydra")  # override sections the planner decides or consumes
 IGNORED_KEYS = ("strategy", "hydra")  # of those, the ones a user's value is dropped from
+RUN_DIR_KEY = "hydra.run.dir"  # but this one: where plan.json goes
 
 
 # --------------------------------------------------------------------------- the request
@@ -102,6 +104,20 @@ def _key(override: str) -> str:
 def _section(override: str) -> str:
     """`strategy` for strategy=l2l and strategy.stages=2, `model` for model.hidden_size=64."""
     return _key(override).split(".")[0].split("/")[0]
+
+
+def out_dir(overrides: list[str], out: str | None) -> Path:
+    """Where plan.json goes: `--out`, else `hydra.run.dir` as a Hydra tool would (its `${now:...}`
+    resolved as Hydra resolves it), else outputs/plan/DATE_TIME."""
+    if out is not None:
+        return Path(out)
+    given = [o.split("=", 1)[1] for o in overrides if _key(o) == RUN_DIR_KEY]
+    if not given:
+        return Path("outputs/plan") / time.strftime("%Y-%m-%d_%H-%M-%S")
+    from hydra.core.utils import setup_globals
+
+    setup_globals()  # registers Hydra's `now` resolver
+    return Path(str(OmegaConf.create({"dir": given[-1]}).dir))
 
 
 def passthrough(overrides: list[str]) -> list[str]:
@@ -224,7 +240,7 @@ def make_plan(overrides: list[str], max_simulations: int = MAX_SIMULATIONS) -> P
     facts = ModelFacts.of(cfg)
     candidates = [_candidate(shape, bases[shape.strategy], facts, profile, request) for shape in shapes]
     candidates.sort(key=lambda c: (c.cost is None, c.cost.step_s if c.cost else 0.0))
-    ignored = [o for o in overrides if _section(o) in IGNORED_KEYS]
+    ignored = [o for o in overrides if _section(o) in IGNORED_KEYS and _key(o) != RUN_DIR_KEY]
     plan = Plan(request, profile, candidates, kept, ignored)
     _decide_memory(plan, bases, max_simulations)
     return plan

@@ -9,6 +9,7 @@ checkpoints, stop requests, progress and results written once, here.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -62,6 +63,12 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     for the ETA before the first step ends."""
     run_dir = Path(run_dir)
     logs = not under_torchrun() or int(os.environ["RANK"]) == 0
+    done = finished_results(cfg, run_dir)
+    if done is not None:
+        if logs:
+            print(f"this run already finished its {cfg.train.steps} steps ({run_dir / 'results.json'}); "
+                  f"raise train.steps to train further", flush=True)
+        return done
     try:
         results = _run(cfg, run_dir, overrides or [], logs, quiet, estimate.step_s if estimate else None)
     except (Interrupted, Aborted) as stop:
@@ -80,6 +87,19 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     if not quiet:
         (print_results_table if table else print_one_line)(results, run_dir / "results.json")
     return results
+
+
+def finished_results(cfg, run_dir: Path) -> dict | None:
+    """With `train.resume=auto`, a run directory whose run already finished `train.steps`: its
+    results, so a relaunched sweep completes only what is missing. None otherwise (asking for
+    more steps continues from the final checkpoint)."""
+    if cfg.train.resume != "auto":
+        return None
+    status = runlog.read_status(run_dir) or {}
+    results = Path(run_dir) / "results.json"
+    if status.get("status") != runlog.FINISHED or status.get("step") != cfg.train.steps or not results.is_file():
+        return None
+    return json.loads(results.read_text())
 
 
 def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, estimate_s: float | None) -> dict | None:
