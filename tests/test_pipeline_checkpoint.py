@@ -117,7 +117,8 @@ def test_2bw_killed_resumes_exactly_with_both_weight_versions(two_bw_reference, 
     assert_same_run(run_dir, two_bw_reference)
 
 
-@pytest.mark.parametrize("execution", ["static", "message_driven"])
+# message-driven stops by the same votes; its variant runs in make test-slow (the suite keeps to 15 min)
+@pytest.mark.parametrize("execution", ["static", pytest.param("message_driven", marks=pytest.mark.slow)])
 def test_sigterm_to_the_launcher_stops_every_worker_at_one_step_and_saves(two_bw_reference, tmp_path, execution):
     # No periodic checkpoints: the workers agree on the step to stop at while the pipeline runs.
     # Message-driven execution reorders only within a step's slice and sums in the same order:
