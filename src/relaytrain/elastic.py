@@ -57,13 +57,17 @@ def _check_run_dir() -> None:
         from omegaconf import OmegaConf
     except ImportError:
         return
+    from hydra.types import RunMode
+
     if not HydraConfig.initialized():
         return
-    raw = OmegaConf.to_container(HydraConfig.get().run, resolve=False).get("dir", "")
+    hydra_cfg = HydraConfig.get()
+    key = "sweep" if hydra_cfg.mode == RunMode.MULTIRUN else "run"
+    raw = OmegaConf.to_container(hydra_cfg[key], resolve=False).get("dir", "")
     if "${now:" in str(raw):
         why = "restarts" if restartable() else "several nodes"
         raise ConfigError(f"torchrun with {why} needs a run directory every attempt and node shares: "
-                          f"give hydra.run.dir=DIR (the default, {raw}, differs between them)")
+                          f"give hydra.{key}.dir=DIR (the default, {raw}, differs between them)")
 
 
 def resume_line(step: int, path: Path) -> str:
