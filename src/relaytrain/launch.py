@@ -43,7 +43,15 @@ import torch.multiprocessing as mp
 from relaytrain.errors import Aborted, ConfigError, Interrupted
 from relaytrain.files import write_json
 from relaytrain.units import duration
-from relaytrain.world import LocalGroup, StopRequest, World, pick_device, threads_per_process, under_torchrun
+from relaytrain.world import (
+    LocalGroup,
+    StopRequest,
+    World,
+    pick_device,
+    threads_per_process,
+    torchrun_attempt,
+    under_torchrun,
+)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -114,7 +122,25 @@ def _as_torchrun_worker(entry, cfg, processes: int, payload):
     torch.set_num_threads(threads_per_process(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", size))))
     world = _world(cfg, rank, size, local_rank, StopRequest(announce=announce_stop))
     with _signal_handlers(world.stop.request):
-        return _joined(entry, cfg, world, payload, "env://")
+        return _joined(entry, cfg, world, payload, "env://", store=_attempt_store(world))
+
+
+def _attempt_store(world: World):
+    """The torchrun launch's store, with every key this attempt writes under a prefix of its own.
+
+    env:// connects to the store at MASTER_ADDR:MASTER_PORT. Under torchelastic that is the
+    agent's store (TORCHELASTIC_USE_AGENT_STORE), and the agent keeps it, port and keys, across
+    restarts: unprefixed, a restarted attempt reads the process-group keys the previous attempt
+    left (a dead process's gloo address, for one) and its ranks connect to processes that are
+    gone. Under the attempt's own prefix each attempt starts from an empty key space.
+    """
+    from torch.distributed import PrefixStore
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", world.rank, world.size, timeout=world.timeout))
+    store.set_timeout(world.timeout)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return PrefixStore(f"relaytrain/{run_id}/attempt-{torchrun_attempt()}/", store)
 
 
 def _world(cfg, rank: int, size: int, local_rank: int, stop: StopRequest) -> World:
@@ -122,11 +148,11 @@ def _world(cfg, rank: int, size: int, local_rank: int, stop: StopRequest) -> Wor
     return World(rank, size, local_rank, pick_device(cfg.train.device, local_rank), stop, timeout)
 
 
-def _joined(entry, cfg, world: World, payload, init_method: str):
+def _joined(entry, cfg, world: World, payload, init_method: str, store=None):
     backend = str(getattr(cfg.strategy, "backend", "auto"))
     if backend == "auto":
         backend = "nccl" if world.device.type == "cuda" else "gloo"
-    world.join(backend, init_method)
+    world.join(backend, init_method, store)
     try:
         result = entry(cfg, world, payload)
     except Interrupted:  # every process stopped at the same step, after its checkpoint: all in step

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from relaytrain import checkpoint, metrics, runlog
+from relaytrain import checkpoint, elastic, metrics, runlog
 from relaytrain.compose import validate
 from relaytrain.data import TokenDataset, build_datasets, build_loader, eval_batches
 from relaytrain.display import StepProgress, print_one_line, print_results_table
@@ -103,12 +103,13 @@ def finished_results(cfg, run_dir: Path) -> dict | None:
 
 
 def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, estimate_s: float | None) -> dict | None:
-    cfg = resolve_pretrained(cfg, explicit_overrides(overrides))
+    cfg = elastic.prepare(resolve_pretrained(cfg, explicit_overrides(overrides)))
     validate(cfg)
     cls = strategy_class(cfg.strategy.name)
     check_can_start(cfg, cls)
     resume = _find_resume(cfg, cls, run_dir)
     if logs:
+        elastic.record_attempt(run_dir, resume)
         runlog.write_status(run_dir, runlog.RUNNING, strategy=str(cfg.strategy.name), step=0)
     # Once, before any worker: data errors end here.
     dataset, eval_dataset = build_datasets(cfg, tokenizer_dir=str(run_dir))
@@ -122,9 +123,10 @@ def _find_resume(cfg, cls, run_dir: Path) -> Path | None:
     """The checkpoint `train.resume` names, checked against the config before any process starts."""
     path = checkpoint.find(cfg.train.resume, run_dir) if cfg.train.resume else None
     if path is None:
+        elastic.announce_fresh_restart()
         return None
     found = checkpoint.read(path, cfg, cls.name, cls.state_layout(cfg))
-    line = f"resuming from step {found.step} of {path}"
+    line = elastic.resume_line(found.step, path)
     if not found.exact:
         line += (f" (saved by strategy={found.strategy} with layout {found.manifest['layout']}: weights and "
                  f"optimizer state carry over by name, the RNG streams start afresh)")
@@ -339,6 +341,7 @@ class Trainer:
             return None
         measured = self.history["step_times"][self.first + self.cfg.train.warmup_steps:]
         results = assemble_results(self.cfg, self.cls, self.history, measured, reports, self.world, self.job.overrides)
+        results.update(elastic.results_entry(self.job.run_dir))
         write_results(self.job.run_dir, results)
         return results
 

@@ -105,14 +105,18 @@ class World:
     def timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout_s)
 
-    def join(self, backend: str, init_method: str) -> None:
-        """Join the run's process group (every strategy group is made after this)."""
+    def join(self, backend: str, init_method: str | None = None, store=None) -> None:
+        """Join the run's process group (every strategy group is made after this), through
+        `init_method` or, when given, `store` (every group's keys then live under that store)."""
         if not self.distributed or self.simulated:
             return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.size,
-                                timeout=self.timeout)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=self.timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.size,
+                                    timeout=self.timeout)
         self.control = dist.new_group(list(range(self.size)), timeout=self.timeout, backend="gloo")
 
     def leave(self) -> None:
@@ -158,6 +162,17 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
 def under_torchrun() -> bool:
     """This process is one worker of a torchrun launch (it was given its rank and world size)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_attempt() -> int:
+    """Which attempt of a torchrun launch this worker belongs to: 0 first, N after N restarts
+    (torchelastic's TORCHELASTIC_RESTART_COUNT; 0 without it)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def torchrun_max_restarts() -> int:
+    """How often torchrun may restart the workers (`--max-restarts`; 0 outside torchelastic)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) if under_torchrun() else 0
 
 
 def threads_per_process(configured: int, local_processes: int, cores: int | None = None) -> int:
