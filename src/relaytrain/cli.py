@@ -325,15 +325,30 @@ def _schedule(args: list[str]) -> int:
     out = Path(options["--out"]) if "--out" in options else None
     if out is not None:
         check_image_path(out)  # before anything is printed: a failure leaves only its one line
-    s = compose(overrides).strategy
+    cfg = compose(overrides)
+    s = cfg.strategy
     chosen = options.get("--schedule")
     schedule = schedules().get(chosen) if chosen else getattr(strategy_class(s.name), "schedule", None)
     if schedule is None:
         given = f"--schedule {chosen}" if chosen else f"strategy={s.name}"
         raise ConfigError(f"{given} has no pipeline schedule; choose strategy= or --schedule among {names}")
     batches = _positive_int(options.get("--batches", str(schedule.batches_shown)), "--batches")
-    show(schedule.build(s.stages, s.num_microbatches, batches, chunks=s.get("chunks", 1)), out)
+    show(schedule.build(s.stages, s.num_microbatches, batches, chunks=s.get("chunks", 1)), out,
+         _layout_notes(cfg, strategy_class(s.name)))
     return 0
+
+
+def _layout_notes(cfg, cls) -> list[str]:
+    """The blocks each stage holds, where the config makes a pipeline a run would accept."""
+    from relaytrain.strategies.pipeline.view import layout_line
+
+    if not hasattr(cls, "stage_blocks"):
+        return []
+    try:
+        cls.check_config(cfg)
+    except ConfigError as e:
+        return [f"layout not shown: {e}"]
+    return [layout_line(cls, cfg)]
 
 
 def _positive_int(value: str, name: str) -> int:

@@ -10,7 +10,9 @@ shared formulas:
 - a ring all-reduce among replicas (PipeDream-2BW §4.2.1's bwth_width(w));
 - one optimizer step over some blocks and the model's ends, from the profiled per-part steps;
 - what one block keeps for its backward (Korthikanti et al., 2022) and what an LM head's
-  logits take.
+  logits take;
+- the analytic work of each part (embeddings, a block, the head) that balanced pipeline
+  stages are cut by (`part_costs`).
 
 Every figure made from them is a prediction. On a CPU (the device is the host) nothing
 crosses a host<->device link, and work done "in the background" (an update on the host,
@@ -167,6 +169,56 @@ def logits_per_sample(cfg) -> int:
 
 def logits_bytes(b: int, values_per_sample: int) -> int:
     return b * values_per_sample * FP32 * 3  # logits, their softmax and gradient in fp32
+
+
+# --------------------------------------------------------------------------- work per part
+
+BYTE_FLOPS = 8  # FLOPs one byte of memory traffic is worth: roughly a CPU core's flops per byte of bandwidth
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """Work of one micro-batch through each part, forward + backward (+ recompute), in
+    FLOP-equivalents: what `strategy.layout=balanced` cuts the blocks by."""
+
+    embed: float
+    block: float
+    head: float
+
+
+def part_costs(facts: ModelFacts, b: int, recompute: str = "none") -> PartCosts:
+    """Forward + backward work of the embeddings, one block and the head for a micro-batch of
+    b samples (T = b x seq tokens), from the model's shapes:
+
+    - a block: its matmuls, 2 T x block parameters, and attention's scores and weighted sum,
+      4 T x seq x hidden, forward; backward twice that;
+    - the head: an LM's vocabulary matmul, 2 T x hidden x vocabulary, plus its other weights
+      (BERT's transform) per token, x3 with backward, and the logits' memory traffic (logits,
+      softmax, gradient: `logits_bytes`); a classification head, its weights once per sample, x3;
+    - the embeddings: no matmul, but backward writes a dense gradient as big as the table
+      (zeroed, scattered into, accumulated: three passes) besides the lookups' own traffic.
+
+    Bytes count `BYTE_FLOPS` each. `recompute`: block adds each block's forward again; stage
+    adds every part's forward again.
+
+    Analytic, not profiled, on purpose: the split it decides must be the same on every process
+    and again when a run resumes (an exact resume compares the checkpoint's blocks per stage),
+    and timings differ from process to process and from run to run."""
+    tokens = b * facts.seq_len
+    block = 2 * tokens * facts.block_params + 4 * tokens * facts.seq_len * facts.hidden
+    if facts.logits_per_sample:  # a language model: every token through the vocabulary
+        head = 2 * b * facts.logits_per_sample * facts.hidden + 2 * tokens * facts.head_params
+        head_bytes = logits_bytes(b, facts.logits_per_sample)
+    else:
+        head, head_bytes = 2 * b * facts.head_params, 0
+    embed_bytes = FP32 * (3 * facts.embed_params + 3 * tokens * facts.hidden)
+    forward = PartCosts(0.0, float(block), head + BYTE_FLOPS * head_bytes / 3)
+    costs = PartCosts(BYTE_FLOPS * embed_bytes, 3.0 * block, 3.0 * head + BYTE_FLOPS * head_bytes)
+    if recompute == "block":
+        return PartCosts(costs.embed, costs.block + forward.block, costs.head)
+    if recompute == "stage":
+        return PartCosts(costs.embed, costs.block + forward.block, costs.head + forward.head)
+    return costs
 
 
 # --------------------------------------------------------------------------- time

@@ -5,6 +5,7 @@ No `from __future__ import annotations` here: the field types stay real types, s
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 from relaytrain.config import Choice, Recompute, StrategyConfig, WorkersConfig
 
@@ -22,7 +23,8 @@ class Execution(Choice):
 @dataclass
 class PipelineConfig(WorkersConfig, StrategyConfig):
     stages: int = 2  # pipeline depth: worker processes per replica, each holding consecutive blocks
-    layout: list[int] | None = None  # blocks per stage, overriding the even split
+    # Any: OmegaConf has no unions; `check_config` takes balanced, even or a list.
+    layout: Any = "balanced"  # blocks per stage: balanced (by each part's cost, the ends counted), even, or a list like [3,2,1]
     recompute: Recompute = Recompute.none  # block: each block's input kept; stage: each stage's input (2BW paper)
     offload: Offload = Offload.none  # host: fp32 masters and optimizer state in host memory, bucketed updates (AxoNN)
     execution: Execution = Execution.static  # message_driven: each stage runs whichever forward or backward has its input (AxoNN)

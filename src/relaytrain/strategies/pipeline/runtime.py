@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from omegaconf import OmegaConf
 
 from relaytrain import memory
 from relaytrain.config import Recompute
@@ -40,6 +41,7 @@ from relaytrain.costmodel import (
     both,
     optimizer_s,
     p2p_s,
+    part_costs,
     powers_of_two_dividing,
     stage_bytes,
 )
@@ -72,12 +74,14 @@ from relaytrain.strategies.pipeline.executor import MessageDrivenExecutor, Stati
 from relaytrain.strategies.pipeline.jitter import ENV, StageJitter
 from relaytrain.strategies.pipeline.offload import HostVersions
 from relaytrain.strategies.pipeline.schedule import Action, Op, Schedule, stop_points, virtual_stage
-from relaytrain.strategies.pipeline.stage import StageModule, partition
+from relaytrain.strategies.pipeline.stage import StageModule, balanced_layout, partition
 from relaytrain.strategies.pipeline.validate import StageInvariants, check_schedule, simulate
 from relaytrain.strategies.pipeline.weights import VersionBuffers, WeightVersions
 from relaytrain.units import gib
 
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each worker
+LAYOUTS = ("balanced", "even")  # strategy.layout's words; otherwise a list of blocks per model chunk
+_balanced_layouts: dict[tuple, list[int]] = {}  # the planner asks for the same layout many times
 
 
 @dataclass
@@ -139,9 +143,13 @@ class PipelineStrategy(Strategy):
         if parts > m.num_layers:
             raise ConfigError(f"{what} exceeds model.num_layers={m.num_layers}; every "
                               f"{'chunk' if v > 1 else 'stage'} needs a block")
-        if s.layout is not None and (len(s.layout) != parts or sum(s.layout) != m.num_layers or min(s.layout) < 1):
-            raise ConfigError(f"strategy.layout={list(s.layout)} must give {parts} positive block counts "
-                              f"(one per {'model chunk' if v > 1 else 'stage'}) summing to model.num_layers={m.num_layers}")
+        if not (s.layout is None or (isinstance(s.layout, str) and s.layout in LAYOUTS)):
+            given = list(s.layout) if OmegaConf.is_list(s.layout) or isinstance(s.layout, list) else None
+            if given is None or not all(isinstance(n, int) and not isinstance(n, bool) for n in given) \
+                    or len(given) != parts or sum(given) != m.num_layers or min(given) < 1:
+                raise ConfigError(f"strategy.layout={given if given is not None else s.layout} must be balanced, "
+                                  f"even or {parts} positive block counts (one per "
+                                  f"{'model chunk' if v > 1 else 'stage'}) summing to model.num_layers={m.num_layers}")
         cls.schedule.check_shape(s.stages, s.num_microbatches, cfg.train.steps, v)
         check_schedule(cls.schedule.build(s.stages, s.num_microbatches, min(cfg.train.steps, 3), chunks=v))
         if s.execution == Execution.message_driven and not cls.schedule.reorderable:
@@ -178,7 +186,26 @@ class PipelineStrategy(Strategy):
         """The blocks of each of the model's d x v chunks, in model order: stage s holds chunks
         s, s + d, ... (one each without interleaving)."""
         s = cfg.strategy
-        return partition(cfg.model.num_layers, s.stages * cls.chunks(cfg), s.layout)
+        return partition(cfg.model.num_layers, s.stages * cls.chunks(cfg), cls.layout(cfg))
+
+    @classmethod
+    def layout(cls, cfg) -> list[int] | None:
+        """Blocks per model chunk as `strategy.layout` asks (None: the even split). `balanced`
+        (or no layout): cut by `costmodel.part_costs`, the embeddings on the first chunk and the
+        head on the last, so that the costliest stage is as cheap as it can be (per chunk under
+        interleaving). The costs come from the model's shapes, not from timings: every process,
+        and a resumed run, computes the same split."""
+        s = cfg.strategy
+        if s.layout == "even":
+            return None
+        if s.layout is not None and s.layout != "balanced":
+            return [int(n) for n in s.layout]
+        parts, b, recompute = s.stages * cls.chunks(cfg), s.microbatch_size, str(s.recompute)
+        key = (OmegaConf.to_yaml(cfg.model), cfg.data.seq_len, b, recompute, parts)
+        if key not in _balanced_layouts:
+            costs = part_costs(ModelFacts.of(cfg), b, recompute)
+            _balanced_layouts[key] = balanced_layout([costs.block] * cfg.model.num_layers, parts, costs.embed, costs.head)
+        return list(_balanced_layouts[key])
 
     @classmethod
     def stage_blocks(cls, cfg, stage: int) -> list[range]:

@@ -1,7 +1,8 @@
 """Partitioning: which blocks each stage holds, and the stage module built from a layered model.
 
-Stage 0 holds the embeddings, the last stage the head and the loss, and the blocks are
-split as evenly as possible (`strategy.layout` overrides the split). A stage is the layered
+Stage 0 holds the embeddings, the last stage the head and the loss. The blocks are split by
+cost (`balanced_layout`: the slowest stage as fast as it can be, the ends counted) unless
+`strategy.layout` says `even` (as evenly as possible, `partition`) or lists the blocks. A stage is the layered
 model itself with the other stages' parts removed, so the family's own `context` and
 `head_loss` run unchanged, and every parameter keeps its Hugging Face name
 (`LayeredModel.hf_name`), which is what checkpoints and saved models use.
@@ -12,6 +13,8 @@ the embeddings before the model's first chunk, the head after its last.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -28,6 +31,54 @@ def partition(num_blocks: int, stages: int, layout: list[int] | None = None) -> 
     ]
     starts = [sum(counts[:s]) for s in range(stages)]
     return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
+
+
+def balanced_layout(blocks: Sequence[float], parts: int, first: float = 0.0, last: float = 0.0) -> list[int]:
+    """Blocks per part for the blocks' costs `blocks` cut into `parts` contiguous parts, the
+    first also paying `first` (the embeddings) and the last `last` (the head), each part at
+    least one block: the cut that makes the costliest part cheapest (PipeDream's partitioner
+    over a chain). Among such cuts, the one with the smallest sum of squared part costs (the
+    most even), then the one whose earlier parts hold more blocks: with equal blocks and free
+    ends this is the even split. Exact (dynamic programming over cut points), deterministic."""
+    n = len(blocks)
+    if not 1 <= parts <= n:
+        raise ValueError(f"{n} blocks cannot make {parts} parts of at least one block")
+    prefix = [0.0]
+    for c in blocks:
+        prefix.append(prefix[-1] + float(c))
+
+    def cost(i: int, j: int, part: int) -> float:  # blocks i..j-1 as part `part`
+        return prefix[j] - prefix[i] + (first if part == 0 else 0.0) + (last if part == parts - 1 else 0.0)
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-300)
+
+    # worst[p][i]: the smallest possible costliest part when blocks i.. make parts p..parts-1
+    inf = float("inf")
+    worst = [[inf] * (n + 1) for _ in range(parts + 1)]
+    worst[parts][n] = 0.0
+    for p in range(parts - 1, -1, -1):
+        for i in range(p, n - (parts - p) + 1):
+            worst[p][i] = min(max(cost(i, j, p), worst[p + 1][j]) for j in range(i + 1, n - (parts - p - 1) + 1))
+    bound = worst[0][0] * (1 + 1e-9)
+    # squares[p][i]: the smallest sum of squared costs of parts p.. over blocks i.., each part within bound
+    squares = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    squares[parts][n] = 0.0
+    for p in range(parts - 1, -1, -1):
+        for i in range(p, n - (parts - p) + 1):
+            for j in range(n - (parts - p - 1), i, -1):  # more blocks first: ties go to the earlier parts
+                c = cost(i, j, p)
+                if c > bound or squares[p + 1][j] == inf:
+                    continue
+                total = c * c + squares[p + 1][j]
+                if squares[p][i] == inf or (total < squares[p][i] and not close(total, squares[p][i])):
+                    squares[p][i], cut[p][i] = total, j
+    counts, i = [], 0
+    for p in range(parts):
+        counts.append(cut[p][i] - i)
+        i = cut[p][i]
+    return counts
 
 
 class StageModule(nn.Module):

@@ -37,14 +37,14 @@ SWITCH_NOTE = "black bar: new weight version (optimizer step)"
 SWITCH_FILL = "#000000"  # the legend's bar: black, yet not counted among the grid's fill="black" switch bars
 
 
-def show(schedule: Schedule, out: Path | None = None) -> None:
-    """Print the schedule's grid and what it shows in words; with `out`, write the image too."""
+def show(schedule: Schedule, out: Path | None = None, notes: list[str] | None = None) -> None:
+    """Print the schedule's grid and what it shows in words (and `notes`); with `out`, write the image too."""
     if out is not None:
         check_image_path(out)  # before anything is printed: a failure leaves only its one line
     timeline = check_schedule(schedule)
     console = Console()
     console.print(render_grid(schedule, timeline, console.width, plain=is_plain(console)), highlight=False)
-    for line in describe(schedule, timeline):
+    for line in [*describe(schedule, timeline), *(notes or [])]:
         console.print(line, highlight=False)
     if out is not None:
         console.print(f"wrote {write_image(schedule, timeline, out)}", highlight=False)
@@ -78,6 +78,24 @@ class Box:
         """The box without colour: F/B for forward/backward, lower case in the second shade."""
         letter = "F" if self.forward else "B"
         return (letter.lower() if self.odd else letter) + str(self.microbatch) + self.chunk_mark
+
+
+def layout_line(cls, cfg) -> str:
+    """The blocks each stage of pipeline strategy `cls` holds under `cfg`: the split a run uses
+    (`model_chunks`, whatever `strategy.layout` says), the embeddings on stage 0 and the head on the last."""
+    d = cfg.strategy.stages
+
+    def blocks(r: range) -> str:
+        return f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"
+
+    stages = []
+    for stage in range(d):
+        held = cls.stage_blocks(cfg, stage)
+        word = "block" if sum(len(r) for r in held) == 1 else "blocks"
+        ends = " + embeddings" if stage == 0 else " + head" if stage == d - 1 else ""
+        stages.append(f"stage {stage}: {word} {', '.join(blocks(r) for r in held)}{ends}")
+    counts = cls.state_layout(cfg)["stages"]
+    return f"layout {cfg.strategy.layout} {counts}: " + "; ".join(stages)
 
 
 def shaded_by(schedule: Schedule) -> str:
