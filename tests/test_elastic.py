@@ -132,3 +132,39 @@ def test_train_resume_defaults_to_auto_under_a_restart_policy(restart_policy):
 def test_train_resume_stays_unset_without_a_restart_policy(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
     assert elastic.prepare(compose_config(TINY_GPT2)).train.resume is None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_launchers_as_two_nodes_equal_one_launcher(tmp_path):
+    """A cluster's two machines, here two torchrun launchers on localhost (one worker each,
+    a shared run directory as a cluster's shared filesystem): the same weights as one launcher
+    starting both workers. One thread a worker in both: a launcher gives its workers the cores
+    it sees, and another thread count sums in another order."""
+    strategy = ["strategy=pipe_flush", "strategy.stages=2", "train.threads=1"]
+    env = {**os.environ, "CI": "1"}
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "relaytrain.cli", *RUN, *strategy, f"hydra.run.dir={tmp_path / 'two'}"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    for node in nodes:
+        finished(node)
+    one = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "relaytrain.cli", *RUN, *strategy, f"hydra.run.dir={tmp_path / 'one'}"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    finished(one)
+    ours, theirs = weights(tmp_path / "two"), weights(tmp_path / "one")
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+    losses = [json.loads((tmp_path / d / "results.json").read_text())["loss"] for d in ("two", "one")]
+    assert losses[0] == losses[1]
