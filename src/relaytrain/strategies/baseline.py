@@ -107,6 +107,18 @@ def evaluate_replicated(net: MicrobatchLoss, batches: list[list[MicroBatch]], re
     return stats
 
 
+def whole_model_compute(cfg, facts: ModelFacts, profile: Profile, recomputes: bool):
+    """A data-parallel worker's compute in a step (the baseline's and FSDP's): every micro-batch
+    of its share through the embeddings, every block (block recompute: one more forward each)
+    and the head. Returns the seconds, the profiled parts and the recompute per block."""
+    s, n = cfg.strategy, facts.num_layers
+    t = profile.for_workers(s.replicas, cfg.train.threads)
+    block, embed, head = (t.part(part, s.microbatch_size) for part in ("block", "embed", "head"))
+    recompute = block.forward_s if recomputes else 0.0
+    compute = s.num_microbatches * (both(embed) + n * (both(block) + recompute) + both(head))
+    return compute, t, (embed, block, head), recompute
+
+
 def _sum_hook(group, bucket):  # no annotations: DDP checks them, and these would be strings
     """All-reduce a bucket of gradients as a sum (DDP's own hook averages over the workers)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
@@ -157,10 +169,7 @@ class Baseline(ReplicatedStrategy):
         during the last micro-batch's backward: what outlasts that backward is exposed (on a
         CPU all of it: the cores that compute also sum)."""
         s, n = cfg.strategy, facts.num_layers
-        t = profile.for_workers(s.replicas, cfg.train.threads)
-        block, embed, head = (t.part(part, s.microbatch_size) for part in ("block", "embed", "head"))
-        recompute = block.forward_s if cls.recomputes(cfg) else 0.0
-        compute = s.num_microbatches * (both(embed) + n * (both(block) + recompute) + both(head))
+        compute, t, (embed, block, head), recompute = whole_model_compute(cfg, facts, profile, cls.recomputes(cfg))
         optimizer = optimizer_s(t, facts, n, embed=True, head=True)
         parts = {"compute": compute, "optimizer": optimizer}
         if s.replicas > 1:

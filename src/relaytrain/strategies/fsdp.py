@@ -50,7 +50,6 @@ from relaytrain.costmodel import (
     Shape,
     StepCost,
     allreduce_s,
-    both,
     optimizer_s,
     powers_of_two_dividing,
     stage_bytes,
@@ -72,7 +71,7 @@ from relaytrain.strategies.base import (
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.baseline import MicrobatchLoss, evaluate_replicated
+from relaytrain.strategies.baseline import MicrobatchLoss, evaluate_replicated, whole_model_compute
 
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each extra worker
 GATHERED_BLOCKS = 2  # a block computing and the next one prefetched, gathered at once
@@ -156,10 +155,7 @@ class Fsdp(ReplicatedStrategy):
         Offload adds each gather's upload of the shards and the optimizer step on the host."""
         s, n = cfg.strategy, facts.num_layers
         w = s.replicas
-        t = profile.for_workers(w, cfg.train.threads)
-        block, embed, head = (t.part(part, s.microbatch_size) for part in ("block", "embed", "head"))
-        recompute = block.forward_s if cls.recomputes(cfg) else 0.0
-        compute = s.num_microbatches * (both(embed) + n * (both(block) + recompute) + both(head))
+        compute, t, _, _ = whole_model_compute(cfg, facts, profile, cls.recomputes(cfg))
         # A ring all-gather or reduce-scatter moves half an all-reduce's bytes.
         gather = allreduce_s(facts.params * facts.weight_bytes, w, profile, messages=n + 1) / 2
         gathers = s.num_microbatches * (2 if s.reshard_after_forward else 1)
