@@ -5,7 +5,7 @@
     python scripts/reproduce.py figure6      # 2BW Figure 6: throughput of 2BW, Flush, GPipe against batch size (measured)
     python scripts/reproduce.py figure8      # 2BW Figure 8: per-stage device memory (simulated)
     python scripts/reproduce.py convergence  # 2BW §5.1: 2BW's loss against the vanilla (flush) loss
-    python scripts/reproduce.py planner      # the planner's choices for BERT-Large and GPT-2 medium on V100s
+    python scripts/reproduce.py planner      # the planner's choices for BERT-Large and GPT-2 on V100s and A100s
     python scripts/reproduce.py all [--images docs/images]
 
 Simulated figures are a dry run of the real strategy code on the meta device
@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from relaytrain.compose import compose_config
@@ -227,44 +228,91 @@ def _plot_convergence(curves: dict, path: Path) -> None:
 
 
 # name: (the request's overrides, what the papers chose for the nearest set-up)
+V100, A100 = "plan.device=v100_16gb", "plan.device=a100_40gb"
+BERT_LARGE = ["model=bert_large", "data.seq_len=128", "optim=lamb"]
+GPT2_XL = ["model=gpt2_xl", "data.seq_len=512", "optim=adamw"]
 PLANNER_REQUESTS = {
     "BERT-Large, 8 x V100 16 GB": (
-        ["model=bert_large", "data.seq_len=128", "optim=lamb", "plan.workers=8"],
+        [*BERT_LARGE, "plan.workers=8", V100],
         "2BW Table 1, BERT-24 on 2 x 8 1080Ti: (w, d) = (8, 2), b = 8, no recompute; "
         "on 4 x 8 V100: (8, 4), b = 4, recompute"),
+    "BERT-Large, 8 x A100 40 GB": ([*BERT_LARGE, "plan.workers=8", A100], "none in the papers"),
     "BERT-Large, 1 x V100 16 GB": (
-        ["model=bert_large", "data.seq_len=128", "optim=lamb", "plan.workers=1"],
+        [*BERT_LARGE, "plan.workers=1", V100],
         "L2L Table 4: the baseline fits BERT-Large (24 layers) at micro-batch 2 (9.23 GB), L2L at 64 (5.22 GB)"),
     "BERT 48 layers, 1 x V100 16 GB": (
-        ["model=bert_large", "model.num_layers=48", "data.seq_len=128", "optim=lamb", "plan.workers=1"],
+        [*BERT_LARGE, "model.num_layers=48", "plan.workers=1", V100],
         "L2L Table 4: the baseline is out of memory at 48 layers; L2L fits (6.76 GB)"),
     "GPT-2 medium, 8 x V100 16 GB": (
-        ["model=gpt2_medium", "data.seq_len=512", "optim=adamw", "plan.workers=8"],
+        ["model=gpt2_medium", "data.seq_len=512", "optim=adamw", "plan.workers=8", V100],
         "2BW §5.2 (GPT 2.2 B, 8 V100): 8-deep, recompute, the largest micro-batch that fits"),
     "GPT-2 medium, 1 x V100 16 GB": (
-        ["model=gpt2_medium", "data.seq_len=512", "optim=adamw", "plan.workers=1"],
+        ["model=gpt2_medium", "data.seq_len=512", "optim=adamw", "plan.workers=1", V100],
         "none in the papers"),
+    "GPT-2 1.5 B, 8 x V100 16 GB": (
+        [*GPT2_XL, "plan.workers=8", V100],
+        "2BW §5.2 (GPT 2.2 B, 8 V100): 8-deep, recompute; data parallelism does not fit"),
+    "GPT-2 1.5 B, 8 x A100 40 GB": ([*GPT2_XL, "plan.workers=8", A100], "none in the papers"),
 }
+# The requests whose every strategy's fastest fit is shown, the reasoning behind the choice.
+PLANNER_WHY = ["BERT-Large, 8 x V100 16 GB", "BERT-Large, 8 x A100 40 GB",
+               "GPT-2 1.5 B, 8 x V100 16 GB", "GPT-2 1.5 B, 8 x A100 40 GB"]
 
 
 def planner(args) -> str:
-    """`relaytrain plan` for BERT-Large and GPT-2 medium on 8 and on 1 V100 (16 GB, the shipped
-    spec-sheet profile): the best candidate that fits its own dry run, and the command."""
-    from relaytrain.plan import GiB as PLAN_GIB
-    from relaytrain.plan import make_plan, variant
+    """`relaytrain plan` for BERT-Large, GPT-2 medium and GPT-2 1.5 B on V100s and A100s (the
+    shipped spec-sheet profiles): the best candidate that fits its own dry run, the command, and
+    for the 8-GPU requests each strategy's fastest that fits (or why none does)."""
+    from relaytrain.plan import make_plan
 
-    rows = []
+    rows, why = [], []
     for name, (overrides, paper) in PLANNER_REQUESTS.items():
-        plan = make_plan([*overrides, "plan.device=v100_16gb"])
+        start = time.perf_counter()
+        plan = make_plan(overrides)
+        print(f"[{name}: {time.perf_counter() - start:.0f} s]", flush=True)
         best = plan.best
-        fitting = sorted({variant(c.shape) for c in plan.candidates if c.fits})
+        fitting = sorted({_variant(c) for c in plan.candidates if c.fits})
         if best is None:
             rows.append([name, "nothing fits", "—", "—", "—", "—", paper])
-            continue
-        rows.append([name, f"`{best.shape.strategy}` {best.shape.describe()}", f"{best.cost.step_s:.3g}",
-                     f"{best.memory_bytes / PLAN_GIB:.2f}", ", ".join(fitting), f"`{plan.command(best)}`", paper])
-    return table(["request (batch: the model's usual)", "planner's choice", "predicted step s", "simulated GB",
-                  "strategies that fit", "command", "the papers"], rows)
+        else:
+            rows.append([name, f"`{best.shape.strategy}` {best.shape.describe()}", f"{best.cost.step_s:.3g}",
+                         f"{_gb(best)}", ", ".join(fitting), f"`{plan.command(best)}`", paper])
+        if name in PLANNER_WHY:
+            why.extend([name, *row] for row in _each_variant(plan))
+    return "\n\n".join([
+        table(["request (batch: the model's usual)", "planner's choice", "predicted step s", "simulated GB",
+               "strategies that fit", "command", "the papers"], rows),
+        table(["request", "strategy", "its fastest that fits", "predicted step s", "samples/s", "simulated GB"], why)])
+
+
+def _variant(c) -> str:
+    from relaytrain.plan import variant
+
+    return variant(c.shape)
+
+
+def _gb(c) -> str:
+    from relaytrain.plan import GiB as PLAN_GIB
+
+    return f"{c.memory_bytes / PLAN_GIB:.2f}"
+
+
+def _each_variant(plan) -> list[list[str]]:
+    """Per strategy variant, fastest first: its fastest candidate that fits its dry run, or the
+    first reason its candidates were refused or did not fit."""
+    fastest, reason = {}, {}
+    for c in plan.candidates:
+        if c.fits:
+            fastest.setdefault(_variant(c), c)
+        elif c.why_not:
+            reason.setdefault(_variant(c), c.why_not)
+    rows = [[f"`{name}`", c.shape.describe(), f"{c.cost.step_s:.3g}", f"{c.samples_per_s:.3g}", _gb(c)]
+            for name, c in sorted(fastest.items(), key=lambda item: item[1].cost.step_s)]
+    rows += [[f"`{name}`", f"none: {why}", "—", "—", "—"] for name, why in reason.items() if name not in fastest]
+    undecided = dict.fromkeys(_variant(c) for c in plan.candidates)
+    rows += [[f"`{name}`", "not decided: slower than the choice, no dry run spent on it", "—", "—", "—"]
+             for name in undecided if name not in fastest and name not in reason]
+    return rows
 
 
 COMMANDS = {"table4": table4, "table3": table3, "figure6": figure6, "figure8": figure8, "convergence": convergence,
