@@ -240,8 +240,8 @@ class Baseline(ReplicatedStrategy):
                 "summary": {f"{name} (mean s/step)": f"{seconds / measured:.3f}" for name, seconds in phases.items()}}
 
     def _update(self, lr: float) -> bool:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        overflow = self.scaler.unscale_and_check(grads)
+        """One optimizer step over the whole model, skipped on an fp16 overflow; returns it."""
+        overflow = self._overflowed([p.grad for p in self.params if p.grad is not None])
         if not overflow:
             if self.cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
@@ -250,6 +250,10 @@ class Baseline(ReplicatedStrategy):
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         return overflow
+
+    def _overflowed(self, grads: list[torch.Tensor]) -> bool:
+        """Unscale this process's gradients; whether any overflowed (every replica holds them all)."""
+        return self.scaler.unscale_and_check(grads)
 
     # -- state ----------------------------------------------------------------------------------
     def parameter_names(self) -> list[str]:

@@ -71,7 +71,7 @@ from relaytrain.strategies.base import (
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.baseline import MicrobatchLoss, evaluate_replicated, whole_model_compute
+from relaytrain.strategies.baseline import Baseline, MicrobatchLoss, evaluate_replicated, whole_model_compute
 
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each extra worker
 GATHERED_BLOCKS = 2  # a block computing and the next one prefetched, gathered at once
@@ -251,20 +251,16 @@ class Fsdp(ReplicatedStrategy):
             skipped = self._update(lr)
         return StepResult(loss=scalar(loss_sum), skipped=skipped)
 
-    def _update(self, lr: float) -> bool:
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        overflow = self.scaler.unscale_and_check(grads)
-        if self.sharded and self.scaler.enabled:  # one decision for every shard
+    _update = Baseline._update  # the same step; only what a worker holds and agrees on differs
+    report_phases = Baseline.report
+
+    def _overflowed(self, grads: list[torch.Tensor]) -> bool:
+        """Unscale this worker's shards; an overflow anywhere skips the step everywhere."""
+        overflow = self.scaler.unscale_and_check([_local(g) for g in grads])
+        if self.sharded and self.scaler.enabled:
             flag = torch.tensor([int(overflow)], device=self.device)
             dist.all_reduce(flag, dist.ReduceOp.MAX)
             overflow = bool(flag)
-        if not overflow:
-            if self.cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip, foreach=True)
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-        self.scaler.update(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
         return overflow
 
     def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats:
@@ -377,13 +373,9 @@ class Fsdp(ReplicatedStrategy):
                         "(the meta device runs no collectives)"}
 
     def report(self) -> dict:
-        phases = dict(self.timer.totals)
-        measured = max(self.timer.counts.get("optimizer", 0), 1)
-        s = self.cfg.strategy
-        return {"phase_times_s": phases,
-                "summary": {"shards": f"{s.replicas} workers, reshard after forward: {s.reshard_after_forward}, "
-                                      f"offload: {s.offload}",
-                            **{f"{name} (mean s/step)": f"{seconds / measured:.3f}" for name, seconds in phases.items()}}}
+        s, out = self.cfg.strategy, self.report_phases()
+        shards = f"{s.replicas} workers, reshard after forward: {s.reshard_after_forward}, offload: {s.offload}"
+        return {**out, "summary": {"shards": shards, **out["summary"]}}
 
     def close(self) -> None:
         if self.own_group and dist.is_initialized():
