@@ -100,6 +100,7 @@ def test_flush_killed_resumes_exactly_past_an_incomplete_checkpoint(flush_refere
     assert_same_run(run_dir, flush_reference)
 
 
+@pytest.mark.slow  # as the fault matrix's kill rows (tests/test_faults.py), which run in the same step
 def test_2bw_killed_resumes_exactly_with_both_weight_versions(two_bw_reference, tmp_path):
     # From step 21: at an odd step the newest weight version sits in the second buffer.
     run_dir, every = tmp_path / "run", ["train.checkpoint_every=7", "train.resume=auto"]
@@ -194,23 +195,32 @@ def test_only_complete_checkpoints_count_and_the_last_k_are_kept(tmp_path):
     def stage(step: int, ranks=(0, 1)) -> None:
         staging = directory / f"step-{step:08d}.parts"
         staging.mkdir(parents=True, exist_ok=True)
-        for name in [f"part-{r}.pt" for r in ranks] + ["trainer.pt"]:
-            checkpoint.atomic_write(staging / name, lambda f: torch.save({"step": step}, f))
+        return {name: checkpoint.atomic_write(staging / name, lambda f: torch.save({"step": step}, f))
+                for name in [f"part-{r}.pt" for r in ranks] + ["trainer.pt"]}
 
-    for step in (4, 8, 12):
-        stage(step)
-        checkpoint.publish(directory, step, contents, keep=2)
-    assert steps_of(directory) == [8, 12]  # step 4 pruned
-    stage(16, ranks=(0,))  # rank 1 never wrote: not published
-    assert checkpoint.find("auto", tmp_path).name == "step-00000012"
+    for step in (4, 8, 12, 16):
+        checkpoint.publish(directory, step, contents, keep=3, checksums=stage(step))
+    assert steps_of(directory) == [8, 12, 16]  # step 4 pruned
+    stage(20, ranks=(0,))  # rank 1 never wrote: not published
+    assert checkpoint.find("auto", tmp_path) == (directory / "step-00000016", [])
 
-    with open(directory / "step-00000012" / "part-0.pt", "ab") as part:
-        part.write(b"more")  # no longer the size the manifest recorded
-    assert checkpoint.find("auto", tmp_path).name == "step-00000008"
+    part = directory / "step-00000016" / "part-1.pt"
+    flipped = bytearray(part.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x01  # one bit, the size unchanged: only the checksum tells
+    part.write_bytes(bytes(flipped))
+    cut = directory / "step-00000012" / "part-0.pt"
+    size = cut.stat().st_size
+    os.truncate(cut, size - 100)  # a copy interrupted
+    found, passed = checkpoint.find("auto", tmp_path)
+    assert found.name == "step-00000008"
+    assert passed == ["step-00000016 is damaged (part-1.pt does not match its checksum)",
+                      f"step-00000012 is damaged (part-0.pt is cut short ({size - 100} of {size} bytes))"]
     (directory / "step-00000008" / "part-1.pt").unlink()
-    assert checkpoint.find("auto", tmp_path) is None  # a fresh start
-    with pytest.raises(ConfigError, match="incomplete"):
+    assert checkpoint.find("auto", tmp_path)[0] is None  # a fresh start
+    with pytest.raises(ConfigError, match="damaged .part-1.pt is missing"):
         checkpoint.find(str(directory / "step-00000008"), tmp_path)
+    with pytest.raises(ConfigError, match="damaged .part-1.pt does not match its checksum"):
+        checkpoint.find(str(directory / "step-00000016"), tmp_path)
 
 
 # ------------------------------------------------------------------------------ divergence

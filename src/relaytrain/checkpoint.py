@@ -40,9 +40,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from relaytrain.errors import ConfigError
-from relaytrain.files import atomic_write, fsync_dir, write_json
+from relaytrain import failpoints
+from relaytrain.errors import CheckpointWriteFailed, ConfigError
+from relaytrain.files import atomic_write, crc32_of, fsync_dir, write_json
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -154,17 +156,29 @@ def save(world, directory: Path, step: int, part: dict, trainer: dict | None, ma
     """Write this process's part (every process calls this at the same step) and, on the
     process given `trainer`, the trainer's state; rank 0 publishes once all are on disk.
     `best`: the checkpoint also becomes the best one, kept beside the latest `keep`.
-    `sharded`: this process's shards (every process gives them), saved together."""
+    `sharded`: this process's shards (every process gives them), saved together.
+    A write that fails (a full disk) is one line naming the newest complete checkpoint."""
     staging = _staging_dir(directory, step)
-    staging.mkdir(parents=True, exist_ok=True)
-    if sharded is not None:
-        dcp.save(sharded, checkpoint_id=staging / SHARDED)
-    atomic_write(staging / part_name(world.rank), lambda f: torch.save(part, f))
-    if trainer is not None:
-        atomic_write(staging / TRAINER, lambda f: torch.save(trainer, f))
-    world.barrier()  # every part is on disk
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        if sharded is not None:
+            dcp.save(sharded, checkpoint_id=staging / SHARDED)
+        sums = {part_name(world.rank): atomic_write(staging / part_name(world.rank), lambda f: torch.save(part, f))}
+        if trainer is not None:
+            sums[TRAINER] = atomic_write(staging / TRAINER, lambda f: torch.save(trainer, f))
+        failpoints.reach("checkpoint", step, world.rank)
+    except (OSError, CheckpointException) as err:
+        shutil.rmtree(staging, ignore_errors=True)  # give the space back: a later save or resume needs it
+        newest = latest(directory)
+        why = f"{err.strerror or err}: {err.filename or staging}" if isinstance(err, OSError) else str(err).splitlines()[0]
+        raise CheckpointWriteFailed(
+            f"the checkpoint of step {step} could not be written ({why}); "
+            + (f"the newest complete one is {newest}: make room, then continue with train.resume={newest}"
+               if newest else "no complete checkpoint was saved before it")) from err
+    gathered = world.gather(sums, 0)  # on rank 0 once every part is on disk
     if world.rank == 0:
-        publish(directory, step, {**manifest, "processes": world.size}, keep)
+        publish(directory, step, {**manifest, "processes": world.size}, keep,
+                checksums={name: crc for sums in gathered for name, crc in sums.items()})
         if best:
             write_json(Path(directory) / BEST, {"step": step}, indent=None)
     world.barrier()  # and the checkpoint is complete before any process may report it
@@ -179,15 +193,20 @@ def best_step(directory: Path) -> int | None:
         return None
 
 
-def publish(directory: Path, step: int, contents: dict, keep: int) -> Path:
+def publish(directory: Path, step: int, contents: dict, keep: int, checksums: dict[str, int]) -> Path:
     """Make the staged files of `step` a complete checkpoint; call once every file is written.
-    Older complete ones beyond the newest `keep` are removed, except the best one."""
+    `checksums`: the CRC-32 of each part and of the trainer's file, as their writers summed them
+    (a sharded directory's files are summed here). Older complete ones beyond the newest `keep`
+    are removed, except the best one."""
     staging, final = _staging_dir(directory, step), step_dir(directory, step)
     files = [part_name(rank) for rank in range(contents["processes"])] + [TRAINER]
     if (staging / SHARDED).is_dir():
-        files += sorted(f.relative_to(staging).as_posix() for f in (staging / SHARDED).iterdir())
+        sharded = sorted(f.relative_to(staging).as_posix() for f in (staging / SHARDED).iterdir())
+        checksums = {**checksums, **{name: crc32_of(staging / name) for name in sharded}}
+        files += sharded
     record = {**contents, "format": FORMAT, "step": step, "sharded": (staging / SHARDED).is_dir(),
-              "files": {name: (staging / name).stat().st_size for name in files}}
+              "files": {name: (staging / name).stat().st_size for name in files},
+              "checksums": {name: checksums[name] for name in files}}
     write_json(staging / MANIFEST, record)
     if final.exists():  # saved before by a run that was resumed from an earlier step
         _remove(final)
@@ -237,6 +256,41 @@ def is_complete(path: Path) -> bool:
         return False
 
 
+def damage(path: Path) -> str | None:
+    """What is wrong with a checkpoint's files, reading every byte (None: intact): a file
+    missing, cut short, or whose CRC-32 is not the one its writer recorded."""
+    try:
+        record = json.loads((path / MANIFEST).read_text())
+        files, sums = record["files"], record.get("checksums", {})  # checkpoints before checksums have sizes only
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"its manifest cannot be read ({type(err).__name__})"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} is cut short ({file.stat().st_size} of {size} bytes)"
+        if name in sums and crc32_of(file) != sums[name]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def newest_intact(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint of a run directory whose every file is intact, and a line for
+    each newer one passed over (corrupt or cut short: a disk fault, or a copy interrupted)."""
+    for directory in (Path(run_dir), checkpoint_dir(run_dir)):
+        steps = sorted(p for p in directory.iterdir() if STEP.match(p.name)) if directory.is_dir() else []
+        passed: list[str] = []
+        for path in reversed(steps):
+            problem = damage(path)
+            if problem is None:
+                return path, passed
+            passed.append(f"{path.name} is damaged ({problem})")
+        if passed:
+            return None, passed
+    return None, []
+
+
 def latest(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run directory (or of a checkpoints directory)."""
     for directory in (Path(run_dir), checkpoint_dir(run_dir)):
@@ -246,24 +300,26 @@ def latest(run_dir: Path) -> Path | None:
     return None
 
 
-def find(resume: str, run_dir: Path) -> Path | None:
-    """`auto`: the latest complete checkpoint of this run directory, None if there is none yet
-    (a fresh start, so one command serves the first launch and every relaunch). Otherwise a
-    step-N directory, a checkpoints directory or a run directory (its latest)."""
+def find(resume: str, run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from, and a line for each newer damaged one passed over.
+    `auto`: the newest intact checkpoint of this run directory, None if there is none yet (a
+    fresh start, so one command serves the first launch and every relaunch). Otherwise a step-N
+    directory (refused if damaged), a checkpoints directory or a run directory (its latest)."""
     if resume == "auto":
-        return latest(run_dir)
+        return newest_intact(run_dir)
     path = Path(resume).expanduser()
     if STEP.match(path.name) and path.is_dir():
-        if not is_complete(path):
-            raise ConfigError(f"train.resume={resume}: this checkpoint is incomplete (a process's part is missing "
-                              f"or cut short); resume from an earlier one")
-        return path
+        problem = damage(path)
+        if problem is not None:
+            raise ConfigError(f"train.resume={resume}: this checkpoint is damaged ({problem}); "
+                              f"resume from an earlier one, or with train.resume=auto (the newest intact one)")
+        return path, []
     if path.is_file():
         raise ConfigError(f"train.resume={resume} is a file; give a checkpoint directory (step-N), "
                           f"its checkpoints directory or a run directory")
     found = latest(path)
     if found is not None:
-        return found
+        return found, []
     raise ConfigError(f"train.resume={resume}: no complete checkpoint there; give a step-N directory, "
                       f"its checkpoints directory or a run directory")
 

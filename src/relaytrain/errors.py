@@ -14,6 +14,10 @@ class TrainingDiverged(ConfigError):
     """The loss became NaN or infinite under a precision that cannot skip steps."""
 
 
+class CheckpointWriteFailed(ConfigError):
+    """A checkpoint could not be written (a full disk, a lost mount); the complete ones are kept."""
+
+
 class Interrupted(Exception):
     """SIGINT or SIGTERM arrived; every process stopped at one step and saved a checkpoint there."""
 

@@ -199,6 +199,11 @@ def _dry_run(entry, cfg, processes: int, payload):
 # ----------------------------------------------------------------------- local workers
 
 
+PHASES = ("while starting", "during step {}", "during the evaluation after step {}",
+          "while saving the checkpoint of step {}", "while finishing")
+PHASE_CODES = {"step": 1, "evaluation": 2, "checkpoint": 3, "the end": 4}  # World.mark's phases
+
+
 @dataclass
 class _Shared:
     """Shared memory between the launcher and its workers (no lock: one writer each)."""
@@ -206,10 +211,20 @@ class _Shared:
     signum: object  # the stop signal the launcher received, 0 if none
     stopped_at: object  # written by the reporter: the step the workers stopped and saved at, 0 if they finished
     stopped_by: object
+    where: object  # per worker: its phase code and step (World.mark), so a failure can say when it struck
 
     @classmethod
-    def create(cls, context) -> _Shared:
-        return cls(context.RawValue("i", 0), context.RawValue("q", 0), context.RawValue("i", 0))
+    def create(cls, context, processes: int) -> _Shared:
+        return cls(context.RawValue("i", 0), context.RawValue("q", 0), context.RawValue("i", 0),
+                   context.RawArray("q", 2 * processes))
+
+    def mark(self, rank: int, phase: str, step: int) -> None:
+        self.where[2 * rank + 1] = step
+        self.where[2 * rank] = PHASE_CODES[phase]
+
+    def when(self, rank: int) -> str:
+        """When worker `rank` was last heard of, e.g. "during step 5"."""
+        return PHASES[self.where[2 * rank]].format(self.where[2 * rank + 1])
 
 
 def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_checkpoint):
@@ -221,7 +236,7 @@ def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payloa
     config = OmegaConf.to_container(cfg, resolve=True)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     context = mp.get_context("spawn")
-    shared = _Shared.create(context)
+    shared = _Shared.create(context, processes)
     procs = [
         context.Process(target=_spawned_worker,
                         args=(entry, rank, processes, config, payload, str(run_dir), init_method, shared),
@@ -230,8 +245,13 @@ def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payloa
     ]
     stop = StopRequest(announce=announce_stop)
     stop.how_long = lambda: _step_time_hint(run_dir)
+    timeout_s = float(getattr(cfg.strategy, "timeout_s", 120.0))
+
+    def explain(failed: list[int]) -> ConfigError:
+        return failure(procs, failed, describe, errors, shared.when, latest_checkpoint(), timeout_s)
+
     try:
-        _start_and_watch(procs, stop, shared, describe, errors)
+        _start_and_watch(procs, stop, shared, explain)
     except Aborted as abort:
         _stop(procs)
         raise Aborted(abort.signum, latest_checkpoint()) from None
@@ -251,7 +271,7 @@ def _step_time_hint(run_dir: Path) -> str:
     return f"steps take about {duration(rows[-1]['step_time_s'])}" if rows else ""
 
 
-def _start_and_watch(procs, stop: StopRequest, shared: _Shared, describe, errors: Path) -> None:
+def _start_and_watch(procs, stop: StopRequest, shared: _Shared, explain) -> None:
     """Start the workers deaf to SIGINT/SIGTERM, then pass both on to them while watching.
 
     The workers start while the launcher ignores both signals, so they inherit SIG_IGN through
@@ -265,7 +285,7 @@ def _start_and_watch(procs, stop: StopRequest, shared: _Shared, describe, errors
     if threading.current_thread() is not threading.main_thread():  # only the main thread can take signals
         for p in procs:
             p.start()
-        _watch(procs, describe, errors)
+        _watch(procs, explain)
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
@@ -274,7 +294,7 @@ def _start_and_watch(procs, stop: StopRequest, shared: _Shared, describe, errors
                 p.start()
         with _signal_handlers(request):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-            _watch(procs, describe, errors)
+            _watch(procs, explain)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
@@ -289,13 +309,15 @@ def _signal_handlers(handler):
             signal.signal(sig, old)
 
 
-def _watch(procs, describe, errors: Path) -> None:
-    """Return when every worker succeeded; on the first failure stop them all and raise."""
+def _watch(procs, explain) -> None:
+    """Return when every worker succeeded; on the first failure stop them all and raise what
+    `explain(failed ranks)` makes of it (asked first: a stopped worker is still there to see)."""
     while True:
         failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
         if failed:
+            error = explain(failed)
             _stop(procs)
-            raise failure(procs, failed, describe, errors)
+            raise error
         running = [p.sentinel for p in procs if p.exitcode is None]
         if not running:
             return
@@ -311,23 +333,42 @@ def _stop(procs) -> None:
         p.join()
 
 
-def failure(procs, failed: list[int], describe, errors: Path) -> ConfigError:
-    """The one error that explains a failed run (see the module's docstring)."""
+def failure(procs, failed: list[int], describe, errors: Path, when, latest: Path | None,
+            timeout_s: float) -> ConfigError:
+    """The one error that explains a failed run (see the module's docstring): which worker,
+    when (`when(rank)`, e.g. "during step 5"), and the checkpoint to continue from."""
+    then = (f"; the newest complete checkpoint is {latest}: continue with train.resume={latest}" if latest
+            else "; no checkpoint was saved")
     killed = [rank for rank in failed if procs[rank].exitcode < 0]
     if killed:
         rank = killed[0]
         name = signal.Signals(-procs[rank].exitcode).name
-        return WorkerFailed(f"worker {describe(rank)} was killed by {name}; the other workers were stopped")
+        return WorkerFailed(f"worker {describe(rank)} was killed by {name} {when(rank)}; "
+                            f"the other workers were stopped{then}")
+    stopped = [rank for rank, p in enumerate(procs) if p.exitcode is None and _is_stopped(p.pid)]
+    if stopped:
+        rank = stopped[0]
+        return WorkerFailed(f"worker {describe(rank)} was stopped (SIGSTOP or a debugger) {when(rank)}; the others "
+                            f"gave up waiting for it after strategy.timeout_s={timeout_s:g} s{then}")
     records = [json.loads(f.read_text()) for f in errors.glob("rank*.json")]
     if records:
         first = min(records, key=lambda r: r["time"])
         if first["user_error"]:  # a ConfigError: its message is the whole story
             return ConfigError(first["message"])
-        trace = errors / f"rank{first['rank']}.txt"
-        return WorkerFailed(f"worker {describe(first['rank'])} failed: {first['error']}: {first['message']} "
-                            f"(traceback: {trace})")
+        rank = first["rank"]
+        return WorkerFailed(f"worker {describe(rank)} failed {when(rank)}: {first['error']}: {first['message']} "
+                            f"(traceback: {errors / f'rank{rank}.txt'}){then}")
     rank = failed[0]
-    return WorkerFailed(f"worker {describe(rank)} exited with code {procs[rank].exitcode}")
+    return WorkerFailed(f"worker {describe(rank)} exited with code {procs[rank].exitcode} {when(rank)}{then}")
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether a process is stopped (SIGSTOP, SIGTSTP or a tracer), from /proc (False elsewhere)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
 
 
 def _free_port() -> int:
@@ -362,6 +403,7 @@ def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, sh
         keep_freed_host_memory()
         torch.set_num_threads(threads_per_process(cfg.train.threads, size))
         world = _world(cfg, rank, size, rank, StopRequest(read=lambda: shared.signum.value))
+        world.mark = lambda phase, step: shared.mark(rank, phase, step)
         _joined(entry, cfg, world, payload, init_method)
     except Interrupted as stop:
         shared.stopped_by.value, shared.stopped_at.value = stop.signum, stop.step

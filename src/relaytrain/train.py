@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from relaytrain import checkpoint, elastic, metrics, runlog
+from relaytrain import checkpoint, elastic, failpoints, metrics, runlog
 from relaytrain.compose import validate
 from relaytrain.data import TokenDataset, build_datasets, build_loader, eval_batches
 from relaytrain.display import StepProgress, print_one_line, print_results_table
@@ -80,6 +80,8 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     except BaseException as err:
         if logs:
             runlog.write_status(run_dir, runlog.FAILED, error=(str(err).strip().splitlines() or [type(err).__name__])[0])
+        if not under_torchrun():  # every worker has ended: a save the failure cut short is only in the way
+            checkpoint.remove_staging(checkpoint.checkpoint_dir(run_dir))
         raise
     if not results:
         return {}
@@ -121,7 +123,9 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, esti
 
 def _find_resume(cfg, cls, run_dir: Path) -> Path | None:
     """The checkpoint `train.resume` names, checked against the config before any process starts."""
-    path = checkpoint.find(cfg.train.resume, run_dir) if cfg.train.resume else None
+    path, passed = checkpoint.find(cfg.train.resume, run_dir) if cfg.train.resume else (None, [])
+    for line in passed:
+        print(f"checkpoint {line}: passed over for an earlier one", flush=True)
     if path is None:
         elastic.announce_fresh_restart()
         return None
@@ -252,6 +256,8 @@ class Trainer:
 
     def _evaluate(self, step: int) -> bool:
         """Evaluate on the held-out set; True on every process when `train.keep_best`'s metric improved."""
+        self.world.mark("evaluation", step)
+        failpoints.reach("evaluate", step, self.world.rank)
         stats = self.strategy.evaluate(self.eval_batches)
         improved = False
         if self.reporter:
@@ -273,6 +279,8 @@ class Trainer:
     def _step(self, step: int) -> None:
         if step == self.first + self.cfg.train.warmup_steps:
             self.strategy.timer.reset()  # phase times cover the measured steps, as the step time does
+        self.world.mark("step", step + 1)
+        failpoints.reach("step", step + 1, self.world.rank)
         minibatch = self.loader.minibatch(step)
         start = time.perf_counter()
         result = self.strategy.step(minibatch, lr_at(step, self.cfg.optim, self.cfg.train.steps))
@@ -281,16 +289,24 @@ class Trainer:
         self.votes.after(step)
         if not self.reporter:
             return
+        if failpoints.reach("loss", step + 1, self.world.rank) == "nan":
+            result.loss = math.nan
         self.history["step_times"].append(elapsed)
         if result.skipped:
             self.history["skipped"] += 1
         elif result.loss is not None and not math.isfinite(result.loss):
-            raise TrainingDiverged(
-                f"the loss became {result.loss} at step {step + 1} under precision={self.cfg.precision.name}; "
-                f"the last good checkpoint stays in {self.directory}; lower optim.lr or use precision=fp32"
-            )
+            raise self._diverged(result.loss, step + 1)
         self.history["losses"].append(result.loss)
         self.progress.update(step + 1, result.loss, elapsed, result.skipped)
+
+    def _diverged(self, loss: float, step: int) -> TrainingDiverged:
+        """Nothing of the step that diverged is saved; the user continues from the newest checkpoint."""
+        precision = self.cfg.precision.name
+        fix = "lower optim.lr" + ("" if precision == "fp32" else " or use precision=fp32")
+        newest = checkpoint.latest(self.directory)
+        where = (f"the newest complete checkpoint is {newest}: {fix}, then continue with train.resume={newest}"
+                 if newest else f"no checkpoint was saved before it: {fix} and start again")
+        return TrainingDiverged(f"the loss became {loss} at step {step} under precision={precision}; {where}")
 
     def _stop(self, signum: int, step: int) -> Interrupted:
         """Every process decided to stop before `step`: finish what is in flight, save there."""
@@ -301,6 +317,7 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
     def _save(self, step: int, best: bool = False) -> Path:
         """Every process's part at `step`; `best`: it also becomes the kept best checkpoint."""
+        self.world.mark("checkpoint", step)
         part = self.strategy.state_dict() or dict(EMPTY_PART)
         part = {**part, "rng": checkpoint.rng_state(self.world.device)}
         trainer = {"step": step, "history": self.history} if self.reporter else None
@@ -330,6 +347,7 @@ class Trainer:
 
     # -- the end --------------------------------------------------------------------------------
     def _finish(self) -> dict | None:
+        self.world.mark("the end", self.cfg.train.steps)
         if self.cfg.train.save_model:  # on rank 0: Hugging Face writes files only there once a group exists
             weights = self.world.gather(self.strategy.weights(), 0)
             if self.world.rank == 0:

@@ -91,6 +91,8 @@ class World:
     stop: StopRequest = field(default_factory=StopRequest)
     timeout_s: float = 120.0
     control: object = None  # the trainer's gloo group (None with one process; a LocalGroup in a dry run)
+    # What this process is doing, e.g. ("step", 5): where its launcher says a worker failed.
+    mark: Callable[[str, int], None] = lambda phase, step: None
 
     @property
     def distributed(self) -> bool:
