@@ -360,7 +360,7 @@ def test_offline_hub_load_is_a_quick_config_error(monkeypatch, tmp_path, source,
     start = time.monotonic()
     with pytest.raises(ConfigError) as caught:
         load_source(cfg, None)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 60  # hub retries with back-off would take minutes
     message = str(caught.value)
     assert (
         "hub is unreachable" in message

@@ -85,6 +85,7 @@ def test_clipping_with_sharded_state_clips_by_the_global_norm(tmp_path):
     assert_same_weights(saved_model(cfg, tmp_path / "replicas"), saved_model(cfg, tmp_path / "single"))
 
 
+@pytest.mark.slow  # as the fault matrix's kill rows (tests/test_faults.py), which run in the same step
 def test_a_killed_two_replica_run_resumes_bit_for_bit(tmp_path):
     common = ["train", "strategy=l2l", "strategy.replicas=2", "strategy.microbatch_size=4",
               "strategy.num_microbatches=2", "model.num_layers=3", "model.hidden_size=64", "model.num_heads=4",

@@ -7,6 +7,8 @@ launch can: final weights (through the saved Hugging Face model, which also chec
 
 import copy
 import json
+import os
+import signal
 import threading
 import time
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from relaytrain import failpoints
 from relaytrain.cli import main
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.errors import ConfigError
@@ -148,34 +151,32 @@ def test_a_parameter_without_gradient_is_not_updated_as_in_the_baseline():
 
 
 @pytest.mark.parametrize("execution", ["static", "message_driven"])
-def test_killing_a_worker_ends_the_run_with_a_clear_error_in_bounded_time(tmp_path, execution):
+def test_killing_a_worker_ends_the_run_with_a_clear_error_in_bounded_time(tmp_path, execution, monkeypatch):
+    """The peer of a killed worker waits in a transfer; the launcher ends it long before
+    strategy.timeout_s would. Rank 1 is held before step 3 (a failpoint), then killed."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv(failpoints.VARIABLE, "step:3:1=hold")  # the spawned workers inherit it
+    monkeypatch.setenv(failpoints.MARKS, str(marks))
     cfg = pipeline_cfg("bert", "strategy=pipe_flush", "strategy.stages=2", "train.steps=100000",
-                       "train.save_model=false", "strategy.timeout_s=30", f"strategy.execution={execution}")
+                       "train.save_model=false", "strategy.timeout_s=600", f"strategy.execution={execution}")
     killed_at = []
-    killer = threading.Thread(target=kill_a_worker_once_training, args=(killed_at,), daemon=True)
-    killer.start()
+
+    def kill_the_held_worker():
+        while not (marks / "step-3-1").exists():
+            time.sleep(0.01)
+        os.kill(int((marks / "step-3-1").read_text()), signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
+    threading.Thread(target=kill_the_held_worker, daemon=True).start()
     with pytest.raises(ConfigError) as failed:
         run(cfg, tmp_path)
-    ended_at = time.monotonic()
     assert killed_at, "the run ended before a worker was killed"
-    assert ended_at - killed_at[0] < 15
+    assert time.monotonic() - killed_at[0] < 300, "the run waited for the transfer timeout"
     message = str(failed.value)
     assert "\n" not in message
-    assert "rank" in message and "killed by SIGKILL" in message
+    assert message.startswith("worker rank 1 (stage 1 of 2, replica 0) was killed by SIGKILL during step 3")
     assert not [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
-
-
-def kill_a_worker_once_training(killed_at: list) -> None:
-    """Wait until both workers have worked a while (past start-up), then SIGKILL the newer one."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        workers = [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
-        if len(workers) == 2 and min(w.cpu_times().user for w in workers) > 5.0:
-            time.sleep(1.0)
-            killed_at.append(time.monotonic())
-            max(workers, key=lambda w: w.pid).kill()
-            return
-        time.sleep(0.2)
 
 
 def test_the_first_error_is_the_one_reported(tmp_path):
@@ -190,12 +191,18 @@ def test_the_first_error_is_the_one_reported(tmp_path):
     class Exited:
         exitcode = 1
 
-    line = str(failure([Exited(), Exited(), Exited()], [1, 2], topology.describe, tmp_path))
-    assert line.startswith("worker rank 1 (stage 1 of 3, replica 0) failed: ValueError: boom")
+    def explain(failed):
+        return str(failure([Exited(), Exited(), Exited()], failed, topology.describe, tmp_path,
+                           when=lambda rank: "during step 5", latest=tmp_path / "step-00000004", timeout_s=60))
+
+    line = explain([1, 2])
+    assert line.startswith("worker rank 1 (stage 1 of 3, replica 0) failed during step 5: ValueError: boom")
+    assert line.endswith(f"the newest complete checkpoint is {tmp_path / 'step-00000004'}: "
+                         f"continue with train.resume={tmp_path / 'step-00000004'}")
     record = {"rank": 0, "time": 1.0, "error": "TrainingDiverged", "message": "the loss became nan at step 3",
               "user_error": True}
     (tmp_path / "rank0.json").write_text(json.dumps(record))
-    assert str(failure([Exited(), Exited(), Exited()], [0, 1, 2], topology.describe, tmp_path)) == record["message"]
+    assert explain([0, 1, 2]) == record["message"]
 
 
 @pytest.mark.parametrize(
