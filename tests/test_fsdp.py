@@ -115,3 +115,29 @@ def test_the_dry_run_shards_the_state_by_its_closed_form():
     assert half["parameters gathered"] > 0 and sharded.peak_bytes < baseline.peak_bytes
     kept = simulate(compose_config([*base, "strategy=fsdp", "strategy.reshard_after_forward=false"]))
     assert kept.per_process[0].by_kind["parameters gathered"] > half["parameters gathered"]
+
+
+@pytest.mark.parametrize("reshard, gathers_per_unit", [(True, 2 * 4), (False, 1)])
+def test_without_resharding_a_step_gathers_once_not_once_per_micro_batch(reshard, gathers_per_unit, monkeypatch,
+                                                                         tmp_path):
+    """4 micro-batches a step: ZeRO-3 gathers every unit twice per micro-batch; without
+    resharding the parameters stay gathered across the step's micro-batches (one gather).
+    Counted where FSDP starts an all-gather (one worker: the same decisions, no peer)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    calls = []
+    unshard = FSDPParamGroup.unshard
+
+    def counted(group, *args, **kwargs):
+        idle = group._all_gather_result is None
+        unshard(group, *args, **kwargs)
+        calls.extend([1] if idle and group._all_gather_result is not None else [])
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
+    cfg = tiny_cfg("bert", "strategy=fsdp", "strategy.replicas=1", "strategy.microbatch_size=2",
+                   "strategy.num_microbatches=4",
+                   f"strategy.reshard_after_forward={str(reshard).lower()}", "train.steps=1",
+                   "train.save_model=false", "train.checkpoint_every=0")
+    run(cfg, tmp_path, quiet=True)
+    units = cfg.model.num_layers + 1  # every block, and the root
+    assert len(calls) == gathers_per_unit * units

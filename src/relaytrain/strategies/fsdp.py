@@ -6,9 +6,13 @@ in R shards along their first dimension. `fully_shard` is applied to each block 
 the root (the embeddings and the head together, so a tied embedding and LM head stay one
 parameter): before a unit computes, its parameters are all-gathered; after it, they are
 dropped again (`strategy.reshard_after_forward=true`: gathered once more for the backward,
-ZeRO-3) or kept until its backward (`false`, ZeRO-2-like: more memory, half the gathers);
-its gradients are reduce-scattered, so each worker updates only its shards. Micro-batches
-before the last skip the reduce-scatter (`set_requires_gradient_sync(False)`): one per step.
+ZeRO-3) or kept until its backward (`false`, ZeRO-2-like); its gradients are
+reduce-scattered, so each worker updates only its shards. Micro-batches before the last skip
+the reduce-scatter (`set_requires_gradient_sync(False)`): one per step. Without resharding
+after forward they also keep the parameters gathered after their backward
+(`set_reshard_after_backward(False)`): the peak already holds every block gathered, so this
+costs no memory and leaves one all-gather a step instead of one per micro-batch, the bytes of
+one DDP all-reduce in all. ZeRO-3 gathers twice per micro-batch: that is its memory's price.
 
 Semantics are the plain loop's. Every micro-batch's loss is divided by the whole minibatch's
 item count, so the workers' gradients must be summed, not averaged: every sharded unit reduces
@@ -148,8 +152,8 @@ class Fsdp(ReplicatedStrategy):
     @classmethod
     def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
         """The baseline's compute on each worker's share, plus FSDP's traffic: every micro-batch
-        all-gathers every parameter for its forward and (resharding) again for its backward, and
-        each step reduce-scatters the gradients once. On a GPU the gathers overlap the compute of
+        all-gathers every parameter for its forward and (resharding) again for its backward, or
+        without resharding once a step, and each step reduce-scatters the gradients once. On a GPU the gathers overlap the compute of
         the unit before them (prefetch): what outlasts the compute is exposed, and one unit's
         gather at least; on a CPU the cores that compute also move the bytes: all of it counts.
         Offload adds each gather's upload of the shards and the optimizer step on the host."""
@@ -158,7 +162,7 @@ class Fsdp(ReplicatedStrategy):
         compute, t, _, _ = whole_model_compute(cfg, facts, profile, cls.recomputes(cfg))
         # A ring all-gather or reduce-scatter moves half an all-reduce's bytes.
         gather = allreduce_s(facts.params * facts.weight_bytes, w, profile, messages=n + 1) / 2
-        gathers = s.num_microbatches * (2 if s.reshard_after_forward else 1)
+        gathers = 2 * s.num_microbatches if s.reshard_after_forward else 1
         traffic = gathers * gather + allreduce_s(facts.params * FP32, w, profile, messages=n + 1) / 2
         offloaded = s.offload == Placement.host
         if offloaded:
@@ -241,7 +245,10 @@ class Fsdp(ReplicatedStrategy):
             for u, mb in enumerate(mine):
                 self.progress(f"micro-batch {u + 1}/{len(mine)}")
                 if self.sharded:  # one reduce-scatter a step: with the last micro-batch's backward
-                    self.net.set_requires_gradient_sync(u == len(mine) - 1)
+                    last = u == len(mine) - 1
+                    self.net.set_requires_gradient_sync(last)
+                    if not self.cfg.strategy.reshard_after_forward:  # and one all-gather (see the module)
+                        self.net.set_reshard_after_backward(last)
                 loss = self.net(mb.to(self.device, non_blocking=True), items)
                 self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
