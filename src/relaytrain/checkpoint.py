@@ -167,8 +167,7 @@ def save(world, directory: Path, step: int, part: dict, trainer: dict | None, ma
         if trainer is not None:
             sums[TRAINER] = atomic_write(staging / TRAINER, lambda f: torch.save(trainer, f))
         failpoints.reach("checkpoint", step, world.rank)
-    except (OSError, CheckpointException) as err:
-        shutil.rmtree(staging, ignore_errors=True)  # give the space back: a later save or resume needs it
+    except (OSError, CheckpointException) as err:  # the staging goes once every process has ended
         newest = latest(directory)
         why = f"{err.strerror or err}: {err.filename or staging}" if isinstance(err, OSError) else str(err).splitlines()[0]
         raise CheckpointWriteFailed(

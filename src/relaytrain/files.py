@@ -20,6 +20,7 @@ def atomic_write(final: Path, write: Callable[[IO[bytes]], object]) -> int:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    summed = None
     try:
         with open(tmp, "wb") as f:
             summed = _Checksummed(f)
@@ -27,8 +28,10 @@ def atomic_write(final: Path, write: Callable[[IO[bytes]], object]) -> int:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if summed is not None and summed.error is not None and summed.error is not err:
+            raise summed.error from err  # torch.save reports a failed write as a RuntimeError
         raise
     fsync_dir(final.parent)
     return summed.crc
@@ -48,10 +51,15 @@ class _Checksummed:
 
     def __init__(self, file: IO[bytes]):
         self.file, self.crc = file, 0
+        self.error: OSError | None = None  # the OS's own error, whatever a writer makes of it
 
     def write(self, data) -> int:
         self.crc = zlib.crc32(data, self.crc)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
 
     def flush(self) -> None:
         self.file.flush()
