@@ -42,6 +42,7 @@ COMPARED = {
     "balanced_vs_even_layout": "pipe_flush, balanced / even layout (gpt2_tiny, 8 blocks, d = 2)",
     "baseline_replicas_scaling": "baseline, 2 replicas / (2 x one worker)",
     "fsdp_vs_baseline_replicas": "fsdp / baseline, 2 replicas each",
+    "fsdp_no_reshard_vs_baseline_replicas": "fsdp without resharding / baseline, 2 replicas each",
     "md_vs_static_gpipe_jitter": "GPipe d = 2, stage 0 jittered: message-driven / static",
     "md_vs_static_gpipe_even": "GPipe d = 2, no jitter: message-driven / static",
     "md_vs_static_flush_jitter": "1F1B d = 3, stage 1 jittered: message-driven / static",

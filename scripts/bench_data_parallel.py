@@ -10,7 +10,9 @@ so their samples/s is compared with twice the one-worker figure.
 
 Headlines (medians of the rounds' ratios, contestants alternating within each round):
 - `baseline_replicas_scaling`: baseline, 2 replicas / (2 x one worker), target >= 0.85;
-- `fsdp_vs_baseline_replicas`: fsdp / baseline, 2 replicas each, target >= 0.90.
+- `fsdp_vs_baseline_replicas`: fsdp (ZeRO-3, the default) / baseline, 2 replicas each, target >= 0.90;
+- `fsdp_no_reshard_vs_baseline_replicas`: the same with `strategy.reshard_after_forward=false`
+  (one all-gather and one reduce-scatter a step: DDP's bytes), target >= 0.90.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ CONTESTANTS = {
     "one worker": ["strategy=baseline"],
     "baseline, 2 replicas": ["strategy=baseline", "strategy.replicas=2"],
     "fsdp, 2 replicas": ["strategy=fsdp", "strategy.replicas=2"],
+    "fsdp no reshard, 2 replicas": ["strategy=fsdp", "strategy.replicas=2", "strategy.reshard_after_forward=false"],
 }
 
 
@@ -69,6 +72,8 @@ def main() -> None:
             [rate(r, "baseline, 2 replicas") / (2 * rate(r, "one worker")) for r in rounds], 0.85),
         "fsdp_vs_baseline_replicas": headline(
             [rate(r, "fsdp, 2 replicas") / rate(r, "baseline, 2 replicas") for r in rounds], 0.90),
+        "fsdp_no_reshard_vs_baseline_replicas": headline(
+            [rate(r, "fsdp no reshard, 2 replicas") / rate(r, "baseline, 2 replicas") for r in rounds], 0.90),
     }
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
            "model": MODEL, "contestants": CONTESTANTS, "rounds": rounds, "headlines": headlines}
