@@ -2,6 +2,9 @@
 meta device and accounts every device tensor; the figures are checked against hand counts
 here and against the CUDA allocator where a GPU exists (`make test-gpu`)."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -14,6 +17,7 @@ from relaytrain.memory import DeviceMemory
 from relaytrain.models import build_model
 from relaytrain.strategies import build_strategy, choices
 from relaytrain.train import run
+from relaytrain.world import LocalGroup
 
 TINY = ["+exp=tiny_baseline", "model.dropout=0.0"]
 STRATEGIES = choices()  # every strategy= option, from the registry
@@ -91,6 +95,31 @@ def test_every_strategy_runs_dry_and_reports_simulated_memory(tmp_path, strategy
     if strategy.startswith("pipe"):  # per stage
         assert [p["rank"] for p in results["memory"]["per_process"]] == [0, 1]
         assert all(p["device"]["simulated"] for p in results["memory"]["per_process"])
+
+
+def test_the_threads_of_a_dry_run_take_turns():
+    """One computes at a time; a thread hands its turn on only while it waits at a barrier."""
+    group, lock = LocalGroup(3), threading.Lock()
+    running, most, seen = [0], [0], []
+
+    def work(rank: int) -> None:
+        with group.turn():
+            for step in range(3):
+                with lock:
+                    running[0] += 1
+                    most[0] = max(most[0], running[0])
+                time.sleep(0.01)  # sleeping lets the GIL go: only the turn keeps the others out
+                with lock:
+                    running[0] -= 1
+                seen.append(group.exchange(rank, (rank, step)))
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+    assert sorted(seen) == sorted([[(0, step), (1, step), (2, step)] for step in range(3)] * 3)
 
 
 def test_l2l_with_the_stash_on_the_host_is_constant_in_depth():

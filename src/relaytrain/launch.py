@@ -170,8 +170,8 @@ def _joined(entry, cfg, world: World, payload, init_method: str, store=None):
 
 def _dry_run(entry, cfg, processes: int, payload):
     """A dry run on the meta device: every process of the run as a thread of this one, joined
-    by a LocalGroup (nothing moves between them: all tensors are shapes). Each thread's own
-    tracker sees only its own work."""
+    by a LocalGroup (nothing moves between them: all tensors are shapes), the threads taking
+    turns (`LocalGroup.turn`). Each thread's own tracker sees only its own work."""
     group = LocalGroup(processes)
     worlds = [World(rank, processes, rank, torch.device("meta"), StopRequest(), control=group if processes > 1 else None)
               for rank in range(processes)]
@@ -180,7 +180,8 @@ def _dry_run(entry, cfg, processes: int, payload):
 
     def work(world: World) -> None:
         try:
-            results[world.rank] = entry(cfg, world, payload)
+            with group.turn():
+                results[world.rank] = entry(cfg, world, payload)
         except BaseException as err:  # noqa: BLE001 - re-raised below, on the caller's thread
             errors.append(err)
             group._barrier.abort()  # the others would wait for it forever
