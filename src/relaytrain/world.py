@@ -53,9 +53,12 @@ class LocalGroup:
     depend on thread timing, in turns or not.
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, stand_in: list[int] | None = None):
         self.size = size
-        self._barrier = threading.Barrier(size)
+        # rank -> the rank whose thread speaks for it (launch's `dry_run_stand_ins`): the
+        # threads of the ranks that stand for themselves are all that meet at a barrier.
+        self.stand_in = list(range(size)) if stand_in is None else list(stand_in)
+        self._barrier = threading.Barrier(len(set(self.stand_in)))
         self._slots: list = [None] * size
         self._turn = threading.Lock()
         self._holding = threading.local()  # whether this thread took the turn in `turn()`
@@ -81,10 +84,10 @@ class LocalGroup:
                 self._turn.acquire()
 
     def exchange(self, rank: int, obj) -> list:
-        """Every thread's `obj`, on every thread."""
+        """Every rank's `obj` (a rank stood in for: its stand-in's), on every thread."""
         self._slots[rank] = obj
         self.barrier()
-        out = list(self._slots)
+        out = [self._slots[r] for r in self.stand_in]
         self.barrier()  # nobody writes the next round's slots before all have read these
         return out
 
