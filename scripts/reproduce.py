@@ -265,11 +265,13 @@ def planner(args) -> str:
     for the 8-GPU requests each strategy's fastest that fits (or why none does)."""
     from relaytrain.plan import make_plan
 
+    choices = ["request (batch: the model's usual)", "planner's choice", "predicted step s", "simulated GB",
+               "strategies that fit", "command", "the papers"]
+    reasons = ["request", "strategy", "its fastest that fits", "predicted step s", "samples/s", "simulated GB"]
     rows, why = [], []
     for name, (overrides, paper) in PLANNER_REQUESTS.items():
         start = time.perf_counter()
         plan = make_plan(overrides)
-        print(f"[{name}: {time.perf_counter() - start:.0f} s]", flush=True)
         best = plan.best
         fitting = sorted({_variant(c) for c in plan.candidates if c.fits})
         if best is None:
@@ -277,12 +279,12 @@ def planner(args) -> str:
         else:
             rows.append([name, f"`{best.shape.strategy}` {best.shape.describe()}", f"{best.cost.step_s:.3g}",
                          f"{_gb(best)}", ", ".join(fitting), f"`{plan.command(best)}`", paper])
-        if name in PLANNER_WHY:
-            why.extend([name, *row] for row in _each_variant(plan))
-    return "\n\n".join([
-        table(["request (batch: the model's usual)", "planner's choice", "predicted step s", "simulated GB",
-               "strategies that fit", "command", "the papers"], rows),
-        table(["request", "strategy", "its fastest that fits", "predicted step s", "samples/s", "simulated GB"], why)])
+        mine = [[name, *row] for row in _each_variant(plan)] if name in PLANNER_WHY else []
+        why.extend(mine)
+        # Each request's rows as soon as it is planned: a long run keeps what it has done.
+        done = [f"[{name}: {time.perf_counter() - start:.0f} s]", table(choices, rows[-1:])]
+        print("\n\n".join([*done, *([table(reasons, mine)] if mine else [])]) + "\n", flush=True)
+    return "\n\n".join([table(choices, rows), table(reasons, why)])
 
 
 def _variant(c) -> str:

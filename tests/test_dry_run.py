@@ -2,6 +2,9 @@
 meta device and accounts every device tensor; the figures are checked against hand counts
 here and against the CUDA allocator where a GPU exists (`make test-gpu`)."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -12,8 +15,9 @@ from relaytrain.dryrun import simulate
 from relaytrain.errors import ConfigError
 from relaytrain.memory import DeviceMemory
 from relaytrain.models import build_model
-from relaytrain.strategies import build_strategy, choices
+from relaytrain.strategies import build_strategy, choices, strategy_class
 from relaytrain.train import run
+from relaytrain.world import LocalGroup
 
 TINY = ["+exp=tiny_baseline", "model.dropout=0.0"]
 STRATEGIES = choices()  # every strategy= option, from the registry
@@ -91,6 +95,84 @@ def test_every_strategy_runs_dry_and_reports_simulated_memory(tmp_path, strategy
     if strategy.startswith("pipe"):  # per stage
         assert [p["rank"] for p in results["memory"]["per_process"]] == [0, 1]
         assert all(p["device"]["simulated"] for p in results["memory"]["per_process"])
+
+
+TINY_GPT2 = ["model=gpt2_tiny", "model.num_layers=4", "model.hidden_size=64", "model.num_heads=4",
+             "model.intermediate_size=128", "model.vocab_size=512", "data.seq_len=32", "data.num_samples=256",
+             "model.dropout=0.0"]
+# Every kind of process a stand-in runs for: a replica of the baseline, of FSDP, of an L2L whose
+# EPS is replicated, and a pipeline stage's replica, on BERT and on GPT-2 (its weights tied).
+ALIKE = [
+    [*TINY, "model.num_layers=4", "strategy.replicas=4", "strategy.recompute=block"],
+    [*TINY_GPT2, "strategy=baseline", "strategy.replicas=2"],
+    [*TINY, "model.num_layers=4", "strategy=fsdp", "strategy.replicas=4", "strategy.reshard_after_forward=false"],
+    [*TINY_GPT2, "strategy=fsdp", "strategy.offload=host", "strategy.recompute=block"],
+    [*TINY, "model.num_layers=4", "strategy=l2l", "strategy.replicas=4", "strategy.eps=replicated"],
+    [*TINY_GPT2, "strategy=l2l", "strategy.replicas=2", "strategy.eps=replicated", "strategy.stash=cpu",
+     "precision=cmp_fp16"],
+    [*TINY, "model.num_layers=4", "strategy=pipe_2bw", "strategy.stages=4", "strategy.num_microbatches=4",
+     "strategy.replicas=2", "strategy.recompute=stage"],
+    [*TINY_GPT2, "strategy=pipe_2bw", "strategy.replicas=2", "strategy.offload=host"],
+    [*TINY_GPT2, "strategy=pipe_flush", "strategy.replicas=2", "strategy.execution=message_driven"],
+    [*TINY_GPT2, "strategy=pipe_gpipe", "strategy.replicas=2", "strategy.recompute=block"],
+    [*TINY_GPT2, "strategy=pipe_interleaved", "strategy.replicas=2"],
+]
+
+
+@pytest.mark.parametrize("overrides", ALIKE, ids=lambda o: " ".join(x for x in o if x.startswith(("model=", "strategy"))))
+def test_a_rank_stood_in_for_has_exactly_the_figures_of_its_own_dry_run(overrides):
+    """The planner's dry runs run one process of each set its strategy says are alike
+    (`Strategy.dry_run_stand_in`): every rank's figures, kind by kind, are those it has in the
+    dry run of every process. (L2L with a sharded EPS has no stand-ins: there each replica's
+    figures are its own, and depend on when its EPS worker drops the gradients it sums.)"""
+    cfg = compose_config(overrides)
+    every = simulate(cfg, alike_once=False).per_process
+    once = simulate(cfg).per_process
+    assert [(p.rank, p.process, p.peak_bytes, p.by_kind) for p in once] == \
+        [(p.rank, p.process, p.peak_bytes, p.by_kind) for p in every]
+    assert all(p.stand_in is None for p in every)
+    ran = sorted({p.rank if p.stand_in is None else p.stand_in for p in once})
+    assert [p.rank for p in once if p.stand_in is None] == ran  # each stand-in stands for itself
+    assert any(p.stand_in is not None for p in once)  # the shortcut was taken
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_s_stand_ins_stand_for_themselves(strategy):
+    """What `launch` requires of the stand-ins: each stands for itself, the reporter too."""
+    cfg = compose_config([*TINY, "model.num_layers=4", f"strategy={strategy}", "strategy.replicas=2"])
+    cls = strategy_class(strategy)
+    stand_ins = [cls.dry_run_stand_in(cfg, rank) for rank in range(cls.processes(cfg))]
+    assert all(stand_ins[s] == s for s in stand_ins)
+    assert stand_ins[cls.reporter(cfg)] == cls.reporter(cfg)
+    if str(cfg.strategy.name).startswith("l2l"):  # the EPS is sharded unless told otherwise
+        assert stand_ins == list(range(cls.processes(cfg)))
+    else:
+        assert len(set(stand_ins)) == cls.processes(cfg) // 2
+
+
+def test_the_threads_of_a_dry_run_take_turns():
+    """One computes at a time; a thread hands its turn on only while it waits at a barrier."""
+    group, lock = LocalGroup(3), threading.Lock()
+    running, most, seen = [0], [0], []
+
+    def work(rank: int) -> None:
+        with group.turn():
+            for step in range(3):
+                with lock:
+                    running[0] += 1
+                    most[0] = max(most[0], running[0])
+                time.sleep(0.01)  # sleeping lets the GIL go: only the turn keeps the others out
+                with lock:
+                    running[0] -= 1
+                seen.append(group.exchange(rank, (rank, step)))
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+    assert sorted(seen) == sorted([[(0, step), (1, step), (2, step)] for step in range(3)] * 3)
 
 
 def test_l2l_with_the_stash_on_the_host_is_constant_in_depth():

@@ -1,8 +1,18 @@
 """A dry run of a config for the planner: the real strategy code on the meta device, every
-process of it, a couple of steps, nothing printed, and its simulated device memory back.
+process of it (alike ones once), a couple of steps, nothing printed, and its simulated device
+memory back.
 
 It drives `relaytrain.train.run` like any caller; the trainer does not know the planner, so
 nothing here is called back from a run. The accounting itself is `relaytrain.memory`.
+
+Alike processes run once. Where the strategy says a rank's dry run is exactly another's
+(`Strategy.dry_run_stand_in`: a replica of the baseline, FSDP or a replicated-EPS L2L is
+replica 0's; a pipeline stage's replica is that stage's replica 0), only that other one runs,
+and its figures are the rank's too (`ProcessMemory.stand_in` says whose they are). Exact by
+construction: the two run the same code on tensors of the same shapes, and a dry run passes
+nothing between processes; the tests check it against the dry run of every process. It spares
+most of a data-parallel dry run: 8 replicas of GPT-2 1.5 B (FSDP, or the baseline) took 3.2 to
+3.4 s instead of 22 to 23 s in turns (42 to 45 s at once) on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -13,6 +23,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
+from relaytrain.launch import dry_run_stand_ins
+from relaytrain.strategies import strategy_class
 from relaytrain.train import run
 
 # What a dry run leaves out: it computes nothing, so nothing that needs values.
@@ -28,6 +40,7 @@ class ProcessMemory:
     process: str
     peak_bytes: int
     by_kind: dict = field(default_factory=dict)
+    stand_in: int | None = None  # the rank whose dry run these figures are (None: this one's)
 
 
 @dataclass
@@ -40,15 +53,33 @@ class Simulation:
         return max(p.peak_bytes for p in self.per_process)
 
 
-def simulate(cfg, steps: int = 2) -> Simulation:
+def simulate(cfg, steps: int = 2, alike_once: bool = True) -> Simulation:
     """The simulated device memory of `cfg` (every process of it), from a dry run of `steps`
-    steps on the meta device, here in this process, printing nothing."""
+    steps on the meta device, here in this process, printing nothing. Alike processes run once
+    (see above) unless `alike_once=False`."""
     dry = copy.deepcopy(cfg)
     for key, value in (*DRY, ("train.steps", steps)):
         OmegaConf.update(dry, key, value, merge=False)
-    with tempfile.TemporaryDirectory() as run_dir:
-        results = run(dry, run_dir, quiet=True)
+    cls = strategy_class(dry.strategy.name)
+    token = dry_run_stand_ins.set(_stand_in if alike_once else None)
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            results = run(dry, run_dir, quiet=True)
+    finally:
+        dry_run_stand_ins.reset(token)
     per_process = results["memory"].get("per_process") or [
         {"rank": 0, "process": "rank 0", "device": results["memory"]["device"]}]
-    return Simulation([ProcessMemory(p["rank"], p["process"], p["device"]["peak_allocated_bytes"] or 0,
-                                     p["device"].get("by_kind", {})) for p in per_process])
+    # In rank order; a rank stood in for carries a copy of its stand-in's report, rank and all.
+    return Simulation([ProcessMemory(rank, cls.describe_process(dry, rank) if len(per_process) > 1 else p["process"],
+                                     p["device"]["peak_allocated_bytes"] or 0, p["device"].get("by_kind", {}),
+                                     _whose(dry, rank, alike_once))
+                       for rank, p in enumerate(per_process)])
+
+
+def _stand_in(cfg, rank: int) -> int:
+    return strategy_class(cfg.strategy.name).dry_run_stand_in(cfg, rank)
+
+
+def _whose(cfg, rank: int, alike_once: bool) -> int | None:
+    stand_in = _stand_in(cfg, rank) if alike_once else rank
+    return None if stand_in == rank else stand_in

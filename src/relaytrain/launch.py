@@ -32,7 +32,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -168,19 +170,32 @@ def _joined(entry, cfg, world: World, payload, init_method: str, store=None):
     return result
 
 
+# Set by a caller that reads only a dry run's device figures, by rank (`relaytrain.dryrun`):
+# `stand_in(cfg, rank)` names the rank whose dry run is exactly `rank`'s (the strategy says so).
+dry_run_stand_ins: ContextVar[Callable[[object, int], int] | None] = ContextVar("dry_run_stand_ins", default=None)
+
+
 def _dry_run(entry, cfg, processes: int, payload):
     """A dry run on the meta device: every process of the run as a thread of this one, joined
-    by a LocalGroup (nothing moves between them: all tensors are shapes). Each thread's own
-    tracker sees only its own work."""
-    group = LocalGroup(processes)
+    by a LocalGroup (nothing moves between them: all tensors are shapes), the threads taking
+    turns (`LocalGroup.turn`). Each thread's own tracker sees only its own work.
+
+    Under `dry_run_stand_ins` a rank with a stand-in is not run: its stand-in's thread speaks
+    for it at every gather, so its report is a copy of the stand-in's (its rank included)."""
+    stand_in = dry_run_stand_ins.get()
+    stand_ins = [stand_in(cfg, rank) if stand_in else rank for rank in range(processes)]
+    if any(stand_ins[s] != s for s in stand_ins):
+        raise ValueError(f"a dry run's stand-ins must stand for themselves: {stand_ins}")
+    group = LocalGroup(processes, stand_ins)
     worlds = [World(rank, processes, rank, torch.device("meta"), StopRequest(), control=group if processes > 1 else None)
-              for rank in range(processes)]
+              for rank in sorted(set(stand_ins))]
     results: list = [None] * processes
     errors: list[BaseException] = []
 
     def work(world: World) -> None:
         try:
-            results[world.rank] = entry(cfg, world, payload)
+            with group.turn():
+                results[world.rank] = entry(cfg, world, payload)
         except BaseException as err:  # noqa: BLE001 - re-raised below, on the caller's thread
             errors.append(err)
             group._barrier.abort()  # the others would wait for it forever

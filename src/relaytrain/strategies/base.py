@@ -115,6 +115,15 @@ class Strategy(ABC):
         return f"rank {rank}"
 
     @classmethod
+    def dry_run_stand_in(cls, cfg, rank: int) -> int:
+        """The rank whose dry run is this rank's, exactly: the same code on tensors of the same
+        shapes, neither depending on the other (a dry run moves nothing between processes), so
+        the planner's dry runs (`relaytrain.dryrun.simulate`) run only that one and give this
+        rank its figures. A rank another stands in for stands in for itself. Itself unless the
+        strategy knows better."""
+        return rank
+
+    @classmethod
     def combine_reports(cls, cfg, reports: list[dict]) -> dict:
         """results.json's `strategy_report`, from every process's `report()` (rank order)."""
         return reports[0]
@@ -257,6 +266,12 @@ class ReplicatedStrategy(Strategy):
     def check_config(cls, cfg) -> None:
         if cfg.strategy.replicas < 1:
             raise ConfigError(f"strategy.replicas={cfg.strategy.replicas} must be at least 1")
+
+    @classmethod
+    def dry_run_stand_in(cls, cfg, rank: int) -> int:
+        """Replica 0: every replica runs the same code on an equal share of every micro-batch,
+        and in a dry run no gradient or weight passes between them."""
+        return 0
 
 
 def optimizer_tensors(optimizers) -> list[torch.Tensor]:

@@ -177,6 +177,13 @@ class L2L(ReplicatedStrategy):
         return f"rank {rank} (replica {rank} of {cfg.strategy.replicas})"
 
     @classmethod
+    def dry_run_stand_in(cls, cfg, rank: int) -> int:
+        """Replica 0 where the EPS is replicated. Sharded, each replica owns other parts, and a
+        part's summed gradients stay on a non-owner's device until its EPS worker drops them:
+        every replica's figures are its own."""
+        return rank if cfg.strategy.eps == EpsPlacement.sharded else super().dry_run_stand_in(cfg, rank)
+
+    @classmethod
     def combine_reports(cls, cfg, reports: list[dict]) -> dict:
         summary = dict(reports[0])
         if len(reports) > 1:

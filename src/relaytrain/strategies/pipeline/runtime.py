@@ -218,6 +218,13 @@ class PipelineStrategy(Strategy):
         return Topology(cfg.strategy.stages, cfg.strategy.replicas).describe(rank)
 
     @classmethod
+    def dry_run_stand_in(cls, cfg, rank: int) -> int:
+        """The same stage of replica 0: replicas run the same stage program on equal shares of
+        every micro-batch, and in a dry run no gradient passes between them."""
+        topology = Topology(cfg.strategy.stages, cfg.strategy.replicas)
+        return topology.rank(topology.position(rank)[0], 0)
+
+    @classmethod
     def combine_reports(cls, cfg, reports: list[dict]) -> dict:
         """Per-stage figures and the bubble (idle share of step time, measured over the steps
         after warm-up), next to what the bubble formula and the schedule's dry run predict."""
