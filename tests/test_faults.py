@@ -156,7 +156,7 @@ def test_the_disk_filling_during_a_checkpoint(tmp_path, strategy, uninterrupted)
     _, err = ended(start(run_dir, strategy, "checkpoint:4:1=enospc"), 2)
     line = the_error(err)
     assert line.startswith("the checkpoint of step 4 could not be written (No space left on device")
-    assert line.endswith(f"the newest complete one is {run_dir / 'checkpoints' / 'step-00000002'}: make room, "
+    assert line.endswith(f"the newest complete checkpoint is {run_dir / 'checkpoints' / 'step-00000002'}: make room, "
                          f"then continue with train.resume={run_dir / 'checkpoints' / 'step-00000002'}")
     assert steps_on_disk(run_dir) == ["step-00000002"]  # the half-written one gave its space back
     resumes_to_the_uninterrupted_weights(run_dir, strategy, uninterrupted, 2)

@@ -168,16 +168,13 @@ def save(world, directory: Path, step: int, part: dict, trainer: dict | None, ma
             sums[TRAINER] = atomic_write(staging / TRAINER, lambda f: torch.save(trainer, f))
         failpoints.reach("checkpoint", step, world.rank)
     except (OSError, CheckpointException) as err:  # the staging goes once every process has ended
-        newest = latest(directory)
         why = f"{err.strerror or err}: {err.filename or staging}" if isinstance(err, OSError) else str(err).splitlines()[0]
-        raise CheckpointWriteFailed(
-            f"the checkpoint of step {step} could not be written ({why}); "
-            + (f"the newest complete one is {newest}: make room, then continue with train.resume={newest}"
-               if newest else "no complete checkpoint was saved before it")) from err
+        raise CheckpointWriteFailed(f"the checkpoint of step {step} could not be written ({why}); "
+                                    f"{continue_from(latest(directory), 'make room')}") from err
     gathered = world.gather(sums, 0)  # on rank 0 once every part is on disk
     if world.rank == 0:
         publish(directory, step, {**manifest, "processes": world.size}, keep,
-                checksums={name: crc for sums in gathered for name, crc in sums.items()})
+                checksums={name: crc for each in gathered for name, crc in each.items()})
         if best:
             write_json(Path(directory) / BEST, {"step": step}, indent=None)
     world.barrier()  # and the checkpoint is complete before any process may report it
@@ -246,22 +243,19 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def is_complete(path: Path) -> bool:
-    try:
-        record = json.loads((path / MANIFEST).read_text())
-        return record["format"] == FORMAT and all(
-            (path / name).stat().st_size == size for name, size in record["files"].items()
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+    """Every file the manifest lists is there at its recorded size (cheap: nothing is read)."""
+    return damage(path, read=False) is None
 
 
-def damage(path: Path) -> str | None:
-    """What is wrong with a checkpoint's files, reading every byte (None: intact): a file
-    missing, cut short, or whose CRC-32 is not the one its writer recorded."""
+def damage(path: Path, read: bool = True) -> str | None:
+    """What is wrong with a checkpoint's files (None: intact): a file missing, cut short, or,
+    with `read`, whose CRC-32 is not the one its writer recorded (every byte is read)."""
     try:
         record = json.loads((path / MANIFEST).read_text())
-        files, sums = record["files"], record.get("checksums", {})  # checkpoints before checksums have sizes only
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        if record["format"] != FORMAT:
+            return f"its manifest is not of format {FORMAT}"
+        files, sums = dict(record["files"]), record.get("checksums", {})  # checkpoints before checksums: sizes only
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return f"its manifest cannot be read ({type(err).__name__})"
     for name, size in files.items():
         file = path / name
@@ -269,9 +263,16 @@ def damage(path: Path) -> str | None:
             return f"{name} is missing"
         if file.stat().st_size != size:
             return f"{name} is cut short ({file.stat().st_size} of {size} bytes)"
-        if name in sums and crc32_of(file) != sums[name]:
+        if read and name in sums and crc32_of(file) != sums[name]:
             return f"{name} does not match its checksum"
     return None
+
+
+def continue_from(newest: Path | None, fix: str = "") -> str:
+    """How a run that failed goes on: from `newest`, the newest complete checkpoint, after `fix`."""
+    if newest is None:
+        return "no checkpoint was saved" + (f": {fix} and start again" if fix else "")
+    return f"the newest complete checkpoint is {newest}: {fix + ', then ' if fix else ''}continue with train.resume={newest}"
 
 
 def newest_intact(run_dir: Path) -> tuple[Path | None, list[str]]:

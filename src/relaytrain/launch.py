@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from relaytrain.checkpoint import continue_from
 from relaytrain.errors import Aborted, ConfigError, Interrupted
 from relaytrain.files import write_json
 from relaytrain.units import duration
@@ -352,8 +353,7 @@ def failure(procs, failed: list[int], describe, errors: Path, when, latest: Path
             timeout_s: float) -> ConfigError:
     """The one error that explains a failed run (see the module's docstring): which worker,
     when (`when(rank)`, e.g. "during step 5"), and the checkpoint to continue from."""
-    then = (f"; the newest complete checkpoint is {latest}: continue with train.resume={latest}" if latest
-            else "; no checkpoint was saved")
+    then = f"; {continue_from(latest)}"
     killed = [rank for rank in failed if procs[rank].exitcode < 0]
     if killed:
         rank = killed[0]

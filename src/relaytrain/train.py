@@ -303,9 +303,7 @@ class Trainer:
         """Nothing of the step that diverged is saved; the user continues from the newest checkpoint."""
         precision = self.cfg.precision.name
         fix = "lower optim.lr" + ("" if precision == "fp32" else " or use precision=fp32")
-        newest = checkpoint.latest(self.directory)
-        where = (f"the newest complete checkpoint is {newest}: {fix}, then continue with train.resume={newest}"
-                 if newest else f"no checkpoint was saved before it: {fix} and start again")
+        where = checkpoint.continue_from(checkpoint.latest(self.directory), fix)
         return TrainingDiverged(f"the loss became {loss} at step {step} under precision={precision}; {where}")
 
     def _stop(self, signum: int, step: int) -> Interrupted:
