@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--optim", default="adamw")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--rounds", type=int, default=10, help="ABBA rounds; each runs one step of both")
+    p.add_argument("--update-rounds", type=int, default=40,
+                   help="rounds of the EPS-updates-alone comparison (one update of each a round, ~0.15 s)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch threads for both; 0 keeps torch's default")
     p.add_argument("--device", default="cpu")
@@ -111,6 +113,8 @@ class Runner:
 def eps_against_fused_adamw(cfg, rounds: int) -> dict:
     """The EPS's per-part updates against one fused optimizer step over the whole model: the
     same parameters, the same gradients, alternating rounds (nothing else running).
+    One update is ~75 ms (bert_base on 2 cores), so one round's ratio swings by several per
+    cent with the machine's noise: the comparison takes its own, more numerous rounds.
 
     EPS: every part's gradients submitted in backward order, then `wait()`, timed end to end
     (the worker's queueing, the gradients folded into the masters, every part's optimizer).
@@ -185,11 +189,11 @@ def run(args) -> dict:
     results = summarize(args, cfgs, runners)
     for runner in runners.values():
         runner.strategy.close()
-    results["eps_vs_fused_adamw"] = eps_against_fused_adamw(cfgs["l2l"], args.rounds)
+    results["eps_vs_fused_adamw"] = eps_against_fused_adamw(cfgs["l2l"], args.update_rounds)
     results["headlines"] = {
         "l2l_vs_recompute_baseline": headline(results["throughput_ratio_per_round"], 0.95),
-        "eps_vs_fused_adamw": headline(results["eps_vs_fused_adamw"]["ratio_per_round"], 0.95),
-        "eps_exposed_share": headline(runners["l2l"].exposed_shares, 0.05, lower_is_better=True),
+        "eps_vs_fused_adamw": headline(results["eps_vs_fused_adamw"]["ratio_per_round"], 1.0),
+        "eps_exposed_share": headline(runners["l2l"].exposed_shares, 0.03, lower_is_better=True),
     }
     return results
 

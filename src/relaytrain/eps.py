@@ -494,7 +494,7 @@ class EagerParamServer:
         others = [(p, p.grad) for p in part.owned if p is not table]
         for p, _ in others:  # only the table steps now
             p.grad = None
-        part.optimizer.step()
+        part.optimizer.update()
         self.stats.optimizer_s += time.perf_counter() - start
         self.stats.updated_parameters += held.table_rest
         table.grad = None
@@ -513,10 +513,10 @@ class EagerParamServer:
             held = self._held.pop(index, None)
             if held is not None:
                 held.update(part.optimizer)
-            part.optimizer.step()
+            part.optimizer.update()
             self.stats.optimizer_s += time.perf_counter() - start
             self.stats.updated_parameters += part.num_owned - (held.table_rest if held else 0)
-            part.optimizer.zero_grad(set_to_none=True)
+            part.optimizer.drop_grads()
             _refresh_wires(part)
         if self.peers is not None and self.peers.sharded:
             self.peers.broadcast(_flat(part), self.rank)

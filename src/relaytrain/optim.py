@@ -72,7 +72,39 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-class Lamb(torch.optim.Optimizer):
+class _StepEachGroup:
+    """The frame of torch.optim's `step` for relaytrain's optimizers: the closure (with autograd
+    on), then `_update(group, params)` for each group, over its parameters with a gradient.
+
+    `update()` is the same step without the closure and without the wrapper torch.optim puts
+    around every `step` (a profiler range and the step hooks, which relaytrain never registers),
+    and `drop_grads()` is `zero_grad(set_to_none=True)` without it: the eager param server
+    steps each part with them, twice per part a step, where that wrapper cost more than the
+    smallest parts' kernels (docs/benchmarks.md)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.update()
+        return loss
+
+    def update(self) -> None:
+        with torch.no_grad():
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                if params:
+                    self._update(group, params)
+
+    def drop_grads(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+class Lamb(_StepEachGroup, torch.optim.Optimizer):
     """LAMB (You et al., 2019): Adam's direction with a per-tensor trust ratio ||w|| / ||update||.
 
     The trust ratio is per tensor, so updating one block at a time (the eager param server)
@@ -83,29 +115,22 @@ class Lamb(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            states = [self.state[p] for p in params]
-            for p, state in zip(params, states, strict=True):
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = self._zeros("exp_avg", p)
-                    state["exp_avg_sq"] = self._zeros("exp_avg_sq", p)
-                state["step"] += 1
-            self._update(group, params, grads, states)
-        return loss
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        grads = [p.grad for p in params]
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states, strict=True):
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = self._zeros("exp_avg", p)
+                state["exp_avg_sq"] = self._zeros("exp_avg_sq", p)
+            state["step"] += 1
+        self._lamb(group, params, grads, states)
 
     def _zeros(self, key: str, p: torch.Tensor) -> torch.Tensor:
         """New state `key` of `p` (`FlatState` puts it in its flat buffer instead)."""
         return torch.zeros_like(p)
 
-    def _update(self, group, params, grads, states) -> None:
+    def _lamb(self, group, params, grads, states) -> None:
         beta1, beta2 = group["betas"]
         step = states[0]["step"]
         exp_avg = [s["exp_avg"] for s in states]
@@ -125,23 +150,6 @@ class Lamb(torch.optim.Optimizer):
         for p, u, w_norm, u_norm in zip(params, update, w_norms, u_norms, strict=True):
             trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
             p.add_(u * trust, alpha=-group["lr"])
-
-
-class _StepEachGroup:
-    """The frame of torch.optim's `step` for the flat optimizers: the closure (with autograd
-    on), then `_update(group, params)` for each group, over its parameters with a gradient."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._update(group, params)
-        return loss
 
 
 class FlatAdamW(_StepEachGroup, FlatState, torch.optim.AdamW):
