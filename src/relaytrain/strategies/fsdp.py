@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state
@@ -160,10 +161,13 @@ class Fsdp(ReplicatedStrategy):
         s, n = cfg.strategy, facts.num_layers
         w = s.replicas
         compute, t, _, _ = whole_model_compute(cfg, facts, profile, cls.recomputes(cfg))
-        # A ring all-gather or reduce-scatter moves half an all-reduce's bytes.
-        gather = allreduce_s(facts.params * facts.weight_bytes, w, profile, messages=n + 1) / 2
+        # A ring all-gather or reduce-scatter moves half an all-reduce's bytes (NCCL). gloo's
+        # all-gather takes its all-reduce's time, measured, and its reduce-scatter runs as one
+        # (ReduceScatterByAllReduce): on a CPU each costs a whole all-reduce.
+        share = 1.0 if profile.device_type == "cpu" else 0.5
+        gather = allreduce_s(facts.params * facts.weight_bytes, w, profile, messages=n + 1) * share
         gathers = 2 * s.num_microbatches if s.reshard_after_forward else 1
-        traffic = gathers * gather + allreduce_s(facts.params * FP32, w, profile, messages=n + 1) / 2
+        traffic = gathers * gather + allreduce_s(facts.params * FP32, w, profile, messages=n + 1) * share
         offloaded = s.offload == Placement.host
         if offloaded:
             traffic += gathers * upload_s(facts.params * FP32 / w, profile)
@@ -232,9 +236,12 @@ class Fsdp(ReplicatedStrategy):
         for block in model.blocks:
             fully_shard(block, **{k: v for k, v in policy.items() if v is not None})
         fully_shard(self.net, **{k: v for k, v in policy.items() if v is not None})
+        on_gloo = dist.get_backend() == "gloo"
         for unit in (m for m in self.net.modules() if isinstance(m, FSDPModule)):  # the setters do not recurse
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(1.0)
+            if on_gloo:  # see ReduceScatterByAllReduce
+                unit.set_custom_reduce_scatter(ReduceScatterByAllReduce())
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
@@ -387,6 +394,26 @@ class Fsdp(ReplicatedStrategy):
     def close(self) -> None:
         if self.own_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class ReduceScatterByAllReduce(ReduceScatter):
+    """FSDP's reduce-scatter as an all-reduce of its input, then this worker's slice, for gloo.
+
+    gloo's all-reduce is a pipelined ring; its reduce-scatter is not, and takes longer although
+    it moves half the bytes: a block's 12.6 MB of gradients on two workers, 17-19 ms against
+    10-12 ms (`scripts/bench_gloo_collectives.py`, docs/benchmarks.md). The input is FSDP's own
+    staging buffer, summed in place. gloo's all-gather is as fast as its all-reduce at these
+    sizes, so FSDP keeps its own; NCCL keeps FSDP's own reduce-scatter."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=dist.ReduceOp.SUM, async_op: bool = False):
+        dist.all_reduce(input_tensor, op=op, group=group)
+        n = output_tensor.numel()
+        output_tensor.copy_(input_tensor.view(-1).narrow(0, dist.get_rank(group) * n, n).view_as(output_tensor))
+        return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
