@@ -99,13 +99,19 @@ def newest(run_dir: Path, step: int) -> str:
     return f"the newest complete checkpoint is {path}: continue with train.resume={path}"
 
 
+def strike(tmp_path, strategy: str, point: str, step: int, sig: int) -> tuple[Path, str]:
+    """Hold worker 1 at `point` of `step`, send it `sig` there, and return the run directory and
+    the launcher's one-line error (the run must end with exit 2)."""
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    proc = start(run_dir, strategy, f"{point}:{step}:1=hold", marks)
+    os.kill(held_pid(marks, f"{point}-{step}-1", proc), sig)
+    _, err = ended(proc, 2)
+    return run_dir, the_error(err)
+
+
 @EVERY_STRATEGY
 def test_a_worker_killed_mid_step(tmp_path, strategy, uninterrupted):
-    run_dir, marks = tmp_path / "run", tmp_path / "marks"
-    proc = start(run_dir, strategy, "step:5:1=hold", marks)
-    os.kill(held_pid(marks, "step-5-1", proc), signal.SIGKILL)
-    _, err = ended(proc, 2)
-    line = the_error(err)
+    run_dir, line = strike(tmp_path, strategy, "step", 5, signal.SIGKILL)
     assert "was killed by SIGKILL during step 5; the other workers were stopped" in line
     assert line.startswith("worker ") and line.endswith(newest(run_dir, 4))
     assert steps_on_disk(run_dir) == ["step-00000002", "step-00000004"]
@@ -114,11 +120,7 @@ def test_a_worker_killed_mid_step(tmp_path, strategy, uninterrupted):
 
 @EVERY_STRATEGY
 def test_a_worker_killed_mid_checkpoint(tmp_path, strategy, uninterrupted):
-    run_dir, marks = tmp_path / "run", tmp_path / "marks"
-    proc = start(run_dir, strategy, "checkpoint:4:1=hold", marks)
-    os.kill(held_pid(marks, "checkpoint-4-1", proc), signal.SIGKILL)  # its part is written, not published
-    _, err = ended(proc, 2)
-    line = the_error(err)
+    run_dir, line = strike(tmp_path, strategy, "checkpoint", 4, signal.SIGKILL)  # its part written, not published
     assert "was killed by SIGKILL while saving the checkpoint of step 4" in line
     assert line.endswith(newest(run_dir, 2))
     assert steps_on_disk(run_dir) == ["step-00000002"]  # what was staged for step 4 is removed
@@ -127,11 +129,7 @@ def test_a_worker_killed_mid_checkpoint(tmp_path, strategy, uninterrupted):
 
 @EVERY_STRATEGY
 def test_a_worker_killed_mid_evaluation(tmp_path, strategy, uninterrupted):
-    run_dir, marks = tmp_path / "run", tmp_path / "marks"
-    proc = start(run_dir, strategy, "evaluate:4:1=hold", marks)
-    os.kill(held_pid(marks, "evaluate-4-1", proc), signal.SIGKILL)
-    _, err = ended(proc, 2)
-    line = the_error(err)
+    run_dir, line = strike(tmp_path, strategy, "evaluate", 4, signal.SIGKILL)
     assert "was killed by SIGKILL during the evaluation after step 4" in line
     assert line.endswith(newest(run_dir, 2))  # step 4's checkpoint comes after its evaluation
     resumes_to_the_uninterrupted_weights(run_dir, strategy, uninterrupted, 2)
@@ -139,11 +137,7 @@ def test_a_worker_killed_mid_evaluation(tmp_path, strategy, uninterrupted):
 
 @EVERY_STRATEGY
 def test_a_worker_that_hangs_past_the_timeout(tmp_path, strategy, uninterrupted):
-    run_dir, marks = tmp_path / "run", tmp_path / "marks"
-    proc = start(run_dir, strategy, "step:5:1=hold", marks)
-    os.kill(held_pid(marks, "step-5-1", proc), signal.SIGSTOP)
-    _, err = ended(proc, 2)
-    line = the_error(err)
+    run_dir, line = strike(tmp_path, strategy, "step", 5, signal.SIGSTOP)
     assert "was stopped (SIGSTOP or a debugger) during step 5; the others gave up waiting for it after " \
            "strategy.timeout_s=5 s" in line
     assert line.endswith(newest(run_dir, 4))

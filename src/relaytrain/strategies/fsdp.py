@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state
@@ -396,7 +397,7 @@ class Fsdp(ReplicatedStrategy):
             dist.destroy_process_group()
 
 
-class ReduceScatterByAllReduce(ReduceScatter):
+class ReduceScatterByAllReduce(DefaultAllocMixin, ReduceScatter):
     """FSDP's reduce-scatter as an all-reduce of its input, then this worker's slice, for gloo.
 
     gloo's all-reduce is a pipelined ring; its reduce-scatter is not, and takes longer although
@@ -404,9 +405,6 @@ class ReduceScatterByAllReduce(ReduceScatter):
     10-12 ms (`scripts/bench_gloo_collectives.py`, docs/benchmarks.md). The input is FSDP's own
     staging buffer, summed in place. gloo's all-gather is as fast as its all-reduce at these
     sizes, so FSDP keeps its own; NCCL keeps FSDP's own reduce-scatter."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
