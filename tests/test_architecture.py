@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 import relaytrain
+from relaytrain.models import families
 from relaytrain.strategies import choices
 from relaytrain.strategies.pipeline.schedule import schedules
 
@@ -100,6 +101,19 @@ def test_only_the_strategies_name_strategies():
     quoted = []
     for path in PACKAGE.rglob("*.py"):
         if "strategies" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                quoted.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}")
+    assert quoted == []
+
+
+def test_only_the_models_name_model_families():
+    """A family is asked (`family_spec`, `family_of`), never branched on by name outside `models/`."""
+    names = set(families())
+    quoted = []
+    for path in PACKAGE.rglob("*.py"):
+        if "models" in path.relative_to(PACKAGE).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:

@@ -89,7 +89,8 @@ def test_bad_input_is_one_line_exit_2_and_no_traceback(tmp_path):
         ("data.path=/no/such.jsonl", "data.path=/no/such.jsonl does not exist"),
         ("train.device=cuda", "no CUDA device"),
         ("precision=cmp_bf16", "needs the eager param server"),
-        ("model=gpt2_tiny model.task=classification", "not available for GPT-2"),
+        ("model=gpt2_tiny model.task=classification", "not available for model.family=gpt2"),
+        ("model.family=llama", "not a model family; choose one of bert, decoder, gpt2"),
         ("train.warmup_steps=400", "train.warmup_steps=400 leaves no measured step"),
         ("strategy.stages=2", "strategy.stages is not a key of strategy=baseline; only strategy="
                               + "/".join(n for n, c in registry().items() if "stages" in c.Config.__dataclass_fields__)

@@ -40,11 +40,6 @@ class Task(Choice):
     causal_lm = "causal_lm"
 
 
-class Family(Choice):
-    bert = "bert"
-    gpt2 = "gpt2"
-
-
 class Source(Choice):
     synthetic = "synthetic"
     jsonl = "jsonl"
@@ -91,7 +86,7 @@ class Recompute(Choice):
 @dataclass
 class ModelConfig:
     name: str = MISSING  # what the report calls the model (the group's name, or the checkpoint's directory)
-    family: Family = MISSING  # which adapter builds the layered model
+    family: str = MISSING  # the model family that builds the layered model: bert, gpt2 or decoder
     num_layers: int = MISSING  # transformer blocks
     hidden_size: int = MISSING  # width of every block's hidden state
     num_heads: int = MISSING  # attention heads per block (must divide hidden_size)
@@ -99,11 +94,19 @@ class ModelConfig:
     max_seq_len: int = 512  # the model's position table (max_position_embeddings)
     vocab_size: int = 30522  # embedding table rows: token ids must be below it
     num_labels: int = 2  # classification only
-    task: Task = Task.classification  # the head: classification, masked_lm (BERT) or causal_lm (GPT-2)
+    task: Task = Task.classification  # the head: classification, masked_lm (BERT) or causal_lm (GPT-2, decoders)
     dropout: float = 0.1  # hidden and attention dropout; 0 makes runs deterministic
     pretrained: str | None = None  # local Hugging Face directory, or a hub id when online
+    trust_remote_code: bool = False  # let a checkpoint that ships its own modelling code run it
+    # decoders (family=decoder): the Hugging Face architecture and its attention's shape
+    model_type: str | None = None  # llama, qwen2, qwen3, mistral, gemma2, phi3, ...
+    num_kv_heads: int | None = None  # grouped-query attention's key/value heads (default: num_heads)
+    head_dim: int | None = None  # width of one head (default: hidden_size / num_heads)
+    tie_embeddings: bool | None = None  # one matrix for input embeddings and LM head (default: the architecture's)
+    sliding_window: int | None = None  # tokens a sliding-window layer sees (default: the architecture's)
     attn_implementation: str = "sdpa"  # Hugging Face attention kernel: sdpa or eager
     resolved_from: str | None = None  # set by relaytrain: the checkpoint whose config filled these keys
+    checkpoint_dtype: str | None = None  # set by relaytrain: the dtype model.pretrained stores its weights in
 
 
 @dataclass
@@ -280,7 +283,16 @@ def check_shared(cfg) -> None:
 
 
 def _check_model(m, d) -> None:
-    if m.hidden_size % m.num_heads:
+    from relaytrain.models.family import family_spec
+
+    tasks = family_spec(m.family).tasks  # one line naming the families when there is no such family
+    if str(m.task) not in tasks:
+        raise ConfigError(f"model.task={m.task} is not available for model.family={m.family}; "
+                          f"use model.task={tasks[0]}" + (f" (or {', '.join(tasks[1:])})" if len(tasks) > 1 else ""))
+    if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
+        raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads} "
+                          f"(each key/value head serves a whole group of query heads)")
+    if m.head_dim is None and m.hidden_size % m.num_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} does not divide model.hidden_size={m.hidden_size}; "
             f"pick heads that divide it (e.g. model.num_heads={_a_divisor(m.hidden_size, m.num_heads)})"
@@ -290,10 +302,6 @@ def _check_model(m, d) -> None:
             f"data.seq_len={d.seq_len} exceeds the model's positions (model.max_seq_len={m.max_seq_len}); "
             f"lower data.seq_len or raise model.max_seq_len"
         )
-    if m.family == Family.gpt2 and m.task != Task.causal_lm:
-        raise ConfigError(f"model.task={m.task} is not available for GPT-2; use model.task=causal_lm")
-    if m.family == Family.bert and m.task == Task.causal_lm:
-        raise ConfigError("model.task=causal_lm needs a decoder; use model=gpt2_small or model.task=masked_lm")
     if m.task == Task.classification and m.num_labels < 2:
         raise ConfigError(f"model.num_labels={m.num_labels} must be at least 2 for classification")
     if not 0.0 <= m.dropout < 1.0:

@@ -20,6 +20,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from relaytrain.errors import ConfigError
+from relaytrain.models.family import family_spec
 
 # Ids 0..4, in the order synthetic.py reserves them ([PAD]=0, [CLS]=1, [SEP]=2, [MASK]=3, [UNK]=4).
 BERT_SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")
@@ -32,7 +33,8 @@ def load_tokenizer(cfg, corpus: Iterable[str], tokenizer_dir: str | None) -> Pre
     """The tokenizer for `cfg`, trained on `corpus` when none is configured; saved under tokenizer_dir."""
     tokenizer = find_tokenizer(cfg)
     if tokenizer is None:
-        tokenizer = train_tokenizer(corpus, cfg.model.family, cfg.model.vocab_size, cfg.model.max_seq_len)
+        kind = family_spec(cfg.model.family).tokenizer
+        tokenizer = train_tokenizer(corpus, kind, cfg.model.vocab_size, cfg.model.max_seq_len)
         check_vocab_size(
             tokenizer, cfg.model.vocab_size, f"the tokenizer trained for model.family={cfg.model.family}"
         )
@@ -97,14 +99,20 @@ def _from_pretrained(location: str, key: str) -> PreTrainedTokenizerFast:
 # --------------------------------------------------------------------------- training
 
 
+TRAINERS = {}  # tokenizer kind (a family's `tokenizer`) -> its trainer, filled below
+
+
 def train_tokenizer(
-    corpus: Iterable[str], family: str, vocab_size: int, max_length: int
+    corpus: Iterable[str], kind: str, vocab_size: int, max_length: int
 ) -> PreTrainedTokenizerFast:
-    """A fresh tokenizer for `family` ("bert" or "gpt2") trained on `corpus`; at most `vocab_size`
-    tokens, fewer when the corpus is small (byte-level BPE never has fewer than 257)."""
-    if family == "gpt2":
-        return _train_byte_level_bpe(corpus, vocab_size, max_length)
-    return _train_wordpiece(corpus, vocab_size, max_length)
+    """A fresh tokenizer of `kind` ("wordpiece" or "byte_bpe", as the model family says) trained
+    on `corpus`; at most `vocab_size` tokens, fewer when the corpus is small (byte-level BPE
+    never has fewer than 257)."""
+    try:
+        trainer = TRAINERS[kind]
+    except KeyError:
+        raise ConfigError(f"no tokenizer of kind {kind!r} can be trained here; kinds: {', '.join(TRAINERS)}") from None
+    return trainer(corpus, vocab_size, max_length)
 
 
 def _train_wordpiece(corpus: Iterable[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
@@ -194,3 +202,6 @@ def _train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, max_length: in
         pad_token=GPT2_EOS,
         model_max_length=max_length,
     )
+
+
+TRAINERS.update(wordpiece=_train_wordpiece, byte_bpe=_train_byte_level_bpe)

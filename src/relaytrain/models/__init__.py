@@ -6,60 +6,29 @@ import copy
 from pathlib import Path
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForSequenceClassification,
-    BertConfig,
-    GPT2Config,
-)
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 from relaytrain.errors import ConfigError
-from relaytrain.models.bert import LayeredBert
-from relaytrain.models.gpt2 import LayeredGPT2
+
+# The families register themselves when their modules are imported: every one is imported here.
+from relaytrain.models import bert, decoder, gpt2  # noqa: F401
+from relaytrain.models.family import Family, families, family_of, family_spec
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 from relaytrain.models.pretrained import load_hf_config
 
-__all__ = ["Block", "LayeredModel", "MicroBatch", "build_model", "hf_config", "count_parameters", "part_parameters"]
+__all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "count_parameters", "families",
+           "family_of", "family_spec", "hf_config", "part_parameters"]
 
 _AUTO_CLASS = {
     "classification": AutoModelForSequenceClassification,
     "masked_lm": AutoModelForMaskedLM,
     "causal_lm": AutoModelForCausalLM,
 }
-_LAYERED = {"bert": LayeredBert, "gpt2": LayeredGPT2}
 
 
-def hf_config(m) -> BertConfig | GPT2Config:
-    """The Hugging Face config that the `model` keys describe (no weights)."""
-    if m.family == "bert":
-        return BertConfig(
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden_size,
-            num_hidden_layers=m.num_layers,
-            num_attention_heads=m.num_heads,
-            intermediate_size=m.intermediate_size,
-            max_position_embeddings=m.max_seq_len,
-            hidden_dropout_prob=m.dropout,
-            attention_probs_dropout_prob=m.dropout,
-            num_labels=m.num_labels,
-            attn_implementation=m.attn_implementation,
-        )
-    return GPT2Config(
-        vocab_size=m.vocab_size,
-        n_embd=m.hidden_size,
-        n_layer=m.num_layers,
-        n_head=m.num_heads,
-        n_inner=m.intermediate_size,
-        n_positions=m.max_seq_len,
-        resid_pdrop=m.dropout,
-        embd_pdrop=m.dropout,
-        attn_pdrop=m.dropout,
-        # GPT-2's <|endoftext|> is id 50256; a smaller vocabulary keeps it as its last id.
-        bos_token_id=m.vocab_size - 1,
-        eos_token_id=m.vocab_size - 1,
-        attn_implementation=m.attn_implementation,
-    )
+def hf_config(m):
+    """The Hugging Face config that the `model` keys describe (no weights), as the family maps them."""
+    return family_spec(m.family).hf_config(m)
 
 
 def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | None = None) -> LayeredModel:
@@ -88,24 +57,24 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     else:
         hf_model = auto.from_config(hf_config(m), attn_implementation=m.attn_implementation)
     hf_model.train()
-    return _LAYERED[hf_model.config.model_type](hf_model, str(m.task))
+    return family_spec(m.family).layered(hf_model, str(m.task))
 
 
 def _load_pretrained(m, auto) -> tuple:
     """The checkpoint under `auto`'s head, with the run's dropout and number of labels; and the
     names of the weights the checkpoint did not have (initialised here)."""
-    config = load_hf_config(m.pretrained)
-    if config.model_type == "bert":
-        config.hidden_dropout_prob = config.attention_probs_dropout_prob = m.dropout
-    else:
-        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = m.dropout
+    config = load_hf_config(m.pretrained, m.trust_remote_code)
+    family_spec(m.family).set_dropout(config, m.dropout)
     if str(m.task) == "classification":
         config.num_labels = m.num_labels
     local = Path(m.pretrained).expanduser()
     source = str(local) if local.exists() else m.pretrained
     try:
+        # fp32 whatever the checkpoint stores (most are bf16): these are the weights the optimizer
+        # updates, its masters; train.save_model writes them back in the checkpoint's dtype.
         hf_model, info = auto.from_pretrained(source, config=config, attn_implementation=m.attn_implementation,
-                                              ignore_mismatched_sizes=True, output_loading_info=True)
+                                              ignore_mismatched_sizes=True, output_loading_info=True,
+                                              dtype=torch.float32, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as err:
         raise ConfigError(
             f"model.pretrained={m.pretrained} could not be loaded ({str(err).splitlines()[0]}); "

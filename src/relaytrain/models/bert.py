@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import BertConfig
 from transformers.masking_utils import create_bidirectional_mask
 
+from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import LayeredModel, MicroBatch
 
 
@@ -60,3 +62,41 @@ class LayeredBert(LayeredModel):
         if self.task == "classification":
             return []
         return [("embed.embeddings.word_embeddings.weight", "head.cls.predictions.decoder.weight")]
+
+
+# --------------------------------------------------------------------------- the family spec
+
+
+def _hf_config(m) -> BertConfig:
+    return BertConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        intermediate_size=m.intermediate_size,
+        max_position_embeddings=m.max_seq_len,
+        hidden_dropout_prob=m.dropout,
+        attention_probs_dropout_prob=m.dropout,
+        num_labels=m.num_labels,
+        attn_implementation=m.attn_implementation,
+    )
+
+
+def _facts(c) -> dict:
+    return {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "num_heads": c.num_attention_heads,
+            "intermediate_size": c.intermediate_size, "max_seq_len": c.max_position_embeddings,
+            "dropout": c.hidden_dropout_prob}
+
+
+def _block_shape(m) -> BlockShape:
+    return BlockShape(m.hidden_size, m.num_heads, m.num_heads, m.hidden_size // m.num_heads, m.intermediate_size,
+                      gated_mlp=False)
+
+
+register_family(Family(
+    name="bert", layered=LayeredBert, tasks=("classification", "masked_lm"), tokenizer="wordpiece",
+    hf_config=_hf_config, facts=_facts, block_shape=_block_shape,
+    refuses=lambda c: None if c.model_type == "bert" else "not bert",
+    dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    description="BERT (classification, masked LM)",
+))

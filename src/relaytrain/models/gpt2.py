@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import GPT2Config
 from transformers.masking_utils import create_causal_mask
 
+from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import LayeredModel, MicroBatch
 
 
@@ -44,7 +46,7 @@ class LayeredGPT2(LayeredModel):
             config=self.hf_config,
             inputs_embeds=hidden,
             attention_mask=mb.attention_mask,
-            past_key_values=None,
+            cache=None,
             position_ids=None,
         )
         return {"attention_mask": mask}
@@ -58,3 +60,43 @@ class LayeredGPT2(LayeredModel):
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         return [("embed.wte.weight", "head.lm_head.weight")]
+
+
+# --------------------------------------------------------------------------- the family spec
+
+
+def _hf_config(m) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=m.vocab_size,
+        n_embd=m.hidden_size,
+        n_layer=m.num_layers,
+        n_head=m.num_heads,
+        n_inner=m.intermediate_size,
+        n_positions=m.max_seq_len,
+        resid_pdrop=m.dropout,
+        embd_pdrop=m.dropout,
+        attn_pdrop=m.dropout,
+        # GPT-2's <|endoftext|> is id 50256; a smaller vocabulary keeps it as its last id.
+        bos_token_id=m.vocab_size - 1,
+        eos_token_id=m.vocab_size - 1,
+        attn_implementation=m.attn_implementation,
+    )
+
+
+def _facts(c) -> dict:
+    return {"num_layers": c.n_layer, "hidden_size": c.n_embd, "num_heads": c.n_head,
+            "intermediate_size": c.n_inner or 4 * c.n_embd, "max_seq_len": c.n_positions, "dropout": c.resid_pdrop}
+
+
+def _block_shape(m) -> BlockShape:
+    return BlockShape(m.hidden_size, m.num_heads, m.num_heads, m.hidden_size // m.num_heads, m.intermediate_size,
+                      gated_mlp=False)
+
+
+register_family(Family(
+    name="gpt2", layered=LayeredGPT2, tasks=("causal_lm",), tokenizer="byte_bpe",
+    hf_config=_hf_config, facts=_facts, block_shape=_block_shape,
+    refuses=lambda c: None if c.model_type == "gpt2" else "not gpt2",
+    dropout_keys=("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    description="GPT-2 (causal LM)",
+))

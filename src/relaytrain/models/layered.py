@@ -27,6 +27,9 @@ class MicroBatch:
     input_ids: torch.Tensor  # [batch, seq] int64
     labels: torch.Tensor  # [batch] for classification, [batch, seq] for LM (-100 = ignore)
     attention_mask: torch.Tensor | None = None  # [batch, seq], 1 = real token
+    # [batch, seq]: each token's position in its own record, set when records are packed into
+    # one row (positions restart at 0 where a record starts; decoders then keep records apart).
+    position_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         moved = {
@@ -37,7 +40,7 @@ class MicroBatch:
 
     def rows(self, index: slice) -> MicroBatch:
         """These rows of every tensor (a replica's share of a micro-batch)."""
-        return MicroBatch(*(None if t is None else t[index] for t in (self.input_ids, self.labels, self.attention_mask)))
+        return MicroBatch(**{f.name: None if (t := getattr(self, f.name)) is None else t[index] for f in fields(self)})
 
     def pin_memory(self) -> MicroBatch:
         pinned = {f.name: None if (t := getattr(self, f.name)) is None else t.pin_memory() for f in fields(self)}
@@ -56,7 +59,9 @@ class Block(nn.Module):
     """One transformer layer with a uniform call: `block(hidden, ctx) -> hidden`.
 
     `ctx` holds what every block of a micro-batch shares (the attention mask), computed once
-    per micro-batch by `LayeredModel.context`.
+    per micro-batch by `LayeredModel.context`. A family whose blocks differ in what they take
+    from it (a decoder's sliding-window and full-attention layers) brings its own subclass
+    (`LayeredModel.block_class`).
     """
 
     def __init__(self, layer: nn.Module):
@@ -78,6 +83,7 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
     """
 
     family: str = ""
+    block_class: type[Block] = Block
 
     def __init__(self, hf_model: nn.Module, embed: nn.Module, blocks: list[nn.Module], head: nn.Module, task: str):
         super().__init__()
@@ -88,7 +94,7 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         # Hugging Face names, fixed before any strategy splits the model (tied weights: the first name).
         object.__setattr__(self, "_hf_names", {id(p): n for n, p in hf_model.named_parameters()})
         self.embed = embed
-        self.blocks = nn.ModuleList(Block(layer) for layer in blocks)
+        self.blocks = nn.ModuleList(self.block_class(layer) for layer in blocks)
         self.head = head
         self.task = task
 

@@ -20,27 +20,50 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from relaytrain.errors import ConfigError
+from relaytrain.models.family import family_of, family_spec
 
-FAMILIES = ("bert", "gpt2")
 FINE_TUNABLE = ("task", "num_labels", "dropout")
 # Architecture name endings -> the task their head does.
 HEAD_TASKS = (("ForSequenceClassification", "classification"), ("LMHeadModel", "causal_lm"),
               ("ForCausalLM", "causal_lm"), ("ForMaskedLM", "masked_lm"), ("ForPreTraining", "masked_lm"))
 
 
-def load_hf_config(pretrained: str):
-    """The checkpoint's Hugging Face config, or one line saying why there is none."""
+def load_hf_config(pretrained: str, trust_remote_code: bool = False):
+    """The checkpoint's Hugging Face config, or one line saying why there is none. A checkpoint
+    whose code is its own (`auto_map`, a model type this transformers lacks) is refused unless
+    `trust_remote_code`: its code would run here."""
     from transformers import AutoConfig
 
     local = Path(pretrained).expanduser()
     if local.is_dir() and not (local / "config.json").is_file():
         raise ConfigError(f"model.pretrained={pretrained} has no config.json; give a directory written by "
                           f"save_pretrained (e.g. a run's model/ directory), or a hub id while online")
+    if not trust_remote_code and (remote := _remote_code(local)):
+        raise ConfigError(f"model.pretrained={pretrained} is a {remote!r} model that needs its own code "
+                          f"(trust_remote_code); relaytrain runs none unless you set model.trust_remote_code=true")
     try:
-        return AutoConfig.from_pretrained(str(local) if local.exists() else pretrained)
+        return AutoConfig.from_pretrained(str(local) if local.exists() else pretrained,
+                                          trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise ConfigError(f"model.pretrained={pretrained} could not be loaded ({str(err).splitlines()[0]}); "
                           f"give a local Hugging Face model directory, or a hub id while online") from err
+
+
+def _remote_code(local: Path) -> str | None:
+    """The model type of a local checkpoint that ships its own modelling code, else None."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    path = local / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    model_type = raw.get("model_type", "?")
+    return model_type if "auto_map" in raw or model_type not in CONFIG_MAPPING else None
 
 
 def checkpoint_task(hf_config) -> str | None:
@@ -54,19 +77,13 @@ def checkpoint_task(hf_config) -> str | None:
 
 def facts(hf_config) -> dict:
     """What the checkpoint says, as `model` config keys."""
-    family = hf_config.model_type
-    if family == "bert":
-        sizes = {"num_layers": hf_config.num_hidden_layers, "hidden_size": hf_config.hidden_size,
-                 "num_heads": hf_config.num_attention_heads, "intermediate_size": hf_config.intermediate_size,
-                 "max_seq_len": hf_config.max_position_embeddings, "dropout": hf_config.hidden_dropout_prob}
-    elif family == "gpt2":
-        sizes = {"num_layers": hf_config.n_layer, "hidden_size": hf_config.n_embd, "num_heads": hf_config.n_head,
-                 "intermediate_size": hf_config.n_inner or 4 * hf_config.n_embd,
-                 "max_seq_len": hf_config.n_positions, "dropout": hf_config.resid_pdrop}
-    else:
-        raise ConfigError(f"the checkpoint is a {family!r} model; relaytrain has adapters for {', '.join(FAMILIES)}")
-    out = {"family": family, "vocab_size": hf_config.vocab_size, **sizes}
+    family = family_of(hf_config)
+    out = {"family": family.name, "vocab_size": hf_config.vocab_size, **family.facts(hf_config),
+           "checkpoint_dtype": _dtype_name(hf_config)}
     task = checkpoint_task(hf_config)
+    if task is not None and task not in family.tasks:
+        raise ConfigError(f"the checkpoint's head ({', '.join(hf_config.architectures)}) does {task}, which "
+                          f"relaytrain's {family.name} family does not train; it trains {', '.join(family.tasks)}")
     if task is not None:
         out["task"] = task
     if task == "classification":
@@ -82,7 +99,7 @@ def resolve(cfg, explicit: Iterable[str] = ()):
     pretrained = cfg.model.pretrained
     if not pretrained or cfg.model.resolved_from == pretrained:  # nothing to do, or done already
         return cfg
-    said = facts(load_hf_config(pretrained))
+    said = facts(load_hf_config(pretrained, cfg.model.trust_remote_code))
     given = {o.split("=", 1)[0].removeprefix("+")[len("model."):]: o for o in explicit if o.lstrip("+").startswith("model.")}
     for key, value in said.items():
         if key in given and key not in FINE_TUNABLE and _differs(cfg.model[key], value):
@@ -107,9 +124,15 @@ def _name(pretrained: str) -> str:
 
 
 def _bare_body_task(m) -> str:
-    if str(m.family) == "gpt2":
-        return "causal_lm"
-    return str(m.task) if str(m.task) != "causal_lm" else "classification"
+    """A body without a head: the configured task where the family has it, else its first."""
+    tasks = family_spec(m.family).tasks
+    return str(m.task) if str(m.task) in tasks else tasks[0]
+
+
+def _dtype_name(hf_config) -> str:
+    """The dtype the checkpoint's weights are stored in (float32 when the config does not say)."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    return str(dtype).removeprefix("torch.")
 
 
 def _differs(configured, checkpoint) -> bool:

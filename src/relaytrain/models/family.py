@@ -1,0 +1,94 @@
+"""Model families: what relaytrain knows of a kind of model, registered by name and asked,
+never branched on.
+
+A family is one module under `models/` that holds its layered class and registers a `Family`
+spec: how the `model` config keys become a Hugging Face config and how a checkpoint's config
+becomes `model` keys, which config attributes carry dropout, which heads (tasks) it has, what
+kind of tokenizer a run trains for it when none is given, and whether it takes a given
+checkpoint. Everything outside `models/` asks the spec (`family_spec(name)`,
+`family_of(hf_config)`); a name no family registered is one line naming those that exist.
+
+Adding a family: a module here with its `LayeredModel` subclass and a `register_family(...)`
+call, imported by `models/__init__.py`; a config under `configs/model/`; its tests (the
+conformance suite picks it up from `families()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from relaytrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What the cost model needs of one block: its widths and whether its MLP is gated."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int  # grouped-query attention: fewer key/value heads than query heads
+    head_dim: int
+    intermediate: int
+    gated_mlp: bool  # SwiGLU/GeGLU: gate and up projections, their product feeds the down projection
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    layered: type  # the LayeredModel subclass: layered(hf_model, task)
+    tasks: tuple[str, ...]  # the heads it has; the first is what a bare body gets
+    tokenizer: str  # what a run trains when no tokenizer is given: "wordpiece" or "byte_bpe"
+    hf_config: Callable  # model keys -> Hugging Face config (no weights)
+    facts: Callable  # a checkpoint's Hugging Face config -> model keys
+    block_shape: Callable  # model keys -> BlockShape
+    # Why this family cannot take a checkpoint's Hugging Face config, or None when it can.
+    refuses: Callable
+    dropout_keys: tuple[str, ...] = ()  # Hugging Face config attributes that model.dropout sets
+    description: str = ""  # a few words for errors and the help: what checkpoints it takes
+
+    def set_dropout(self, hf_config, p: float) -> None:
+        """The run's dropout on every dropout attribute the config has (a checkpoint's included)."""
+        for key in self.dropout_keys:
+            if hasattr(hf_config, key):
+                setattr(hf_config, key, p)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(spec: Family) -> Family:
+    if spec.name in _FAMILIES:
+        raise ValueError(f"model family {spec.name!r} is registered twice")
+    _FAMILIES[spec.name] = spec
+    return spec
+
+
+def families() -> dict[str, Family]:
+    return dict(_FAMILIES)
+
+
+def family_spec(name: str) -> Family:
+    """The family called `name`, or one line naming the families there are."""
+    try:
+        return _FAMILIES[str(name)]
+    except KeyError:
+        raise ConfigError(f"model.family={name} is not a model family; choose one of "
+                          f"{', '.join(sorted(_FAMILIES))}") from None
+
+
+def family_of(hf_config) -> Family:
+    """The family that takes a checkpoint's config: the first that does not refuse it, else one
+    line naming the architecture, why each family refused and what is supported."""
+    reasons = []
+    for spec in _FAMILIES.values():
+        why = spec.refuses(hf_config)
+        if why is None:
+            return spec
+        reasons.append(why)
+    architecture = ", ".join(getattr(hf_config, "architectures", None) or []) or hf_config.model_type
+    supported = "; ".join(spec.description for spec in _FAMILIES.values() if spec.description)
+    specific = [r for r in reasons if r and not r.startswith("not ")]
+    why = f" ({specific[0]})" if specific else ""
+    raise ConfigError(f"the checkpoint is a {hf_config.model_type!r} model ({architecture}) that relaytrain cannot "
+                      f"train{why}; supported: {supported}")
