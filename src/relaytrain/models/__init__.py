@@ -27,8 +27,13 @@ _AUTO_CLASS = {
 
 
 def hf_config(m):
-    """The Hugging Face config that the `model` keys describe (no weights), as the family maps them."""
-    return family_spec(m.family).hf_config(m)
+    """The Hugging Face config that the `model` keys describe (no weights), as the family maps
+    them, with the attention kernel it will run (`model.attn_implementation` where the
+    architecture has it)."""
+    family = family_spec(m.family)
+    config = family.hf_config(m)
+    config._attn_implementation = family.attention(config, m.attn_implementation)
+    return config
 
 
 def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | None = None) -> LayeredModel:
@@ -44,9 +49,10 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     if device is not None and device.type == "meta":
         from relaytrain.models import dry_attention  # registers the dry run's attention
 
-        attention = dry_attention.NAME if m.attn_implementation == "sdpa" else m.attn_implementation
+        config = hf_config(m)
+        attention = config._attn_implementation
         with torch.device("meta"):
-            hf_model = auto.from_config(hf_config(m), attn_implementation=attention)
+            hf_model = auto.from_config(config, attn_implementation=dry_attention.NAME if attention == "sdpa" else attention)
     elif m.pretrained:
         hf_model, fresh = _load_pretrained(m, auto)
         if fresh and not quiet:
@@ -55,7 +61,8 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
                   f"{f' with {m.num_labels} labels' if str(m.task) == 'classification' else ''}; "
                   f"freshly initialised: {shown}", flush=True)
     else:
-        hf_model = auto.from_config(hf_config(m), attn_implementation=m.attn_implementation)
+        config = hf_config(m)
+        hf_model = auto.from_config(config, attn_implementation=config._attn_implementation)
     hf_model.train()
     return family_spec(m.family).layered(hf_model, str(m.task))
 
@@ -64,7 +71,9 @@ def _load_pretrained(m, auto) -> tuple:
     """The checkpoint under `auto`'s head, with the run's dropout and number of labels; and the
     names of the weights the checkpoint did not have (initialised here)."""
     config = load_hf_config(m.pretrained, m.trust_remote_code)
-    family_spec(m.family).set_dropout(config, m.dropout)
+    family = family_spec(m.family)
+    family.set_dropout(config, m.dropout)
+    attention = family.attention(config, m.attn_implementation)
     if str(m.task) == "classification":
         config.num_labels = m.num_labels
     local = Path(m.pretrained).expanduser()
@@ -72,7 +81,7 @@ def _load_pretrained(m, auto) -> tuple:
     try:
         # fp32 whatever the checkpoint stores (most are bf16): these are the weights the optimizer
         # updates, its masters; train.save_model writes them back in the checkpoint's dtype.
-        hf_model, info = auto.from_pretrained(source, config=config, attn_implementation=m.attn_implementation,
+        hf_model, info = auto.from_pretrained(source, config=config, attn_implementation=attention,
                                               ignore_mismatched_sizes=True, output_loading_info=True,
                                               dtype=torch.float32, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as err:

@@ -26,7 +26,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from relaytrain.errors import ConfigError
 from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 
@@ -142,12 +144,19 @@ def _hf_config(m):
     try:
         config = AutoConfig.for_model(str(m.model_type), **sizes)
     except ValueError as err:
-        from relaytrain.errors import ConfigError
-
         raise ConfigError(f"model.model_type={m.model_type} is not a Hugging Face architecture this transformers "
                           f"knows; use e.g. llama, qwen2, qwen3, mistral, gemma2 or phi3") from err
     SPEC.set_dropout(config, m.dropout)
     return config
+
+
+def attention_for(config, wanted: str) -> str:
+    """`wanted`, or eager where the architecture has no sdpa kernel (Gemma 2 soft-caps its
+    attention scores, which sdpa cannot): the same attention, computed without the fused kernel."""
+    if wanted != "sdpa":
+        return wanted
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
 def _facts(c) -> dict:
@@ -199,7 +208,7 @@ def _is_llama_layout(model: nn.Module) -> bool:
 
 SPEC = register_family(Family(
     name="decoder", layered=LayeredDecoder, tasks=("causal_lm",), tokenizer="byte_bpe",
-    hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses,
+    hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses, attention=attention_for,
     dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop"),
     description="decoders of the Llama layout (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3; causal LM)",
 ))

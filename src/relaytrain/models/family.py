@@ -46,6 +46,9 @@ class Family:
     refuses: Callable
     dropout_keys: tuple[str, ...] = ()  # Hugging Face config attributes that model.dropout sets
     description: str = ""  # a few words for errors and the help: what checkpoints it takes
+    # The attention kernel a checkpoint's config runs with when model.attn_implementation asks
+    # for one (eager where the architecture has no sdpa kernel).
+    attention: Callable = staticmethod(lambda hf_config, wanted: wanted)
 
     def set_dropout(self, hf_config, p: float) -> None:
         """The run's dropout on every dropout attribute the config has (a checkpoint's included)."""
