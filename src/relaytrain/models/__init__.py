@@ -78,6 +78,7 @@ def _load_pretrained(m, auto) -> tuple:
         config.num_labels = m.num_labels
     local = Path(m.pretrained).expanduser()
     source = str(local) if local.exists() else m.pretrained
+    quiet_loading = _no_progress_bars()
     try:
         # fp32 whatever the checkpoint stores (most are bf16): these are the weights the optimizer
         # updates, its masters; train.save_model writes them back in the checkpoint's dtype.
@@ -89,8 +90,20 @@ def _load_pretrained(m, auto) -> tuple:
             f"model.pretrained={m.pretrained} could not be loaded ({str(err).splitlines()[0]}); "
             f"give a local Hugging Face model directory, or a hub id while online"
         ) from err
+    finally:
+        quiet_loading()
     fresh = sorted(set(info.get("missing_keys", [])) | {key for key, *_ in info.get("mismatched_keys", [])})
     return hf_model, fresh
+
+
+def _no_progress_bars():
+    """Hugging Face's loading bars off (the run prints its own progress); returns what restores them."""
+    from transformers.utils import logging
+
+    if not logging.is_progress_bar_enabled():
+        return lambda: None
+    logging.disable_progress_bar()
+    return logging.enable_progress_bar
 
 
 def count_parameters(m) -> int:

@@ -1,0 +1,153 @@
+"""Model families: the registry, the decoder family's equality with Hugging Face's own models, and
+the checkpoints it refuses in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from relaytrain.cli import main
+from relaytrain.compose import compose_config
+from relaytrain.models import MicroBatch, build_model, count_parameters, families, family_spec
+from relaytrain.models.pretrained import resolve
+from tests.checkpoints import ARCHITECTURES, tiny_decoder
+
+
+def pretrained_cfg(directory, *overrides: str):
+    """What `relaytrain train model.pretrained=DIR` runs with: the checkpoint decides the model."""
+    given = [f"model.pretrained={directory}", "data.seq_len=16", *overrides]
+    return resolve(compose_config(given), given)
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def checkpoint(request, tmp_path_factory):
+    return request.param, tiny_decoder(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_every_family_is_registered_with_what_the_runtime_asks_of_it():
+    assert {"bert", "gpt2", "decoder"} <= set(families())
+    for spec in families().values():
+        assert spec.tasks and spec.tokenizer in ("wordpiece", "byte_bpe") and spec.description
+
+
+def test_an_unknown_family_is_one_line_naming_the_families(capsys):
+    assert main(["train", "model.family=llama"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "model.family=llama is not a model family" in line and "decoder" in line
+
+
+def test_a_checkpoint_alone_decides_the_decoder(checkpoint):
+    arch, directory = checkpoint
+    m = pretrained_cfg(directory).model
+    hf = AutoConfig.from_pretrained(directory)
+    assert (m.family, m.model_type, m.task) == ("decoder", arch, "causal_lm")
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads) == (3, 32, 4, hf.num_key_value_heads)
+    assert m.tie_embeddings == (arch == "gemma2") and m.checkpoint_dtype == "float32"
+
+
+def test_layered_loss_and_gradients_equal_hugging_face(checkpoint):
+    """With padding, and a sequence longer than Mistral's and Gemma 2's sliding window."""
+    arch, directory = checkpoint
+    model = build_model(pretrained_cfg(directory).model)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                     attn_implementation=model.hf_config._attn_implementation)
+    ids = torch.randint(4, 300, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    ours = model(MicroBatch(ids, labels, mask))
+    ours.backward()
+    theirs = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs)
+    grads = dict(reference.named_parameters())
+    for name, p in model.hf_model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=f"{arch}: {name}")
+
+
+def test_mistral_and_gemma2_layers_slide_as_their_configs_say(tmp_path):
+    mistral = build_model(pretrained_cfg(tiny_decoder(tmp_path / "m", "mistral")).model)
+    gemma = build_model(pretrained_cfg(tiny_decoder(tmp_path / "g", "gemma2")).model)
+    assert [b.layer_type for b in mistral.blocks] == ["sliding_attention"] * 3
+    assert [b.layer_type for b in gemma.blocks] == ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def test_rotary_embeddings_are_computed_once_per_micro_batch(tmp_path):
+    model = build_model(pretrained_cfg(tiny_decoder(tmp_path, "llama")).model)
+    calls = []
+    model.rotary.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(4, 300, (2, 16))
+    model(MicroBatch(ids, ids))
+    assert len(calls) == 1
+
+
+def test_tied_embeddings_are_one_parameter(tmp_path):
+    model = build_model(pretrained_cfg(tiny_decoder(tmp_path, "gemma2")).model)
+    (embed_name, head_name), = model.tied_parameters()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert params[embed_name] is params[head_name]
+    assert count_parameters(pretrained_cfg(tmp_path).model) == model.num_parameters()
+
+
+def test_a_bf16_checkpoint_trains_with_fp32_masters(tmp_path):
+    directory = tiny_decoder(tmp_path, "qwen3", dtype=torch.bfloat16)
+    m = pretrained_cfg(directory).model
+    assert m.checkpoint_dtype == "bfloat16"
+    assert {p.dtype for p in build_model(m).parameters()} == {torch.float32}
+
+
+def test_a_fresh_decoder_from_model_keys(tmp_path):
+    cfg = compose_config(["model=llama_tiny", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+                          "model.intermediate_size=64", "model.vocab_size=300", "data.seq_len=16"])
+    model = build_model(cfg.model)
+    assert model.hf_config.model_type == "llama" and model.hf_config.num_key_value_heads == 2
+    assert count_parameters(cfg.model) == model.num_parameters()
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def refused(capsys, directory) -> str:
+    capsys.readouterr()  # what making the checkpoint printed
+    assert main(["train", f"model.pretrained={directory}", "train.steps=1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("relaytrain: error: ")
+    return line
+
+
+def test_an_encoder_decoder_checkpoint_is_refused_naming_it(tmp_path, capsys):
+    config = AutoConfig.for_model("t5", vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    AutoModelForSeq2SeqLM.from_config(config).save_pretrained(tmp_path)
+    line = refused(capsys, tmp_path)
+    assert "'t5'" in line and "encoder-decoder" in line and "Llama" in line
+
+
+@pytest.mark.parametrize("model_type,experts", [("mixtral", {"num_local_experts": 4}),
+                                                ("qwen3_moe", {"num_experts": 4})])
+def test_a_mixture_of_experts_checkpoint_is_refused_naming_it(tmp_path, capsys, model_type, experts):
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, **experts)
+    config.save_pretrained(tmp_path)  # the config alone decides; no weights are read before refusing
+    line = refused(capsys, tmp_path)
+    assert f"'{model_type}'" in line and "mixture-of-experts" in line
+
+
+def test_a_checkpoint_with_its_own_code_is_refused_unless_trusted(tmp_path, capsys):
+    tiny_decoder(tmp_path, "llama", tokenizer=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MyModel"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    line = refused(capsys, tmp_path)
+    assert "trust_remote_code" in line and "model.trust_remote_code=true" in line
+    assert not (tmp_path / "modeling_mine.py").exists()
+
+
+def test_the_decoder_family_takes_no_bert_checkpoint():
+    from transformers import BertConfig
+
+    assert family_spec("decoder").refuses(BertConfig()) is not None
+    assert family_spec("bert").refuses(BertConfig()) is None
