@@ -33,7 +33,9 @@ BENCHMARKS = {
 COMPARED = {
     "baseline_vs_plain_loop": "baseline / plain PyTorch loop",
     "baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (bert_base)",
+    "decoder_baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (Llama layout, 8 x 512, GQA 8/2)",
     "l2l_vs_recompute_baseline": "l2l / baseline with recompute",
+    "decoder_l2l_vs_recompute_baseline": "l2l / baseline with recompute (the same Llama-layout model)",
     "eps_vs_fused_adamw": "EPS per-part updates / whole-model fused AdamW",
     "eps_exposed_share": "EPS work exposed after overlap with backward",
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",

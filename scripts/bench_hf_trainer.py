@@ -1,16 +1,19 @@
 """relaytrain's baseline against Hugging Face's `transformers.Trainer`: the same training, two tools.
 
-`Trainer` is what a user would run instead of relaytrain. Both contestants train the same
-model (default: bert_base for classification, built from relaytrain's config and seed, fresh
-weights) on the same samples in the same order (relaytrain's synthetic data, from its own
-dataset builder and loader) with the same minibatch (Trainer: per-device batch = micro-batch
+`Trainer` is what a user would run instead of relaytrain. Two comparisons, one headline each:
+`baseline_vs_hf_trainer` on bert_base for classification, `decoder_baseline_vs_hf_trainer` on
+a causal LM of the Llama layout (benchlib.DECODER: 8 blocks of hidden 512, grouped-query
+attention 8/2). In each, both contestants train the same model (built from relaytrain's config
+and seed, fresh weights) on the same samples in the same order (relaytrain's synthetic data,
+from its own dataset builder and loader) with the same minibatch (Trainer: per-device batch = micro-batch
 size, gradient accumulation = number of micro-batches), sequence length, fp32, dropout and
 torch threads, and the same optimizer: fused AdamW with relaytrain's lr, betas, eps and weight
 decay, a constant learning rate, no clipping. Trainer's own decay grouping (not biases, not
-norms) splits BERT's parameters as relaytrain's does (matrices and embeddings); each run checks
-that the two optimizers agree group by group. With dropout off both report the same mean loss
-(tests/test_bench_hf_trainer.py). Trainer evaluates, saves, logs and prints nothing and loads
-data in the main process.
+norms) splits both models' parameters as relaytrain's does (matrices and embeddings); each run
+checks that the two optimizers agree group by group. With dropout off both report the same mean
+loss (tests/test_bench_hf_trainer.py). Trainer evaluates, saves, logs and prints nothing, loads
+data in the main process and keeps no KV cache (it only serves generation; relaytrain's blocks
+keep none either).
 
 Each contestant runs in a fresh process of its own, so its peak RSS (VmHWM) is its own and
 neither inherits the other's allocator or thread pool; the order alternates round by round
@@ -25,7 +28,8 @@ logs, clipping or not (one more pass over the gradients); relaytrain's process k
 memory for reuse (its launcher's malloc setting), Trainer's runs with glibc's defaults, as a
 user's script would.
 
-    .venv/bin/python scripts/bench_hf_trainer.py [--rounds 5] [--steps 5] [--warmup 2] [--quick] [--json out.json] [KEY=VALUE ...]
+    .venv/bin/python scripts/bench_hf_trainer.py [--only NAME,...] [--rounds 5] [--steps 5] [--warmup 2] [--quick]
+                                                  [--json out.json] [KEY=VALUE ...]
 
 Trainer needs accelerate: `pip install -e '.[bench]'` (`make bench` installs it).
 """
@@ -46,7 +50,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import StackDataset
 
-from benchlib import OtherLoad, headline
+from benchlib import DECODER, OtherLoad, headline
 from relaytrain import metrics
 from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
@@ -54,15 +58,23 @@ from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer
 from relaytrain.train import run
 
-DEFAULT = ["model=bert_base", "data.seq_len=128", "strategy.microbatch_size=2", "strategy.num_microbatches=4"]
-QUICK = ["model=bert_tiny", "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=256",
-         "model.vocab_size=512", "data.seq_len=32", "data.num_samples=256"]
+BATCH = ["data.seq_len=128", "strategy.microbatch_size=2", "strategy.num_microbatches=4"]
+QUICK_BATCH = ["model.vocab_size=512", "data.seq_len=32", "data.num_samples=256"]
+# Each comparison's model and batch (its headline's name -> overrides), and the tiny ones of --quick.
+DEFAULT = {"baseline_vs_hf_trainer": ["model=bert_base", *BATCH],
+           "decoder_baseline_vs_hf_trainer": [*DECODER, *BATCH]}
+QUICK = {"baseline_vs_hf_trainer": ["model=bert_tiny", "model.num_layers=2", "model.hidden_size=64",
+                                    "model.intermediate_size=256", *QUICK_BATCH],
+         "decoder_baseline_vs_hf_trainer": [*DECODER, "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+                                            "model.intermediate_size=172", *QUICK_BATCH]}
 RUN = {"rounds": 5, "steps": 5, "warmup": 2}
 QUICK_RUN = {"rounds": 1, "steps": 2, "warmup": 1}
 TARGET = 1.05
 # What the Trainer side reproduces; any other setting is refused rather than compared unlike for unlike.
-COMPARABLE = {"strategy.name": "baseline", "model.task": "classification", "optim.name": "adamw",
-              "optim.schedule": "constant", "optim.warmup_steps": 0, "precision.name": "fp32"}
+# Not masked_lm: Hugging Face's masked LM loss is each micro-batch's mean over its own masked
+# tokens, relaytrain's the minibatch's sum over all of them, which differ with uneven masks.
+COMPARABLE = {"strategy.name": ("baseline",), "model.task": ("classification", "causal_lm"), "optim.name": ("adamw",),
+              "optim.schedule": ("constant",), "optim.warmup_steps": (0,), "precision.name": ("fp32",)}
 # What decides an AdamW update, per parameter group.
 UPDATE_SETTINGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "fused")
 
@@ -71,9 +83,9 @@ def compose(overrides: list[str], steps: int, warmup: int):
     """The run's config: `warmup` steps left out of the figures, then `steps` measured ones."""
     cfg = compose_config([*overrides, f"train.steps={warmup + steps}", f"train.warmup_steps={warmup}"])
     for key, wanted in COMPARABLE.items():
-        if OmegaConf.select(cfg, key) != wanted:
+        if OmegaConf.select(cfg, key) not in wanted:
             sys.exit(f"bench_hf_trainer: {key}={OmegaConf.select(cfg, key)} is not compared; "
-                     f"the Trainer side reproduces {key}={wanted}")
+                     f"the Trainer side reproduces {key}={' or '.join(map(str, wanted))}")
     return cfg
 
 
@@ -104,16 +116,20 @@ def hf_trainer_contestant(overrides: list[str], steps: int, warmup: int) -> dict
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)  # as relaytrain's launcher does
     model = build_model(cfg.model, cfg.train.seed).hf_model
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False  # a decoder would fill a KV cache each forward, for generation only
     timer = step_timer()
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = Trainer(model=model, args=training_arguments(cfg, out_dir), train_dataset=relaytrain_samples(cfg),
                           callbacks=[timer])
         trainer.remove_callback(PrinterCallback)  # it prints the end-of-training figures, warm-up included
         # BERT's forward takes **kwargs, so Trainer assumes it divides the loss by the accumulated
-        # minibatch's item count, and does not divide by the accumulation steps itself. It returns
-        # each micro-batch's mean instead: left alone, the gradients (and the reported loss) would
-        # be num_microbatches times relaytrain's.
-        trainer.loss_is_scaled_for_ga = False
+        # minibatch's item count, and does not divide by the accumulation steps itself. Its
+        # classification head returns each micro-batch's mean instead: left alone, the gradients
+        # (and the reported loss) would be num_microbatches times relaytrain's. A causal LM's loss
+        # does divide by that count (the minibatch's shifted labels, as relaytrain's does).
+        if cfg.model.task != "causal_lm":
+            trainer.loss_is_scaled_for_ga = False
         trainer.create_optimizer()
         reference = build_optimizer(model.named_parameters(), cfg.optim)
         same_optimizer = update_rule(trainer.optimizer) == update_rule(reference)
@@ -185,8 +201,8 @@ def in_own_process(contestant, *args) -> dict:
     return {**figures, "other_cores_busy": others.cores}
 
 
-def compare(overrides: list[str], rounds: int, steps: int, warmup: int) -> dict:
-    """Both contestants once per round, in alternating order; the headline is the median round's ratio."""
+def compare(name: str, overrides: list[str], rounds: int, steps: int, warmup: int) -> dict:
+    """Both contestants once per round, in alternating order; the headline `name` is the median round's ratio."""
     cfg = compose(overrides, steps, warmup)  # refuses what Trainer would not reproduce before any process starts
     results = []
     for r in range(rounds):
@@ -198,7 +214,7 @@ def compare(overrides: list[str], rounds: int, steps: int, warmup: int) -> dict:
     per_round = [r["relaytrain"]["samples_per_s"] / r["hf_trainer"]["samples_per_s"] for r in results]
     m, s = cfg.model, cfg.strategy
     return {
-        "benchmark": "baseline_vs_hf_trainer",
+        "benchmark": name,
         "model": f"{m.name} L{m.num_layers} H{m.hidden_size} seq{cfg.data.seq_len} dropout {m.dropout}",
         "minibatch": f"{s.microbatch_size}x{s.num_microbatches}",
         "overrides": overrides,
@@ -208,7 +224,7 @@ def compare(overrides: list[str], rounds: int, steps: int, warmup: int) -> dict:
         "samples_per_s": {name: statistics.median(r[name]["samples_per_s"] for r in results) for name in CONTESTANTS},
         "peak_rss_gib": {name: statistics.median(r[name]["peak_rss_bytes"] for r in results) / 2**30
                          for name in CONTESTANTS},
-        "headlines": {"baseline_vs_hf_trainer": headline(per_round, TARGET)},
+        "headlines": {name: headline(per_round, TARGET)},
     }
 
 
@@ -219,10 +235,14 @@ def parse_args() -> argparse.Namespace:
                                                   f"quick {QUICK_RUN['steps']})")
     parser.add_argument("--warmup", type=int, help=f"steps before them, left out (default {RUN['warmup']}, "
                                                    f"quick {QUICK_RUN['warmup']})")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: a tiny BERT, one short round")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny models, one short round")
+    parser.add_argument("--only", default=",".join(DEFAULT), help="the comparisons to run, comma-separated")
     parser.add_argument("--json")
-    parser.add_argument("overrides", nargs="*", help="relaytrain config overrides, applied to both contestants")
+    parser.add_argument("overrides", nargs="*", help="relaytrain config overrides, applied to every contestant")
     args = parser.parse_args()
+    unknown = sorted(set(args.only.split(",")) - set(DEFAULT))
+    if unknown:
+        parser.error(f"--only: no comparison {', '.join(unknown)}; choose from {', '.join(DEFAULT)}")
     for key, default in (QUICK_RUN if args.quick else RUN).items():
         if getattr(args, key) is None:
             setattr(args, key, default)
@@ -233,15 +253,19 @@ def main() -> None:
     args = parse_args()
     if importlib.util.find_spec("accelerate") is None:
         sys.exit("bench_hf_trainer: transformers.Trainer needs accelerate: pip install -e '.[bench]' (make bench does)")
-    result = compare([*(QUICK if args.quick else DEFAULT), *args.overrides], args.rounds, args.steps, args.warmup)
-    h, rate, rss = result["headlines"]["baseline_vs_hf_trainer"], result["samples_per_s"], result["peak_rss_gib"]
-    print(f"baseline vs HF Trainer ({result['model']}, minibatch {result['minibatch']}): "
-          f"relaytrain {rate['relaytrain']:.2f} samples/s (peak RSS {rss['relaytrain']:.2f} GiB), "
-          f"Trainer {rate['hf_trainer']:.2f} samples/s ({rss['hf_trainer']:.2f} GiB); "
-          f"median round {h['median']:.3f} (target >= {h['target']})")
+    models = QUICK if args.quick else DEFAULT
+    results = {}
+    for name in args.only.split(","):
+        results[name] = result = compare(name, [*models[name], *args.overrides], args.rounds, args.steps, args.warmup)
+        h, rate, rss = result["headlines"][name], result["samples_per_s"], result["peak_rss_gib"]
+        print(f"{name} ({result['model']}, minibatch {result['minibatch']}): "
+              f"relaytrain {rate['relaytrain']:.2f} samples/s (peak RSS {rss['relaytrain']:.2f} GiB), "
+              f"Trainer {rate['hf_trainer']:.2f} samples/s ({rss['hf_trainer']:.2f} GiB); "
+              f"median round {h['median']:.3f} (target >= {h['target']})", flush=True)
     if args.json:
+        headlines = {key: h for result in results.values() for key, h in result["headlines"].items()}
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({"comparisons": results, "headlines": headlines}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ parameters per second inside the run (sharing the cores with backward), its upda
 one fused AdamW step over the whole model (same parameters, alternating rounds),
 and how much of the EPS's work stays exposed after overlapping with backward.
 
+Then the same step comparison on a causal LM of the Llama layout (benchlib.DECODER: 8 blocks of
+hidden 512, grouped-query attention 8/2; headline `decoder_l2l_vs_recompute_baseline`), at the
+same sequence length, minibatch, optimizer and precision: `--decoder-rounds 0` leaves it out.
+
     .venv/bin/python scripts/bench_l2l.py --json bench_l2l.json
 """
 
@@ -21,7 +25,7 @@ import time
 
 import torch
 
-from benchlib import headline
+from benchlib import DECODER, headline
 from relaytrain import metrics
 from relaytrain.checkpoint import unique_named_parameters
 from relaytrain.compose import compose_config
@@ -34,6 +38,8 @@ from relaytrain.precision import LossScaler
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.l2l import L2L, HeadLoss
 
+TARGET = 0.95  # l2l / recompute baseline, on either model
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--optim", default="adamw")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--rounds", type=int, default=10, help="ABBA rounds; each runs one step of both")
+    p.add_argument("--decoder-rounds", type=int, default=10,
+                   help="ABBA rounds of the same comparison on the decoder (0: not run)")
     p.add_argument("--update-rounds", type=int, default=40,
                    help="rounds of the EPS-updates-alone comparison (one update of each a round, ~0.15 s)")
     p.add_argument("--warmup", type=int, default=1)
@@ -53,8 +61,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def configs(args) -> dict:
-    common = [f"model={args.model}", "model.dropout=0.0", f"data.seq_len={args.seq_len}",
+def configs(args, model: list[str]) -> dict:
+    """Both strategies' configs for the model `model` (overrides) and the command line's batch."""
+    common = [*model, "model.dropout=0.0", f"data.seq_len={args.seq_len}",
               f"strategy.microbatch_size={args.microbatch_size}", f"strategy.num_microbatches={args.microbatches}",
               f"optim={args.optim}", f"precision={args.precision}", f"train.device={args.device}"]
     baseline_precision = args.precision.replace("cmp_", "amp_")  # the baseline's nearest mixed precision
@@ -168,11 +177,10 @@ def eps_against_fused_adamw(cfg, rounds: int) -> dict:
     }
 
 
-def run(args) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    cfgs = configs(args)
+def compare_steps(args, model: list[str], rounds: int, device: torch.device) -> tuple[dict, dict]:
+    """Both strategies on the model `model`: warm-up steps, then `rounds` ABBA rounds of one step
+    each on the same minibatches. Returns the configs and the summary."""
+    cfgs = configs(args, model)
     runners = {name: Runner(cfg, device) for name, cfg in cfgs.items()}
     loader = iter(build_loader(cfgs["l2l"], build_dataset(cfgs["l2l"])))
     for _ in range(args.warmup):
@@ -181,49 +189,64 @@ def run(args) -> dict:
             runner.step(minibatch, measured=False)
     for runner in runners.values():
         runner.reset_measurements()
-    for r in range(args.rounds):
+    for r in range(rounds):
         minibatch = next(loader)
         order = ["baseline", "l2l"] if r % 2 == 0 else ["l2l", "baseline"]
         for name in order:
             runners[name].step(minibatch, measured=True)
-    results = summarize(args, cfgs, runners)
+    results = summarize(args, model, runners)
     for runner in runners.values():
         runner.strategy.close()
+    return cfgs, results
+
+
+def run(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfgs, results = compare_steps(args, [f"model={args.model}"], args.rounds, device)
     results["eps_vs_fused_adamw"] = eps_against_fused_adamw(cfgs["l2l"], args.update_rounds)
     results["headlines"] = {
-        "l2l_vs_recompute_baseline": headline(results["throughput_ratio_per_round"], 0.95),
+        "l2l_vs_recompute_baseline": headline(results["throughput_ratio_per_round"], TARGET),
         "eps_vs_fused_adamw": headline(results["eps_vs_fused_adamw"]["ratio_per_round"], 1.0),
-        "eps_exposed_share": headline(runners["l2l"].exposed_shares, 0.03, lower_is_better=True),
+        "eps_exposed_share": headline(results["eps_exposed_share_per_round"], 0.03, lower_is_better=True),
     }
+    if args.decoder_rounds:
+        _, results["llama_layout"] = compare_steps(args, DECODER, args.decoder_rounds, device)
+        results["headlines"]["decoder_l2l_vs_recompute_baseline"] = headline(
+            results["llama_layout"]["throughput_ratio_per_round"], TARGET)
     return results
 
 
-def summarize(args, cfgs, runners) -> dict:
+def summarize(args, model: list[str], runners) -> dict:
     samples = args.microbatch_size * args.microbatches
     base, l2l = runners["baseline"], runners["l2l"]
     report = l2l.strategy.report()
     per_round = [b / t for b, t in zip(base.step_times, l2l.step_times, strict=True)]
     mean = {name: statistics.mean(r.step_times) for name, r in runners.items()}
-    measured_steps = args.rounds
+    measured_steps = len(l2l.step_times)
     return {
         "command": "python scripts/bench_l2l.py " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in
                                                            vars(args).items() if v is not None and k != "json"),
-        "model": args.model,
+        "model": l2l.cfg.model.name,
+        "model_overrides": model,
+        "hidden_size": l2l.cfg.model.hidden_size,
         "parameters": l2l.model.num_parameters(),
         "blocks": l2l.model.num_blocks,
         "samples_per_step": samples,
         "seq_len": args.seq_len,
         "optimizer": args.optim,
-        "precision": {"l2l": cfgs["l2l"].precision.name, "baseline": cfgs["baseline"].precision.name},
+        "precision": {name: r.cfg.precision.name for name, r in runners.items()},
         "threads": torch.get_num_threads(),
         "device": args.device,
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
-        "rounds": args.rounds,
+        "rounds": measured_steps,
         "step_time_s": mean,
         "samples_per_s": {name: samples / t for name, t in mean.items()},
         "throughput_ratio": mean["baseline"] / mean["l2l"],
         "throughput_ratio_per_round": per_round,
+        "eps_exposed_share_per_round": l2l.exposed_shares,
         "baseline_optimizer_s_per_step": base.optimizer_s / measured_steps,
         "baseline_optimizer_parameters_per_s": base.model.num_parameters() * measured_steps / base.optimizer_s,
         "l2l_phase_s_per_step": {k: v / measured_steps for k, v in report["phase_times_s"].items()},
@@ -253,6 +276,15 @@ def print_table(results: dict) -> None:
                              f"of {eps['busy_s'] / max(eps['steps'], 1):.3f} s/step"),
         ("peak resident blocks", str(results["peak_resident_blocks"])),
     ]
+    if "llama_layout" in results:
+        d = results["llama_layout"]
+        rows += [
+            ("Llama-layout model", f"{d['model']} ({d['blocks']} blocks of hidden {d['hidden_size']}, "
+                                   f"{d['parameters'] / 1e6:.1f} M params)"),
+            ("its l2l / baseline (recompute)",
+             f"{d['samples_per_s']['l2l']:.3f} / {d['samples_per_s']['baseline']:.3f} samples/s, "
+             f"median round {heads['decoder_l2l_vs_recompute_baseline']['median']:.3f}"),
+        ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -10,6 +10,12 @@ import time
 
 import psutil
 
+# The decoder of the decoder comparisons (bench_hf_trainer.py against Trainer, bench_l2l.py
+# against the recompute baseline), as relaytrain overrides: one definition, so both measure the
+# same model. Llama layout, grouped-query attention (8 query heads share 2 key/value heads), SwiGLU.
+DECODER = ["model=llama_tiny", "model.num_layers=8", "model.hidden_size=512", "model.num_heads=8",
+           "model.num_kv_heads=2", "model.intermediate_size=1376", "model.vocab_size=8192", "model.dropout=0.0"]
+
 
 def headline(per_round: list[float], target: float, lower_is_better: bool = False) -> dict:
     """`per_round`: the comparison's figure in each round (both contestants measured in it).

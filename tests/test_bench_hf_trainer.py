@@ -1,4 +1,5 @@
-"""scripts/bench_hf_trainer.py end to end on a tiny BERT: both contestants train the same steps."""
+"""scripts/bench_hf_trainer.py end to end on a tiny BERT and a tiny Llama-layout decoder: both
+contestants train the same steps."""
 
 import importlib
 from pathlib import Path
@@ -10,6 +11,10 @@ from tests.conftest import TINY_BERT
 pytest.importorskip("accelerate")  # transformers.Trainer needs it (the dev and bench extras install it)
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+TINY_DECODER = [
+    "model=llama_tiny", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.intermediate_size=64", "model.vocab_size=300", "data.seq_len=16", "data.num_samples=256",
+]
 
 
 @pytest.fixture
@@ -18,17 +23,21 @@ def bench(monkeypatch):
     return importlib.import_module("bench_hf_trainer")
 
 
-def test_relaytrain_and_trainer_train_the_same_steps(bench):
-    result = bench.compare(TINY_BERT, rounds=1, steps=2, warmup=0)
+@pytest.mark.parametrize(("name", "overrides"), [("baseline_vs_hf_trainer", TINY_BERT),
+                                                  ("decoder_baseline_vs_hf_trainer", TINY_DECODER)])
+def test_relaytrain_and_trainer_train_the_same_steps(bench, name, overrides):
+    assert name in bench.DEFAULT and name in bench.QUICK  # a comparison the script runs, under this headline
+    result = bench.compare(name, overrides, rounds=1, steps=2, warmup=0)
     (figures,) = result["rounds"]
     ours, theirs = figures["relaytrain"], figures["hf_trainer"]
     assert ours["samples_per_s"] > 0 and theirs["samples_per_s"] > 0
     assert len(ours["step_times_s"]) == len(theirs["step_times_s"]) == 2
     assert ours["peak_rss_bytes"] > 0 and theirs["peak_rss_bytes"] > 0
-    h = result["headlines"]["baseline_vs_hf_trainer"]
+    assert list(result["headlines"]) == [name]
+    h = result["headlines"][name]
     assert h["rounds"] == [ours["samples_per_s"] / theirs["samples_per_s"]] and h["target"] == bench.TARGET
-    # The same training: with dropout off (the tiny config), the same model, samples, order and
-    # optimizer give the same losses.
+    # The same training: with dropout off (the tiny configs), the same model, samples, order and
+    # optimizer give the same losses (the decoder's: both average over the minibatch's shifted labels).
     assert theirs["optimizer_as_relaytrain"]
     assert theirs["mean_loss"] == pytest.approx(ours["mean_loss"], rel=1e-5)
     assert theirs["threads"] == ours["threads"]
@@ -36,4 +45,4 @@ def test_relaytrain_and_trainer_train_the_same_steps(bench):
 
 def test_a_setting_trainer_would_not_reproduce_is_refused(bench):
     with pytest.raises(SystemExit, match="optim.name=sgd is not compared"):
-        bench.compare([*TINY_BERT, "optim=sgd"], rounds=1, steps=2, warmup=0)
+        bench.compare("baseline_vs_hf_trainer", [*TINY_BERT, "optim=sgd"], rounds=1, steps=2, warmup=0)
