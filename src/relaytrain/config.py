@@ -43,6 +43,7 @@ class Task(Choice):
 class Source(Choice):
     synthetic = "synthetic"
     jsonl = "jsonl"
+    chat = "chat"
     glue = "glue"
     wikitext = "wikitext"
 
@@ -66,6 +67,13 @@ class Device(Choice):
     cpu = "cpu"
     cuda = "cuda"
     meta = "meta"  # a dry run: the real strategy code on PyTorch's meta device, device memory simulated
+
+
+class SaveDtype(Choice):
+    auto = "auto"  # the checkpoint's own dtype (model.checkpoint_dtype), else float32
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 class Backend(Choice):
@@ -112,18 +120,19 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: Source = Source.synthetic  # where samples come from (set by the data= group)
-    path: str | None = None  # jsonl file, or a local `datasets` directory for glue/wikitext
+    path: str | None = None  # jsonl or chat file, or a local `datasets` directory for glue/wikitext
     name: str | None = None  # hub dataset config, e.g. "sst2" or "wikitext-2-raw-v1"
     split: str = "train"  # glue / wikitext: the split to train on
     text_field: str = "text"  # jsonl/hub: the text column(s), comma-separated for pairs
     label_field: str = "label"  # jsonl/hub: the label column (classification)
     seq_len: int = 128  # tokens per sample (longer ones are cut, shorter ones padded)
+    pack: bool = False  # chat: pack short records into rows of seq_len, each record attending only to itself
     shuffle: bool = True  # reshuffle every epoch (from data.seed: the same order whatever the strategy)
     seed: int = 1234  # data order, synthetic data, masking and the held-out draw
     num_samples: int = 4096  # synthetic: size of the generated set
     tokenizer: str | None = None  # a tokenizer directory; default: the model's, else one trained locally
     # held-out data for evaluation: one of these
-    eval_path: str | None = None  # jsonl: a file of held-out samples, in the training file's format
+    eval_path: str | None = None  # jsonl / chat: a file of held-out samples, in the training file's format
     eval_split: str | None = None  # glue / wikitext: the dataset's own split, e.g. validation
     eval_fraction: float = 0.0  # any source without the above: this share of the data, held out
 
@@ -198,6 +207,7 @@ class TrainConfig:
     seed: int = 0  # weight initialisation and dropout
     device: Device = Device.auto  # auto (cuda when visible, else cpu), cpu, cuda, or meta (a dry run: simulated device memory)
     save_model: bool = False  # write RUN_DIR/model, a Hugging Face save_pretrained directory
+    save_dtype: SaveDtype = SaveDtype.auto  # dtype of the saved weights; auto: the checkpoint's (model.pretrained), else float32
     warmup_steps: int = 2  # steps left out of the throughput figures
     log_every: int = 25  # plain-progress lines when not on a terminal
     threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: cores / workers)
@@ -221,6 +231,7 @@ class PlanConfig:
     device_memory_gb: float = 16.0  # memory of each device, GB (2**30 bytes)
     batch_size: int = 0  # the global minibatch in samples (0: strategy.microbatch_size x strategy.num_microbatches)
     device: str = "this"  # this (profile this machine) or a GPU profile: a name in configs/profiles/ or a JSON file
+    host_memory_gb: float = 0.0  # host memory of each machine, GB (2**30 bytes); 0: this machine's RAM with plan.device=this, else unlimited
     strategies: list[str] = field(default_factory=list)  # strategies to consider (empty: every registered one)
 
 
@@ -309,11 +320,14 @@ def _check_model(m, d) -> None:
 
 
 def _check_data(d) -> None:
-    if d.source == Source.jsonl:
+    if d.source in (Source.jsonl, Source.chat):  # read from a local JSONL file
         if not d.path:
-            raise ConfigError("data=jsonl needs a file: set data.path=/path/to/train.jsonl")
+            raise ConfigError(f"data={d.source} needs a file: set data.path=/path/to/train.jsonl")
         if not Path(d.path).expanduser().is_file():
             raise ConfigError(f"data.path={d.path} does not exist; point data.path at a JSONL file")
+    if d.pack and d.source != Source.chat:
+        raise ConfigError(f"data.pack=true packs chat records into rows; data={d.source} has none: "
+                          f"drop data.pack or use data=chat")
     if d.path and d.source in (Source.glue, Source.wikitext) and not Path(d.path).expanduser().exists():
         raise ConfigError(f"data.path={d.path} does not exist; give a `datasets` directory or drop data.path")
 
@@ -330,19 +344,19 @@ def _check_eval(cfg) -> None:
         raise ConfigError(f"{' and '.join(given)} both name held-out data; keep one")
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
-    if d.eval_path and d.source != Source.jsonl:
-        raise ConfigError(f"data.eval_path is a jsonl file for data=jsonl; for data={d.source} use "
+    if d.eval_path and d.source not in (Source.jsonl, Source.chat):
+        raise ConfigError(f"data.eval_path is a jsonl file for data=jsonl or chat; for data={d.source} use "
                           f"data.eval_split (e.g. validation) or data.eval_fraction")
     if d.eval_path and not Path(d.eval_path).expanduser().is_file():
         raise ConfigError(f"data.eval_path={d.eval_path} does not exist; point it at a JSONL file of held-out samples")
     if d.eval_split and d.source not in (Source.glue, Source.wikitext):
         raise ConfigError(f"data.eval_split names a split of a hub dataset (glue, wikitext); for data={d.source} "
-                          f"use data.eval_fraction{' or data.eval_path' if d.source == Source.jsonl else ''}")
+                          f"use data.eval_fraction{' or data.eval_path' if d.source in (Source.jsonl, Source.chat) else ''}")
     if e.every < 0 or e.max_batches < 0:
         raise ConfigError(f"eval.every={e.every} and eval.max_batches={e.max_batches} must be 0 or positive")
     if e.every and not has_held_out_data(d):
         raise ConfigError(f"eval.every={e.every} needs held-out data: set data.eval_fraction (e.g. 0.1), "
-                          f"data.eval_path (jsonl) or data.eval_split (glue, wikitext)")
+                          f"data.eval_path (jsonl, chat) or data.eval_split (glue, wikitext)")
     if cfg.train.keep_best:
         _check_keep_best(cfg)
 

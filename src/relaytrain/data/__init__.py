@@ -1,7 +1,8 @@
 """Data sources -> a `TokenDataset` -> a `MicroBatchLoader` of minibatches.
 
 `data.source` picks the source: `synthetic` (the embedded default), `jsonl` (a local file),
-`glue` / `wikitext` (the Hugging Face hub, or a local `datasets` directory via data.path).
+`chat` (conversations or instructions in a local file, `data/chat.py`), `glue` / `wikitext`
+(the Hugging Face hub, or a local `datasets` directory via data.path).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from relaytrain.data.dataset import MicroBatchLoader, TokenDataset, eval_batches
 from relaytrain.data.synthetic import synthetic_dataset
 from relaytrain.errors import ConfigError
 
-__all__ = ["MicroBatchLoader", "TokenDataset", "build_dataset", "build_datasets", "build_loader", "eval_batches"]
+__all__ = ["MicroBatchLoader", "TokenDataset", "build_dataset", "build_datasets", "build_loader", "data_facts",
+           "eval_batches"]
 
 
 def build_datasets(cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
@@ -24,6 +26,10 @@ def build_datasets(cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset,
     d, m = cfg.data, cfg.model
     if d.source == "synthetic":
         train, held_out = synthetic_dataset(m.task, d.num_samples, d.seq_len, m.vocab_size, m.num_labels, d.seed), None
+    elif d.source == "chat":
+        from relaytrain.data.chat import load_chat  # reads its file with the file sources' helpers
+
+        train, held_out = load_chat(cfg, tokenizer_dir)
     else:
         from relaytrain.data.sources import load_sources  # file and hub sources pull in `datasets`
 
@@ -38,6 +44,15 @@ def build_datasets(cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset,
 def build_dataset(cfg, tokenizer_dir: str | None = None) -> TokenDataset:
     """The training set `cfg.data` describes (see `build_datasets`)."""
     return build_datasets(cfg, tokenizer_dir)[0]
+
+
+def data_facts(train: TokenDataset, held_out: TokenDataset | None) -> dict:
+    """What reading the data found, for results.json: `{"data": {..., "eval": {...}}}` when the
+    source reports anything (chat: records kept, truncated, dropped), else nothing."""
+    facts = dict(train.facts)
+    if held_out is not None and held_out.facts:
+        facts["eval"] = dict(held_out.facts)
+    return {"data": facts} if facts else {}
 
 
 def build_loader(cfg, dataset: TokenDataset, replicas: int = 1) -> MicroBatchLoader:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,11 +16,17 @@ from relaytrain.models.layered import MicroBatch
 @dataclass
 class TokenDataset:
     """`input_ids` [N, S]; `labels` [N] (classification) or [N, S] (LM, -100 = ignored);
-    `attention_mask` [N, S] or None when no sample is padded."""
+    `attention_mask` [N, S] or None when no sample is padded; `position_ids` [N, S] when rows
+    hold packed records (positions restart at 0 where each starts), else None.
+
+    `facts`: what reading the source found that a run should report (records truncated or
+    dropped); it goes to results.json's `data`."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    facts: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -29,12 +35,16 @@ class TokenDataset:
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
+    def _rows(self, index: torch.Tensor) -> list[torch.Tensor | None]:
+        return [None if t is None else t[index]
+                for t in (self.input_ids, self.labels, self.attention_mask, self.position_ids)]
+
     def take(self, index: torch.Tensor) -> MicroBatch:
-        mask = None if self.attention_mask is None else self.attention_mask[index]
-        return MicroBatch(self.input_ids[index], self.labels[index], mask)
+        return MicroBatch(*self._rows(index))
 
     def subset(self, index: torch.Tensor) -> TokenDataset:
-        return TokenDataset(*(None if t is None else t[index] for t in (self.input_ids, self.labels, self.attention_mask)))
+        """These rows; `facts` stay with the whole (they describe reading the source)."""
+        return TokenDataset(*self._rows(index))
 
 
 def hold_out(dataset: TokenDataset, fraction: float, seed: int) -> tuple[TokenDataset, TokenDataset]:
@@ -45,7 +55,9 @@ def hold_out(dataset: TokenDataset, fraction: float, seed: int) -> tuple[TokenDa
     drawn = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + 7919))[:count]
     keep = torch.ones(len(dataset), dtype=torch.bool)
     keep[drawn] = False
-    return dataset.subset(keep.nonzero().squeeze(1)), dataset.subset(drawn.sort().values)
+    train = dataset.subset(keep.nonzero().squeeze(1))
+    train.facts = dataset.facts
+    return train, dataset.subset(drawn.sort().values)
 
 
 def eval_batches(dataset: TokenDataset, microbatch_size: int, group: int, max_microbatches: int = 0) -> list[list[MicroBatch]]:
@@ -69,9 +81,12 @@ def eval_batches(dataset: TokenDataset, microbatch_size: int, group: int, max_mi
 def _padded(mb: MicroBatch, rows: int) -> MicroBatch:
     missing = rows - mb.num_samples
     labels = torch.full((missing, *mb.labels.shape[1:]), IGNORE_INDEX, dtype=mb.labels.dtype)
-    fill = [t[:1].expand(missing, *t.shape[1:]) for t in (mb.input_ids, mb.attention_mask) if t is not None]
-    mask = None if mb.attention_mask is None else torch.cat([mb.attention_mask, fill[1]])
-    return MicroBatch(torch.cat([mb.input_ids, fill[0]]), torch.cat([mb.labels, labels]), mask)
+
+    def filled(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.cat([t, t[:1].expand(missing, *t.shape[1:])])
+
+    return MicroBatch(filled(mb.input_ids), torch.cat([mb.labels, labels]), filled(mb.attention_mask),
+                      filled(mb.position_ids))
 
 
 class MicroBatchLoader:

@@ -89,8 +89,19 @@ def _load_jsonl(cfg, tokenizer_dir: str | None) -> tuple[TokenDataset, TokenData
 def read_jsonl(cfg, file: str | None = None, key: str = "data.path") -> list[Sample]:
     """Every non-blank line of `file` (default data.path) as a checked `Sample`."""
     file = file if file is not None else cfg.data.path
+    samples = [_parse_line(cfg, line, where) for where, line in read_lines(file, key, cfg.data.source)]
+    if not samples:
+        raise ConfigError(
+            f"{key}={file} holds no samples (the file is empty or blank); write one JSON object per line, "
+            f'e.g. {{"{cfg.data.text_field.split(",")[0]}": "...", "{cfg.data.label_field}": 0}}'
+        )
+    return samples
+
+
+def read_lines(file: str | None, key: str, source: str) -> list[tuple[str, str]]:
+    """Every non-blank line of the JSONL file `key` names, with where it is ("PATH line N")."""
     if not file:
-        raise ConfigError("data=jsonl needs a file: set data.path=/path/to/train.jsonl")
+        raise ConfigError(f"data={source} needs a file: set {key}=/path/to/file.jsonl")
     path = Path(file).expanduser()
     try:
         raw_lines = path.read_bytes().splitlines()
@@ -98,7 +109,7 @@ def read_jsonl(cfg, file: str | None = None, key: str = "data.path") -> list[Sam
         raise ConfigError(
             f"{key}={file} cannot be read ({e.strerror}); point {key} at a JSONL file"
         ) from e
-    samples = []
+    lines = []
     for number, raw in enumerate(raw_lines, start=1):
         where = f"{path} line {number}"
         try:
@@ -106,13 +117,8 @@ def read_jsonl(cfg, file: str | None = None, key: str = "data.path") -> list[Sam
         except UnicodeDecodeError as e:
             raise ConfigError(f"{where}: not UTF-8 text ({e.reason}); save the file as UTF-8") from e
         if line.strip():
-            samples.append(_parse_line(cfg, line, where))
-    if not samples:
-        raise ConfigError(
-            f"{key}={file} holds no samples (the file is empty or blank); write one JSON object per line, "
-            f'e.g. {{"{cfg.data.text_field.split(",")[0]}": "...", "{cfg.data.label_field}": 0}}'
-        )
-    return samples
+            lines.append((where, line))
+    return lines
 
 
 def _parse_line(cfg, line: str, where: str) -> Sample:

@@ -7,6 +7,10 @@ Lookup order (the first that exists wins):
    the special-token ids the synthetic data uses) and byte-level BPE for GPT-2, sized to
    `model.vocab_size`.
 
+Chat data (`chat=True`) needs a chat template: there `data.tokenizer` comes first (it is how a
+user supplies a template the checkpoint's tokenizer lacks), and a tokenizer trained here gets
+ChatML's special tokens and template.
+
 Whatever is used is saved to `<tokenizer_dir>/tokenizer`, so a model saved from the run can
 be reloaded with the tokenizer it was trained with.
 """
@@ -25,16 +29,26 @@ from relaytrain.models.family import family_spec
 # Ids 0..4, in the order synthetic.py reserves them ([PAD]=0, [CLS]=1, [SEP]=2, [MASK]=3, [UNK]=4).
 BERT_SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")
 GPT2_EOS = "<|endoftext|>"
+# ChatML, as Qwen and many others use it: a turn is "<|im_start|>ROLE\nCONTENT<|im_end|>\n", and
+# the generation prompt opens an assistant turn. Any role renders, "tool" included.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Any one of these marks a directory that holds a tokenizer (fast, WordPiece, BPE or SentencePiece files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model")
 
 
-def load_tokenizer(cfg, corpus: Iterable[str], tokenizer_dir: str | None) -> PreTrainedTokenizerFast:
-    """The tokenizer for `cfg`, trained on `corpus` when none is configured; saved under tokenizer_dir."""
-    tokenizer = find_tokenizer(cfg)
+def load_tokenizer(
+    cfg, corpus: Iterable[str], tokenizer_dir: str | None, chat: bool = False
+) -> PreTrainedTokenizerFast:
+    """The tokenizer for `cfg`, trained on `corpus` when none is configured; saved under tokenizer_dir.
+    `chat`: it must have a chat template (see the module's docstring)."""
+    tokenizer = find_tokenizer(cfg, chat)
     if tokenizer is None:
         kind = family_spec(cfg.model.family).tokenizer
-        tokenizer = train_tokenizer(corpus, kind, cfg.model.vocab_size, cfg.model.max_seq_len)
+        tokenizer = train_tokenizer(corpus, kind, cfg.model.vocab_size, cfg.model.max_seq_len, chat)
         check_vocab_size(
             tokenizer, cfg.model.vocab_size, f"the tokenizer trained for model.family={cfg.model.family}"
         )
@@ -43,10 +57,11 @@ def load_tokenizer(cfg, corpus: Iterable[str], tokenizer_dir: str | None) -> Pre
     return tokenizer
 
 
-def find_tokenizer(cfg) -> PreTrainedTokenizerFast | None:
-    """The configured tokenizer (model.pretrained's, else data.tokenizer), or None when there is none."""
+def find_tokenizer(cfg, chat: bool = False) -> PreTrainedTokenizerFast | None:
+    """The configured tokenizer (model.pretrained's, else data.tokenizer; for `chat` data.tokenizer
+    first, and it must have a chat template), or None when there is none."""
     pretrained, configured = cfg.model.pretrained, cfg.data.tokenizer
-    if pretrained and _may_hold_tokenizer(pretrained):
+    if pretrained and _may_hold_tokenizer(pretrained) and not (chat and configured):
         key, location = "model.pretrained", pretrained
     elif configured:
         key, location = "data.tokenizer", configured
@@ -59,6 +74,11 @@ def find_tokenizer(cfg) -> PreTrainedTokenizerFast | None:
         return None
     tokenizer = _from_pretrained(location, key)
     check_vocab_size(tokenizer, cfg.model.vocab_size, f"the tokenizer of {key}={location}")
+    if chat and not tokenizer.chat_template:
+        raise ConfigError(
+            f"the tokenizer of {key}={location} has no chat template, which data=chat renders records with; "
+            f"set data.tokenizer=DIR to a tokenizer directory that has one (chat_template)"
+        )
     return tokenizer
 
 
@@ -103,15 +123,20 @@ TRAINERS = {}  # tokenizer kind (a family's `tokenizer`) -> its trainer, filled 
 
 
 def train_tokenizer(
-    corpus: Iterable[str], kind: str, vocab_size: int, max_length: int
+    corpus: Iterable[str], kind: str, vocab_size: int, max_length: int, chat: bool = False
 ) -> PreTrainedTokenizerFast:
     """A fresh tokenizer of `kind` ("wordpiece" or "byte_bpe", as the model family says) trained
     on `corpus`; at most `vocab_size` tokens, fewer when the corpus is small (byte-level BPE
-    never has fewer than 257)."""
+    never has fewer than 257). `chat`: with ChatML's special tokens and template (byte_bpe only)."""
     try:
         trainer = TRAINERS[kind]
     except KeyError:
         raise ConfigError(f"no tokenizer of kind {kind!r} can be trained here; kinds: {', '.join(TRAINERS)}") from None
+    if chat:
+        if kind != "byte_bpe":
+            raise ConfigError(f"data=chat needs a tokenizer with a chat template, and a {kind} tokenizer trained "
+                              f"here has none; set data.tokenizer=DIR to one that has")
+        return _train_byte_level_bpe(corpus, vocab_size, max_length, chat=True)
     return trainer(corpus, vocab_size, max_length)
 
 
@@ -180,7 +205,9 @@ def _alphabet(texts: list[str], normalizer, limit: int) -> list[str]:
     return sorted(sorted(counts, key=lambda char: (-counts[char], char))[:limit])
 
 
-def _train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
+def _train_byte_level_bpe(
+    corpus: Iterable[str], vocab_size: int, max_length: int, chat: bool = False
+) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -188,20 +215,24 @@ def _train_byte_level_bpe(corpus: Iterable[str], vocab_size: int, max_length: in
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[GPT2_EOS],
+        special_tokens=[GPT2_EOS, IM_START, IM_END] if chat else [GPT2_EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no unknown tokens
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus, trainer)
     # GPT-2 has a single special token; it doubles as padding (labels ignore padding by the mask).
-    return PreTrainedTokenizerFast(
+    # A chat model ends its turns with <|im_end|>: that is its end of sequence, where generation stops.
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=GPT2_EOS,
-        eos_token=GPT2_EOS,
+        eos_token=IM_END if chat else GPT2_EOS,
         unk_token=GPT2_EOS,
         pad_token=GPT2_EOS,
         model_max_length=max_length,
     )
+    if chat:
+        fast.chat_template = CHATML_TEMPLATE
+    return fast
 
 
 TRAINERS.update(wordpiece=_train_wordpiece, byte_bpe=_train_byte_level_bpe)

@@ -75,6 +75,7 @@ class DecoderBlock(Block):
 class LayeredDecoder(LayeredModel):
     family = "decoder"
     block_class = DecoderBlock
+    packs_records = True  # `context` hands packed position ids to the mask builder
 
     def __init__(self, hf_model: nn.Module, task: str):
         body, config = hf_model.model, hf_model.config
@@ -146,6 +147,11 @@ def _hf_config(m):
     except ValueError as err:
         raise ConfigError(f"model.model_type={m.model_type} is not a Hugging Face architecture this transformers "
                           f"knows; use e.g. llama, qwen2, qwen3, mistral, gemma2 or phi3") from err
+    # A fresh config keeps its architecture's default special ids (Phi-3's pad id is 32000),
+    # which a smaller vocabulary lacks: the embedding's padding row must be one of its rows.
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= m.vocab_size:
+            setattr(config, key, None)
     SPEC.set_dropout(config, m.dropout)
     return config
 

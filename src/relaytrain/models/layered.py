@@ -84,6 +84,8 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
 
     family: str = ""
     block_class: type[Block] = Block
+    # Whether `context` keeps records packed into one row apart by `MicroBatch.position_ids`.
+    packs_records: bool = False
 
     def __init__(self, hf_model: nn.Module, embed: nn.Module, blocks: list[nn.Module], head: nn.Module, task: str):
         super().__init__()

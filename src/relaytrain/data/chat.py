@@ -1,0 +1,247 @@
+"""Chat and instruction data (`data=chat`): conversations rendered with the tokenizer's chat
+template, the loss on the assistant's replies only.
+
+Each line of the file (data.path; data.eval_path for held-out data) is one record, in either form:
+
+- messages: `{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}, ...]}`
+  with roles system, user and assistant ("tool" too, where the template renders it);
+- alpaca: `{"instruction": "...", "input": "...", "output": "..."}` (input optional), read as a
+  user turn "instruction\\n\\ninput" and an assistant turn "output".
+
+Labels are the token ids of the replies and -100 everywhere else (the model shifts them). A
+reply is located by rendering the conversation prefix by prefix: the template up to the turn
+with the generation prompt is its prompt, the template up to and including the turn ends with
+the reply. So any template works, with or without `{% generation %}` markers; the reply is the
+content and the template's end-of-turn token, not the whitespace a template puts between turns.
+Turns after the last reply teach nothing and are left out.
+
+A record longer than data.seq_len is cut from the right and kept when a reply token survives,
+else dropped; both are counted in the dataset's `facts` (results.json's `data`). With
+data.pack=true, records are packed into rows of data.seq_len in file order, with position ids
+that restart at each record so that no record attends to another (see `pack_rows`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.sources import IGNORE_INDEX, pad_rows, read_lines, special_ids
+from relaytrain.data.tokenizer import load_tokenizer
+from relaytrain.errors import ConfigError
+from relaytrain.models.family import family_spec
+
+ROLES = ("system", "user", "assistant")
+TOOL = "tool"  # accepted where the chat template renders it (checked per record)
+REPLY = "assistant"
+EXAMPLE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+
+
+@dataclass
+class Record:
+    """One conversation, ending with an assistant turn; `where` ("PATH line N") for errors."""
+
+    where: str
+    messages: list[dict]
+
+
+def load_chat(cfg, tokenizer_dir: str | None) -> tuple[TokenDataset, TokenDataset | None]:
+    """The training set of data.path and the held-out set of data.eval_path (None without one),
+    rendered with one tokenizer: the configured one, or ChatML trained on the training records."""
+    _check_model(cfg)
+    files = [("data.path", cfg.data.path)] + ([("data.eval_path", cfg.data.eval_path)] if cfg.data.eval_path else [])
+    groups = [(key, read_records(file, key)) for key, file in files]
+    corpus = (text for record in groups[0][1] for m in record.messages for text in (m["role"], m["content"]))
+    tokenizer = load_tokenizer(cfg, corpus, tokenizer_dir, chat=True)
+    datasets = [encode_records(records, tokenizer, cfg.data.seq_len, cfg.data.pack, key) for key, records in groups]
+    return datasets[0], (datasets[1] if len(datasets) > 1 else None)
+
+
+def _check_model(cfg) -> None:
+    m = cfg.model
+    if str(m.task) != "causal_lm":
+        raise ConfigError(f"data=chat trains a causal LM on the assistant's replies, not model.task={m.task}; "
+                          f"use model.task=causal_lm with a model that has it (e.g. model=llama_tiny)")
+    if cfg.data.pack and not family_spec(m.family).layered.packs_records:
+        raise ConfigError(f"data.pack=true needs a model that keeps packed records apart by their positions, "
+                          f"which model.family={m.family} does not; drop data.pack")
+    if cfg.data.pack and str(cfg.train.device) == "meta":
+        raise ConfigError("data.pack=true reads packed records' positions, which a dry run (train.device=meta) "
+                          "does not have; drop data.pack for the dry run")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_records(file: str | None, key: str) -> list[Record]:
+    """Every non-blank line of `file` as a checked `Record`."""
+    records = [parse_record(line, where) for where, line in read_lines(file, key, "chat")]
+    if not records:
+        raise ConfigError(f"{key}={file} holds no records (the file is empty or blank); "
+                          f"write one JSON object per line, e.g. {EXAMPLE}")
+    return records
+
+
+def parse_record(line: str, where: str) -> Record:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); write one JSON object per line") from e
+    if isinstance(record, dict) and "messages" in record:
+        messages = _messages(record["messages"], where)
+    elif isinstance(record, dict) and ("instruction" in record or "output" in record):
+        messages = _alpaca(record, where)
+    else:
+        raise ConfigError(f"{where}: neither a 'messages' list nor an alpaca 'instruction'/'output' record; "
+                          f"write e.g. {EXAMPLE}")
+    if not any(m["role"] == REPLY for m in messages):
+        raise ConfigError(f"{where}: no assistant turn, so nothing to learn from; add the reply as "
+                          f'{{"role": "assistant", "content": "..."}}')
+    if messages[0]["role"] == REPLY:
+        raise ConfigError(f"{where}: the conversation opens with an assistant turn, which has no prompt; "
+                          f"start it with a user (or system) turn")
+    return Record(where, messages)
+
+
+def _messages(value, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: 'messages' must be a non-empty list of turns, e.g. {EXAMPLE}")
+    turns = []
+    for number, turn in enumerate(value, start=1):
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
+            raise ConfigError(f"{where}: message {number} is not a {{\"role\": ..., \"content\": ...}} object")
+        role = turn["role"]
+        if role not in (*ROLES, TOOL):
+            raise ConfigError(f"{where}: message {number} has unknown role {role!r}; use system, user or "
+                              f"assistant (or tool, where the chat template renders it)")
+        if not isinstance(turn.get("content"), str):
+            raise ConfigError(f"{where}: message {number} ({role}) needs its 'content' as text")
+        turns.append({"role": role, "content": turn["content"]})
+    return turns
+
+
+def _alpaca(record: dict, where: str) -> list[dict]:
+    def text(field: str, required: bool) -> str:
+        value = record.get(field, "")
+        if not isinstance(value, str) or (required and not value.strip()):
+            need = "non-empty text" if required else "text"
+            hint = "; add the reply as 'output'" if field == "output" else ""
+            raise ConfigError(f"{where}: alpaca '{field}' must be {need}{hint}")
+        return value
+
+    instruction, given, output = text("instruction", True), text("input", False), text("output", True)
+    prompt = f"{instruction}\n\n{given}" if given.strip() else instruction
+    return [{"role": "user", "content": prompt}, {"role": REPLY, "content": output}]
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render(tokenizer, record: Record) -> tuple[list[int], list[int]]:
+    """The record's token ids and labels: the ids on the assistant's replies, -100 elsewhere."""
+    last = max(i for i, m in enumerate(record.messages) if m["role"] == REPLY)
+    messages = record.messages[: last + 1]
+    text = _template(tokenizer, messages, False, record.where)
+    _check_tools_rendered(messages, text, record.where)
+    spans = [_reply_span(tokenizer, messages, i, text, record.where)
+             for i, m in enumerate(messages) if m["role"] == REPLY]
+    # apply_chat_template(tokenize=True) tokenizes its text exactly so: no special tokens added.
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    # A token is the reply's when its characters overlap a reply: one that starts in the prompt
+    # and ends in the reply (" Paris" after "Answer:") is what the model must produce.
+    labels = [token if any(start < end and stop > begin for begin, end in spans) else IGNORE_INDEX
+              for token, (start, stop) in zip(ids, encoded["offset_mapping"], strict=True)]
+    labels[0] = IGNORE_INDEX  # nothing predicts a record's first token, packed or not
+    return ids, labels
+
+
+def _template(tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{where}: the chat template refuses this conversation ({reason}); "
+                          f"fix the record or use data.tokenizer=DIR with a template that takes it") from e
+
+
+def _reply_span(tokenizer, messages: list[dict], turn: int, text: str, where: str) -> tuple[int, int]:
+    """Characters [begin, end) of the reply in turn `turn` within the whole conversation's `text`."""
+    prompt = _template(tokenizer, messages[:turn], True, where)
+    through = _template(tokenizer, messages[: turn + 1], False, where)
+    if not (text.startswith(through) and through.startswith(prompt)):
+        raise ConfigError(f"{where}: the chat template renders turn {turn + 1} differently once the conversation "
+                          f"goes on, so its reply cannot be located; split the record into one per reply")
+    # Whitespace after the end-of-turn token separates turns; generation stops before it.
+    return len(prompt), max(len(prompt), len(through.rstrip()))
+
+
+def _check_tools_rendered(messages: list[dict], text: str, where: str) -> None:
+    for number, m in enumerate(messages, start=1):
+        if m["role"] == TOOL and m["content"] not in text:
+            raise ConfigError(f"{where}: message {number} has role 'tool', which this chat template does not "
+                              f"render; drop the turn or use data.tokenizer=DIR with a template that renders it")
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def encode_records(records: list[Record], tokenizer, seq_len: int, pack: bool, key: str) -> TokenDataset:
+    """The records as rows of seq_len (packed or one per row), long ones cut or dropped and counted."""
+    kept, truncated, dropped = [], 0, 0
+    for record in records:
+        ids, labels = render(tokenizer, record)
+        if len(ids) > seq_len:
+            ids, labels = ids[:seq_len], labels[:seq_len]
+            if all(label == IGNORE_INDEX for label in labels):
+                dropped += 1
+                continue
+            truncated += 1
+        kept.append((ids, labels))
+    if not kept:
+        raise ConfigError(f"{key}: every record's first reply starts past data.seq_len={seq_len} tokens, so all "
+                          f"{dropped} were dropped; raise data.seq_len")
+    pad = special_ids(tokenizer).pad
+    dataset = pack_rows(kept, seq_len, pad) if pack else _one_per_row(kept, seq_len, pad)
+    dataset.facts = {"records": len(kept), "truncated": truncated, "dropped": dropped, "rows": len(dataset),
+                     "packed": pack}
+    return dataset
+
+
+def _one_per_row(records: list[tuple[list[int], list[int]]], seq_len: int, pad: int) -> TokenDataset:
+    ids, attention = pad_rows([r[0] for r in records], seq_len, pad)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    for row, (_, record_labels) in enumerate(records):
+        labels[row, : len(record_labels)] = torch.tensor(record_labels, dtype=torch.long)
+    return TokenDataset(ids, labels, attention)
+
+
+def pack_rows(records: list[tuple[list[int], list[int]]], seq_len: int, pad: int) -> TokenDataset:
+    """Records (each at most seq_len) packed in order into rows of seq_len: a record that does not
+    fit the current row starts the next. Position ids restart at 0 at every record, which is how
+    the model's mask keeps records apart (Hugging Face reads packing from them only when there is
+    no attention mask, so there is none); a row's unused tail is padding, one more segment of its
+    own whose labels are -100, so it changes nothing the records compute."""
+    rows: list[list[tuple[list[int], list[int]]]] = [[]]
+    for record in records:
+        if sum(len(ids) for ids, _ in rows[-1]) + len(record[0]) > seq_len:
+            rows.append([])
+        rows[-1].append(record)
+    ids = torch.full((len(rows), seq_len), pad, dtype=torch.long)
+    labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    for row, packed in enumerate(rows):
+        start = 0
+        for record_ids, record_labels in packed:
+            end = start + len(record_ids)
+            ids[row, start:end] = torch.tensor(record_ids, dtype=torch.long)
+            labels[row, start:end] = torch.tensor(record_labels, dtype=torch.long)
+            positions[row, start:end] = torch.arange(len(record_ids))
+            start = end
+        positions[row, start:] = torch.arange(seq_len - start)
+    return TokenDataset(ids, labels, None, positions)
