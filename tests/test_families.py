@@ -151,3 +151,17 @@ def test_the_decoder_family_takes_no_bert_checkpoint():
 
     assert family_spec("decoder").refuses(BertConfig()) is not None
     assert family_spec("bert").refuses(BertConfig()) is None
+
+
+def test_a_decoder_dry_run_on_padded_chat_data(tmp_path):
+    """Padded micro-batches carry a mask whose values the meta device has not: the dry run
+    builds the mask a GPU would instead of asking whether every token is real."""
+    from pathlib import Path
+
+    examples = Path(__file__).parent.parent / "examples" / "chat.jsonl"
+    assert main(["train", "model=llama_tiny", "model.num_layers=2", "data=chat", f"data.path={examples}",
+                 "data.seq_len=64", "train.device=meta", "train.steps=2", "train.warmup_steps=0",
+                 f"hydra.run.dir={tmp_path}"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    device = results["memory"]["device"]
+    assert device["simulated"] and device["peak_allocated_bytes"] > 0

@@ -7,12 +7,18 @@ computes attention with the memory-efficient kernel's own operator, whose meta k
 allocates exactly what the GPU's does, registered with Hugging Face as the attention
 implementation `relaytrain_dry_run` (masks made as for sdpa). Only `build_model` on the meta
 device uses it.
+
+Grouped-query attention (fewer key/value heads than query heads) repeats the key and value
+heads to the query's count first, as Hugging Face's sdpa path does whenever it cannot hand
+the grouping to the kernel: the memory-efficient kernel takes equal head counts only (its
+backward returns gradients of the query's width), and the repeated copies are what it keeps.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "relaytrain_dry_run"
@@ -21,6 +27,8 @@ NAME = "relaytrain_dry_run"
 def efficient_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                         is_causal=None, **kwargs):
     """Hugging Face's attention-function contract: (batch, seq, heads, dim) output, no weights."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # grouped-query attention: n_rep = 1 is a no-op
     causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True))
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     bias = None
@@ -35,4 +43,13 @@ def efficient_attention(module, query, key, value, attention_mask, dropout: floa
 
 
 AttentionInterface.register(NAME, efficient_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)
+def padded_mask(*args, attention_mask=None, **kwargs):
+    """sdpa's mask, except that a micro-batch with a padding mask is taken as padded: Hugging Face
+    skips the mask only when every token is real, a check that reads values, which the meta device
+    has none of. A GPU then builds the mask, and so does the dry run."""
+    if attention_mask is not None:
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+AttentionMaskInterface.register(NAME, padded_mask)
