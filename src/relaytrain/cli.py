@@ -4,12 +4,13 @@
     relaytrain schedule [KEY=VALUE ...]                 print a pipeline schedule's timeline
     relaytrain report PATH...                           compare runs and sweeps
     relaytrain plan [KEY=VALUE ...]                     which strategy and shape fit your devices
+    relaytrain generate model.pretrained=DIR prompt=... what a saved model answers to a prompt
 
 Bad input never reaches the training code: the overrides are composed and checked first,
 and any problem ends with one line on stderr naming the key and the fix, exit code 2, no
 traceback (set HYDRA_FULL_ERROR=1 for one). This module only reads arguments and hands them
-on: the trainer (`train`), the planner (`plan`, `estimate`), the report (`report`) and the
-schedule view (`strategies.pipeline.view`) do the work.
+on: the trainer (`train`), the planner (`plan`, `estimate`), the report (`report`), the
+schedule view (`strategies.pipeline.view`) and `generate` do the work.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ Usage:
   relaytrain schedule [KEY=VALUE ...] [--out FILE]    show a pipeline schedule as a timeline
   relaytrain report PATH... [--sort KEY] [--json]     compare runs and sweeps: a table, summary.csv, plots
   relaytrain plan [KEY=VALUE ...] [--out DIR]         which strategy and shape fit your devices (predicted)
+  relaytrain generate model.pretrained=DIR prompt=TEXT [KEY=VALUE ...]   what a saved model answers
   relaytrain --version
 
 Strategies (strategy=NAME): {strategies}.
@@ -46,6 +48,7 @@ Examples:
   relaytrain train strategy=pipe_2bw strategy.stages=2 strategy.replicas=2
   relaytrain train strategy=l2l strategy.replicas=2
   relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8 [--out t.svg]
+  relaytrain generate model.pretrained=outputs/DATE/TIME/model prompt="What is 2+2?"
 """
 
 SCHEDULE_USAGE = "relaytrain schedule [KEY=VALUE ...] [--schedule NAME] [--batches N] [--out FILE.svg|.png]"
@@ -123,6 +126,33 @@ Plots (throughput_vs_memory.png, loss_curves.png, throughput_vs_KEY.png per nume
 need matplotlib: pip install 'relaytrain[plot]'.
 """
 
+GENERATE_USAGE = "relaytrain generate model.pretrained=DIR prompt=TEXT [KEY=VALUE ...]"
+GENERATE_HELP = f"""\
+usage: {GENERATE_USAGE}
+
+Print what a causal language model answers to a prompt: only the new text. DIR is a Hugging
+Face directory with its tokenizer, such as a run's RUN_DIR/model (train.save_model=true).
+Decoding is Hugging Face's own `generate`, on the GPU when there is one, the weights in the
+dtype they were saved in.
+
+keys:
+  model.pretrained=DIR   the model directory (required)
+  prompt=TEXT            what the model answers (required, not empty)
+  max_new_tokens=N       tokens to generate at most (default 64)
+  chat=auto|true|false   auto (default): put the prompt in a user turn of the tokenizer's chat
+                         template, ready for the assistant's answer, when it has one;
+                         false: continue the raw text
+  do_sample=true|false   false (default): greedy, the same answer every time; true: sample
+  temperature=T          sampling only: T > 0 (default: the model's generation config)
+  top_p=P                sampling only: nucleus mass, 0 < P <= 1 (default: the model's generation config)
+  seed=S                 what sampling draws from (default 0: the same command, the same text)
+
+examples:
+  relaytrain generate model.pretrained=outputs/2025-01-01/12-00-00/model prompt="What is 2+2?"
+  relaytrain generate model.pretrained=runs/sft/model prompt="Tell me a story" do_sample=true temperature=0.8 seed=1
+  relaytrain generate model.pretrained=runs/lm/model prompt="Once upon a time" chat=false max_new_tokens=32
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -137,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"relaytrain {__version__}")
         return 0
-    commands = {"train": _train, "schedule": _schedule, "report": _report, "plan": _plan}
+    commands = {"train": _train, "schedule": _schedule, "report": _report, "plan": _plan, "generate": _generate}
     if command not in commands:
         _fail(f"unknown command {command!r}; use `relaytrain {'`, `relaytrain '.join(commands)}` "
               f"(see relaytrain --help)")
@@ -393,6 +423,20 @@ def _report(args: list[str]) -> int:
 
     compare_runs(paths, out=options.get("--out"), sort=options.get("--sort"), filters=options.get("--filter", []),
                  as_json=bool(options.get("--json")))
+    return 0
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def _generate(args: list[str]) -> int:
+    options, items = parse_args(args, GENERATE_USAGE)
+    if options.get("--help"):
+        print(GENERATE_HELP, end="")
+        return 0
+    from relaytrain.generate import generate, parse_request
+
+    print(generate(parse_request(items)))
     return 0
 
 

@@ -22,7 +22,7 @@ import transformers
 
 from relaytrain import checkpoint, elastic, failpoints, metrics, runlog
 from relaytrain.compose import validate
-from relaytrain.data import TokenDataset, build_datasets, build_loader, eval_batches
+from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
 from relaytrain.display import StepProgress, print_one_line, print_results_table
 from relaytrain.errors import Aborted, ConfigError, Interrupted, TrainingDiverged
 from relaytrain.evaluation import better
@@ -358,13 +358,19 @@ class Trainer:
         measured = self.history["step_times"][self.first + self.cfg.train.warmup_steps:]
         results = assemble_results(self.cfg, self.cls, self.history, measured, reports, self.world, self.job.overrides)
         results.update(elastic.results_entry(self.job.run_dir))
+        results.update(data_facts(self.job.dataset, self.job.eval_dataset))  # e.g. chat records cut or dropped
         write_results(self.job.run_dir, results)
         return results
 
 
+SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Path:
-    """Hugging Face `save_pretrained` into run_dir/model, loadable by AutoModel*.from_pretrained,
-    from the weights every process holds (by name); the run's trained tokenizer travels with it."""
+    """Hugging Face `save_pretrained` into run_dir/model, loadable as it is by AutoModel*.from_pretrained,
+    AutoTokenizer.from_pretrained and `relaytrain generate`: the weights every process holds (by
+    name) in train.save_dtype, the run's tokenizer with its chat template, and a generation config
+    that stops where the tokenizer ends a turn."""
     merged = {name: t for weights in gathered if weights is not None for name, t in weights.items()}
     # One process whose model holds plain, whole tensors: write them; otherwise a fresh model
     # (a pipeline stage holds part of the model, a sharded strategy parts of every tensor).
@@ -376,10 +382,78 @@ def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Pat
                 raise ConfigError(f"no process holds the weights of {name}; the model cannot be saved")
             p.copy_(merged[name])
     out = run_dir / "model"
+    tokenizer = _run_tokenizer(cfg, run_dir)
+    if tokenizer is not None and hf_model.can_generate():
+        _set_special_ids(hf_model.generation_config, tokenizer, hf_model.get_input_embeddings().num_embeddings,
+                         inherited=bool(cfg.model.pretrained))
+    dtype = save_dtype(cfg)
     transformers.utils.logging.disable_progress_bar()  # one shard of a small model: a bar is noise
-    hf_model.save_pretrained(out)
-    tokenizer = run_dir / "tokenizer"
-    if tokenizer.is_dir():  # a tokenizer trained for this run travels with the model
-        for f in tokenizer.iterdir():
-            (out / f.name).write_bytes(f.read_bytes())
+    hf_model.save_pretrained(out, state_dict=_cast_state(hf_model, SAVE_DTYPES[dtype]))
+    # save_pretrained records the dtype of the model in memory (the fp32 masters); the files hold `dtype`.
+    hf_model.config.dtype = dtype
+    hf_model.config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     return out
+
+
+def save_dtype(cfg) -> str:
+    """train.save_dtype with `auto` resolved: the checkpoint's dtype (users get back what they
+    started from, e.g. bfloat16), else float32, the dtype the masters trained in."""
+    chosen = str(cfg.train.save_dtype)
+    if chosen != "auto":
+        return chosen
+    return cfg.model.checkpoint_dtype if cfg.model.checkpoint_dtype in SAVE_DTYPES else "float32"
+
+
+def _cast_state(hf_model, dtype: torch.dtype) -> dict:
+    """The model's state dict with floating tensors in `dtype`. A tied weight stays one tensor
+    under both names: save_pretrained finds ties by shared storage and writes them once."""
+    cast: dict[int, torch.Tensor] = {}
+    state = {}
+    for name, t in hf_model.state_dict(keep_vars=True).items():
+        if id(t) not in cast:
+            cast[id(t)] = t.detach().to(dtype) if t.is_floating_point() else t.detach()
+        state[name] = cast[id(t)]
+    return state
+
+
+def _run_tokenizer(cfg, run_dir: Path):
+    """The tokenizer the saved model travels with: the one the run's data used (RUN_DIR/tokenizer),
+    else model.pretrained's (synthetic data reads no tokenizer); None when there is neither."""
+    from transformers import AutoTokenizer
+
+    from relaytrain.data.tokenizer import TOKENIZER_FILES
+
+    source = run_dir / "tokenizer"
+    if not source.is_dir():
+        if not cfg.model.pretrained:
+            return None
+        pretrained = Path(cfg.model.pretrained).expanduser()
+        if pretrained.is_dir() and not any((pretrained / f).is_file() for f in TOKENIZER_FILES):
+            return None
+        source = pretrained if pretrained.is_dir() else cfg.model.pretrained  # a hub id, while online
+    try:
+        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as err:  # a tokenizer it cannot read must not cost the trained weights
+        print(f"train.save_model: the model is saved without a tokenizer: {source}'s could not be loaded "
+              f"({str(err).splitlines()[0] if str(err) else type(err).__name__})", flush=True)
+        return None
+
+
+def _set_special_ids(generation, tokenizer, vocab_size: int, inherited: bool) -> None:
+    """The tokenizer's bos/pad ids into the generation config, and its eos among the ids generation
+    stops at. A checkpoint's own stop ids (`inherited`) are kept too: chat models often stop at
+    several (end of turn, end of text); a model built here had only the architecture's defaults,
+    which need not be tokens of the tokenizer trained for it."""
+    for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
+        ours = getattr(tokenizer, key)
+        if ours is None or not 0 <= ours < vocab_size:
+            continue
+        if key != "eos_token_id":
+            setattr(generation, key, ours)
+            continue
+        given = generation.eos_token_id if inherited else None
+        given = [given] if isinstance(given, int) else list(given or [])
+        others = [i for i in given if i != ours and 0 <= i < vocab_size]
+        generation.eos_token_id = [ours, *others] if others else ours

@@ -30,7 +30,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from relaytrain.errors import ConfigError
 from relaytrain.models.family import BlockShape, Family, register_family
-from relaytrain.models.layered import Block, LayeredModel, MicroBatch
+from relaytrain.models.layered import NO_CACHE, Block, LayeredModel, MicroBatch
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASKS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
@@ -96,7 +96,7 @@ class LayeredDecoder(LayeredModel):
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         used = sorted({block.layer_type for block in self.blocks})
         masks = {kind: MASKS[kind](config=self.hf_config, inputs_embeds=hidden, attention_mask=mb.attention_mask,
-                                   cache=None, position_ids=mb.position_ids) for kind in used}
+                                   position_ids=mb.position_ids, **NO_CACHE) for kind in used}
         if self._rope_per_type:
             rope = {kind: self.rotary(hidden, positions, kind) for kind in used}
         else:
@@ -153,6 +153,10 @@ def _hf_config(m):
         if isinstance(getattr(config, key, None), int) and getattr(config, key) >= m.vocab_size:
             setattr(config, key, None)
     SPEC.set_dropout(config, m.dropout)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an architecture's default ids (Phi-3 pads
+        token = getattr(config, key, None)                        # with 32000) may lie past a small vocabulary
+        if isinstance(token, int) and token >= m.vocab_size:
+            setattr(config, key, None)
     return config
 
 

@@ -8,7 +8,7 @@ from transformers import GPT2Config
 from transformers.masking_utils import create_causal_mask
 
 from relaytrain.models.family import BlockShape, Family, register_family
-from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.models.layered import NO_CACHE, LayeredModel, MicroBatch
 
 
 class GPT2Embed(nn.Module):
@@ -46,7 +46,7 @@ class LayeredGPT2(LayeredModel):
             config=self.hf_config,
             inputs_embeds=hidden,
             attention_mask=mb.attention_mask,
-            cache=None,
+            **NO_CACHE,
             position_ids=None,
         )
         return {"attention_mask": mask}

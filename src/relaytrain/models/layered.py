@@ -12,14 +12,20 @@ tokens.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABCMeta, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
+from transformers.masking_utils import create_causal_mask
 
 from relaytrain.evaluation import EvalStats
+
+# The mask builders' "no KV cache" argument: `cache=None` from transformers 5.24 on, where
+# `past_key_values` is deprecated; `past_key_values=None` before (the GPU images carry 5.17).
+NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None}
 
 
 @dataclass

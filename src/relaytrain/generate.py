@@ -1,0 +1,205 @@
+"""`relaytrain generate`: what a saved model answers to a prompt.
+
+    relaytrain generate model.pretrained=DIR prompt="What is 2+2?" [max_new_tokens=64] [chat=auto]
+                        [do_sample=true temperature=0.7 top_p=0.9 seed=0]
+
+DIR is a Hugging Face causal-LM directory with its tokenizer: a run's RUN_DIR/model
+(`train.save_model=true`), or any checkpoint `relaytrain train model.pretrained=DIR` takes.
+Hugging Face's own `generate` decodes, on the GPU when there is one, so what this prints is
+what anyone who loads the directory with transformers gets. Only the new text is printed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from relaytrain.errors import ConfigError
+
+KEYS = ("model.pretrained", "prompt", "max_new_tokens", "do_sample", "temperature", "top_p", "seed", "chat")
+CHAT = ("auto", "true", "false")
+BOOLEANS = {"true": True, "false": False}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One `relaytrain generate` call, checked."""
+
+    model: str
+    prompt: str
+    max_new_tokens: int = 64
+    do_sample: bool = False  # false: greedy, the same text every time
+    temperature: float | None = None  # sampling only; None: the model's generation config decides
+    top_p: float | None = None
+    seed: int = 0  # sampling draws from it: the same command prints the same text
+    chat: str = "auto"  # auto: the tokenizer's chat template when it has one
+
+
+def parse_request(items: list[str]) -> Request:
+    """The KEY=VALUE arguments of `relaytrain generate`, each checked; a mistake is one line."""
+    given: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"{item!r} is not KEY=VALUE; e.g. prompt=\"What is 2+2?\" (see relaytrain generate --help)")
+        if key not in KEYS:
+            raise ConfigError(f"unknown key {key!r} for relaytrain generate; keys: {', '.join(KEYS)}")
+        given[key] = value
+    if not given.get("model.pretrained"):
+        raise ConfigError("model.pretrained=DIR is required: a run's model/ directory (train.save_model=true) "
+                          "or another Hugging Face causal-LM directory")
+    if not given.get("prompt", "").strip():
+        raise ConfigError("prompt is empty; give the text the model answers, e.g. prompt=\"What is 2+2?\"")
+    do_sample = _choice(given, "do_sample", "false", BOOLEANS)
+    for key in ("temperature", "top_p"):
+        if key in given and not do_sample:
+            raise ConfigError(f"{key}={given[key]} shapes sampling, and decoding is greedy; add do_sample=true "
+                              f"or drop {key}")
+    return Request(
+        model=given["model.pretrained"],
+        prompt=given["prompt"],
+        max_new_tokens=_number(given, "max_new_tokens", int, 64, lambda v: v >= 1, "a positive integer"),
+        do_sample=do_sample,
+        temperature=_number(given, "temperature", float, None, lambda v: v > 0, "a positive number"),
+        top_p=_number(given, "top_p", float, None, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        seed=_number(given, "seed", int, 0, lambda v: v >= 0, "an integer >= 0"),
+        chat=str(_choice(given, "chat", "auto", {c: c for c in CHAT})),
+    )
+
+
+def _number(given: dict, key: str, kind: type, default, valid, what: str):
+    if key not in given:
+        return default
+    try:
+        value = kind(given[key])
+    except ValueError:
+        value = None
+    if value is None or (kind is float and not math.isfinite(value)) or not valid(value):
+        raise ConfigError(f"{key}={given[key]} must be {what}")
+    return value
+
+
+def _choice(given: dict, key: str, default: str, choices: dict):
+    value = given.get(key, default).lower()
+    if value not in choices:
+        raise ConfigError(f"{key}={given[key]} must be one of {', '.join(choices)}")
+    return choices[value]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load(path: str):
+    """The causal LM and its tokenizer in `path`, the weights in the dtype they were saved in."""
+    from transformers import AutoModelForCausalLM
+
+    from relaytrain.models.pretrained import checkpoint_task, load_hf_config
+
+    config = load_hf_config(path)  # one line for a directory without config.json, or a model that brings code
+    task = checkpoint_task(config)
+    if task != "causal_lm":
+        raise ConfigError(f"model.pretrained={path} holds a {', '.join(config.architectures or [config.model_type])} "
+                          f"({task or 'no head'}); generate needs a causal language model (model.task=causal_lm)")
+    tokenizer = load_tokenizer(path)
+    quiet = _quiet_transformers()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(_local_or_id(path), dtype="auto")
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.pretrained={path}: its weights could not be loaded ({_first_line(err)})") from err
+    finally:
+        quiet()
+    return model.eval(), tokenizer
+
+
+def load_tokenizer(path: str):
+    """The tokenizer saved beside the model; generation needs one to read the prompt and write the answer."""
+    from transformers import AutoTokenizer
+
+    from relaytrain.data.tokenizer import TOKENIZER_FILES
+
+    local = Path(path).expanduser()
+    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"model.pretrained={path} has no tokenizer; save one beside the model (tokenizer."
+                          f"save_pretrained), or train on text data or from a checkpoint that has one")
+    try:
+        return AutoTokenizer.from_pretrained(_local_or_id(path))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.pretrained={path}: its tokenizer could not be loaded ({_first_line(err)})") from err
+
+
+def _local_or_id(path: str) -> str:
+    local = Path(path).expanduser()
+    return str(local) if local.exists() else path
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def _quiet_transformers():
+    """Hugging Face's loading bars and notices off (stdout carries only the answer); returns what restores them."""
+    from transformers.utils import logging
+
+    bars, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+    def restore() -> None:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+    return restore
+
+
+# ----------------------------------------------------------------------------- generating
+
+
+def prompt_ids(tokenizer, prompt: str, chat: str) -> torch.Tensor:
+    """The prompt as a [1, length] id tensor: a user turn in the tokenizer's chat template, ready for
+    the assistant's answer (chat=auto when there is a template, chat=true), or the raw text."""
+    templated = chat == "true" or (chat == "auto" and tokenizer.chat_template)
+    if chat == "true" and not tokenizer.chat_template:
+        raise ConfigError("chat=true needs a tokenizer with a chat template, and this one has none; "
+                          "use chat=false to continue the raw text")
+    if not templated:
+        return tokenizer(prompt, return_tensors="pt")["input_ids"]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    # The template writes every special token it wants (a BOS among them); adding them again would double them.
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+
+def new_token_ids(request: Request, model, tokenizer) -> torch.Tensor:
+    """The ids `model.generate` adds to the prompt (1-D), decoded as `request` says."""
+    from transformers import set_seed
+
+    device = next(model.parameters()).device
+    ids = prompt_ids(tokenizer, request.prompt, request.chat).to(device)
+    options: dict = {"max_new_tokens": request.max_new_tokens, "do_sample": request.do_sample}
+    if request.do_sample:
+        options.update({k: v for k, v in (("temperature", request.temperature), ("top_p", request.top_p))
+                        if v is not None})
+    else:  # greedy: a checkpoint's sampling settings (Qwen's, Llama's) do not apply, and would be warned about
+        options.update(temperature=None, top_p=None, top_k=None)
+    if model.generation_config.pad_token_id is None:  # one prompt, no padding: any id will do, eos is customary
+        options["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    set_seed(request.seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **options)
+    return out[0, ids.shape[1]:]
+
+
+def device() -> torch.device:
+    """Where generation runs: the GPU when there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def generate(request: Request) -> str:
+    """The model's answer to the prompt: only the new text, special tokens left out."""
+    model, tokenizer = load(request.model)
+    model.to(device())
+    return tokenizer.decode(new_token_ids(request, model, tokenizer), skip_special_tokens=True)
