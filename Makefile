@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-gpu bench lint install clean
+.PHONY: demo test test-slow test-gpu bench lint install clean gpu-wheels gpu-install bench-gpu
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,8 +39,45 @@ test: $(VENV)/.installed-dev
 test-slow: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
-test-gpu: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
+# GPU acceptance run (docs/benchmarks.md, "GPU acceptance run"). Here, online: `make gpu-wheels`
+# gathers into .whl/ what the GPU machine lacks. There, offline, in one command each:
+# `make gpu-install test-gpu` and `make gpu-install bench-gpu`. gpu-install uses that machine's
+# own interpreter (GPU_PY, which holds its CUDA torch) and installs into GPU_SITE with --target:
+# no venv, no TORCH_SPEC, no index. Its python3 is itself a venv, where --user would be ignored.
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/relaytrain-gpu-site
+GPU_WHEELS ?= .whl
+BENCH_GPU_OUT ?= bench_gpu.json
+BENCH_GPU_ARGS ?=
+# The interpreter test-gpu and bench-gpu run: the checkout's venv where there is one or where
+# gpu-install has not run (CPU machines, CI), else GPU_PY over GPU_SITE (the GPU machine: .venv
+# is ignored by git, so it never travels there). An existing venv is asked about CUDA before
+# anything is installed into it, so a CPU machine only prints that it has no GPU.
+GPU_PYTHON = if [ -x $(BIN)/python ] || [ ! -d $(GPU_SITE)/relaytrain ]; then \
+	  [ -x $(BIN)/python ] || $(MAKE) --no-print-directory -s $(VENV)/.installed-dev || exit; \
+	  py=$(BIN)/python; venv=1; \
+	else py="env PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY)"; venv=; fi
+# Exit 3 with one line where torch sees no CUDA device: the target then reports it and passes.
+NO_CUDA = import sys, torch; ok = torch.cuda.is_available(); \
+	ok or print(f"{sys.argv[1]}: no CUDA device visible to torch {torch.__version__} here; nothing run"); \
+	sys.exit(0 if ok else 3)
+
+test-gpu:
+	@$(GPU_PYTHON); $$py -c '$(NO_CUDA)' $@; rc=$$?; [ $$rc -eq 3 ] && exit 0; [ $$rc -eq 0 ] || exit $$rc; \
+	[ -z "$$venv" ] || $(MAKE) --no-print-directory -s $(VENV)/.installed-dev || exit; \
+	$$py -m pytest -q -m gpu $(PYTEST_ARGS)
+
+gpu-wheels: $(VENV)/.installed
+	$(BIN)/python scripts/gpu_wheels.py $(GPU_WHEELS)
+
+gpu-install:
+	$(GPU_PY) scripts/gpu_wheels.py --check $(GPU_WHEELS)
+	$(GPU_PY) -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile \
+	  --no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
+	PYTHONPATH=$(GPU_SITE) $(GPU_PY) scripts/gpu_wheels.py --verify
+
+bench-gpu:
+	@$(GPU_PYTHON); $$py scripts/bench_gpu.py --out $(BENCH_GPU_OUT) $(BENCH_GPU_ARGS)
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python scripts/bench.py

@@ -1,0 +1,201 @@
+"""The GPU acceptance benchmark: L2L on a Llama-layout decoder of real width, on one CUDA device.
+
+For 8, 16 and 32 blocks of a decoder of the Llama layout (default: hidden 2048, 32 query heads
+and 8 key/value heads of width 64, SwiGLU width 8192, as Llama 3.2 1B; a 32,000-word vocabulary),
+one table row per run:
+- L2L (cross mixed precision cmp_bf16, AdamW in the eager param server): model TFLOP/s, the share
+  of the step spent waiting for host-to-device transfers (the strategy's `transfer_wait_s`) and
+  the share the EPS's work stays exposed after overlapping with backward (`eps.exposed_s`), both
+  over the sum of step times; device memory from torch.cuda.max_memory_allocated (the L2L paper's
+  claim: flat in depth);
+- the same model under fsdp with its shards and optimizer on the host (strategy.offload=host) and
+  under the baseline (block recompute), both amp_bf16, where they fit ("out of memory" otherwise).
+
+Runs go through relaytrain's Python API (compose_config, train.run), L2L first at every depth,
+then the baseline, then fsdp; a run that would start after `--budget-s` is listed as not run, so
+the whole benchmark ends inside one 10-minute device call on an H100. The table is printed as
+markdown after every run and written, as JSON, to `--out` (partial results survive a kill).
+
+    make gpu-install bench-gpu BENCH_GPU_OUT=$OUT/bench_gpu.json      # on the GPU machine
+    .venv/bin/python scripts/bench_gpu.py --out bench_gpu.json          # any CUDA machine
+
+Without a CUDA device it prints one line and exits 0 (`--cpu-smoke` runs tiny sizes on the CPU
+instead, to check the script itself: its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, help="write the table as JSON here")
+    p.add_argument("--depths", default="8,16,32", help="block counts, comma-separated")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3, help="steps per run, the first a warm-up left out of throughput")
+    p.add_argument("--l2l-precision", default="cmp_bf16")
+    p.add_argument("--precision", default="amp_bf16", help="the baseline's and fsdp's")
+    p.add_argument("--optim", default="adamw")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no run after this many seconds (the device call allows 600 in all)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU: checks the script, not the GPU")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.depths, args.hidden, args.heads, args.kv_heads, args.head_dim = "2,4", 32, 4, 2, 8
+        args.intermediate, args.vocab, args.seq_len, args.microbatch_size, args.microbatches = 64, 300, 16, 2, 2
+    return args
+
+
+def runs(args) -> list[tuple[str, int, list[str]]]:
+    """(strategy, blocks, overrides) in the order they run: L2L at every depth first (the claim
+    under test), then the contestants."""
+    depths = [int(d) for d in args.depths.split(",")]
+    contestants = [("l2l", [f"precision={args.l2l_precision}"]),
+                   ("baseline", [f"precision={args.precision}", "strategy.recompute=block"]),
+                   ("fsdp", [f"precision={args.precision}", "strategy.replicas=1", "strategy.offload=host"])]
+    return [(name, blocks, extra) for name, extra in contestants for blocks in depths]
+
+
+def overrides(args, name: str, blocks: int, extra: list[str]) -> list[str]:
+    samples = args.microbatch_size * args.microbatches * args.steps
+    return [
+        "model=llama_tiny", f"model.num_layers={blocks}", f"model.hidden_size={args.hidden}",
+        f"model.num_heads={args.heads}", f"model.num_kv_heads={args.kv_heads}", f"model.head_dim={args.head_dim}",
+        f"model.intermediate_size={args.intermediate}", f"model.vocab_size={args.vocab}",
+        f"model.max_seq_len={args.seq_len}", f"data.seq_len={args.seq_len}", f"data.num_samples={samples}",
+        f"strategy={name}", f"strategy.microbatch_size={args.microbatch_size}",
+        f"strategy.num_microbatches={args.microbatches}", f"optim={args.optim}",
+        f"train.steps={args.steps}", "train.warmup_steps=1", f"train.device={'cpu' if args.cpu_smoke else 'cuda'}",
+        *extra,
+    ]
+
+
+def row(name: str, blocks: int, results: dict) -> dict:
+    """The table's figures from a run's results (results.json's fields)."""
+    report, total_s = results["strategy_report"], sum(results["step_times_s"])
+    eps = report.get("eps") if isinstance(report, dict) else None
+    flops = results["throughput"]["model_flops_per_s"]
+    peak = results["memory"]["device"]["peak_allocated_bytes"]
+    return {
+        "strategy": name, "blocks": blocks, "precision": results["precision"],
+        "parameters": results["model"]["parameters"], "status": "ok",
+        "step_s": results["throughput"]["step_time_s"],
+        "tflops": flops / 1e12 if flops else None,
+        "transfer_wait_share": report["transfer_wait_s"] / total_s if "transfer_wait_s" in report else None,
+        "eps_exposed_share": eps["exposed_s"] / total_s if eps else None,
+        "eps_exposed_fraction": eps["exposed_fraction"] if eps else None,
+        "device_peak_gib": peak / GiB if peak is not None else None,
+        "host_peak_rss_gib": results["memory"]["host_peak_rss_bytes"] / GiB,
+    }
+
+
+def measure(args, name: str, blocks: int, extra: list[str]) -> dict:
+    from relaytrain.compose import compose_config
+    from relaytrain.errors import ConfigError
+    from relaytrain.train import run
+
+    base = {"strategy": name, "blocks": blocks}
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            return row(name, blocks, run(compose_config(overrides(args, name, blocks, extra)), run_dir, quiet=True))
+    except torch.cuda.OutOfMemoryError:
+        return {**base, "status": "out of memory"}
+    except ConfigError as err:  # a refusal: the host cannot hold it, a key this torch lacks
+        return {**base, "status": f"refused: {err}"}
+    except Exception as err:  # one broken run must not cost the device call the other rows
+        traceback.print_exc()
+        return {**base, "status": f"failed: {type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"}
+    finally:
+        release()
+
+
+def release() -> None:
+    """Give back what the last run held before the next one measures its own peak: the device's
+    cached blocks and, where this torch can, the pinned host blocks its caching allocator keeps."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
+
+
+def fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "—" if value is None else format(value * scale, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| strategy | blocks | params (B) | precision | step (s) | TFLOP/s | transfer wait | EPS exposed "
+             "| device peak (GiB) | host RSS (GiB) | status |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        lines.append(
+            f"| {r['strategy']} | {r['blocks']} | {fmt(r.get('parameters'), '.2f', 1e-9)} | {r.get('precision', '—')} "
+            f"| {fmt(r.get('step_s'), '.3f')} | {fmt(r.get('tflops'), '.1f')} "
+            f"| {fmt(r.get('transfer_wait_share'), '.1%')} | {fmt(r.get('eps_exposed_share'), '.1%')} "
+            f"| {fmt(r.get('device_peak_gib'), '.2f')} | {fmt(r.get('host_peak_rss_gib'), '.1f')} | {r['status']} |")
+    return "\n".join(lines)
+
+
+def machine(args) -> dict:
+    import transformers
+
+    device = "cpu (smoke run)" if args.cpu_smoke else f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
+    return {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def flatness(rows: list[dict]) -> float | None:
+    """L2L's device peak at the deepest depth over the shallowest: 1.0 is flat in depth."""
+    peaks = [(r["blocks"], r["device_peak_gib"]) for r in rows if r["strategy"] == "l2l" and r.get("device_peak_gib")]
+    return max(peaks)[1] / min(peaks)[1] if len(peaks) > 1 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print(f"bench_gpu: no CUDA device visible to torch {torch.__version__} here; nothing run")
+        return 0
+    start, rows = time.monotonic(), []
+    about = {**machine(args), "args": {k: str(v) for k, v in vars(args).items()}}
+    for name, blocks, extra in runs(args):
+        if time.monotonic() - start > args.budget_s:
+            rows.append({"strategy": name, "blocks": blocks, "status": f"not run: past the {args.budget_s:.0f} s budget"})
+        else:
+            rows.append(measure(args, name, blocks, extra))
+        r = rows[-1]
+        print(f"bench_gpu: {name} x {blocks} blocks: {r['status']}, {fmt(r.get('tflops'), '.1f')} TFLOP/s, "
+              f"device peak {fmt(r.get('device_peak_gib'), '.2f')} GiB ({time.monotonic() - start:.0f} s)", flush=True)
+        if args.out:  # after every run: a call cut short still brings back what was measured
+            args.out.write_text(json.dumps({**about, "elapsed_s": time.monotonic() - start,
+                                            "l2l_peak_deepest_over_shallowest": flatness(rows), "rows": rows}, indent=2))
+    ratio = flatness(rows)
+    print(f"\n{markdown(rows)}\n")
+    print(f"bench_gpu: {about['device']}, torch {about['torch']}, {time.monotonic() - start:.0f} s; "
+          f"l2l device peak, deepest over shallowest: {fmt(ratio, '.2f')}" + (f"; JSON in {args.out}" if args.out else ""))
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
