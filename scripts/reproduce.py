@@ -6,6 +6,7 @@
     python scripts/reproduce.py figure8      # 2BW Figure 8: per-stage device memory (simulated)
     python scripts/reproduce.py convergence  # 2BW §5.1: 2BW's loss against the vanilla (flush) loss
     python scripts/reproduce.py planner      # the planner's choices for BERT-Large and GPT-2 on V100s and A100s
+    python scripts/reproduce.py decoders     # the planner's choices for Llama 3 and Qwen3 on 24 GB and 80 GB GPUs
     python scripts/reproduce.py all [--images docs/images]
 
 Simulated figures are a dry run of the real strategy code on the meta device
@@ -263,23 +264,56 @@ def planner(args) -> str:
     """`relaytrain plan` for BERT-Large, GPT-2 medium and GPT-2 1.5 B on V100s and A100s (the
     shipped spec-sheet profiles): the best candidate that fits its own dry run, the command, and
     for the 8-GPU requests each strategy's fastest that fits (or why none does)."""
+    return _plans(PLANNER_REQUESTS, PLANNER_WHY, "request (batch: the model's usual)", "the papers")
+
+
+# Today's decoders: fp32 weights and AdamW (a dry run cannot simulate autocast), 2048 tokens a sample,
+# a global batch of 32 samples (65,536 tokens).
+DECODER = ["data.seq_len=2048", "optim=adamw", "precision=fp32", "plan.batch_size=32"]
+RTX4090, H100 = "plan.device=rtx4090_24gb", "plan.device=h100_80gb"
+DECODER_REQUESTS = {
+    **{f"{label}, {where}": ([f"model={model}", *DECODER, *request], "")
+       for model, label in (("llama3_8b", "Llama-3-8B"), ("qwen3_8b", "Qwen3-8B"))
+       for where, request in (("1 x RTX 4090 24 GB", ["plan.workers=1", RTX4090]),
+                              ("1 x H100 80 GB", ["plan.workers=1", H100]),
+                              ("8 x H100 80 GB", ["plan.workers=8", H100]))},
+    "Llama-3-70B, 1 x H100 80 GB": (["model=llama3_70b", *DECODER, "plan.workers=1", H100], ""),
+    "Llama-3-70B, 1 x H100 80 GB, 512 GB of host memory": (
+        ["model=llama3_70b", *DECODER, "plan.workers=1", H100, "plan.host_memory_gb=512"], ""),
+}
+
+
+def decoders(args) -> str:
+    """`relaytrain plan` for Llama-3-8B and Qwen3-8B on one 24 GB card, one 80 GB card and eight,
+    and Llama-3-70B on one 80 GB card with the host memory it needs: the choice, and every
+    strategy's fastest that fits (or why none does)."""
+    return _plans(DECODER_REQUESTS, list(DECODER_REQUESTS), "request (seq 2048, batch 32, fp32, AdamW)", None)
+
+
+def _plans(requests: dict, explained: list[str], request_header: str, papers: str | None) -> str:
+    """Plan each request: one row for the planner's choice (with the papers' beside it where
+    `papers` names that column), and for the `explained` requests each strategy's fastest that
+    fits (or why none does)."""
     from relaytrain.plan import make_plan
 
-    choices = ["request (batch: the model's usual)", "planner's choice", "predicted step s", "simulated GB",
-               "strategies that fit", "command", "the papers"]
-    reasons = ["request", "strategy", "its fastest that fits", "predicted step s", "samples/s", "simulated GB"]
+    choices = [request_header, "planner's choice", "predicted step s", "simulated GB", "host GB (estimate)",
+               "strategies that fit", "command", *([papers] if papers else [])]
+    reasons = ["request", "strategy", "its fastest that fits", "predicted step s", "samples/s", "simulated GB",
+               "host GB (estimate)"]
     rows, why = [], []
-    for name, (overrides, paper) in PLANNER_REQUESTS.items():
+    for name, (overrides, paper) in requests.items():
         start = time.perf_counter()
         plan = make_plan(overrides)
         best = plan.best
         fitting = sorted({_variant(c) for c in plan.candidates if c.fits})
+        papers_column = [paper] if papers else []
         if best is None:
-            rows.append([name, "nothing fits", "—", "—", "—", "—", paper])
+            rows.append([name, "nothing fits", "—", "—", "—", "—", "—", *papers_column])
         else:
             rows.append([name, f"`{best.shape.strategy}` {best.shape.describe()}", f"{best.cost.step_s:.3g}",
-                         f"{_gb(best)}", ", ".join(fitting), f"`{plan.command(best)}`", paper])
-        mine = [[name, *row] for row in _each_variant(plan)] if name in PLANNER_WHY else []
+                         f"{_gb(best)}", f"{best.host_bytes / GIB:.0f}", ", ".join(fitting),
+                         f"`{plan.command(best)}`", *papers_column])
+        mine = [[name, *row] for row in _each_variant(plan)] if name in explained else []
         why.extend(mine)
         # Each request's rows as soon as it is planned: a long run keeps what it has done.
         done = [f"[{name}: {time.perf_counter() - start:.0f} s]", table(choices, rows[-1:])]
@@ -308,17 +342,18 @@ def _each_variant(plan) -> list[list[str]]:
             fastest.setdefault(_variant(c), c)
         elif c.why_not:
             reason.setdefault(_variant(c), c.why_not)
-    rows = [[f"`{name}`", c.shape.describe(), f"{c.cost.step_s:.3g}", f"{c.samples_per_s:.3g}", _gb(c)]
+    rows = [[f"`{name}`", c.shape.describe(), f"{c.cost.step_s:.3g}", f"{c.samples_per_s:.3g}", _gb(c),
+             f"{c.host_bytes / GIB:.0f}"]
             for name, c in sorted(fastest.items(), key=lambda item: item[1].cost.step_s)]
-    rows += [[f"`{name}`", f"none: {why}", "—", "—", "—"] for name, why in reason.items() if name not in fastest]
+    rows += [[f"`{name}`", f"none: {why}", "—", "—", "—", "—"] for name, why in reason.items() if name not in fastest]
     undecided = dict.fromkeys(_variant(c) for c in plan.candidates)
-    rows += [[f"`{name}`", "not decided: slower than the choice, no dry run spent on it", "—", "—", "—"]
+    rows += [[f"`{name}`", "not decided: slower than the choice, no dry run spent on it", "—", "—", "—", "—"]
              for name in undecided if name not in fastest and name not in reason]
     return rows
 
 
 COMMANDS = {"table4": table4, "table3": table3, "figure6": figure6, "figure8": figure8, "convergence": convergence,
-            "planner": planner}
+            "planner": planner, "decoders": decoders}
 
 
 def main() -> None:

@@ -9,8 +9,10 @@ shared formulas:
 - a transfer's time over the host<->device link, and a point-to-point message between workers;
 - a ring all-reduce among replicas (PipeDream-2BW §4.2.1's bwth_width(w));
 - one optimizer step over some blocks and the model's ends, from the profiled per-part steps;
-- what one block keeps for its backward (Korthikanti et al., 2022) and what an LM head's
-  logits take;
+- what one block keeps for its backward (Korthikanti et al., 2022, widened to grouped-query
+  attention, heads of any width and gated MLPs) and what an LM head's logits take;
+- the analytic work of each part, a block's from its widths (`metrics.block_matmul_flops`,
+  `metrics.attention_flops`);
 - the analytic work of each part (embeddings, a block, the head) that balanced pipeline
   stages are cut by (`part_costs`).
 
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from relaytrain.metrics import attention_flops, block_shape, key_value_width, query_width
 from relaytrain.models import part_parameters
+from relaytrain.models.family import BlockShape
 from relaytrain.optim import state_words
 from relaytrain.profile import PartTimes, Profile, Timings
 
@@ -94,6 +98,7 @@ class ModelFacts:
     activation_bytes: int  # bytes of an activation value (fp32: 4; amp, cmp: 2)
     state_words: int  # fp32 optimizer-state words per parameter
     logits_per_sample: int  # values the head's logits hold per sample (an LM: seq x vocabulary)
+    shape: BlockShape  # one block's widths: query and key/value heads, head width, MLP width and kind
 
     @classmethod
     def of(cls, cfg) -> ModelFacts:
@@ -102,7 +107,7 @@ class ModelFacts:
         m = cfg.model
         return cls(m.num_layers, m.hidden_size, m.num_heads, cfg.data.seq_len, embed, block, head,
                    2 if precision.startswith("cmp") else FP32, FP32 if precision == "fp32" else 2,
-                   state_words(cfg.optim), logits_per_sample(cfg))
+                   state_words(cfg.optim), logits_per_sample(cfg), block_shape(m))
 
     @property
     def params(self) -> int:
@@ -113,7 +118,7 @@ class ModelFacts:
         return b * self.seq_len * self.hidden * self.activation_bytes
 
     def block_activation_bytes(self, b: int) -> int:
-        return block_activation_bytes(b, self.seq_len, self.hidden, self.num_heads, self.activation_bytes)
+        return block_activation_bytes(b, self.seq_len, self.shape, self.activation_bytes)
 
     def head_activation_bytes(self, b: int) -> int:
         return logits_bytes(b, self.logits_per_sample)
@@ -139,9 +144,28 @@ class StepCost:
 # --------------------------------------------------------------------------- memory
 
 
-def block_activation_bytes(b: int, seq_len: int, hidden: int, heads: int, dtype_bytes: int) -> int:
-    """Activations one block keeps for backward, for b samples (Korthikanti et al., 2022)."""
-    return dtype_bytes * (17 * seq_len * b * hidden + 5 * heads * seq_len * seq_len * b // 2)
+def block_activation_values(seq_len: int, shape: BlockShape) -> float:
+    """Values one block keeps for backward per token (Korthikanti et al., 2022, Table 2, whose
+    34 sbh + 5 as^2b bytes at 2 bytes a value are 17 h + 2.5 a s values for q = kv = h, i = 4h):
+
+    - attention: its input (the projections'), the queries (q), keys and values (kv each), the
+      output projection's input (q) and a dropout mask (h / 2); the scores, their softmax and
+      its dropout, 2.5 a s (what a kernel that keeps the s x s probabilities holds: an over-count
+      where a fused kernel keeps only its output and log-sum-exp);
+    - the MLP: its input, and a dropout mask (h / 2); plain, the activation's input and output
+      (2 i); gated, the gate's and up projection's outputs, the activation's output and its
+      product with up, which feeds the down projection (4 i: each product's backward needs
+      both factors, and the activation's backward its input);
+    - the two norms' inputs (2 h)."""
+    h, q, kv, i = shape.hidden, query_width(shape), key_value_width(shape), shape.intermediate
+    attention = h + q + 2 * kv + q + h / 2 + 2.5 * shape.num_heads * seq_len
+    mlp = h + (4 if shape.gated_mlp else 2) * i + h / 2
+    return attention + mlp + 2 * h
+
+
+def block_activation_bytes(b: int, seq_len: int, shape: BlockShape, dtype_bytes: int) -> int:
+    """Activations one block keeps for backward, for b samples (`block_activation_values`)."""
+    return int(dtype_bytes * b * seq_len * block_activation_values(seq_len, shape))
 
 
 def stage_bytes(facts: ModelFacts, b: int, blocks: int, params: int, last: bool, in_flight: int, versions: int,
@@ -191,7 +215,7 @@ def part_costs(facts: ModelFacts, b: int, recompute: str = "none") -> PartCosts:
     b samples (T = b x seq tokens), from the model's shapes:
 
     - a block: its matmuls, 2 T x block parameters, and attention's scores and weighted sum,
-      4 T x seq x hidden, forward; backward twice that;
+      4 T x seq x the query width (`attention_flops`), forward; backward twice that;
     - the head: an LM's vocabulary matmul, 2 T x hidden x vocabulary, plus its other weights
       (BERT's transform) per token, x3 with backward, and the logits' memory traffic (logits,
       softmax, gradient: `logits_bytes`); a classification head, its weights once per sample, x3;
@@ -205,7 +229,7 @@ def part_costs(facts: ModelFacts, b: int, recompute: str = "none") -> PartCosts:
     and again when a run resumes (an exact resume compares the checkpoint's blocks per stage),
     and timings differ from process to process and from run to run."""
     tokens = b * facts.seq_len
-    block = 2 * tokens * facts.block_params + 4 * tokens * facts.seq_len * facts.hidden
+    block = 2 * tokens * facts.block_params + tokens * attention_flops(facts.shape, facts.seq_len)
     if facts.logits_per_sample:  # a language model: every token through the vocabulary
         head = 2 * b * facts.logits_per_sample * facts.hidden + 2 * tokens * facts.head_params
         head_bytes = logits_bytes(b, facts.logits_per_sample)

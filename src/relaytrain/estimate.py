@@ -51,7 +51,8 @@ def step_flops(cfg, cls) -> float:
     backward + forward: 4/3) where the strategy recomputes in backward."""
     m, s = cfg.model, cfg.strategy
     tokens = s.microbatch_size * s.num_microbatches * cls.replicas(cfg) * cfg.data.seq_len
-    per_token = metrics.model_flops_per_token(count_parameters(m), m.num_layers, m.hidden_size, cfg.data.seq_len)
+    per_token = metrics.model_flops_per_token(count_parameters(m), m.num_layers, metrics.attention_width(m),
+                                            cfg.data.seq_len)
     return per_token * tokens * (4 / 3 if cls.recomputes(cfg) else 1.0)
 
 

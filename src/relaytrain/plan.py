@@ -12,13 +12,18 @@ PipeDream-2BW's planner (§4, Algorithm 1) over every registered strategy:
    sizes are powers of two.
 3. **Time**: each candidate's step by its strategy's cost model (`Strategy.step_cost`, made of
    the shared formulas in `relaytrain.costmodel`).
-4. **Memory**: each candidate's device memory from the meta-device dry run of the real
+4. **Host memory**: each candidate's host memory on one machine, estimated from its strategy's
+   host state (`Strategy.host_state_bytes`: an eager param server's, offloaded masters and
+   optimizer state, a stash on the host) and the fp32 model each worker builds there first,
+   against `plan.host_memory_gb` (this machine's RAM for plan.device=this; unlimited for a
+   profile unless given): a candidate over it does not fit, whatever its device memory.
+5. **Device memory**: each candidate's device memory from the meta-device dry run of the real
    strategy code (`relaytrain.dryrun.simulate`), walking the candidates fastest first until
    the fastest that fits is found, then the fastest that fits of every other strategy and
    variant. A closed-form MEMORY(.) (`Strategy.device_bytes`) prunes obviously hopeless ones
    before they are simulated; a shape whose micro-batch did not fit is not simulated again with
    a larger one (memory only grows with b at a fixed batch).
-5. **Answer**: a table, the best candidate that fits, the `relaytrain train` command that runs
+6. **Answer**: a table, the best candidate that fits, the `relaytrain train` command that runs
    it, and plan.json. Every time figure is a prediction and says so.
 
 Nothing here knows a strategy by name: a registered strategy is planned through its class.
@@ -35,12 +40,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from relaytrain.compose import compose, validate
-from relaytrain.costmodel import ModelFacts, Shape, StepCost, powers_of_two_dividing
+from relaytrain.costmodel import FP32, ModelFacts, Shape, StepCost, powers_of_two_dividing
 from relaytrain.dryrun import simulate
 from relaytrain.errors import ConfigError
 from relaytrain.files import write_json
 from relaytrain.models.pretrained import explicit_overrides, resolve
-from relaytrain.preflight import check_can_start
+from relaytrain.preflight import HEADROOM, check_can_start
 from relaytrain.profile import Profile, from_spec, load_spec, measure
 from relaytrain.strategies import presets, registry, strategy_class
 from relaytrain.world import pick_device
@@ -63,7 +68,8 @@ RUN_DIR_KEY = "hydra.run.dir"  # but this one: where plan.json goes
 
 @dataclass(frozen=True)
 class Request:
-    """What the user asked: workers, each device's memory, the global batch, the profile, strategies."""
+    """What the user asked: workers, each device's memory, the global batch, the profile,
+    strategies, and each machine's host memory (None: unlimited)."""
 
     workers: int
     memory_bytes: float
@@ -71,10 +77,13 @@ class Request:
     device: str
     strategies: tuple[str, ...]
     threads: int  # train.threads (0: cores shared out)
+    host_memory_bytes: float | None = None
 
     def to_json(self) -> dict:
+        host = None if self.host_memory_bytes is None else self.host_memory_bytes / GiB
         return {"workers": self.workers, "device_memory_gb": self.memory_bytes / GiB, "batch_size": self.batch,
-                "device": self.device, "strategies": list(self.strategies), "threads": self.threads}
+                "device": self.device, "strategies": list(self.strategies), "threads": self.threads,
+                "host_memory_gb": host}
 
 
 def read_request(cfg, overrides: list[str], profile_memory: int | None) -> Request:
@@ -85,7 +94,23 @@ def read_request(cfg, overrides: list[str], profile_memory: int | None) -> Reque
     if p.workers < 1 or memory <= 0 or batch < 1:
         raise ConfigError(f"plan.workers={p.workers}, plan.device_memory_gb={memory / GiB:g} and "
                           f"plan.batch_size={batch} must be positive")
-    return Request(p.workers, float(memory), batch, str(p.device), tuple(_strategies(p.strategies)), cfg.train.threads)
+    return Request(p.workers, float(memory), batch, str(p.device), tuple(_strategies(p.strategies)), cfg.train.threads,
+                   host_memory_budget(p))
+
+
+def host_memory_budget(p) -> float | None:
+    """Each machine's host memory in bytes: plan.host_memory_gb, else this machine's RAM when
+    planning for this machine, else None (unlimited: a profile describes the GPU, not its host)."""
+    if p.host_memory_gb < 0:
+        raise ConfigError(f"plan.host_memory_gb={p.host_memory_gb:g} must be positive (or 0: this machine's RAM "
+                          f"with plan.device=this, unlimited for a profile)")
+    if p.host_memory_gb:
+        return float(p.host_memory_gb * GiB)
+    if str(p.device) == "this":
+        import psutil
+
+        return float(psutil.virtual_memory().total)
+    return None
 
 
 def _strategies(asked) -> list[str]:
@@ -157,6 +182,8 @@ class Candidate:
     closed_form_bytes: int = 0
     simulated_bytes: int | None = None  # the fullest process's peak from the dry run
     host_state_bytes: int = 0  # CPU plans: L2L's EPS state, in the same memory as the "device"
+    host_bytes: int = 0  # host memory of the fullest machine (an estimate: `host_bytes`)
+    over_host: bool = False  # refused: host_bytes exceeds plan.host_memory_gb (its device memory cannot save it)
     by_kind: dict = field(default_factory=dict)
     fits: bool | None = None
     why_not: str | None = None
@@ -180,6 +207,7 @@ class Candidate:
             "closed_form_memory_gb": self.closed_form_bytes / GiB,
             "simulated_memory_gb": None if self.simulated_bytes is None else self.simulated_bytes / GiB,
             "host_state_gb": self.host_state_bytes / GiB,
+            "host_memory_gb": self.host_bytes / GiB,
             "simulated_by_kind_gb": {k: v / GiB for k, v in self.by_kind.items()},
             "fits": self.fits, "why_not": self.why_not,
         }
@@ -265,7 +293,8 @@ def _candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, request:
     start its workers and hold its host memory), then timed by its strategy's cost model."""
     cls = strategy_class(shape.strategy)
     cfg = candidate_config(base, shape)
-    candidate = Candidate(shape, closed_form_bytes=cls.device_bytes(cfg, facts))
+    candidate = Candidate(shape, closed_form_bytes=cls.device_bytes(cfg, facts),
+                          host_bytes=host_bytes(cls, cfg, facts, profile, shape))
     try:
         validate(cfg)
         if request.device == "this":
@@ -276,7 +305,22 @@ def _candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, request:
     candidate.cost = cls.step_cost(cfg, facts, profile)
     if profile.device_type == "cpu":  # the host state is in the same memory the dry run counts
         candidate.host_state_bytes = cls.host_state_bytes(cfg, facts)
+    budget = request.host_memory_bytes
+    if budget is not None and candidate.host_bytes > budget:
+        candidate.fits, candidate.over_host = False, True
+        candidate.why_not = (f"needs about {candidate.host_bytes / GiB:.1f} GB of host memory a machine (estimate), "
+                             f"over plan.host_memory_gb={budget / GiB:g}")
     return candidate
+
+
+def host_bytes(cls, cfg, facts: ModelFacts, profile: Profile, shape: Shape) -> int:
+    """Host memory of the fullest machine, an estimate: each of its workers holds its strategy's
+    host state (`host_state_bytes`) or, if larger, the fp32 model it builds there before placing
+    it, plus the interpreter and libraries (`preflight.HEADROOM`). The workers of one machine:
+    a profile's devices per node, or every worker on this machine's CPU."""
+    per_machine = shape.workers if profile.device_type == "cpu" else min(shape.workers, profile.devices_per_node)
+    worker = max(facts.params * FP32, cls.host_state_bytes(cfg, facts)) + HEADROOM
+    return int(per_machine * worker)
 
 
 def candidate_config(base, shape: Shape):
@@ -372,7 +416,7 @@ def _simulate(c: Candidate, base, budget: float) -> None:
 
 def _simulate_smallest(plan: Plan, bases: dict, budget: float) -> None:
     """Nothing fits: dry-run the candidate the closed form finds smallest, for the one-line answer."""
-    valid = [c for c in plan.candidates if c.cost is not None]
+    valid = [c for c in plan.candidates if c.cost is not None and not c.over_host]
     if valid:
         smallest = min(valid, key=lambda c: c.closed_form_bytes)
         if smallest.simulated_bytes is None:
@@ -383,14 +427,22 @@ def infeasible_line(plan: Plan, where: Path) -> str:
     r = plan.request
     asked = f"nothing fits {r.workers} x {r.memory_bytes / GiB:g} GB for a batch of {r.batch}"
     simulated = [c for c in plan.candidates if c.memory_bytes is not None]
+    over_host = [c for c in plan.candidates if c.over_host]
+    reasons = []
     if simulated:
         c = min(simulated, key=lambda c: c.memory_bytes)
-        closest = f"the smallest dry run, {c.shape.strategy} {c.shape.describe()}, needs {c.memory_bytes / GiB:.2f} GB"
-    else:
-        reasons = sorted({c.why_not for c in plan.candidates if c.why_not})
-        closest = f"every candidate was refused ({reasons[0] if reasons else 'no candidate'})"
-    return (f"{asked}: {closest}; raise plan.device_memory_gb or plan.workers, or lower plan.batch_size "
-            f"(every candidate in {where / 'plan.json'})")
+        reasons.append(f"the smallest dry run, {c.shape.strategy} {c.shape.describe()}, needs "
+                       f"{c.memory_bytes / GiB:.2f} GB")
+    if over_host:
+        c = min(over_host, key=lambda c: c.host_bytes)
+        reasons.append(f"{len(over_host)} candidate(s) need more host memory than plan.host_memory_gb="
+                       f"{r.host_memory_bytes / GiB:g}, the least {c.shape.strategy} {c.shape.describe()} "
+                       f"with {c.host_bytes / GiB:.1f} GB (an estimate)")
+    if not reasons:
+        refusals = sorted({c.why_not for c in plan.candidates if c.why_not})
+        reasons.append(f"every candidate was refused ({refusals[0] if refusals else 'no candidate'})")
+    return (f"{asked}: {'; '.join(reasons)}; raise plan.device_memory_gb, plan.host_memory_gb or plan.workers, "
+            f"or lower plan.batch_size (every candidate in {where / 'plan.json'})")
 
 
 # --------------------------------------------------------------------------- output
@@ -410,16 +462,19 @@ def print_plan(plan: Plan, path: Path) -> None:
     if plan.ignored_overrides:
         console.print(f"ignored (the planner decides these): {' '.join(plan.ignored_overrides)}", highlight=False)
     best = plan.best
-    table = Table(title=f"relaytrain plan: {r.workers} worker(s) x {r.memory_bytes / GiB:g} GB, batch {r.batch} "
-                        f"(times predicted; memory simulated)")
-    for column in ("", "strategy", "shape", "step s", "samples/s", "memory GB", "closed form GB", "fits", "why not"):
+    host = "unlimited" if r.host_memory_bytes is None else f"{r.host_memory_bytes / GiB:g} GB"
+    table = Table(title=f"relaytrain plan: {r.workers} worker(s) x {r.memory_bytes / GiB:g} GB, host {host} a machine, "
+                        f"batch {r.batch} (times predicted; memory simulated, host memory estimated)")
+    for column in ("", "strategy", "shape", "step s", "samples/s", "memory GB", "closed form GB", "host GB", "fits",
+                   "why not"):
         table.add_column(column, overflow="fold")
     shown = _rows_to_show(plan)
     for c in shown:
         table.add_row("*" if c is best else "", c.shape.strategy, c.shape.describe(),
                       _fmt(c.cost.step_s if c.cost else None, ".3g"), _fmt(c.samples_per_s, ".3g"),
                       _fmt(None if c.memory_bytes is None else c.memory_bytes / GiB, ".2f"),
-                      f"{c.closed_form_bytes / GiB:.2f}", {True: "yes", False: "no", None: "?"}[c.fits],
+                      f"{c.closed_form_bytes / GiB:.2f}", f"{c.host_bytes / GiB:.1f}",
+                      {True: "yes", False: "no", None: "?"}[c.fits],
                       c.why_not or "")
     console.print(table)
     if len(shown) < len(plan.candidates):

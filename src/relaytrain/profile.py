@@ -454,11 +454,11 @@ def _spec_part(work: float, rate: float, spec: dict, cfg, b: int, overhead: bool
 
 
 def block_forward_flops(cfg, b: int) -> float:
-    """One block's forward FLOPs for b samples: 2 x (4h^2 + 2hi) per token for the matmuls
-    (24h^2 for i = 4h) plus 4sh per token for the attention scores and their weighted sum."""
-    m, s = cfg.model, cfg.data.seq_len
-    h, i = m.hidden_size, m.intermediate_size
-    return b * s * (2 * (4 * h * h + 2 * h * i) + 4 * s * h)
+    """One block's forward FLOPs for b samples: its weight matmuls per token (24h^2 for BERT's
+    and GPT-2's; grouped-query projections and gated MLPs at their own widths) plus the
+    attention scores and their weighted sum (4 s x the query width per token)."""
+    shape, s = metrics.block_shape(cfg.model), cfg.data.seq_len
+    return b * s * (metrics.block_matmul_flops(shape) + metrics.attention_flops(shape, s))
 
 
 def head_forward_flops(cfg, b: int) -> float:

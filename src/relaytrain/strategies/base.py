@@ -307,5 +307,5 @@ def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries:
     if device_type != "cpu":
         return 0
     m, b, s = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len
-    block = block_activation_bytes(b, s, m.hidden_size, m.num_heads, FP32)
+    block = block_activation_bytes(b, s, metrics.block_shape(m), FP32)
     return block * live_blocks + stash_entries * b * s * m.hidden_size * FP32 + logits_bytes(b, logits_per_sample(cfg))

@@ -195,6 +195,14 @@ class Fsdp(ReplicatedStrategy):
                                                   facts.num_layers) * facts.weight_bytes + activations)
 
     @classmethod
+    def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
+        """With `strategy.offload=host` (CPUOffloadPolicy), a worker's 1/R of the fp32 weights,
+        gradients and optimizer state; otherwise none apart from the device's."""
+        if cfg.strategy.offload != Placement.host:
+            return 0
+        return int(facts.params * FP32 * (2 + facts.state_words) / cfg.strategy.replicas)
+
+    @classmethod
     def _gathered_params(cls, cfg, ends: int, block: int, num_layers: int) -> int:
         """Parameters held whole at the peak: the root's, and the gathered blocks."""
         blocks = min(GATHERED_BLOCKS, num_layers) if cfg.strategy.reshard_after_forward else num_layers

@@ -318,6 +318,16 @@ class PipelineStrategy(Strategy):
                    for i, (blocks, first, last) in enumerate(cls._stages(cfg)))
 
     @classmethod
+    def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
+        """With `strategy.offload=host`, the fullest stage's fp32 masters, optimizer state and the
+        gradients downloaded for the eager param server (AxoNN); otherwise none: every weight,
+        gradient and optimizer state lives where the stage computes."""
+        if cfg.strategy.offload != Offload.host:
+            return 0
+        largest = max(facts.stage_params(*stage) for stage in cls._stages(cfg))
+        return int(largest * FP32 * (2 + facts.state_words))
+
+    @classmethod
     def _stages(cls, cfg) -> list[tuple[int, bool, bool]]:
         """(blocks, holds the embeddings, holds the head) of each stage."""
         d = cfg.strategy.stages
