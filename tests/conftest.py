@@ -33,6 +33,15 @@ TINY_GPT2 = [
 ]
 
 
+# A Llama-layout decoder as small as the others: grouped-query attention (2 key/value heads for
+# 4 query heads), gated MLP, rotary positions, untied head.
+TINY_LLAMA = [
+    "model=llama_tiny", "model.num_layers=3", "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.intermediate_size=64", "model.vocab_size=300", "model.max_seq_len=64", "data.seq_len=16",
+    "data.num_samples=256",
+]
+
+
 def tiny_cfg(family: str = "bert", *overrides: str):
     base = TINY_BERT if family == "bert" else TINY_GPT2
     return compose_config([*base, "train.steps=3", "train.warmup_steps=1", *overrides])

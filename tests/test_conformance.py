@@ -1,11 +1,11 @@
 """One suite every strategy passes, taken from the registry rather than listed by hand: a new
 strategy (or preset) is held to it the moment it is registered.
 
-Each `strategy=` option trains two steps of a tiny BERT through the trainer and equals the plain
-loop (or, where its capabilities declare delayed updates, the delayed rule), evaluates held-out
-data, resumes from its step-1 checkpoint to the same weights bit for bit, appears in
-`relaytrain --help` and in `relaytrain plan` with a cost and a memory figure, and refuses in
-one line what it cannot honour.
+Each `strategy=` option trains two steps of a tiny BERT and of a tiny Llama-layout decoder
+through the trainer and equals the plain loop (or, where its capabilities declare delayed
+updates, the delayed rule), evaluates held-out data, resumes from its step-1 checkpoint to the
+same weights bit for bit, appears in `relaytrain --help` and in `relaytrain plan` with a cost
+and a memory figure, and refuses in one line what it cannot honour.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from relaytrain import checkpoint
 from relaytrain.cli import main
-from relaytrain.compose import validate
+from relaytrain.compose import compose_config, validate
 from relaytrain.costmodel import ModelFacts
 from relaytrain.errors import ConfigError
 from relaytrain.models import build_model
@@ -27,19 +27,22 @@ from relaytrain.profile import from_spec, load_spec
 from relaytrain.strategies import Capabilities, Strategy, choices, register, registry, strategy_class
 from relaytrain.strategies.base import StepResult
 from relaytrain.train import run
-from tests.conftest import TINY_BERT, tiny_cfg, train_plain_loop
+from tests.conftest import TINY_BERT, TINY_LLAMA, tiny_cfg, train_plain_loop
 
 STEPS = 2
 # What each capability a strategy may lack asks for, and the override that asks for it.
 ASKS = {"grad_clip": "optim.grad_clip=1.0", "fp16": "precision=amp_fp16", "cross_precision": "precision=cmp_bf16"}
+# The model families the training test runs over: an encoder, and a Llama-layout decoder (its
+# per-micro-batch context of masks and rotary tables, grouped-query attention, untied head).
+FAMILIES = {"bert": TINY_BERT, "llama": TINY_LLAMA}
 
 
-def conformance_cfg(name: str, *overrides: str):
-    """A tiny BERT of four blocks, four micro-batches of 8: every strategy's defaults fit it."""
-    return tiny_cfg("bert", f"strategy={name}", "model.num_layers=4", f"train.steps={STEPS}", "train.warmup_steps=0",
-                    "train.checkpoint_every=1", "train.keep_checkpoints=0", "train.save_model=true",
-                    "data.eval_fraction=0.25", "strategy.num_microbatches=4", "optim=sgd", "optim.lr=0.05",
-                    *overrides)
+def conformance_cfg(name: str, *overrides: str, family: str = "bert"):
+    """A tiny model of four blocks, four micro-batches of 8: every strategy's defaults fit it."""
+    return compose_config([*FAMILIES[family], f"strategy={name}", "model.num_layers=4", f"train.steps={STEPS}",
+                           "train.warmup_steps=0", "train.checkpoint_every=1", "train.keep_checkpoints=0",
+                           "train.save_model=true", "data.eval_fraction=0.25", "strategy.num_microbatches=4",
+                           "optim=sgd", "optim.lr=0.05", *overrides])
 
 
 def saved_weights(run_dir, cfg) -> torch.nn.Module:
@@ -57,9 +60,10 @@ def plain_reference(cfg, delay: int) -> torch.nn.Module:
     return train_plain_loop(single, STEPS, delay=delay).hf_model
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", choices())
-def test_trains_evaluates_and_resumes_as_its_update_rule_says(name, tmp_path):
-    cfg = conformance_cfg(name)
+def test_trains_evaluates_and_resumes_as_its_update_rule_says(name, family, tmp_path):
+    cfg = conformance_cfg(name, family=family)
     cls = strategy_class(name)
     results = run(cfg, tmp_path / "run")
     ours = saved_weights(tmp_path / "run", cfg)
@@ -70,7 +74,7 @@ def test_trains_evaluates_and_resumes_as_its_update_rule_says(name, tmp_path):
     assert evaluation["step"] == STEPS and evaluation["items"] > 0 and torch.isfinite(torch.tensor(evaluation["loss"]))
 
     first = checkpoint.step_dir(checkpoint.checkpoint_dir(tmp_path / "run"), 1)
-    resumed_cfg = conformance_cfg(name, f"train.resume={first}")
+    resumed_cfg = conformance_cfg(name, f"train.resume={first}", family=family)
     resumed = run(resumed_cfg, tmp_path / "resumed")
     for (key, a), (_, b) in zip(ours.named_parameters(), saved_weights(tmp_path / "resumed", cfg).named_parameters(),
                                 strict=True):
