@@ -37,6 +37,7 @@ COMPARED = {
     "l2l_vs_recompute_baseline": "l2l / baseline with recompute",
     "decoder_l2l_vs_recompute_baseline": "l2l / baseline with recompute (the same Llama-layout model)",
     "eps_vs_fused_adamw": "EPS per-part updates / whole-model fused AdamW",
+    "eps_vs_deepspeed_cpu_adam": "EPS per-part updates / whole-model DeepSpeedCPUAdam (where installed)",
     "eps_exposed_share": "EPS work exposed after overlap with backward",
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
     "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d, 8 blocks) / bubble formula",

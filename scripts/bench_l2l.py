@@ -6,7 +6,10 @@ interleaved in ABBA order so drift of the machine (other load, thermal) hits bot
 throughput ratio is L2L's samples/s over the baseline's. Also reported: the EPS optimizer's
 parameters per second inside the run (sharing the cores with backward), its updates alone against
 one fused AdamW step over the whole model (same parameters, alternating rounds),
-and how much of the EPS's work stays exposed after overlapping with backward.
+and how much of the EPS's work stays exposed after overlapping with backward. Where DeepSpeed
+is installed (`pip install relaytrain[fast]`), also the EPS's updates alone (its host kernel
+as `optim.host_kernel` picks it) against DeepSpeed's own `DeepSpeedCPUAdam` stepping the same
+tensors on the same threads (headline `eps_vs_deepspeed_cpu_adam`).
 
 Then the same step comparison on a causal LM of the Llama layout (benchlib.DECODER: 8 blocks of
 hidden 512, grouped-query attention 8/2; headline `decoder_l2l_vs_recompute_baseline`), at the
@@ -18,6 +21,7 @@ same sequence length, minibatch, optimizer and precision: `--decoder-rounds 0` l
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
@@ -30,12 +34,12 @@ from relaytrain import metrics
 from relaytrain.checkpoint import unique_named_parameters
 from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.eps import EagerParamServer, EpsStats
 from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models import build_model
-from relaytrain.optim import build_optimizer
+from relaytrain.optim import build_optimizer, param_groups
 from relaytrain.precision import LossScaler
 from relaytrain.strategies import build_strategy
+from relaytrain.strategies.eps import EagerParamServer, EpsStats
 from relaytrain.strategies.l2l import L2L, HeadLoss
 
 TARGET = 0.95  # l2l / recompute baseline, on either model
@@ -103,7 +107,7 @@ class Runner:
         if isinstance(self.strategy, L2L):
             self.strategy.timer.reset()
             self.strategy.transfers.wait_s = 0.0
-            self.strategy.eps.stats = EpsStats()
+            self.strategy.eps.stats = EpsStats(host_kernel=self.strategy.eps.stats.host_kernel)
 
     def step(self, minibatch, measured: bool) -> None:
         eps = self.strategy.eps if isinstance(self.strategy, L2L) else None
@@ -120,8 +124,31 @@ class Runner:
 
 
 def eps_against_fused_adamw(cfg, rounds: int) -> dict:
-    """The EPS's per-part updates against one fused optimizer step over the whole model: the
-    same parameters, the same gradients, alternating rounds (nothing else running).
+    """The EPS's per-part updates against one fused optimizer step over the whole model (below)."""
+    return eps_against_whole_model(cfg, rounds, lambda named: build_optimizer(named, cfg.optim))
+
+
+def eps_against_deepspeed_cpu_adam(cfg, rounds: int) -> dict | None:
+    """The EPS's per-part updates against DeepSpeed's `DeepSpeedCPUAdam` over the whole model (the
+    same tensors, gradients and threads; AdamW mode, the config's decay groups), or None without
+    DeepSpeed. The EPS runs the kernel `optim.host_kernel` picks: DeepSpeed's op under `auto`."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return None
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    o = cfg.optim
+
+    def whole(named):
+        return DeepSpeedCPUAdam(param_groups(named, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                adamw_mode=True)
+
+    return eps_against_whole_model(cfg, rounds, whole)
+
+
+def eps_against_whole_model(cfg, rounds: int, whole_optimizer) -> dict:
+    """The EPS's per-part updates against one optimizer step over the whole model
+    (`whole_optimizer(named parameters)`): the same parameters, the same gradients, alternating
+    rounds (nothing else running).
     One update is ~75 ms (bert_base on 2 cores), so one round's ratio swings by several per
     cent with the machine's noise: the comparison takes its own, more numerous rounds.
 
@@ -134,7 +161,7 @@ def eps_against_fused_adamw(cfg, rounds: int) -> dict:
     modules = [("embed", model.embed), *((f"block.{i}", b) for i, b in enumerate(model.blocks)),
                ("head", HeadLoss(model))]
     eps = EagerParamServer(modules, cfg.optim, LossScaler(False))
-    whole = build_optimizer(unique_named_parameters(model), cfg.optim)
+    whole = whole_optimizer(unique_named_parameters(model))
     generator = torch.Generator().manual_seed(0)
     # One gradient per parameter, handed to the part that owns it. A tied weight's second use
     # (the head's) gets none: summing the two uses is the backward's work in the baseline
@@ -162,13 +189,14 @@ def eps_against_fused_adamw(cfg, rounds: int) -> dict:
 
     try:
         eps_round(), whole_round()
-        eps.stats = EpsStats()
+        eps.stats = EpsStats(host_kernel=eps.stats.host_kernel)
         times = [(eps_round(), whole_round()) if r % 2 == 0 else tuple(reversed((whole_round(), eps_round())))
                  for r in range(rounds)]
     finally:
         eps.close()
     parameters = model.num_parameters()
     return {
+        "eps_host_kernel": eps.stats.host_kernel,
         "eps_s": [e for e, _ in times],
         "whole_model_s": [w for _, w in times],
         "eps_parameters_per_s": parameters / statistics.median(e for e, _ in times),
@@ -211,6 +239,10 @@ def run(args) -> dict:
         "eps_vs_fused_adamw": headline(results["eps_vs_fused_adamw"]["ratio_per_round"], 1.0),
         "eps_exposed_share": headline(results["eps_exposed_share_per_round"], 0.03, lower_is_better=True),
     }
+    results["eps_vs_deepspeed_cpu_adam"] = eps_against_deepspeed_cpu_adam(cfgs["l2l"], args.update_rounds)
+    if results["eps_vs_deepspeed_cpu_adam"] is not None:
+        results["headlines"]["eps_vs_deepspeed_cpu_adam"] = headline(
+            results["eps_vs_deepspeed_cpu_adam"]["ratio_per_round"], 1.0)
     if args.decoder_rounds:
         _, results["llama_layout"] = compare_steps(args, DECODER, args.decoder_rounds, device)
         results["headlines"]["decoder_l2l_vs_recompute_baseline"] = headline(
@@ -272,6 +304,7 @@ def print_table(results: dict) -> None:
         ("EPS updates alone / fused AdamW",
          f"{alone['eps_parameters_per_s'] / 1e6:.0f} / {alone['whole_model_parameters_per_s'] / 1e6:.0f} M params/s, "
          f"ratio median {heads['eps_vs_fused_adamw']['median']:.3f}"),
+        ("EPS updates alone / DeepSpeedCPUAdam", versus_deepspeed(results)),
         ("EPS work exposed", f"median step {heads['eps_exposed_share']['median']:.1%} "
                              f"of {eps['busy_s'] / max(eps['steps'], 1):.3f} s/step"),
         ("peak resident blocks", str(results["peak_resident_blocks"])),
@@ -288,6 +321,15 @@ def print_table(results: dict) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def versus_deepspeed(results: dict) -> str:
+    alone = results["eps_vs_deepspeed_cpu_adam"]
+    if alone is None:
+        return "not run: DeepSpeed is not installed (pip install relaytrain[fast])"
+    return (f"{alone['eps_parameters_per_s'] / 1e6:.0f} ({alone['eps_host_kernel']}) / "
+            f"{alone['whole_model_parameters_per_s'] / 1e6:.0f} M params/s, "
+            f"ratio median {results['headlines']['eps_vs_deepspeed_cpu_adam']['median']:.3f}")
 
 
 def main() -> None:

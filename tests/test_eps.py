@@ -10,9 +10,9 @@ from torch import nn
 
 from relaytrain.checkpoint import load_optimizer_state, optimizer_state
 from relaytrain.config import OPTIMIZER_CONFIGS
-from relaytrain.eps import EagerParamServer
 from relaytrain.optim import build_optimizer
 from relaytrain.precision import LossScaler
+from relaytrain.strategies.eps import EagerParamServer
 
 
 def optim_cfg(name="adamw", grad_clip=0.0, **overrides):

@@ -54,6 +54,14 @@ class LRSchedule(Choice):
     cosine = "cosine"
 
 
+class HostKernel(Choice):
+    """Which kernel steps AdamW on the host (the eager param server's masters)."""
+
+    auto = "auto"  # deepspeed where it imports and its op builds, else torch
+    torch = "torch"  # torch's fused AdamW (optim.fused)
+    deepspeed = "deepspeed"  # DeepSpeed's cpu_adam op (falls back to torch, said once, when it cannot load)
+
+
 class PrecisionName(Choice):
     fp32 = "fp32"
     amp_bf16 = "amp_bf16"
@@ -173,6 +181,7 @@ class AdamWConfig(OptimConfig):
     eps: float = 1e-6  # added to the second-moment root
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
     fused: bool = True  # torch's fused kernel, on CPU and CUDA
+    host_kernel: HostKernel = HostKernel.torch  # kernel of the host-side (EPS) AdamW: torch (bit for bit the device's), deepspeed (pip install relaytrain[fast]) or auto (deepspeed where installed)
 
 
 @dataclass

@@ -5,7 +5,7 @@ into it), and its optimizer's state in one buffer per kind (`FlatState`: Adam's 
 SGD's momentum), both in param-group order. The update rules read and write the same values
 in the same shapes as before; only the storage is shared, so every number is unchanged. What
 the layout buys: one allocation per part and kind instead of one per tensor, and a part that
-crosses between replicas as one tensor (`eps.Peers`).
+crosses between replicas as one tensor (`strategies.eps.Peers`).
 
 Gradients are not gathered into a flat buffer: on the CPU they are autograd's own tensors,
 handed to the EPS without a copy, and gathering them would add a pass over every gradient

@@ -8,11 +8,24 @@ server) or per pipeline stage. The learning rate is set by the training loop eac
 The eager param server asks for the *flat* variants (`build_optimizer(..., flat=True)`): the
 same update rules, bit for bit, with their state in one buffer per kind (`relaytrain.flat`)
 and, for fused AdamW, one kernel call per parameter group.
+
+Host AdamW (`optim.host_kernel`). The flat AdamW steps host tensors only, so it may run
+DeepSpeed's cpu_adam op instead of torch's fused kernel (`DeepSpeedAdamW`): the same rule to
+fp32 rounding, with its own vectorised C++ (its speed against torch's: docs/benchmarks.md,
+`eps_vs_deepspeed_cpu_adam`). `deepspeed` asks for it, `auto` takes it where DeepSpeed is
+installed and its op builds (`pip install relaytrain[fast]`); a missing or failing op falls
+back to torch's kernel, said in one line when it was asked for or installed. The default is
+`torch`: it keeps the host update bit for bit the device optimizer's (`strategy.offload=host`
+resumes a device run exactly, and the EPS's tests check it so). The optimizers on a device
+are always torch's.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -40,11 +53,53 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o, flat: b
         # torch's fused AdamW runs on CPU and CUDA: one kernel over all tensors of a group. A dry
         # run (meta device) takes the multi-tensor kernel: the same state, no fused kernel there.
         meta = any(p.device.type == "meta" for g in groups for p in g["params"])
-        return (FlatAdamW if flat else torch.optim.AdamW)(
-            groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=o.fused and not meta, foreach=True if meta else None)
+        kind = torch.optim.AdamW
+        if flat:
+            kind = DeepSpeedAdamW if not meta and deepspeed_cpu_adam(str(o.host_kernel)) else FlatAdamW
+        return kind(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=o.fused and not meta,
+                    foreach=True if meta else None)
     if o.name == "lamb":
         return (FlatLamb if flat else Lamb)(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     return (FlatSGD if flat else torch.optim.SGD)(groups, lr=o.lr, momentum=o.momentum, foreach=True)
+
+
+_DEEPSPEED: dict = {}  # "op": DeepSpeed's cpu_adam module once loaded, or "failure": why it did not load
+_DEEPSPEED_IDS = itertools.count(1 << 20)  # the op's optimizer table is shared with DeepSpeedCPUAdam's ids (0, 1, ...)
+
+
+def deepspeed_cpu_adam(host_kernel: str):
+    """DeepSpeed's cpu_adam op when `optim.host_kernel` (auto, torch, deepspeed) asks for it and
+    it loads, else None: the host AdamW then runs torch's kernel. Tried once per process; a
+    failure is said in one line, once, unless `auto` found DeepSpeed simply not installed."""
+    if host_kernel == "torch":
+        return None
+    if not _DEEPSPEED:
+        try:
+            _DEEPSPEED["op"] = _load_cpu_adam()
+        except Exception as err:  # noqa: BLE001 - any failure to import or build means torch's kernel
+            _DEEPSPEED["failure"] = err
+    failure = _DEEPSPEED.get("failure")
+    absent = isinstance(failure, ModuleNotFoundError) and failure.name == "deepspeed"
+    if failure is not None and not _DEEPSPEED.get("said") and (host_kernel == "deepspeed" or not absent):
+        _DEEPSPEED["said"] = True
+        reason = (str(failure).strip().splitlines() or [""])[0]
+        print(f"relaytrain: optim.host_kernel={host_kernel}: DeepSpeed's cpu_adam op is unavailable "
+              f"({type(failure).__name__}: {reason}); the host optimizer runs torch's AdamW "
+              f"(pip install relaytrain[fast] installs DeepSpeed)", file=sys.stderr, flush=True)
+    return _DEEPSPEED.get("op")
+
+
+def _load_cpu_adam():
+    """Import DeepSpeed (quietly: it logs its accelerator guess) and load its cpu_adam op, built
+    by torch's JIT with ninja and the C++ compiler the first time (about a minute) and cached under
+    ~/.cache/torch_extensions. The CPU builder's, whatever the accelerator: the op steps host tensors."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+    finally:
+        logging.disable(previous)
+    return CPUAdamBuilder().load(verbose=False)
 
 
 def state_words(o) -> int:
@@ -81,6 +136,8 @@ class _StepEachGroup:
     and `drop_grads()` is `zero_grad(set_to_none=True)` without it: the eager param server
     steps each part with them, twice per part a step, where that wrapper cost more than the
     smallest parts' kernels (docs/benchmarks.md)."""
+
+    kernel = "torch"  # what runs the update, for the run's results (the EPS reports it)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -165,6 +222,10 @@ class FlatAdamW(_StepEachGroup, FlatState, torch.optim.AdamW):
     as AdamW's step would.
     """
 
+    @property
+    def kernel(self) -> str:
+        return "torch fused" if all(group["fused"] for group in self.param_groups) else "torch"
+
     def _update(self, group: dict, params: list[torch.Tensor]) -> None:
         states = [self._state(p, group) for p in params]
         grads = [p.grad for p in params]
@@ -195,6 +256,52 @@ class FlatAdamW(_StepEachGroup, FlatState, torch.optim.AdamW):
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = self._zeros("max_exp_avg_sq", p)
         return state
+
+
+class DeepSpeedAdamW(FlatAdamW):
+    """FlatAdamW whose update runs DeepSpeed's cpu_adam op (`optim.host_kernel`): one call per
+    tensor, on the same flat views and the same state in torch's format (a float32 step tensor
+    and the two moments), so a checkpoint is the same file under either kernel and resumes
+    under the other.
+
+    The op's rule is torch's AdamW up to fp32 rounding (tests/test_host_adam.py): AdamW mode
+    with bias correction, weight decay as `p -= lr * wd * p` before the Adam step, `eps`
+    added to the bias-corrected root of the second moment. It writes through the tensors'
+    memory, so a group runs it only when every parameter is a contiguous fp32 host tensor with
+    an fp32 gradient (the flat views are); any other group, and AMSGrad or maximize, which it
+    does not have, take torch's update.
+    """
+
+    kernel = "deepspeed cpu_adam"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._op = _DEEPSPEED["op"]  # build_optimizer loaded it
+        self._id = next(_DEEPSPEED_IDS)
+        d = self.defaults
+        self._op.create_adam(self._id, d["lr"], *d["betas"], d["eps"], d["weight_decay"], True, False)
+
+    def __del__(self):
+        if hasattr(self, "_id"):
+            self._op.destroy_adam(self._id)
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        if group["amsgrad"] or group["maximize"] or not all(map(_fits_cpu_adam, params)):
+            super()._update(group, params)
+            return
+        states = [self._state(p, group) for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        for p, state, step in zip(params, states, steps, strict=True):
+            self._op.adam_update(self._id, int(step), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                                 True, p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+
+
+def _fits_cpu_adam(p: torch.Tensor) -> bool:
+    """Whether the op can step `p` in place: it reads and writes raw fp32 memory on the host."""
+    return (p.device.type == "cpu" and p.dtype == torch.float32 and p.grad.dtype == torch.float32
+            and p.is_contiguous())
 
 
 class FlatLamb(FlatState, Lamb):

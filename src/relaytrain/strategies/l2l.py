@@ -1,6 +1,6 @@
 """L2L: layer-to-layer relay execution with the eager param server (Algorithm 2 of the paper).
 
-The host owns the model (`relaytrain.eps`); the device holds only the part executing and
+The host owns the model (`relaytrain.strategies.eps`); the device holds only the part executing and
 the one prefetched after it. One step walks the parts in *relay order*
 
     embed, block 0 .. block N-1, head, block N-1 .. block 0, embed
@@ -54,7 +54,6 @@ from relaytrain.costmodel import (
     powers_of_two_dividing,
     upload_s,
 )
-from relaytrain.eps import EagerParamServer, Peers, Shipment
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
@@ -71,6 +70,7 @@ from relaytrain.strategies.base import (
     replica_rows,
     scalar,
 )
+from relaytrain.strategies.eps import EagerParamServer, Peers, Shipment
 from relaytrain.strategies.relay import ActivationStash, WeightRelay, capture_rng, replayed_rng
 from relaytrain.strategies.transfers import Transfers
 
@@ -473,7 +473,7 @@ class L2L(ReplicatedStrategy):
             **{f"{label} (mean s/step)": f"{phases.get(key, 0.0) / measured:.3f}"
                for key, label in _PHASE_LABELS.items() if key in phases},
             "transfer wait (mean s/step, within the phases)": f"{self.transfers.wait_s / steps:.3f}",
-            "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s",
+            "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s ({eps['host_kernel']})",
             "EPS updates": "deferred to end of backward (clipping / fp16 check)" if self.eps.defer else "eager",
         }
         report = {

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from relaytrain.eps import Part
+from relaytrain.strategies.eps import Part
 from relaytrain.strategies.transfers import Transfer, Transfers
 
 # --------------------------------------------------------------------------- weight relay

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from relaytrain.checkpoint import load_optimizer_state, optimizer_state
-from relaytrain.eps import EagerParamServer, Shipment
 from relaytrain.precision import LossScaler
 from relaytrain.strategies.base import optimizer_tensors
+from relaytrain.strategies.eps import EagerParamServer, Shipment
 from relaytrain.strategies.pipeline.stage import StageModule
 from relaytrain.strategies.pipeline.weights import VersionBuffers
 from relaytrain.strategies.transfers import Transfers
