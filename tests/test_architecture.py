@@ -96,26 +96,22 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
     assert "relaytrain.plan" in source  # the estimate uses the planner, and nothing below calls back
 
 
-def test_only_the_strategies_name_strategies():
-    names = set(choices()) | set(schedules())
+def quoted_outside(names: set[str], folder: str) -> list[str]:
+    """Every string literal equal to one of `names` in a module outside PACKAGE/folder."""
     quoted = []
     for path in PACKAGE.rglob("*.py"):
-        if "strategies" in path.relative_to(PACKAGE).parts:
+        if folder in path.relative_to(PACKAGE).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:
                 quoted.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}")
-    assert quoted == []
+    return quoted
+
+
+def test_only_the_strategies_name_strategies():
+    assert quoted_outside(set(choices()) | set(schedules()), "strategies") == []
 
 
 def test_only_the_models_name_model_families():
     """A family is asked (`family_spec`, `family_of`), never branched on by name outside `models/`."""
-    names = set(families())
-    quoted = []
-    for path in PACKAGE.rglob("*.py"):
-        if "models" in path.relative_to(PACKAGE).parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and node.value in names:
-                quoted.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}")
-    assert quoted == []
+    assert quoted_outside(set(families()), "models") == []

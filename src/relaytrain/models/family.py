@@ -32,6 +32,13 @@ class BlockShape:
     intermediate: int
     gated_mlp: bool  # SwiGLU/GeGLU: gate and up projections, their product feeds the down projection
 
+    @classmethod
+    def multi_head(cls, m) -> BlockShape:
+        """A block of BERT's and GPT-2's kind: as many key/value heads as query heads, each
+        hidden / heads wide, and a plain two-matrix MLP."""
+        return cls(m.hidden_size, m.num_heads, m.num_heads, m.hidden_size // m.num_heads, m.intermediate_size,
+                   gated_mlp=False)
+
 
 @dataclass(frozen=True)
 class Family:
