@@ -60,7 +60,7 @@ OFFLOADED = ("pipe_2bw", "pipe_flush")  # the strategies the offload benchmark r
 
 def step_time(overrides: list[str], steps: int, warmup: int, jitter: str | None = None) -> tuple[float, dict]:
     """Mean measured step time of one run, and its strategy report."""
-    cfg = compose_config([*overrides, f"train.steps={steps}", f"train.warmup_steps={warmup}"])
+    cfg = compose_config([*overrides, f"train.steps={steps}", f"train.untimed_steps={warmup}"])
     os.environ.pop(ENV, None)
     if jitter:
         os.environ[ENV] = jitter  # the spawned workers inherit it

@@ -43,7 +43,7 @@ CONTESTANTS = {
 
 
 def measure(overrides: list[str], steps: int, warmup: int) -> dict:
-    cfg = compose_config([*MODEL, *overrides, f"train.steps={steps}", f"train.warmup_steps={warmup}"])
+    cfg = compose_config([*MODEL, *overrides, f"train.steps={steps}", f"train.untimed_steps={warmup}"])
     with tempfile.TemporaryDirectory() as run_dir:
         results = run(cfg, Path(run_dir), table=False)
     return {"samples_per_s": results["throughput"]["samples_per_s"],

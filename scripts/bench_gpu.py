@@ -86,7 +86,7 @@ def overrides(args, name: str, blocks: int, extra: list[str]) -> list[str]:
         f"model.max_seq_len={args.seq_len}", f"data.seq_len={args.seq_len}", f"data.num_samples={samples}",
         f"strategy={name}", f"strategy.microbatch_size={args.microbatch_size}",
         f"strategy.num_microbatches={args.microbatches}", f"optim={args.optim}",
-        f"train.steps={args.steps}", "train.warmup_steps=1", f"train.device={'cpu' if args.cpu_smoke else 'cuda'}",
+        f"train.steps={args.steps}", "train.untimed_steps=1", f"train.device={'cpu' if args.cpu_smoke else 'cuda'}",
         *extra,
     ]
 

@@ -81,7 +81,7 @@ UPDATE_SETTINGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", 
 
 def compose(overrides: list[str], steps: int, warmup: int):
     """The run's config: `warmup` steps left out of the figures, then `steps` measured ones."""
-    cfg = compose_config([*overrides, f"train.steps={warmup + steps}", f"train.warmup_steps={warmup}"])
+    cfg = compose_config([*overrides, f"train.steps={warmup + steps}", f"train.untimed_steps={warmup}"])
     for key, wanted in COMPARABLE.items():
         if OmegaConf.select(cfg, key) not in wanted:
             sys.exit(f"bench_hf_trainer: {key}={OmegaConf.select(cfg, key)} is not compared; "

@@ -33,7 +33,7 @@ TARGET = 0.85
 
 
 def measure(overrides: list[str], steps: int, warmup: int) -> dict:
-    cfg = compose_config([*MODEL, *overrides, f"train.steps={steps}", f"train.warmup_steps={warmup}"])
+    cfg = compose_config([*MODEL, *overrides, f"train.steps={steps}", f"train.untimed_steps={warmup}"])
     with tempfile.TemporaryDirectory() as run_dir:
         results = run(cfg, Path(run_dir))
     per_process = results["memory"].get("per_process") or [{"host_peak_rss_bytes": results["memory"]["host_peak_rss_bytes"]}]

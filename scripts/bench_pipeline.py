@@ -63,7 +63,7 @@ CHUNKS = 2  # model chunks a stage for pipe_interleaved: the model's 4 blocks as
 def bench_cfg(strategy: str, stages: int, m: int, steps: int, warmup: int, *more: str, model: list[str] = MODEL):
     return compose_config([
         *model, f"strategy={strategy}", f"strategy.stages={stages}", f"strategy.num_microbatches={m}",
-        "strategy.microbatch_size=4", f"train.steps={steps}", f"train.warmup_steps={warmup}", "train.log_every=1000",
+        "strategy.microbatch_size=4", f"train.steps={steps}", f"train.untimed_steps={warmup}", "train.log_every=1000",
         *more,
     ])
 
@@ -187,7 +187,7 @@ def torch_1f1b(cfg, tuned_allocator: bool = False) -> float:
                 raise RuntimeError("a torch Schedule1F1B worker failed (its traceback is above)") from None
     for p in procs:
         p.join()
-    measured = times[cfg.train.warmup_steps:]
+    measured = times[cfg.train.untimed_steps:]
     return sum(measured) / len(measured)
 
 

@@ -63,7 +63,7 @@ def plan_and_run(name: str, overrides: list[str], steps: int, warmup: int) -> di
         plan = make_plan([*MODEL, *overrides])
     best = plan.best
     command = plan.command(best)
-    cfg = compose_config([*shlex.split(command)[2:], f"train.steps={steps}", f"train.warmup_steps={warmup}"])
+    cfg = compose_config([*shlex.split(command)[2:], f"train.steps={steps}", f"train.untimed_steps={warmup}"])
     with OtherLoad() as running, tempfile.TemporaryDirectory() as run_dir:
         results = run(cfg, Path(run_dir), table=False)
     measured = results["throughput"]["step_time_s"]

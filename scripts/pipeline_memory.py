@@ -40,7 +40,7 @@ def main() -> None:
         "model.vocab_size=8192", "model.dropout=0.0", f"data.seq_len={args.seq_len}", "data.num_samples=512",
         f"strategy={args.strategy}", "strategy.stages=2", f"strategy.recompute={args.recompute}",
         f"strategy.microbatch_size={args.microbatch_size}", f"strategy.num_microbatches={args.microbatches}",
-        f"optim={args.optim}", f"train.steps={args.steps}", "train.warmup_steps=2", "train.log_every=1000",
+        f"optim={args.optim}", f"train.steps={args.steps}", "train.untimed_steps=2", "train.log_every=1000",
     ])
     with tempfile.TemporaryDirectory() as run_dir:
         results = run(cfg, Path(run_dir))

@@ -85,7 +85,7 @@ def table3(args) -> str:
     rates = {}
     for _ in range(args.rounds):
         for u in (1, 2, 4):
-            results = measured([*model, f"strategy.num_microbatches={u}", "train.steps=6", "train.warmup_steps=2"])
+            results = measured([*model, f"strategy.num_microbatches={u}", "train.steps=6", "train.untimed_steps=2"])
             rates.setdefault(u, []).append(results["throughput"]["samples_per_s"])
     rows = [[8, u, 8 * u, f"{max(rates[u]):.2f}", f"{max(rates[u]) / max(rates[1]):.2f}x", paper[u],
              f"{float(paper[u]) / 52.48:.2f}x"] for u in (1, 2, 4)]
@@ -109,7 +109,7 @@ def figure6(args) -> str:
         for _ in range(args.rounds):
             for strategy in ("pipe_2bw", "pipe_flush", "pipe_gpipe"):
                 results = measured([*model, f"strategy={strategy}", f"strategy.num_microbatches={m}",
-                                    "train.steps=10", "train.warmup_steps=3"])
+                                    "train.steps=10", "train.untimed_steps=3"])
                 rates.setdefault(strategy, []).append(results["throughput"]["samples_per_s"])
         best = {s: max(r) for s, r in rates.items()}
         rows.append([4 * m, m, f"{best['pipe_2bw']:.1f}", f"{best['pipe_flush']:.1f}", f"{best['pipe_gpipe']:.1f}",
@@ -148,7 +148,7 @@ def convergence(args) -> str:
               "model.intermediate_size=512", "model.vocab_size=512", "data.seq_len=64", "data.num_samples=4096",
               "data.eval_fraction=0.05", "optim=adamw", f"optim.lr={args.lr}", "optim.warmup_steps=20",
               "optim.schedule=linear", "strategy.stages=2", "strategy.num_microbatches=4",
-              "strategy.microbatch_size=8", f"train.steps={args.steps}", "train.warmup_steps=2"]
+              "strategy.microbatch_size=8", f"train.steps={args.steps}", "train.untimed_steps=2"]
     curves, finals = {}, {}
     for strategy in ("pipe_flush", "pipe_2bw"):
         results = measured([*common, f"strategy={strategy}"])

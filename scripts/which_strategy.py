@@ -46,7 +46,7 @@ CONTESTANTS = {
 def train(name: str, overrides: list[str], runs: Path, steps: int) -> Path:
     run_dir = runs / name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
     command = [sys.executable, "-m", "relaytrain.cli", "train", *MODEL, *overrides, f"train.steps={steps}",
-               "train.warmup_steps=2", "train.log_every=1000", f"hydra.run.dir={run_dir}"]
+               "train.untimed_steps=2", "train.log_every=1000", f"hydra.run.dir={run_dir}"]
     print(f"[{name}] {' '.join(command[3:])}", flush=True)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return run_dir

@@ -32,7 +32,6 @@ TINY_GPT2 = [
     "data.num_samples=256",
 ]
 
-
 # A Llama-layout decoder as small as the others: grouped-query attention (2 key/value heads for
 # 4 query heads), gated MLP, rotary positions, untied head.
 TINY_LLAMA = [
@@ -44,7 +43,7 @@ TINY_LLAMA = [
 
 def tiny_cfg(family: str = "bert", *overrides: str):
     base = TINY_BERT if family == "bert" else TINY_GPT2
-    return compose_config([*base, "train.steps=3", "train.warmup_steps=1", *overrides])
+    return compose_config([*base, "train.steps=3", "train.untimed_steps=1", *overrides])
 
 
 @pytest.fixture(autouse=True)

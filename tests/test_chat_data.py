@@ -48,7 +48,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 def chat_cfg(checkpoint: Path, path: Path, *overrides: str):
     cfg = compose_config([f"model.pretrained={checkpoint}", "data=chat", f"data.path={path}", "data.seq_len=64",
                           "strategy.microbatch_size=2", "strategy.num_microbatches=2", "train.steps=3",
-                          "train.warmup_steps=1", *overrides])
+                          "train.untimed_steps=1", *overrides])
     return resolve(cfg)
 
 
@@ -236,7 +236,7 @@ def test_a_fresh_model_runs_on_packed_chat_data(tmp_path):
                           "model.intermediate_size=64", "model.vocab_size=512", "data=chat",
                           f"data.path={EXAMPLES / 'chat.jsonl'}", f"data.eval_path={EXAMPLES / 'chat_eval.jsonl'}",
                           "data.seq_len=128", "data.pack=true", "strategy.microbatch_size=2",
-                          "strategy.num_microbatches=2", "train.steps=2", "train.warmup_steps=1", "strategy=l2l"])
+                          "strategy.num_microbatches=2", "train.steps=2", "train.untimed_steps=1", "strategy=l2l"])
     results = run(cfg, tmp_path, quiet=True)
     assert math.isfinite(results["eval"][-1]["loss"])
     assert results["data"]["packed"] and results["data"]["rows"] < results["data"]["records"] == 40

@@ -17,7 +17,7 @@ from relaytrain.cli import main
 from tests.conftest import wait_for
 
 # bert_tiny at this batch takes ~0.1 s a step on 2 cores: slow enough to kill mid-run.
-RUN = ["train", "train.steps=30", "train.warmup_steps=1", "strategy.microbatch_size=8",
+RUN = ["train", "train.steps=30", "train.untimed_steps=1", "strategy.microbatch_size=8",
        "strategy.num_microbatches=2", "data.num_samples=512", "model.dropout=0.1", "train.save_model=true"]
 
 

@@ -59,7 +59,7 @@ def test_saved_model_loads_with_hugging_face_and_keeps_parameter_names(tmp_path)
 
     # ... and trains again from there as model.pretrained, weights and all.
     again = tmp_path / "again"
-    relaytrain("train", *SMALL, f"model.pretrained={run_dir / 'model'}", "train.steps=2", "train.warmup_steps=0",
+    relaytrain("train", *SMALL, f"model.pretrained={run_dir / 'model'}", "train.steps=2", "train.untimed_steps=0",
                f"hydra.run.dir={again}", cwd=tmp_path)
     assert json.loads((again / "results.json").read_text())["model"]["parameters"] == loaded.num_parameters()
 
@@ -91,7 +91,9 @@ def test_bad_input_is_one_line_exit_2_and_no_traceback(tmp_path):
         ("precision=cmp_bf16", "needs the eager param server"),
         ("model=gpt2_tiny model.task=classification", "not available for model.family=gpt2"),
         ("model.family=llama", "not a model family; choose one of bert, decoder, gpt2"),
-        ("train.warmup_steps=400", "train.warmup_steps=400 leaves no measured step"),
+        ("train.untimed_steps=400", "train.untimed_steps=400 leaves no measured step"),
+        ("train.warmup_steps=2", "train.warmup_steps was renamed train.untimed_steps (steps left out of the "
+                                 "throughput figures); optim.warmup_steps is the learning-rate warm-up"),
         ("strategy.stages=2", "strategy.stages is not a key of strategy=baseline; only strategy="
                               + "/".join(n for n, c in registry().items() if "stages" in c.Config.__dataclass_fields__)
                               + " have it"),

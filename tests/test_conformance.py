@@ -40,7 +40,7 @@ FAMILIES = {"bert": TINY_BERT, "llama": TINY_LLAMA}
 def conformance_cfg(name: str, *overrides: str, family: str = "bert"):
     """A tiny model of four blocks, four micro-batches of 8: every strategy's defaults fit it."""
     return compose_config([*FAMILIES[family], f"strategy={name}", "model.num_layers=4", f"train.steps={STEPS}",
-                           "train.warmup_steps=0", "train.checkpoint_every=1", "train.keep_checkpoints=0",
+                           "train.untimed_steps=0", "train.checkpoint_every=1", "train.keep_checkpoints=0",
                            "train.save_model=true", "data.eval_fraction=0.25", "strategy.num_microbatches=4",
                            "optim=sgd", "optim.lr=0.05", *overrides])
 

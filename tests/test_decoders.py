@@ -50,7 +50,7 @@ LAYERS = 4  # two pipeline stages of two chunks each (pipe_interleaved) need fou
 RUN_KEYS = [
     "data.seq_len=16", "data.num_samples=128", "optim=adamw", "optim.lr=0.02", "optim.eps=1e-4",
     "optim.weight_decay=0.1", "optim.warmup_steps=1", "optim.schedule=linear", f"train.steps={STEPS}",
-    "train.warmup_steps=0", "strategy.num_microbatches=4", "strategy.microbatch_size=2", "train.save_model=true",
+    "train.untimed_steps=0", "strategy.num_microbatches=4", "strategy.microbatch_size=2", "train.save_model=true",
 ]
 # Each registered strategy as it comes, plus the variants with their own code paths: data
 # parallel replicas, and the pipelines' host offload (masters and optimizer in the EPS).

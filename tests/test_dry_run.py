@@ -82,7 +82,7 @@ def test_the_dry_run_makes_the_allocations_of_a_real_run():
 def test_every_strategy_runs_dry_and_reports_simulated_memory(tmp_path, strategy, capsys):
     # Four blocks: room for every strategy's default stages and chunks.
     assert main(["train", *TINY, "model.num_layers=4", f"strategy={strategy}", "train.device=meta", "train.steps=2",
-                 "train.warmup_steps=0", f"hydra.run.dir={tmp_path}"]) == 0
+                 "train.untimed_steps=0", f"hydra.run.dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "peak device memory (simulated)" in out and "host memory (estimate)" in out
     import json
@@ -233,7 +233,7 @@ def test_a_large_model_is_simulated_without_its_memory(tmp_path):
     """BERT-Large with 48 blocks (600 M parameters: 9.6 GB of weights and AdamW state) runs dry
     in seconds on this machine, which could not hold it."""
     cfg = compose_config(["+exp=bert_large_l2l_stash_cpu", "model.num_layers=48", "train.device=meta",
-                          "train.steps=1", "train.warmup_steps=0", "strategy.num_microbatches=2"])
+                          "train.steps=1", "train.untimed_steps=0", "strategy.num_microbatches=2"])
     results = run(cfg, tmp_path, quiet=True)
     assert results["model"]["parameters"] > 5e8
     assert results["memory"]["device"]["peak_allocated_bytes"] < 2 * 2**30
@@ -245,7 +245,7 @@ def test_a_large_model_is_simulated_without_its_memory(tmp_path):
 def test_the_simulation_agrees_with_the_cuda_allocator_within_10_percent(tmp_path, strategy):
     common = [*TINY, f"strategy={strategy}", "model.num_layers=6", "model.hidden_size=256", "model.num_heads=4",
               "model.intermediate_size=1024", "data.seq_len=128", "strategy.microbatch_size=16", "train.steps=3",
-              "train.warmup_steps=1"]
+              "train.untimed_steps=1"]
     simulated = simulate(compose_config(common), steps=3).peak_bytes
     measured = run(compose_config([*common, "train.device=cuda"]), tmp_path, quiet=True)
     allocated = measured["memory"]["device"]["peak_allocated_bytes"]
@@ -260,10 +260,10 @@ def test_a_dry_run_reports_the_host_memory_a_real_run_would_refuse(tmp_path, mon
 
     little = collections.namedtuple("Memory", "available")(2**20)  # 1 MiB free: no real run fits
     monkeypatch.setattr(relaytrain.preflight.psutil, "virtual_memory", lambda: little)
-    cfg = compose_config([*TINY, "train.steps=1", "train.warmup_steps=0"])
+    cfg = compose_config([*TINY, "train.steps=1", "train.untimed_steps=0"])
     with pytest.raises(ConfigError, match="GiB of host memory"):
         run(cfg, tmp_path / "real", quiet=True)
-    dry = compose_config([*TINY, "train.steps=1", "train.warmup_steps=0", "train.device=meta"])
+    dry = compose_config([*TINY, "train.steps=1", "train.untimed_steps=0", "train.device=meta"])
     memory = run(dry, tmp_path / "dry", quiet=True)["memory"]
     assert memory["host_estimate_bytes"] > little.available and memory["host_peak_rss_bytes"] is None
     assert "estimated from the config" in memory["host_note"]

@@ -43,7 +43,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 RUN = ["train", *[o for o in TINY_GPT2 if not o.startswith("model.dropout")], "model.dropout=0.1",
-       "train.steps=8", "train.warmup_steps=1", "train.checkpoint_every=2", "train.save_model=true",
+       "train.steps=8", "train.untimed_steps=1", "train.checkpoint_every=2", "train.save_model=true",
        "strategy.timeout_s=60"]
 
 STRATEGIES = [

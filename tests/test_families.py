@@ -160,7 +160,7 @@ def test_a_decoder_dry_run_on_padded_chat_data(tmp_path):
 
     examples = Path(__file__).parent.parent / "examples" / "chat.jsonl"
     assert main(["train", "model=llama_tiny", "model.num_layers=2", "data=chat", f"data.path={examples}",
-                 "data.seq_len=64", "train.device=meta", "train.steps=2", "train.warmup_steps=0",
+                 "data.seq_len=64", "train.device=meta", "train.steps=2", "train.untimed_steps=0",
                  f"hydra.run.dir={tmp_path}"]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     device = results["memory"]["device"]

@@ -22,7 +22,7 @@ from relaytrain.errors import ConfigError
 from tests.conftest import TINY_GPT2, wait_for
 
 RUN = ["train", *[o for o in TINY_GPT2 if not o.startswith("model.dropout")], "model.dropout=0.1",
-       "train.steps=8", "train.warmup_steps=1", "train.checkpoint_every=2", "train.save_model=true",
+       "train.steps=8", "train.untimed_steps=1", "train.checkpoint_every=2", "train.save_model=true",
        "data.eval_fraction=0.1", "eval.every=2", "eval.max_batches=2", "strategy.timeout_s=5"]
 
 STRATEGIES = {

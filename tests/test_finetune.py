@@ -50,7 +50,7 @@ def finetune_cfg(checkpoint, *overrides, explicit=()):
     """The config `relaytrain train model.pretrained=DIR ...` runs with (the default model group)."""
     cfg = compose_config([f"model.pretrained={checkpoint}", "data.seq_len=16", "data.num_samples=128",
                           "strategy.microbatch_size=2", "strategy.num_microbatches=2", f"train.steps={STEPS}",
-                          "train.warmup_steps=1", "train.save_model=true", "optim.lr=1e-3", *overrides])
+                          "train.untimed_steps=1", "train.save_model=true", "optim.lr=1e-3", *overrides])
     return resolve(cfg, explicit)
 
 
@@ -116,7 +116,7 @@ def test_an_mlm_checkpoint_gets_a_new_classification_head_with_a_notice(checkpoi
 
 def test_more_labels_than_the_checkpoint_replaces_its_head(checkpoints, tmp_path, capsys):
     assert main(["train", f"model.pretrained={checkpoints / 'bert_cls3'}", "model.num_labels=5", "train.steps=2",
-                 "train.warmup_steps=0", "data.seq_len=16", "data.num_samples=64", "train.save_model=true",
+                 "train.untimed_steps=0", "data.seq_len=16", "data.num_samples=64", "train.save_model=true",
                  f"hydra.run.dir={tmp_path}"]) == 0
     assert "freshly initialised: classifier.bias, classifier.weight" in capsys.readouterr().out
     assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "model").config.num_labels == 5
@@ -226,7 +226,7 @@ def test_a_bad_eval_file_is_refused_naming_the_line(tmp_path, capsys):
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": f"sample {i}", "label": i % 2} for i in range(64)])
     bad = tmp_path / "eval.jsonl"
     bad.write_text('{"text": "fine", "label": 0}\n{"text": "broken", "label": 7}\n')
-    base = ["train", "data=jsonl", f"data.path={train}", "data.seq_len=16", "train.steps=1", "train.warmup_steps=0",
+    base = ["train", "data=jsonl", f"data.path={train}", "data.seq_len=16", "train.steps=1", "train.untimed_steps=0",
             f"hydra.run.dir={tmp_path / 'run'}"]
     with pytest.raises(SystemExit) as stop:
         main([*base, f"data.eval_path={bad}"])

@@ -141,3 +141,31 @@ def test_without_resharding_a_step_gathers_once_not_once_per_micro_batch(reshard
     run(cfg, tmp_path, quiet=True)
     units = cfg.model.num_layers + 1  # every block, and the root
     assert len(calls) == gathers_per_unit * units
+
+
+def test_a_resume_leaves_a_parameter_without_optimizer_state_as_the_uninterrupted_run_does(monkeypatch, tmp_path):
+    """One tensor gets no gradient in the first two steps, so the step-2 checkpoint holds no
+    AdamW state for it; after the resume its first update must count as its first (step 1 in
+    the bias correction), as in the run that was never interrupted: the weights end equal."""
+    from relaytrain.strategies.baseline import Baseline
+    from relaytrain.strategies.fsdp import Fsdp
+
+    frozen = "blocks.2.layer.ln_2.bias"  # the layered model's name for the last block's second norm's bias
+
+    def start(self, step):
+        self.steps_done = step
+
+    def update(self, lr):
+        self.steps_done += 1
+        if self.steps_done <= 2:
+            dict(self.net.model.named_parameters())[frozen].grad = None
+        return Baseline._update(self, lr)
+
+    monkeypatch.setattr(Fsdp, "start", start)
+    monkeypatch.setattr(Fsdp, "_update", update)
+    one = ("strategy.replicas=1", "strategy.microbatch_size=4", "train.steps=4")
+    cfg = fsdp_cfg("gpt2", *one, "train.checkpoint_every=1", "train.keep_checkpoints=0")
+    run(cfg, tmp_path / "whole")
+    step_two = checkpoint.step_dir(checkpoint.checkpoint_dir(tmp_path / "whole"), 2)
+    run(fsdp_cfg("gpt2", *one, f"train.resume={step_two}"), tmp_path / "resumed")
+    assert_same(saved_model(cfg, tmp_path / "whole"), saved_model(cfg, tmp_path / "resumed"), exact=True)

@@ -31,7 +31,7 @@ PROMPT = "What is 2+2?"
 def saved_cfg(checkpoint, *overrides: str):
     """What `relaytrain train model.pretrained=DIR train.save_model=true ...` runs with."""
     given = [f"model.pretrained={checkpoint}", "data.seq_len=16", "data.num_samples=64", "strategy.microbatch_size=2",
-             "strategy.num_microbatches=2", f"train.steps={STEPS}", "train.warmup_steps=1", "train.save_model=true",
+             "strategy.num_microbatches=2", f"train.steps={STEPS}", "train.untimed_steps=1", "train.save_model=true",
              "optim.lr=1e-3", *overrides]
     return resolve(compose_config(given), given)
 

@@ -129,7 +129,7 @@ def test_recompute_draws_the_first_forwards_dropout_masks():
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_dropout_gradients_equal_a_forward_without_recompute(family):
     """With dropout on, one SGD step (lr=1: w - g) equals autograd over a graph kept from a
-    forward in L2L's order (same RNG draws): wrong masks in recompute would change g."""
+    forward in L2L's order (the same keyed draws): wrong masks in recompute would change g."""
     cfg = l2l_cfg(family, "l2l_stash_cpu", "model.dropout=0.2", "strategy.num_microbatches=3",
                   "optim=sgd", "optim.momentum=0.0", "optim.lr=1.0")
     ours, _, _ = train(cfg, steps=1)
@@ -138,12 +138,12 @@ def test_dropout_gradients_equal_a_forward_without_recompute(family):
     minibatch = next(iter(build_loader(cfg, build_dataset(cfg))))
     items = minibatch_items(reference, minibatch)
     torch.manual_seed(cfg.train.seed)
-    hidden = [reference.embed(mb.input_ids) for mb in minibatch]
+    hidden = [reference.embed_input(mb.input_ids, mb.draw) for mb in minibatch]
     ctxs = [reference.context(mb, h) for mb, h in zip(minibatch, hidden, strict=True)]
     for block in reference.blocks:
         hidden = [block(h, ctx) for h, ctx in zip(hidden, ctxs, strict=True)]
     for h, mb in zip(hidden, minibatch, strict=True):
-        (reference.head_loss(h, mb.labels) / items).backward()
+        (reference.head_loss(h, mb.labels, mb.draw) / items).backward()
     with torch.no_grad():
         for p in reference.parameters():
             p -= p.grad
@@ -229,7 +229,7 @@ def test_cli_trains_with_l2l_and_writes_the_report(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "relaytrain.cli", "train", "+exp=tiny_l2l", "strategy=l2l_stash_cpu",
-         "train.steps=3", "train.warmup_steps=1", f"hydra.run.dir={run_dir}"],
+         "train.steps=3", "train.untimed_steps=1", f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env={**os.environ, "CI": "1"}, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     results = json.loads((run_dir / "results.json").read_text())

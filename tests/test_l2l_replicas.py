@@ -79,7 +79,7 @@ def test_two_replicas_equal_one_worker_and_a_plain_loop(tmp_path, family, strate
 
 def test_clipping_with_sharded_state_clips_by_the_global_norm(tmp_path):
     cfg = replicas_cfg("bert", "l2l", "strategy.eps=sharded", "optim=sgd", "optim.momentum=0.0",
-                       "optim.lr=1.0", "optim.grad_clip=1e-3", f"train.steps={2}", "train.warmup_steps=0")
+                       "optim.lr=1.0", "optim.grad_clip=1e-3", f"train.steps={2}", "train.untimed_steps=0")
     run(cfg, tmp_path / "replicas")
     run(one_worker(cfg), tmp_path / "single")
     assert_same_weights(saved_model(cfg, tmp_path / "replicas"), saved_model(cfg, tmp_path / "single"))
@@ -90,7 +90,7 @@ def test_a_killed_two_replica_run_resumes_bit_for_bit(tmp_path):
     common = ["train", "strategy=l2l", "strategy.replicas=2", "strategy.microbatch_size=4",
               "strategy.num_microbatches=2", "model.num_layers=3", "model.hidden_size=64", "model.num_heads=4",
               "model.intermediate_size=128", "model.vocab_size=512", "model.dropout=0.1", "data.seq_len=32",
-              "data.num_samples=512", "train.steps=40", "train.warmup_steps=1", "train.save_model=true",
+              "data.num_samples=512", "train.steps=40", "train.untimed_steps=1", "train.save_model=true",
               "train.checkpoint_every=5", "train.resume=auto"]
 
     def start(run_dir: Path) -> subprocess.Popen:

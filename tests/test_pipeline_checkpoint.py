@@ -28,7 +28,7 @@ from tests.conftest import wait_for
 TINY = ["model.num_layers=3", "model.hidden_size=32", "model.num_heads=4", "model.intermediate_size=64",
         "model.vocab_size=300", "model.dropout=0.1", "data.seq_len=16", "data.num_samples=256"]
 # About 10 ms a step on 2 cores: 60 steps leave time to kill a run between two checkpoints.
-COMMON = ["train", *TINY, "train.steps=60", "train.warmup_steps=1", "train.log_every=10", "train.save_model=true",
+COMMON = ["train", *TINY, "train.steps=60", "train.untimed_steps=1", "train.log_every=10", "train.save_model=true",
           "strategy.microbatch_size=2", "strategy.num_microbatches=4"]
 RUN = [*COMMON, "strategy.stages=2", "strategy.timeout_s=60"]
 FLUSH = ["model=bert_tiny", "strategy=pipe_flush"]
@@ -153,7 +153,7 @@ def test_a_checkpoint_of_another_model_is_refused_with_one_line(flush_reference,
     assert "checkpoints/step-00000060" in err[0]  # the latest of the run directory given
 
 
-DETERMINISTIC = ["model.dropout=0.0", "train.steps=6", "train.warmup_steps=1"]
+DETERMINISTIC = ["model.dropout=0.0", "train.steps=6", "train.untimed_steps=1"]
 
 
 @pytest.fixture(scope="module")

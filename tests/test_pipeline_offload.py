@@ -169,7 +169,7 @@ def test_the_stage_report_shows_its_simulated_device_peak(tmp_path):
     from relaytrain.train import run
 
     cfg = compose_config([*MODEL, "strategy=pipe_2bw", OFFLOAD, "train.device=meta", "train.steps=2",
-                          "train.warmup_steps=0"])
+                          "train.untimed_steps=0"])
     results = run(copy.deepcopy(cfg), tmp_path, quiet=True)
     stages = results["strategy_report"]["per_stage"]
     processes = results["memory"]["per_process"]

@@ -232,7 +232,7 @@ def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
 
     launcher = subprocess.Popen(
         [sys.executable, "-m", "relaytrain.cli", "train", "strategy=pipe_flush", "train.steps=100000",
-         "train.warmup_steps=1", f"hydra.run.dir={tmp_path}"],
+         "train.untimed_steps=1", f"hydra.run.dir={tmp_path}"],
         env={**os.environ, "CI": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-TINY = ["+exp=tiny_baseline", "train.steps=4", "train.warmup_steps=1", "data.eval_fraction=0.1"]
+TINY = ["+exp=tiny_baseline", "train.steps=4", "train.untimed_steps=1", "data.eval_fraction=0.1"]
 
 
 def relaytrain(*args: str, cwd: Path, ok: bool = True) -> subprocess.CompletedProcess:

@@ -30,7 +30,7 @@ STRATEGIES = choices()  # every strategy= option, from the registry
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_phase_times_sum_to_no_more_than_the_step_time_beside_them(tmp_path, strategy):
     steps = ["strategy.num_microbatches=2"] if strategy.startswith("pipe") else []
-    cfg = tiny_cfg("bert", f"strategy={strategy}", "model.num_layers=4", "train.steps=5", "train.warmup_steps=2",
+    cfg = tiny_cfg("bert", f"strategy={strategy}", "model.num_layers=4", "train.steps=5", "train.untimed_steps=2",
                    "strategy.microbatch_size=4", *steps, "train.checkpoint_every=2", "data.eval_fraction=0.1")
     results = run(cfg, tmp_path)
     report = results["strategy_report"]
@@ -111,7 +111,7 @@ def test_without_tensorboard_log_tensorboard_is_refused_with_one_line(tmp_path, 
 def test_the_estimate_and_progress_inside_long_steps(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(StepProgress, "QUIET_S", 0.0)  # a line for every move inside a step
     monkeypatch.setenv("CI", "1")
-    assert main(["train", "+exp=tiny_l2l", "train.steps=2", "train.warmup_steps=0", f"hydra.run.dir={tmp_path}"]) == 0
+    assert main(["train", "+exp=tiny_l2l", "train.steps=2", "train.untimed_steps=0", f"hydra.run.dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("estimate (a prediction): about ")
     assert "step 1/2: forward: block 2/4" in out and "step 1/2: backward: embeddings" in out
@@ -161,7 +161,7 @@ def test_two_sigints_end_a_long_step_at_once_naming_the_latest_checkpoint(tmp_pa
     the newest complete checkpoint is named, and it loads."""
     args = ["train", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
             "model.intermediate_size=128", "data.seq_len=32", "strategy.microbatch_size=4",
-            "strategy.num_microbatches=2", "train.steps=50", "train.warmup_steps=1", "train.checkpoint_every=1",
+            "strategy.num_microbatches=2", "train.steps=50", "train.untimed_steps=1", "train.checkpoint_every=1",
             f"hydra.run.dir={tmp_path / 'run'}"]
     marks = tmp_path / "marks"
     marks.mkdir()

@@ -6,7 +6,8 @@
 Every process writes its *part* (`Strategy.state_dict()` plus its RNG streams): weights and
 optimizer state keyed by Hugging Face parameter name, the loss scaler, and the strategy's own
 name-keyed sections (`extra`, e.g. 2BW's second weight version). The reporting process also
-writes `trainer.pt` (the step, the data position and the run's history). Each file is written
+writes `trainer.pt` (the step, the data position, the optimizer updates applied, which place
+the LR schedule, and the run's history). Each file is written
 atomically (temporary file, fsync, rename); after a barrier, rank 0 writes the manifest (what
 was saved, by which config and layout, every file's size) and renames the directory: a
 `step-N` directory whose manifest's files are all there, at their recorded sizes, is a
@@ -355,6 +356,15 @@ class Checkpoint:
     def trainer(self) -> dict:
         return _load(self.path / TRAINER)
 
+    def applied_updates(self) -> int:
+        """Optimizer updates applied up to this step (the LR schedule's position): the step less
+        the steps an fp16 overflow skipped. Checkpoints from before the count was saved give it
+        from their history's skipped steps (any process may read trainer.pt)."""
+        trainer = self.trainer()
+        if "applied_updates" in trainer:
+            return trainer["applied_updates"]
+        return self.step - trainer.get("history", {}).get("skipped", 0)
+
     def rng(self, rank: int) -> dict | None:
         return _load(self.path / part_name(rank))["rng"] if self.exact else None
 
@@ -406,14 +416,19 @@ def read(path: Path, cfg, strategy: str, layout: dict) -> Checkpoint:
     return Checkpoint(path, manifest, exact)
 
 
-def read_sharded(directory: Path, names: set[str]) -> tuple[dict, dict]:
-    """Whole tensors by name from a sharded checkpoint, on one process (no process group): the
-    weights of `names`, and their optimizer state by name and state."""
+def sharded_contents(directory: Path) -> dict:
+    """What a sharded checkpoint holds: its keys, each with torch.distributed.checkpoint's metadata."""
     try:
-        stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+        return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     except Exception as err:  # a missing or corrupt metadata file: torch raises many kinds
         raise ConfigError(f"checkpoint {directory} cannot be read ({type(err).__name__}); it is corrupt: "
                           f"resume from an earlier checkpoint") from err
+
+
+def read_sharded(directory: Path, names: set[str]) -> tuple[dict, dict]:
+    """Whole tensors by name from a sharded checkpoint, on one process (no process group): the
+    weights of `names`, and their optimizer state by name and state."""
+    stored = sharded_contents(directory)
     wanted = [key for key in stored if key in names or
               (key.startswith(OPTIMIZER_PREFIX) and key[len(OPTIMIZER_PREFIX):].rsplit("/", 1)[0] in names)]
     # A tensor is read into a whole one of its size; anything else comes back in the dict.

@@ -146,9 +146,18 @@ def _omegaconf_message(err) -> str:
     return f"{key}: {msg}" if key else msg
 
 
+# Keys that were renamed: the old name is refused with the new one (used for nothing else).
+RENAMED_KEYS = {
+    "train.warmup_steps": "train.warmup_steps was renamed train.untimed_steps (steps left out of the "
+                          "throughput figures); optim.warmup_steps is the learning-rate warm-up",
+}
+
+
 def _unknown_key_message(key: str, schema) -> str:
-    """An unknown key: a close match among the keys of its section, and for the strategy and
-    optim groups, which options do have the key."""
+    """An unknown key: a renamed one's new name; else a close match among the keys of its section,
+    and for the strategy and optim groups, which options do have the key."""
+    if key in RENAMED_KEYS:
+        return RENAMED_KEYS[key]
     section, _, leaf = key.rpartition(".")
     owners = _options_with_key(section, leaf)
     chosen = getattr(schema, "name", None) if schema is not None else None

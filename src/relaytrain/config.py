@@ -111,7 +111,7 @@ class ModelConfig:
     vocab_size: int = 30522  # embedding table rows: token ids must be below it
     num_labels: int = 2  # classification only
     task: Task = Task.classification  # the head: classification, masked_lm (BERT) or causal_lm (GPT-2, decoders)
-    dropout: float = 0.1  # hidden and attention dropout; 0 makes runs deterministic
+    dropout: float = 0.1  # hidden and attention dropout; its masks are the same whichever strategy runs
     pretrained: str | None = None  # local Hugging Face directory, or a hub id when online
     trust_remote_code: bool = False  # let a checkpoint that ships its own modelling code run it
     # decoders (family=decoder): the Hugging Face architecture and its attention's shape
@@ -217,7 +217,7 @@ class TrainConfig:
     device: Device = Device.auto  # auto (cuda when visible, else cpu), cpu, cuda, or meta (a dry run: simulated device memory)
     save_model: bool = False  # write RUN_DIR/model, a Hugging Face save_pretrained directory
     save_dtype: SaveDtype = SaveDtype.auto  # dtype of the saved weights; auto: the checkpoint's (model.pretrained), else float32
-    warmup_steps: int = 2  # steps left out of the throughput figures
+    untimed_steps: int = 2  # steps left out of the throughput figures (optim.warmup_steps is the LR warm-up)
     log_every: int = 25  # plain-progress lines when not on a terminal
     threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: cores / workers)
     check_memory: bool = True  # refuse runs the host cannot hold
@@ -384,10 +384,10 @@ def _check_keep_best(cfg) -> None:
 
 def _check_train(cfg) -> None:
     t = cfg.train
-    if t.warmup_steps < 0 or t.warmup_steps >= t.steps and t.steps > 1:
+    if t.untimed_steps < 0 or t.untimed_steps >= t.steps and t.steps > 1:
         raise ConfigError(
-            f"train.warmup_steps={t.warmup_steps} leaves no measured step of train.steps={t.steps}; "
-            f"lower train.warmup_steps"
+            f"train.untimed_steps={t.untimed_steps} leaves no measured step of train.steps={t.steps}; "
+            f"lower train.untimed_steps"
         )
     if t.threads < 0:
         raise ConfigError(f"train.threads={t.threads} must be 0 (torch's default) or positive")

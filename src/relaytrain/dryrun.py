@@ -28,7 +28,7 @@ from relaytrain.strategies import strategy_class
 from relaytrain.train import run
 
 # What a dry run leaves out: it computes nothing, so nothing that needs values.
-DRY = (("train.device", "meta"), ("train.warmup_steps", 0), ("train.checkpoint_every", 0),
+DRY = (("train.device", "meta"), ("train.untimed_steps", 0), ("train.checkpoint_every", 0),
        ("train.save_model", False), ("train.resume", None), ("eval.every", 0), ("data.eval_fraction", 0.0),
        ("data.eval_path", None), ("data.eval_split", None), ("log.tensorboard", False),
        ("train.check_memory", False))

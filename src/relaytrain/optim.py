@@ -3,7 +3,7 @@
 Every strategy builds its optimizers here, so the same config means the same update rule
 whether the step runs on the device (baseline), on the host per block (the eager param
 server) or per pipeline stage. The learning rate is set by the training loop each step from
-`lr_at(step)`, which keeps the schedule position a plain integer (trivial to checkpoint).
+`lr_at(updates applied)`, which keeps the schedule position a plain integer (trivial to checkpoint).
 
 The eager param server asks for the *flat* variants (`build_optimizer(..., flat=True)`): the
 same update rules, bit for bit, with their state in one buffer per kind (`relaytrain.flat`)
@@ -36,12 +36,17 @@ from torch.optim.sgd import sgd
 from relaytrain.flat import FlatState
 
 
+def decays(p: torch.Tensor) -> bool:
+    """Matrices and embeddings are decayed (and LAMB-adapted); biases and norm weights are not."""
+    return p.ndim >= 2
+
+
 def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     """Weight decay on matrices and embeddings only; biases and norm weights are not decayed."""
     decay, no_decay = [], []
     for _, p in named_params:
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if decays(p) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -59,6 +64,8 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o, flat: b
         return kind(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=o.fused and not meta,
                     foreach=True if meta else None)
     if o.name == "lamb":
+        for group in groups:  # the trust ratio where weight decay is, by kind (see Lamb)
+            group["trust_ratio"] = decays(group["params"][0])
         return (FlatLamb if flat else Lamb)(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     return (FlatSGD if flat else torch.optim.SGD)(groups, lr=o.lr, momentum=o.momentum, foreach=True)
 
@@ -110,7 +117,15 @@ def state_words(o) -> int:
 
 
 def lr_at(step: int, o, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, then the schedule."""
+    """Learning rate for optimizer update `step` (0-based): linear warm-up, then the schedule.
+
+    `step` counts the updates applied before this one: the trainer passes it, not the training
+    step, so a step an fp16 overflow skipped consumes no warm-up (as Hugging Face's Trainer and
+    accelerate, whose scheduler does not step on a skipped update). Warm-up update k uses
+    lr*(k+1)/warmup, reaching lr at the last warm-up update; Hugging Face's
+    `get_linear_schedule_with_warmup` uses lr*k/warmup, whose first update has LR 0 and changes
+    nothing but the optimizer's moments. relaytrain keeps every update a real one, at the price of
+    being one update ahead of HF's ramp (equal at k = warmup); the decay that follows is HF's."""
     if o.warmup_steps and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     if o.schedule == "constant":
@@ -164,13 +179,20 @@ class _StepEachGroup:
 class Lamb(_StepEachGroup, torch.optim.Optimizer):
     """LAMB (You et al., 2019): Adam's direction with a per-tensor trust ratio ||w|| / ||update||.
 
-    The trust ratio is per tensor, so updating one block at a time (the eager param server)
+    A group with `trust_ratio=False` takes the ratio as 1 (plain Adam times lr): `build_optimizer`
+    sets it for the tensors left out of weight decay (biases, norm weights), as BERT's reference
+    LAMB excludes them from layer adaptation (`exclude_from_layer_adaptation` defaults to the
+    weight-decay exclusions) and NVIDIA's FusedLAMB adapts only tensors with nonzero decay. It
+    follows the kind of tensor, as BERT's does: with `optim.weight_decay=0` the matrices still
+    get their ratio (FusedLAMB would drop it everywhere, leaving Adam). The trust ratio is per tensor, so updating one block at a time (the eager param server)
     gives exactly the update of one whole-model step. Implemented with torch's multi-tensor
     (`_foreach`) kernels: one launch per operation over all tensors of a group.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
+                 trust_ratio: bool = True):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                  "trust_ratio": trust_ratio})
 
     def _update(self, group: dict, params: list[torch.Tensor]) -> None:
         grads = [p.grad for p in params]
@@ -202,6 +224,9 @@ class Lamb(_StepEachGroup, torch.optim.Optimizer):
         update = torch._foreach_div(m_hat, denom)
         if group["weight_decay"]:
             torch._foreach_add_(update, params, alpha=group["weight_decay"])
+        if not group["trust_ratio"]:
+            torch._foreach_add_(params, update, alpha=-group["lr"])
+            return
         w_norms = torch._foreach_norm(params)
         u_norms = torch._foreach_norm(update)
         for p, u, w_norm, u_norm in zip(params, update, w_norms, u_norms, strict=True):

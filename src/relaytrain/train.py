@@ -176,6 +176,10 @@ class Trainer:
         self.directory = checkpoint.checkpoint_dir(job.run_dir)
         self.history: dict = {"losses": [], "step_times": [], "skipped": 0, "eval": []}
         self.first = 0
+        # Optimizer updates applied so far (steps an fp16 overflow skipped are not): the LR
+        # schedule's position, on every process alike (every strategy agrees on a skip).
+        self.applied = 0
+        self.lr = lr_at(0, cfg.optim, cfg.train.steps)  # the learning rate the last step ran with
         s = cfg.strategy
         self.eval_batches = None if job.eval_dataset is None else eval_batches(
             job.eval_dataset, s.microbatch_size * cls.replicas(cfg), s.num_microbatches, cfg.eval.max_batches)
@@ -228,7 +232,7 @@ class Trainer:
         evaluated = self.history["eval"][-1] if self.history["eval"] and self.history["eval"][-1]["step"] == step else {}
         self.log.write({
             "step": step, "loss": self.history["losses"][-1],
-            "lr": lr_at(step - 1, self.cfg.optim, self.cfg.train.steps),
+            "lr": self.lr,
             "step_time_s": elapsed, "samples_per_s": samples / elapsed,
             "tokens_per_s": samples * self.cfg.data.seq_len / elapsed,
             "host_rss_bytes": self.host.current_bytes(),
@@ -277,15 +281,17 @@ class Trainer:
         return best
 
     def _step(self, step: int) -> None:
-        if step == self.first + self.cfg.train.warmup_steps:
+        if step == self.first + self.cfg.train.untimed_steps:
             self.strategy.timer.reset()  # phase times cover the measured steps, as the step time does
         self.world.mark("step", step + 1)
         failpoints.reach("step", step + 1, self.world.rank)
         minibatch = self.loader.minibatch(step)
         start = time.perf_counter()
-        result = self.strategy.step(minibatch, lr_at(step, self.cfg.optim, self.cfg.train.steps))
+        self.lr = lr_at(self.applied, self.cfg.optim, self.cfg.train.steps)
+        result = self.strategy.step(minibatch, self.lr)
         metrics.synchronize(self.world.device)
         elapsed = time.perf_counter() - start
+        self.applied += not result.skipped  # a skipped step consumes no warm-up (as HF and accelerate)
         self.votes.after(step)
         if not self.reporter:
             return
@@ -318,15 +324,16 @@ class Trainer:
         self.world.mark("checkpoint", step)
         part = self.strategy.state_dict() or dict(EMPTY_PART)
         part = {**part, "rng": checkpoint.rng_state(self.world.device)}
-        trainer = {"step": step, "history": self.history} if self.reporter else None
+        trainer = {"step": step, "applied_updates": self.applied, "history": self.history} if self.reporter else None
         manifest = {"strategy": self.cls.name, "layout": self.cls.state_layout(self.cfg),
                     "identity": checkpoint.identity(self.cfg)}
         return checkpoint.save(self.world, self.directory, step, part, trainer, manifest,
                                self.cfg.train.keep_checkpoints, best=best, sharded=self.strategy.sharded_state_dict())
 
     def _restore(self) -> int:
-        """Fresh: seed the dropout stream (the same whichever strategy runs). Resumed: the
-        checkpoint's weights, optimizer and scaler state, RNG streams and history."""
+        """Fresh: seed torch's global streams (dropout does not draw from them: each part's draws
+        are keyed by its micro-batch, `MicroBatch.draw`; only a micro-batch without a key would).
+        Resumed: the checkpoint's weights, optimizer and scaler state, RNG streams and history."""
         if self.job.resume is None:
             torch.manual_seed(self.cfg.train.seed)
             self.strategy.start(0)
@@ -334,6 +341,7 @@ class Trainer:
         found = checkpoint.read(self.job.resume, self.cfg, self.cls.name, self.cls.state_layout(self.cfg))
         self.strategy.start(found.step)
         self.strategy.load_checkpoint(found)
+        self.applied = found.applied_updates()
         rng = found.rng(self.world.rank)
         if rng is not None:
             checkpoint.set_rng_state(rng, self.world.device)
@@ -355,7 +363,7 @@ class Trainer:
         reports = self.world.gather(report, self.cls.reporter(self.cfg))
         if not self.reporter:
             return None
-        measured = self.history["step_times"][self.first + self.cfg.train.warmup_steps:]
+        measured = self.history["step_times"][self.first + self.cfg.train.untimed_steps:]
         results = assemble_results(self.cfg, self.cls, self.history, measured, reports, self.world, self.job.overrides)
         results.update(elastic.results_entry(self.job.run_dir))
         results.update(data_facts(self.job.dataset, self.job.eval_dataset))  # e.g. chat records cut or dropped

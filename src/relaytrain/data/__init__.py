@@ -58,4 +58,5 @@ def data_facts(train: TokenDataset, held_out: TokenDataset | None) -> dict:
 def build_loader(cfg, dataset: TokenDataset, replicas: int = 1) -> MicroBatchLoader:
     """Minibatches of `replicas` shares: each micro-batch holds every replica's rows."""
     s = cfg.strategy
-    return MicroBatchLoader(dataset, s.microbatch_size * replicas, s.num_microbatches, cfg.data.shuffle, cfg.data.seed)
+    return MicroBatchLoader(dataset, s.microbatch_size * replicas, s.num_microbatches, cfg.data.shuffle, cfg.data.seed,
+                            dropout_seed=cfg.train.seed)

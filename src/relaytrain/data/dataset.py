@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ import torch
 
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import IGNORE_INDEX
-from relaytrain.models.layered import MicroBatch
+from relaytrain.models.layered import Draw, MicroBatch
 
 
 @dataclass
@@ -95,14 +96,20 @@ class MicroBatchLoader:
     Epochs are reshuffled from (seed, epoch), so the same config always sees the same
     samples in the same order, whichever strategy runs it. `position` (minibatches served)
     is all a checkpoint needs to continue the stream exactly.
+
+    Each micro-batch carries its draw key (`MicroBatch.draw`): `dropout_seed` (train.seed), the
+    minibatch's position and the micro-batch's index in it; the parts seed their dropout by it,
+    so its masks do not depend on the order in which a strategy runs the micro-batches.
     """
 
-    def __init__(self, dataset: TokenDataset, microbatch_size: int, num_microbatches: int, shuffle: bool, seed: int):
+    def __init__(self, dataset: TokenDataset, microbatch_size: int, num_microbatches: int, shuffle: bool, seed: int,
+                 dropout_seed: int = 0):
         self.dataset = dataset
         self.microbatch_size = microbatch_size
         self.num_microbatches = num_microbatches
         self.shuffle = shuffle
         self.seed = seed
+        self.dropout_seed = dropout_seed
         self.position = 0
         minibatch = microbatch_size * num_microbatches
         if len(dataset) < minibatch:
@@ -123,7 +130,10 @@ class MicroBatchLoader:
         order = self._order(epoch)
         start = slot * self.microbatch_size * self.num_microbatches
         return [
-            self.dataset.take(order[start + k * self.microbatch_size : start + (k + 1) * self.microbatch_size])
+            dataclasses.replace(
+                self.dataset.take(order[start + k * self.microbatch_size : start + (k + 1) * self.microbatch_size]),
+                draw=Draw(self.dropout_seed, position, k),
+            )
             for k in range(self.num_microbatches)
         ]
 

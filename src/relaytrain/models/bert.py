@@ -51,7 +51,7 @@ class LayeredBert(LayeredModel):
             head = BertMLMHead(hf_model.cls)
         super().__init__(hf_model, BertEmbed(bert.embeddings), list(bert.encoder.layer), head, task)
 
-    def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
+    def shared_context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
         mask = create_bidirectional_mask(config=self.hf_config, inputs_embeds=hidden, attention_mask=mb.attention_mask)
         return {"attention_mask": mask}
 
@@ -88,14 +88,10 @@ def _facts(c) -> dict:
             "dropout": c.hidden_dropout_prob}
 
 
-def _block_shape(m) -> BlockShape:
-    return BlockShape(m.hidden_size, m.num_heads, m.num_heads, m.hidden_size // m.num_heads, m.intermediate_size,
-                      gated_mlp=False)
-
 
 register_family(Family(
     name="bert", layered=LayeredBert, tasks=("classification", "masked_lm"), tokenizer="wordpiece",
-    hf_config=_hf_config, facts=_facts, block_shape=_block_shape,
+    hf_config=_hf_config, facts=_facts, block_shape=BlockShape.multi_head,
     refuses=lambda c: None if c.model_type == "bert" else "not bert",
     dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
     description="BERT (classification, masked LM)",

@@ -8,7 +8,7 @@ and a rotary embedding, under an `lm_head`:
     embed_tokens -> layers[0..N) -> norm -> lm_head (-> soft-capping, Gemma 2)
 
 What Hugging Face's model forward computes once and hands to every layer is computed once per
-micro-batch by `context`, in the same way: the rotary cos/sin for the micro-batch's positions
+micro-batch by `shared_context`, in the same way: the rotary cos/sin for the micro-batch's positions
 (one pair per layer type where the rotary embedding is per type, as Gemma 3's), and the causal
 mask of each layer type the model declares (`layer_types`: full or sliding-window attention;
 a model without them slides every layer when it has a `sliding_window`, as Mistral and Phi-3
@@ -62,14 +62,14 @@ class DecoderHead(nn.Module):
 
 
 class DecoderBlock(Block):
-    """A decoder layer: it takes the mask and the rotary cos/sin of its own layer type."""
+    """A decoder layer: it takes the mask and the rotary cos/sin of its own layer type (under the
+    micro-batch's draw key, as every block: `Block.forward`)."""
 
     layer_type: str = FULL
 
-    def forward(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
-        out = self.layer(hidden, attention_mask=ctx["masks"][self.layer_type],
-                         position_embeddings=ctx["rope"][self.layer_type], position_ids=ctx["position_ids"])
-        return out[0] if isinstance(out, tuple) else out
+    def run_layer(self, hidden: torch.Tensor, ctx: dict):
+        return self.layer(hidden, attention_mask=ctx["masks"][self.layer_type],
+                          position_embeddings=ctx["rope"][self.layer_type], position_ids=ctx["position_ids"])
 
 
 class LayeredDecoder(LayeredModel):
@@ -88,7 +88,7 @@ class LayeredDecoder(LayeredModel):
         self._tied = hf_model.lm_head.weight is body.embed_tokens.weight
         self._rope_per_type = "layer_type" in inspect.signature(body.rotary_emb.forward).parameters
 
-    def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
+    def shared_context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
         # Positions 0..s-1 unless records are packed into a row; only then are they handed to the
         # mask, which reads them to keep packed records apart (a read a dry run could not make).
         positions = mb.position_ids

@@ -39,7 +39,7 @@ class LayeredGPT2(LayeredModel):
         t = hf_model.transformer
         super().__init__(hf_model, GPT2Embed(t.wte, t.wpe, t.drop), list(t.h), GPT2Head(t.ln_f, hf_model.lm_head), task)
 
-    def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
+    def shared_context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
         # No position ids: they would only let Hugging Face look for packed sequences (a check
         # that reads values, which a dry run on the meta device has not), and samples are never packed.
         mask = create_causal_mask(
@@ -88,14 +88,10 @@ def _facts(c) -> dict:
             "intermediate_size": c.n_inner or 4 * c.n_embd, "max_seq_len": c.n_positions, "dropout": c.resid_pdrop}
 
 
-def _block_shape(m) -> BlockShape:
-    return BlockShape(m.hidden_size, m.num_heads, m.num_heads, m.hidden_size // m.num_heads, m.intermediate_size,
-                      gated_mlp=False)
-
 
 register_family(Family(
     name="gpt2", layered=LayeredGPT2, tasks=("causal_lm",), tokenizer="byte_bpe",
-    hf_config=_hf_config, facts=_facts, block_shape=_block_shape,
+    hf_config=_hf_config, facts=_facts, block_shape=BlockShape.multi_head,
     refuses=lambda c: None if c.model_type == "gpt2" else "not gpt2",
     dropout_keys=("resid_pdrop", "embd_pdrop", "attn_pdrop"),
     description="GPT-2 (causal LM)",

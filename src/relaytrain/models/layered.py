@@ -12,20 +12,35 @@ tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from abc import ABCMeta, abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
+from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 
 # The mask builders' "no KV cache" argument: `cache=None` from transformers 5.24 on, where
 # `past_key_values` is deprecated; `past_key_values=None` before (the GPU images carry 5.17).
 NO_CACHE = {"cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values": None}
+
+
+@dataclass(frozen=True)
+class Draw:
+    """Which micro-batch of the run a training micro-batch is: with the part that runs it, the key
+    of its random draws (`draw_seed`). `seed` is train.seed, `step` the minibatch's position in
+    the data stream, `index` the micro-batch's place in the minibatch, `replica` the data-parallel
+    worker whose rows these are (0 where one worker holds them all)."""
+
+    seed: int
+    step: int
+    index: int
+    replica: int = 0
 
 
 @dataclass
@@ -36,21 +51,28 @@ class MicroBatch:
     # [batch, seq]: each token's position in its own record, set when records are packed into
     # one row (positions restart at 0 where a record starts; decoders then keep records apart).
     position_ids: torch.Tensor | None = None
+    # The key of its dropout masks, set by the loader for every training micro-batch. None (a
+    # micro-batch made by hand, an evaluation batch): the parts draw from torch's global stream.
+    draw: Draw | None = None
+
+    def _map(self, fn) -> MicroBatch:
+        """`fn` of every tensor; the draw key carried along."""
+        tensors = {name: None if (t := getattr(self, name)) is None else fn(t) for name in _TENSOR_FIELDS}
+        return dataclasses.replace(self, **tensors)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
-        moved = {
-            f.name: None if (t := getattr(self, f.name)) is None else t.to(device, non_blocking=non_blocking)
-            for f in fields(self)
-        }
-        return MicroBatch(**moved)
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
-    def rows(self, index: slice) -> MicroBatch:
-        """These rows of every tensor (a replica's share of a micro-batch)."""
-        return MicroBatch(**{f.name: None if (t := getattr(self, f.name)) is None else t[index] for f in fields(self)})
+    def rows(self, index: slice, replica: int | None = None) -> MicroBatch:
+        """These rows of every tensor (a replica's share of a micro-batch): `replica` names whose
+        they are, so that each replica draws its own masks for its own rows."""
+        share = self._map(lambda t: t[index])
+        if replica is not None and share.draw is not None:
+            share.draw = dataclasses.replace(share.draw, replica=replica)
+        return share
 
     def pin_memory(self) -> MicroBatch:
-        pinned = {f.name: None if (t := getattr(self, f.name)) is None else t.pin_memory() for f in fields(self)}
-        return MicroBatch(**pinned)
+        return self._map(lambda t: t.pin_memory())
 
     @property
     def num_samples(self) -> int:
@@ -61,31 +83,122 @@ class MicroBatch:
         return self.input_ids.numel() if self.attention_mask is None else int(self.attention_mask.sum())
 
 
+_TENSOR_FIELDS = tuple(f.name for f in dataclasses.fields(MicroBatch) if f.name != "draw")
+
+
+# --------------------------------------------------------------------------- keyed draws
+# Every random draw inside a part's forward (dropout) comes from a generator seeded by the key
+# (run seed, step, micro-batch index, replica, part), set where the part runs: in `Block.forward`
+# and in `LayeredModel.embed_input` / `head_loss`, which every strategy calls. So a sample gets
+# the same masks in the same part whichever strategy runs it, in whatever order, on whichever
+# process, and a recomputed part draws what its first forward drew.
+
+EMBED_PART = 0  # part codes: the embeddings 0, block i 1 + i, the head the largest code
+_PART_BITS, _REPLICA_BITS, _INDEX_BITS, _STEP_BITS = 12, 12, 14, 26  # 64 bits in all
+HEAD_PART = (1 << _PART_BITS) - 1
+_LIMITS = (("step", _STEP_BITS, "train.steps"), ("index", _INDEX_BITS, "strategy.num_microbatches"),
+           ("replica", _REPLICA_BITS, "strategy.replicas"))
+_MASK64 = (1 << 64) - 1
+
+
+def block_part(index: int) -> int:
+    """The part code of block `index`."""
+    if not 0 <= index < HEAD_PART - 1:
+        raise ConfigError(f"model.num_layers: keyed dropout draws tell {HEAD_PART - 1} blocks apart, and this "
+                          f"model has block {index}; use fewer layers")
+    return 1 + index
+
+
+def draw_seed(draw: Draw, part: int) -> int:
+    """The 64-bit generator seed of `part`'s draws for the micro-batch `draw`.
+
+    step (26 bits: 67 M steps), index (14 bits: 16384 micro-batches a minibatch), replica (12
+    bits: 4096) and part (12 bits: the embeddings, 4094 blocks, the head) are packed into one
+    64-bit integer, distinct for distinct keys in those ranges (beyond them: ConfigError; a block
+    past them is refused by `block_part`). The run seed times an odd constant
+    is added and SplitMix64's finalizer applied: both are bijections of 64-bit integers, so two
+    draws of one run never get one seed, and every output bit depends on every input bit (nearby
+    keys give unrelated streams). CUDA's Philox generator takes all 64 bits; torch's CPU
+    generator (mt19937) keeps the low 32, so on the CPU two draws of a long run may share masks
+    by chance (about one pair in 2**32), which biases nothing.
+    """
+    packed = 0
+    for name, bits, key in _LIMITS:
+        value = getattr(draw, name)
+        if not 0 <= value < 1 << bits:
+            raise ConfigError(f"{key}: keyed dropout draws tell {1 << bits} values of the {name} apart, and this run "
+                              f"reaches {value}; lower {key}")
+        packed = packed << bits | value
+    z = ((packed << _PART_BITS | part) + draw.seed * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@contextmanager
+def keyed_draws(draw: Draw | None, part: int, device: torch.device, active: bool = True):
+    """Run a part with torch's generators (the CPU's, and `device`'s where it is a GPU) seeded by
+    `draw_seed(draw, part)`; afterwards they continue where they were, as if the part drew
+    nothing. Without a key, or not `active` (evaluation: dropout draws nothing), no change."""
+    if draw is None or not active:
+        yield
+        return
+    seed = draw_seed(draw, part)
+    cuda = None
+    if device.type == "cuda":
+        cuda = torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
+    saved = torch.default_generator.get_state(), None if cuda is None else cuda.get_state()
+    torch.default_generator.manual_seed(seed)
+    if cuda is not None:
+        cuda.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(saved[0])
+        if cuda is not None:
+            cuda.set_state(saved[1])
+
+
+DRAW = "draw"  # the ctx entry holding the micro-batch's draw key
+
+
 class Block(nn.Module):
     """One transformer layer with a uniform call: `block(hidden, ctx) -> hidden`.
 
     `ctx` holds what every block of a micro-batch shares (the attention mask), computed once
-    per micro-batch by `LayeredModel.context`. A family whose blocks differ in what they take
-    from it (a decoder's sliding-window and full-attention layers) brings its own subclass
-    (`LayeredModel.block_class`).
+    per micro-batch by `LayeredModel.context`, and the micro-batch's draw key (`ctx[DRAW]`): the
+    layer runs under the key of (that micro-batch, this block), so its dropout masks are the
+    same whichever strategy calls it, and a recompute draws them again. `index` is the block's
+    place in the whole model, kept when a pipeline stage holds only some blocks. A family whose
+    blocks differ in what they take from `ctx` (a decoder's sliding-window and full-attention
+    layers) brings its own subclass (`LayeredModel.block_class`) overriding `run_layer`.
     """
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, index: int):
         super().__init__()
         self.layer = layer
+        self.index = index
 
     def forward(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
-        out = self.layer(hidden, **ctx)
+        with keyed_draws(ctx.get(DRAW), block_part(self.index), hidden.device, self.training):
+            out = self.run_layer(hidden, ctx)
         return out[0] if isinstance(out, tuple) else out
+
+    def run_layer(self, hidden: torch.Tensor, ctx: dict):
+        """The Hugging Face layer on `ctx`'s shared inputs (its output as the layer returns it)."""
+        return self.layer(hidden, **{key: value for key, value in ctx.items() if key != DRAW})
 
 
 class LayeredModel(nn.Module, metaclass=ABCMeta):
     """A Hugging Face model seen as embed -> blocks -> head.
 
-    Subclasses (one per model family) provide the parts and two small functions: `context`
-    (per-micro-batch inputs of the blocks) and `logits` (the head's output), plus `targets`
-    where the labels are not aligned with the logits as they come (GPT-2 predicts the next
-    token). The loss, its item count and the evaluation sums follow from those.
+    Subclasses (one per model family) provide the parts and two small functions:
+    `shared_context` (per-micro-batch inputs of the blocks) and `logits` (the head's output),
+    plus `targets` where the labels are not aligned with the logits as they come (GPT-2 predicts
+    the next token). The loss, its item count and the evaluation sums follow from those.
+
+    Strategies run the parts through `embed_input`, `context` (which adds the draw key),
+    `blocks[i]` and `head_loss`: each part's random draws are keyed by its micro-batch there.
     """
 
     family: str = ""
@@ -102,7 +215,7 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         # Hugging Face names, fixed before any strategy splits the model (tied weights: the first name).
         object.__setattr__(self, "_hf_names", {id(p): n for n, p in hf_model.named_parameters()})
         self.embed = embed
-        self.blocks = nn.ModuleList(self.block_class(layer) for layer in blocks)
+        self.blocks = nn.ModuleList(self.block_class(layer, index) for index, layer in enumerate(blocks))
         self.head = head
         self.task = task
 
@@ -112,7 +225,7 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
 
     # -- per-family hooks -------------------------------------------------------------
     @abstractmethod
-    def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
+    def shared_context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
         """What every block of this micro-batch shares (the attention mask)."""
 
     @abstractmethod
@@ -123,9 +236,22 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         """The labels aligned item by item with `logits` (-100: no item); GPT-2 shifts them."""
         return labels
 
-    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed loss of the micro-batch (fp32)."""
-        return sum_cross_entropy(self.logits(hidden), self.targets(labels))
+    # -- the parts as strategies run them: draws keyed by the micro-batch -----------------------
+    def embed_input(self, input_ids: torch.Tensor, draw: Draw | None = None) -> torch.Tensor:
+        """The embeddings' output, their dropout drawn under `draw` (the micro-batch's key)."""
+        with keyed_draws(draw, EMBED_PART, input_ids.device, self.embed.training):
+            return self.embed(input_ids)
+
+    def context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
+        """What every block of this micro-batch takes: the family's shared inputs and the
+        micro-batch's draw key (`DRAW`)."""
+        return {**self.shared_context(mb, hidden), DRAW: mb.draw}
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, draw: Draw | None = None) -> torch.Tensor:
+        """Summed loss of the micro-batch (fp32); the head's dropout (BERT's classifier has one)
+        drawn under `draw`."""
+        with keyed_draws(draw, HEAD_PART, hidden.device, self.head.training):
+            return sum_cross_entropy(self.logits(hidden), self.targets(labels))
 
     def eval_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> EvalStats:
         """The evaluation sums of one micro-batch (loss, items, correct, confusion)."""
@@ -149,13 +275,14 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
 
     # -- whole-model helpers ------------------------------------------------------------
     def forward(self, mb: MicroBatch, loss_items: int | None = None) -> torch.Tensor:
-        """Loss of one micro-batch divided by `loss_items` (default: its own item count)."""
-        hidden = self.embed(mb.input_ids)
+        """Loss of one micro-batch divided by `loss_items` (default: its own item count), with
+        the masks every strategy draws for it."""
+        hidden = self.embed_input(mb.input_ids, mb.draw)
         ctx = self.context(mb, hidden)
         for block in self.blocks:
             hidden = block(hidden, ctx)
         items = self.loss_items(mb.labels) if loss_items is None else loss_items
-        return self.head_loss(hidden, mb.labels) / items
+        return self.head_loss(hidden, mb.labels, mb.draw) / items
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -289,12 +289,13 @@ def minibatch_items(model: LayeredModel, minibatch: list[MicroBatch]) -> int:
 
 
 def replica_rows(minibatch: list[MicroBatch], replica: int, replicas: int) -> list[MicroBatch]:
-    """This replica's share of every micro-batch of a global minibatch (equal consecutive rows)."""
+    """This replica's share of every micro-batch of a global minibatch (equal consecutive rows),
+    keyed as this replica's: each replica draws its own dropout masks for its own rows."""
     if replicas == 1:
         return minibatch
     size = minibatch[0].num_samples // replicas
     rows = slice(replica * size, (replica + 1) * size)
-    return [mb.rows(rows) for mb in minibatch]
+    return [mb.rows(rows, replica) for mb in minibatch]
 
 
 def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:

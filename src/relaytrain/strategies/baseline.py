@@ -79,11 +79,11 @@ class MicrobatchLoss(nn.Module):
         with self.precision.autocast_context(mb.input_ids.device):
             if evaluate:
                 return self.model.eval_stats(self.trunk(mb), mb.labels).sums
-            return self.model.head_loss(self.trunk(mb), mb.labels) / items
+            return self.model.head_loss(self.trunk(mb), mb.labels, mb.draw) / items
 
     def trunk(self, mb: MicroBatch) -> torch.Tensor:
         """Embeddings and every block: the last block's output."""
-        hidden = self.model.embed(mb.input_ids)
+        hidden = self.model.embed_input(mb.input_ids, mb.draw)
         ctx = self.model.context(mb, hidden)
         for block in self.model.blocks:
             if self.recompute and torch.is_grad_enabled():

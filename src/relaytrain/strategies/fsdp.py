@@ -19,9 +19,11 @@ item count, so the workers' gradients must be summed, not averaged: every sharde
 with a plain SUM and a divide factor of 1 (gloo has no pre-multiplied sum, so the factor alone
 would not do). Clipping sees the whole model's norm (torch's `clip_grad_norm_` reduces over
 the shards, in another order than one process: the norm may differ in its last bit), and the
-fp16 overflow check is agreed across the workers. `amp_bf16` / `amp_fp16` are FSDP's
-`MixedPrecisionPolicy` (half-precision parameters for compute, gradients reduced in fp32);
-`strategy.offload=host` is its `CPUOffloadPolicy` (the shards and the optimizer in host
+fp16 overflow check is agreed across the workers. `amp_bf16` / `amp_fp16` mean what they mean
+under the baseline: fp32 parameters (gathered and reduced in fp32) and the forward under
+`torch.autocast`, so LayerNorm, softmax and the residual adds stay fp32. FSDP's
+`MixedPrecisionPolicy` with a half `param_dtype` would instead run every op in half: another
+arithmetic under the same flag, so it is not used. `strategy.offload=host` is its `CPUOffloadPolicy` (the shards and the optimizer in host
 memory), refused on a CPU device, where it would change nothing.
 
 Checkpoints are `torch.distributed.checkpoint` directories keyed by Hugging Face name (the
@@ -43,12 +45,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state
+from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state, sharded_contents
 from relaytrain.config import Choice, Recompute, StrategyConfig, WorkersConfig
 from relaytrain.costmodel import (
     FP32,
@@ -65,7 +67,7 @@ from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch
 from relaytrain.optim import build_optimizer, set_lr, state_words
-from relaytrain.precision import LossScaler, Precision
+from relaytrain.precision import LossScaler
 from relaytrain.profile import Profile
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
@@ -216,8 +218,7 @@ class Fsdp(ReplicatedStrategy):
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
         self.hf_names = {name: model.hf_name(p) for name, p in model.named_parameters()}  # before sharding
-        # FSDP's policy casts the parameters; autocast on top would cast twice.
-        self.net = MicrobatchLoss(model, self.recomputes(cfg), Precision.from_name("fp32"))
+        self.net = MicrobatchLoss(model, self.recomputes(cfg), self.precision)  # amp_*: autocast, as the baseline
         self.sharded = not world.simulated
         self.own_group = False
         if self.sharded:
@@ -240,8 +241,6 @@ class Fsdp(ReplicatedStrategy):
         mesh = init_device_mesh(self.device.type, (self.num_replicas,))
         policy = dict(mesh=mesh, reshard_after_forward=bool(cfg.strategy.reshard_after_forward),
                       offload_policy=CPUOffloadPolicy() if offloaded else None)
-        if self.precision.half is not None:
-            policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.half, reduce_dtype=torch.float32)
         for block in model.blocks:
             fully_shard(block, **{k: v for k, v in policy.items() if v is not None})
         fully_shard(self.net, **{k: v for k, v in policy.items() if v is not None})
@@ -325,7 +324,14 @@ class Fsdp(ReplicatedStrategy):
             super().load_checkpoint(found)
             return
         self._prime_optimizer()
-        state = self.sharded_state_dict()
+        saved = sharded_contents(found.sharded_dir)
+        # A parameter that had no gradient yet has no optimizer state there: it keeps none here
+        # either (not the primed one), so its first update counts as its first, as uninterrupted.
+        state = {k: v for k, v in self.sharded_state_dict().items() if k in saved or not k.startswith(OPTIMIZER_PREFIX)}
+        with_state = {k[len(OPTIMIZER_PREFIX):].rsplit("/", 1)[0] for k in saved if k.startswith(OPTIMIZER_PREFIX)}
+        for name, p in self.net.model.named_parameters():
+            if self.hf_names[name] not in with_state:
+                self.optimizer.state.pop(p, None)
         dcp.load(state, checkpoint_id=found.sharded_dir)
         for key, value in state.items():  # non-tensor state (a step count) comes back in the dict
             if key.startswith(OPTIMIZER_PREFIX) and not torch.is_tensor(value):
@@ -387,7 +393,7 @@ class Fsdp(ReplicatedStrategy):
             by_kind[kind] = 0 if offloaded else by_kind[kind] // self.num_replicas
         ends = sum(p.numel() for part in (self.model.embed, self.model.head) for p in part.parameters())
         block = sum(p.numel() for p in self.model.blocks[0].parameters())
-        param_bytes = (self.precision.half or torch.float32).itemsize
+        param_bytes = self.precision.weight_dtype.itemsize  # fp32 gathers under amp_* (see the module)
         by_kind["parameters gathered"] = self._gathered_params(self.cfg, ends, block, len(self.model.blocks)) * param_bytes
         peak = figures["peak_allocated_bytes"] - whole + sum(by_kind[k] for k in (*state, "parameters gathered"))
         return {**figures, "peak_allocated_bytes": peak, "by_kind": by_kind, "closed_form": True,

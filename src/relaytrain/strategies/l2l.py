@@ -9,12 +9,12 @@ and runs every micro-batch through a part before the next is relayed in (the loo
 inversion of Algorithm 2: weights cross once per minibatch, not once per micro-batch).
 
 - Forward: each part runs over all micro-batches without autograd; only each block's
-  input is stashed (on the device, or on the host for `stash=cpu`), together with the RNG
-  state it started from.
+  input is stashed (on the device, or on the host for `stash=cpu`).
 - Turn-around: the head runs forward and backward at once per micro-batch (nothing to
   recompute), giving the gradient w.r.t. the last block's output.
-- Backward: each block is recomputed per micro-batch from its stash with the RNG state of
-  its first forward (the same dropout masks), backpropagated, its gradients summed over the
+- Backward: each block is recomputed per micro-batch from its stash (its dropout keyed by
+  the micro-batch and the block, `MicroBatch.draw`: the masks of its first forward, and the
+  baseline's), backpropagated, its gradients summed over the
   micro-batches by autograd, shipped to the EPS and freed; the EPS updates it on the host
   while the blocks below run.
 
@@ -56,7 +56,7 @@ from relaytrain.costmodel import (
 )
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
-from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
+from relaytrain.models.layered import Draw, LayeredModel, MicroBatch, eval_mode
 from relaytrain.optim import state_words
 from relaytrain.precision import LossScaler
 from relaytrain.profile import Profile, Timings
@@ -71,16 +71,33 @@ from relaytrain.strategies.base import (
     scalar,
 )
 from relaytrain.strategies.eps import EagerParamServer, Peers, Shipment
-from relaytrain.strategies.relay import ActivationStash, WeightRelay, capture_rng, replayed_rng
+from relaytrain.strategies.relay import ActivationStash, WeightRelay
 from relaytrain.strategies.transfers import Transfers
 
 _PHASE_LABELS = {"forward": "forward", "recompute_backward": "recompute+backward",
                  "transfer_wait": "transfer wait", "optimizer_exposed": "exposed optimizer"}
 
 
+class EmbedInput(nn.Module):
+    """The embeddings as a part: `(input_ids, draw) -> hidden` (the model's `embed_input`, its
+    dropout keyed by the micro-batch).
+
+    `embed` is registered so a functional call swaps its parameters for device copies;
+    `embed_input` reaches the same module object through the model.
+    """
+
+    def __init__(self, model: LayeredModel):
+        super().__init__()
+        self.embed = model.embed
+        object.__setattr__(self, "_model", model)  # not a child: its parameters are not the embeddings'
+
+    def forward(self, input_ids: torch.Tensor, draw: Draw | None) -> torch.Tensor:
+        return self._model.embed_input(input_ids, draw)
+
+
 class HeadLoss(nn.Module):
-    """The head as a part: `(hidden, labels) -> summed loss` (the model's `head_loss`), or the
-    evaluation sums of the micro-batch with `evaluate=True`.
+    """The head as a part: `(hidden, labels, draw) -> summed loss` (the model's `head_loss`), or
+    the evaluation sums of the micro-batch with `evaluate=True`.
 
     `head` is registered so a functional call swaps the head's parameters for device copies;
     `head_loss` reaches the same module object through the model.
@@ -91,10 +108,11 @@ class HeadLoss(nn.Module):
         self.head = model.head
         object.__setattr__(self, "_model", model)  # not a child: its parameters are not the head's
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, evaluate: bool = False) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, draw: Draw | None = None,
+                evaluate: bool = False) -> torch.Tensor:
         if evaluate:
             return self._model.eval_stats(hidden, labels).sums
-        return self._model.head_loss(hidden, labels)
+        return self._model.head_loss(hidden, labels, draw)
 
 
 # --------------------------------------------------------------------------- the strategy
@@ -271,7 +289,7 @@ class L2L(ReplicatedStrategy):
                                  cfg.precision.growth_interval)
         peers = (Peers(world.rank, world.size, s.eps == EpsPlacement.sharded, world.timeout, dry=world.simulated)
                  if world.distributed else None)
-        modules = [("embed", model.embed), *((f"block.{i}", b) for i, b in enumerate(model.blocks)),
+        modules = [("embed", EmbedInput(model)), *((f"block.{i}", b) for i, b in enumerate(model.blocks)),
                    ("head", HeadLoss(model))]
         self.eps = EagerParamServer(modules, cfg.optim, self.scaler, self.precision.weight_dtype,
                                     pin=self.device.type == "cuda", peers=peers)
@@ -286,6 +304,7 @@ class L2L(ReplicatedStrategy):
 
     # -- one step -----------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
+        _check_keyed(minibatch, self.cfg.model.dropout)
         self.eps.set_lr(lr)
         items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every replica's rows
         mine = replica_rows(minibatch, self.replica, self.num_replicas)
@@ -295,11 +314,11 @@ class L2L(ReplicatedStrategy):
         self.relay.start_step()
         stash = self.stash = ActivationStash(self.transfers, self.stash_host)
         with self.timer.phase("forward"):
-            hidden, ctxs, rng = self._forward(mbs, stash)
+            hidden, ctxs = self._forward(mbs, stash)
             metrics.synchronize(self.device)
         with self.timer.phase("recompute_backward"):
             grads, loss = self._turnaround(hidden, mbs, items, looked_up)
-            self._backward(grads, mbs, ctxs, rng, stash)
+            self._backward(grads, mbs, ctxs, stash)
             metrics.synchronize(self.device)
         with self.timer.phase("optimizer_exposed"):
             self.progress("waiting for the EPS's last updates")
@@ -313,7 +332,6 @@ class L2L(ReplicatedStrategy):
 
     def _forward(self, mbs: list[MicroBatch], stash: ActivationStash):
         """Every micro-batch through one part before the next part (no autograd, block inputs stashed)."""
-        rng: dict[tuple[int, int], tuple] = {}
         hidden: list[torch.Tensor | None] = [None] * len(mbs)
         ctxs: list[dict | None] = [None] * len(mbs)
         for index in range(self.head_index):
@@ -322,12 +340,11 @@ class L2L(ReplicatedStrategy):
             for u, mb in enumerate(mbs):
                 if index > 0:
                     stash.put((index, u), hidden[u])
-                rng[index, u] = capture_rng(self.device)
                 with torch.no_grad():
                     hidden[u] = self._compute(index, weights, mb, hidden[u], ctxs[u])
             if index == 0:  # the attention masks, shared by every block of a micro-batch
                 ctxs = [self.model.context(mb, h) for mb, h in zip(mbs, hidden, strict=True)]
-        return hidden, ctxs, rng
+        return hidden, ctxs
 
     def _turnaround(self, hidden: list[torch.Tensor | None], mbs: list[MicroBatch], items: int,
                     looked_up: torch.Tensor | None):
@@ -340,7 +357,7 @@ class L2L(ReplicatedStrategy):
         for u, mb in enumerate(mbs):
             x, hidden[u] = hidden[u].requires_grad_(True), None
             with self._autocast():
-                loss = functional_call(module, weights, (x, mb.labels)) / items
+                loss = functional_call(module, weights, (x, mb.labels, mb.draw)) / items
             self.scaler.scale_loss(loss).backward()
             grads.append(x.grad)
             loss_sum += loss.detach()
@@ -349,8 +366,9 @@ class L2L(ReplicatedStrategy):
             self.eps.update_table_early(0, self.table, looked_up)
         return grads, loss_sum
 
-    def _backward(self, grads, mbs, ctxs, rng, stash: ActivationStash) -> None:
-        """Blocks in reverse, then the embeddings: recompute with the forward's RNG, backpropagate, ship."""
+    def _backward(self, grads, mbs, ctxs, stash: ActivationStash) -> None:
+        """Blocks in reverse, then the embeddings: recompute (the forward's masks: the draws are
+        keyed by micro-batch and part), backpropagate, ship."""
         for index in range(self.head_index - 1, -1, -1):
             self.progress(f"backward: {self._part_name(index)}")
             if index <= 1 and self.table is not None:  # visiting block 1 may prefetch the embeddings
@@ -360,8 +378,7 @@ class L2L(ReplicatedStrategy):
                 x = None if index == 0 else stash.take((index, u), _next_stash_key(index, u, len(mbs)))
                 if x is not None:
                     x.requires_grad_(True)
-                with replayed_rng(rng[index, u], self.device):
-                    y = self._compute(index, weights, mb, x, ctxs[u])
+                y = self._compute(index, weights, mb, x, ctxs[u])
                 torch.autograd.backward(y, grads[u])
                 grads[u] = None if x is None else x.grad
             self._ship(index, leaves)
@@ -372,7 +389,7 @@ class L2L(ReplicatedStrategy):
 
     def _compute(self, index: int, weights: dict, mb: MicroBatch, hidden: torch.Tensor | None, ctx: dict | None):
         """One part on one micro-batch: the embeddings read the input ids, a block the hidden state."""
-        args = (mb.input_ids,) if index == 0 else (hidden, ctx)
+        args = (mb.input_ids, mb.draw) if index == 0 else (hidden, ctx)
         with self._autocast():
             return functional_call(self.eps.parts[index].module, weights, args)
 
@@ -496,6 +513,13 @@ class L2L(ReplicatedStrategy):
 
     def close(self) -> None:
         self.eps.close()
+
+
+def _check_keyed(minibatch: list[MicroBatch], dropout: float) -> None:
+    """L2L recomputes each part outside torch's checkpoint: the masks of the recompute equal the
+    forward's because both are drawn under the micro-batch's key, which the loader sets."""
+    if dropout > 0 and any(mb.draw is None for mb in minibatch):
+        raise ValueError("with dropout, L2L needs keyed micro-batches (MicroBatch.draw, set by MicroBatchLoader)")
 
 
 def _aligned(size: int, present: list[int], tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:

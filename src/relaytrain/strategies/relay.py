@@ -1,11 +1,11 @@
 """The relay of L2L (Algorithm 2 of the L2L paper): parts of the model travel to the device
-one visit at a time, block inputs wait for the backward in a stash, and a recomputed block
-replays its forward's random stream.
+one visit at a time, and block inputs wait for the backward in a stash. (A recomputed block
+draws its forward's dropout masks again by itself: the draws are keyed by micro-batch and
+block, `models.layered.keyed_draws`.)
 
 - `WeightRelay` brings the parts to the device in relay order (embed, blocks, head, blocks in
   reverse, embed), never more than a fixed number at once, prefetching the next visit.
 - `ActivationStash` keeps each block's input per micro-batch on the device, or on the host.
-- `replayed_rng` gives a recomputed block the dropout masks of its first forward.
 
 The strategy that walks the relay and feeds the eager param server is `l2l.py`.
 """
@@ -13,7 +13,6 @@ The strategy that walks the relay and feeds the eager param server is `l2l.py`.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -120,28 +119,3 @@ class ActivationStash:
     def _upload(self, key: tuple[int, int]) -> Transfer:
         offloaded = self.entries.pop(key)
         return self.transfers.upload(offloaded.tensors, after=offloaded.done)
-
-
-# --------------------------------------------------------------------------- RNG replay
-
-
-def capture_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_rng(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
-@contextmanager
-def replayed_rng(state, device: torch.device):
-    """Run with the RNG as it was at `state` (same dropout masks), then continue the stream as before."""
-    saved = capture_rng(device)
-    _restore_rng(state, device)
-    try:
-        yield
-    finally:
-        _restore_rng(saved, device)

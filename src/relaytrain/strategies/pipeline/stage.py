@@ -5,7 +5,9 @@ cost (`balanced_layout`: the slowest stage as fast as it can be, the ends counte
 `strategy.layout` says `even` (as evenly as possible, `partition`) or lists the blocks. A stage is the layered
 model itself with the other stages' parts removed, so the family's own `context` and
 `head_loss` run unchanged, and every parameter keeps its Hugging Face name
-(`LayeredModel.hf_name`), which is what checkpoints and saved models use.
+(`LayeredModel.hf_name`), which is what checkpoints and saved models use. Its blocks keep their
+index in the model, so each draws its dropout under its own key (`Block.forward`), as it does
+in every other strategy.
 
 Under an interleaved schedule a stage holds several *chunks* of consecutive blocks (stage s of
 d: the model's chunks s, s + d, ...); the module keeps them all and runs one chunk per call:
@@ -132,13 +134,13 @@ class StageModule(nn.Module):
 
     def _forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int) -> torch.Tensor:
         hidden = self.trunk(mb, hidden, chunk)
-        return self.model.head_loss(hidden, mb.labels) / loss_items if self.computes_loss(chunk) else hidden
+        return self.model.head_loss(hidden, mb.labels, mb.draw) / loss_items if self.computes_loss(chunk) else hidden
 
     def trunk(self, mb: MicroBatch, hidden: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
         """The chunk's embeddings (the model's first chunk) and blocks: the hidden state it passes on."""
         m = self.model
         if self.embeds(chunk):
-            hidden = m.embed(mb.input_ids)
+            hidden = m.embed_input(mb.input_ids, mb.draw)
         ctx = m.context(mb, hidden)
         for block in (m.blocks[i] for i in self.chunks[chunk]):
             if self.recompute == "block" and torch.is_grad_enabled():
