@@ -15,7 +15,7 @@ from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer, lr_at, set_lr
-from relaytrain.strategies.base import minibatch_items
+from relaytrain.strategies.base import minibatch_items, replica_rows
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -61,10 +61,14 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.01)
 
 
-def train_plain_loop(cfg, steps: int, delay: int = 0):
+def train_plain_loop(cfg, steps: int, delay: int = 0, replicas: int = 1):
     """The reference the strategies must equal: the whole layered model under autograd, each
     micro-batch's loss over the minibatch's items, one optimizer, the configured LR schedule
     and clipping. Returns the trained layered model.
+
+    `replicas`: each micro-batch's rows are taken as that many replicas take them (their own
+    dropout masks, `replica_rows`), one after another in this one process: with dropout on,
+    the exact reference for a strategy with as many replicas.
 
     `delay=1` is PipeDream-2BW's rule instead: W(b+1) = W(b) - lr * grad f_b(W(max(b-1, 0))),
     each minibatch's gradients taken at the weights one update older."""
@@ -79,8 +83,9 @@ def train_plain_loop(cfg, steps: int, delay: int = 0):
             stale.load_state_dict(versions.pop(0))
             versions.append(copy.deepcopy(model.state_dict()))
         items = minibatch_items(stale, minibatch)
-        for mb in minibatch:
-            stale(mb, loss_items=items).backward()
+        for replica in range(replicas):
+            for mb in replica_rows(minibatch, replica, replicas):
+                stale(mb, loss_items=items).backward()
         if delay:
             for p, q in zip(model.parameters(), stale.parameters(), strict=True):
                 p.grad, q.grad = q.grad, None

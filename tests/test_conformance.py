@@ -2,8 +2,8 @@
 strategy (or preset) is held to it the moment it is registered.
 
 Each `strategy=` option trains two steps of a tiny BERT and of a tiny Llama-layout decoder
-through the trainer and equals the plain loop (or, where its capabilities declare delayed
-updates, the delayed rule), evaluates held-out data, resumes from its step-1 checkpoint to the
+through the trainer, dropout on, and equals the plain loop (or, where its capabilities declare
+delayed updates, the delayed rule: pipe_2bw's, the one that differs on purpose), evaluates held-out data, resumes from its step-1 checkpoint to the
 same weights bit for bit, appears in `relaytrain --help` and in `relaytrain plan` with a cost
 and a memory figure, and refuses in one line what it cannot honour.
 """
@@ -38,11 +38,12 @@ FAMILIES = {"bert": TINY_BERT, "llama": TINY_LLAMA}
 
 
 def conformance_cfg(name: str, *overrides: str, family: str = "bert"):
-    """A tiny model of four blocks, four micro-batches of 8: every strategy's defaults fit it."""
+    """A tiny model of four blocks, four micro-batches of 8: every strategy's defaults fit it;
+    dropout on (the models' default 0.1), which every strategy draws alike."""
     return compose_config([*FAMILIES[family], f"strategy={name}", "model.num_layers=4", f"train.steps={STEPS}",
                            "train.untimed_steps=0", "train.checkpoint_every=1", "train.keep_checkpoints=0",
                            "train.save_model=true", "data.eval_fraction=0.25", "strategy.num_microbatches=4",
-                           "optim=sgd", "optim.lr=0.05", *overrides])
+                           "optim=sgd", "optim.lr=0.05", "model.dropout=0.1", *overrides])
 
 
 def saved_weights(run_dir, cfg) -> torch.nn.Module:
@@ -53,11 +54,12 @@ def saved_weights(run_dir, cfg) -> torch.nn.Module:
 
 
 def plain_reference(cfg, delay: int) -> torch.nn.Module:
-    """One process over the whole minibatch: the plain loop, or the delayed rule."""
+    """One process over the whole minibatch: the plain loop, or the delayed rule (2BW's, the one
+    strategy whose rule differs on purpose), each replica's rows with that replica's masks."""
     single = copy.deepcopy(cfg)
     replicas = strategy_class(cfg.strategy.name).replicas(cfg)
     OmegaConf.update(single, "strategy.microbatch_size", cfg.strategy.microbatch_size * replicas)
-    return train_plain_loop(single, STEPS, delay=delay).hf_model
+    return train_plain_loop(single, STEPS, delay=delay, replicas=replicas).hf_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
