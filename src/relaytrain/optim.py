@@ -184,7 +184,9 @@ class Lamb(_StepEachGroup, torch.optim.Optimizer):
     LAMB excludes them from layer adaptation (`exclude_from_layer_adaptation` defaults to the
     weight-decay exclusions) and NVIDIA's FusedLAMB adapts only tensors with nonzero decay. It
     follows the kind of tensor, as BERT's does: with `optim.weight_decay=0` the matrices still
-    get their ratio (FusedLAMB would drop it everywhere, leaving Adam). The trust ratio is per tensor, so updating one block at a time (the eager param server)
+    get their ratio (FusedLAMB would drop it everywhere, leaving Adam).
+
+    The trust ratio is per tensor, so updating one block at a time (the eager param server)
     gives exactly the update of one whole-model step. Implemented with torch's multi-tensor
     (`_foreach`) kernels: one launch per operation over all tensors of a group.
     """

@@ -431,15 +431,13 @@ def _run_tokenizer(cfg, run_dir: Path):
     else model.pretrained's (synthetic data reads no tokenizer); None when there is neither."""
     from transformers import AutoTokenizer
 
-    from relaytrain.data.tokenizer import TOKENIZER_FILES
+    from relaytrain.data.tokenizer import may_hold_tokenizer
 
     source = run_dir / "tokenizer"
     if not source.is_dir():
-        if not cfg.model.pretrained:
+        if not cfg.model.pretrained or not may_hold_tokenizer(cfg.model.pretrained):
             return None
         pretrained = Path(cfg.model.pretrained).expanduser()
-        if pretrained.is_dir() and not any((pretrained / f).is_file() for f in TOKENIZER_FILES):
-            return None
         source = pretrained if pretrained.is_dir() else cfg.model.pretrained  # a hub id, while online
     try:
         return AutoTokenizer.from_pretrained(str(source), trust_remote_code=cfg.model.trust_remote_code)

@@ -61,7 +61,7 @@ def find_tokenizer(cfg, chat: bool = False) -> PreTrainedTokenizerFast | None:
     """The configured tokenizer (model.pretrained's, else data.tokenizer; for `chat` data.tokenizer
     first, and it must have a chat template), or None when there is none."""
     pretrained, configured = cfg.model.pretrained, cfg.data.tokenizer
-    if pretrained and _may_hold_tokenizer(pretrained) and not (chat and configured):
+    if pretrained and may_hold_tokenizer(pretrained) and not (chat and configured):
         key, location = "model.pretrained", pretrained
     elif configured:
         key, location = "data.tokenizer", configured
@@ -91,7 +91,7 @@ def check_vocab_size(tokenizer: PreTrainedTokenizerFast, vocab_size: int, what: 
         )
 
 
-def _may_hold_tokenizer(pretrained: str) -> bool:
+def may_hold_tokenizer(pretrained: str) -> bool:
     """A local model directory without tokenizer files falls through; a hub id is tried as is."""
     path = Path(pretrained).expanduser()
     if not path.is_dir():
