@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (a clean allocator and thread pool),
 then one summary table. Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn,compile,lora] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -27,18 +27,23 @@ BENCHMARKS = {
     "data_parallel": HERE / "bench_data_parallel.py",
     "planner": HERE / "bench_planner.py",
     "axonn": HERE / "bench_axonn.py",
+    "compile": HERE / "bench_compile.py",
+    "lora": HERE / "bench_lora.py",
 }
 # The comparisons each script reports as a median over its rounds (scripts/benchlib.py), in
 # the order of the summary table, with what each compares.
 COMPARED = {
     "baseline_vs_plain_loop": "baseline / plain PyTorch loop",
     "baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (bert_base)",
+    "compiled_vs_eager": "baseline, train.compile=true / eager (bert_base, after warm-up)",
     "decoder_baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (Llama layout, 8 x 512, GQA 8/2)",
     "l2l_vs_recompute_baseline": "l2l / baseline with recompute",
     "decoder_l2l_vs_recompute_baseline": "l2l / baseline with recompute (the same Llama-layout model)",
     "eps_vs_fused_adamw": "EPS per-part updates / whole-model fused AdamW",
     "eps_vs_deepspeed_cpu_adam": "EPS per-part updates / whole-model DeepSpeedCPUAdam (where installed)",
     "eps_exposed_share": "EPS work exposed after overlap with backward",
+    "lora_l2l_host_bytes_ratio": "l2l host memory, adapter=lora / full fine-tuning (bf16 Llama layout)",
+    "lora_l2l_vs_full_l2l": "l2l samples/s, adapter=lora / full fine-tuning (the same model and batch)",
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
     "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d, 8 blocks) / bubble formula",
     "interleaved_vs_flush": "pipe_interleaved (d = 2, v = 2, m = 4) / pipe_flush (d = 2, m = 4)",

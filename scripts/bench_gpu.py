@@ -112,7 +112,7 @@ def row(name: str, blocks: int, results: dict) -> dict:
 
 def measure(args, name: str, blocks: int, extra: list[str]) -> dict:
     from relaytrain.compose import compose_config
-    from relaytrain.errors import ConfigError
+    from relaytrain.errors import ConfigError, first_line
     from relaytrain.train import run
 
     base = {"strategy": name, "blocks": blocks}
@@ -125,7 +125,7 @@ def measure(args, name: str, blocks: int, extra: list[str]) -> dict:
         return {**base, "status": f"refused: {err}"}
     except Exception as err:  # one broken run must not cost the device call the other rows
         traceback.print_exc()
-        return {**base, "status": f"failed: {type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"}
+        return {**base, "status": f"failed: {type(err).__name__}: {first_line(err)}"}
     finally:
         release()
 

@@ -59,8 +59,8 @@ def main() -> None:
     args = parser.parse_args()
     contestants = {
         "one worker": [],
-        "2 replicas, sharded EPS": ["strategy.replicas=2", "strategy.eps=sharded"],
-        "2 replicas, replicated EPS": ["strategy.replicas=2", "strategy.eps=replicated"],
+        "2 replicas, sharded EPS": ["strategy.replicas=2", "strategy.eps_state=sharded"],
+        "2 replicas, replicated EPS": ["strategy.replicas=2", "strategy.eps_state=replicated"],
     }
     rounds: dict[str, list[dict]] = {name: [] for name in contestants}
     for r in range(args.rounds):

@@ -322,13 +322,13 @@ def _plans(requests: dict, explained: list[str], request_header: str, papers: st
 
 
 def _variant(c) -> str:
-    from relaytrain.plan import variant
+    from relaytrain.plan_candidates import variant
 
     return variant(c.shape)
 
 
 def _gb(c) -> str:
-    from relaytrain.plan import GiB as PLAN_GIB
+    from relaytrain.plan_candidates import GiB as PLAN_GIB
 
     return f"{c.memory_bytes / PLAN_GIB:.2f}"
 

@@ -24,7 +24,8 @@ def bench(monkeypatch):
 
 
 @pytest.mark.parametrize(("name", "overrides"), [("baseline_vs_hf_trainer", TINY_BERT),
-                                                  ("decoder_baseline_vs_hf_trainer", TINY_DECODER)])
+                                                  pytest.param("decoder_baseline_vs_hf_trainer", TINY_DECODER,
+                                                               marks=pytest.mark.slow)])
 def test_relaytrain_and_trainer_train_the_same_steps(bench, name, overrides):
     assert name in bench.DEFAULT and name in bench.QUICK  # a comparison the script runs, under this headline
     result = bench.compare(name, overrides, rounds=1, steps=2, warmup=0)

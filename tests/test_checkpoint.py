@@ -44,7 +44,7 @@ def uninterrupted(tmp_path_factory):
     return run_dir, finish(run_dir)
 
 
-@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("kill", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_killed_run_resumes_to_the_same_weights_and_losses(uninterrupted, tmp_path, kill):
     whole_dir, whole = uninterrupted
     run_dir = tmp_path / "run"
@@ -187,3 +187,17 @@ def test_a_finished_run_relaunched_says_so_and_more_steps_continue_it(tmp_path, 
     assert main(longer) == 0
     assert "resuming from step 4" in capsys.readouterr().out
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 6
+
+
+def test_a_manifest_from_before_the_eps_state_rename_still_resumes_exactly(tmp_path):
+    from relaytrain.compose import compose_config
+    from relaytrain.strategies import strategy_class
+
+    cfg = compose_config(["strategy=l2l", "strategy.replicas=2", "strategy.eps_state=replicated"])
+    layout = strategy_class("l2l").state_layout(cfg)
+    older = {("eps" if key == "eps_state" else key): value for key, value in layout.items()}
+    assert older != layout  # the manifest as checkpoints written before the rename have it
+    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps(
+        {"format": checkpoint.FORMAT, "identity": checkpoint.identity(cfg), "step": 1, "strategy": "l2l",
+         "layout": older}))
+    assert checkpoint.read(tmp_path, cfg, "l2l", layout).exact

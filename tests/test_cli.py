@@ -101,7 +101,12 @@ def test_bad_input_is_one_line_exit_2_and_no_traceback(tmp_path):
         ("strategy.recompute=true", "strategy.recompute=True is not one of none, block, stage"),
         ("model.task=clasification", "model.task=clasification is not one of classification, masked_lm, "
                                      "causal_lm; did you mean model.task=classification?"),
-        ("strategy=l2l strategy.stash=gpu", "strategy.stash=gpu is not one of device, cpu"),
+        ("strategy=l2l strategy.stash=gpu", "strategy.stash=gpu is not one of device, host"),
+        ("strategy=l2l strategy.stash=cpu", "strategy.stash=cpu was renamed strategy.stash=host (host memory, as in "
+                                            "strategy.offload=host)"),
+        ("strategy=l2l strategy.eps=replicated", "strategy.eps was renamed strategy.eps_state (where the eager param "
+                                                 "server's state lives: sharded or replicated); optim.eps is the "
+                                                 "optimizer's epsilon"),
     ],
 )
 def test_bad_overrides_name_the_key_and_the_fix(override, expected, capsys):

@@ -5,7 +5,8 @@ Each `strategy=` option trains two steps of a tiny BERT and of a tiny Llama-layo
 through the trainer, dropout on, and equals the plain loop (or, where its capabilities declare
 delayed updates, the delayed rule: pipe_2bw's, the one that differs on purpose), evaluates held-out data, resumes from its step-1 checkpoint to the
 same weights bit for bit, appears in `relaytrain --help` and in `relaytrain plan` with a cost
-and a memory figure, and refuses in one line what it cannot honour.
+and a memory figure, has a closed-form device memory within the planner's pruning factor of
+its dry run's on every model family, and refuses in one line what it cannot honour.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from relaytrain import checkpoint
 from relaytrain.cli import main
 from relaytrain.compose import compose_config, validate
 from relaytrain.costmodel import ModelFacts
+from relaytrain.dryrun import simulate
 from relaytrain.errors import ConfigError
-from relaytrain.models import build_model
-from relaytrain.plan import candidate_config, make_plan
+from relaytrain.models import build_model, families
+from relaytrain.plan import make_plan
+from relaytrain.plan_candidates import PRUNE_FACTOR, candidate_config
 from relaytrain.profile import from_spec, load_spec
 from relaytrain.strategies import Capabilities, Strategy, choices, register, registry, strategy_class
 from relaytrain.strategies.base import StepResult
 from relaytrain.train import run
-from tests.conftest import TINY_BERT, TINY_LLAMA, tiny_cfg, train_plain_loop
+from tests.conftest import TINY_BERT, TINY_GPT2, TINY_LLAMA, tiny_cfg, train_plain_loop
 
 STEPS = 2
 # What each capability a strategy may lack asks for, and the override that asks for it.
@@ -35,12 +38,14 @@ ASKS = {"grad_clip": "optim.grad_clip=1.0", "fp16": "precision=amp_fp16", "cross
 # The model families the training test runs over: an encoder, and a Llama-layout decoder (its
 # per-micro-batch context of masks and rotary tables, grouped-query attention, untied head).
 FAMILIES = {"bert": TINY_BERT, "llama": TINY_LLAMA}
+# Every model family, for the checks cheap enough to run on all: the two above and GPT-2 (tied head).
+EVERY_FAMILY = {**FAMILIES, "gpt2": TINY_GPT2}
 
 
 def conformance_cfg(name: str, *overrides: str, family: str = "bert"):
     """A tiny model of four blocks, four micro-batches of 8: every strategy's defaults fit it;
     dropout on (the models' default 0.1), which every strategy draws alike."""
-    return compose_config([*FAMILIES[family], f"strategy={name}", "model.num_layers=4", f"train.steps={STEPS}",
+    return compose_config([*EVERY_FAMILY[family], f"strategy={name}", "model.num_layers=4", f"train.steps={STEPS}",
                            "train.untimed_steps=0", "train.checkpoint_every=1", "train.keep_checkpoints=0",
                            "train.save_model=true", "data.eval_fraction=0.25", "strategy.num_microbatches=4",
                            "optim=sgd", "optim.lr=0.05", "model.dropout=0.1", *overrides])
@@ -62,8 +67,15 @@ def plain_reference(cfg, delay: int) -> torch.nn.Module:
     return train_plain_loop(single, STEPS, delay=delay, replicas=replicas).hf_model
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", choices())
+def training_cases() -> list:
+    """Every strategy on BERT; on the decoder the default suite keeps the three whose code differs
+    most (test_decoders.py trains every strategy on decoders too), the rest is `slow`."""
+    decoder_default = {"l2l", "pipe_2bw", "fsdp"}
+    return [pytest.param(name, family, marks=() if family == "bert" or name in decoder_default else pytest.mark.slow)
+            for name in choices() for family in FAMILIES]
+
+
+@pytest.mark.parametrize(("name", "family"), training_cases())
 def test_trains_evaluates_and_resumes_as_its_update_rule_says(name, family, tmp_path):
     cfg = conformance_cfg(name, family=family)
     cls = strategy_class(name)
@@ -117,6 +129,22 @@ def test_every_strategy_has_shapes_a_cost_and_a_closed_form_memory(name):
         cfg = candidate_config(base, shape)
         assert cls.step_cost(cfg, facts, profile).step_s > 0, shape
         assert cls.device_bytes(cfg, facts) > 0, shape
+
+
+@pytest.mark.parametrize(("name", "family"), [(name, family) for name in choices() for family in EVERY_FAMILY])
+def test_the_closed_form_memory_is_within_the_pruning_factor_of_the_dry_run(name, family):
+    """The planner dry-runs no shape whose closed-form memory exceeds PRUNE_FACTOR budgets: a closed
+    form over PRUNE_FACTOR x the simulated peak would prune shapes that fit, and one under
+    1 / PRUNE_FACTOR of it would rank (and show beside the dry run) a figure that far off."""
+    cfg = conformance_cfg(name, family=family)
+    closed = strategy_class(name).device_bytes(cfg, ModelFacts.of(cfg))
+    simulated = simulate(cfg, steps=2).peak_bytes
+    assert 1 / PRUNE_FACTOR <= closed / simulated <= PRUNE_FACTOR, (
+        f"{name} on {family}: closed form {closed} B, dry run {simulated} B, ratio {closed / simulated:.3f}")
+
+
+def test_the_memory_check_runs_over_every_model_family():
+    assert {conformance_cfg(choices()[0], family=f).model.family for f in EVERY_FAMILY} == set(families())
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from relaytrain.metrics import (
 )
 from relaytrain.models import count_parameters
 from relaytrain.models.family import BlockShape
-from relaytrain.plan import GiB, make_plan
+from relaytrain.plan import make_plan
+from relaytrain.plan_candidates import GiB
 from relaytrain.profile import block_forward_flops, load_spec, spec_names
 from relaytrain.strategies import strategy_class
 from tests.conftest import TINY_BERT

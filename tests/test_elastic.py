@@ -17,6 +17,8 @@ from relaytrain.cli import main
 from relaytrain.compose import compose_config
 from tests.conftest import TINY_GPT2, wait_for
 
+CPU = torch.device("cpu")
+
 # torchrun runs this script in every worker. With HOLD_DIR set, rank 1 of the first attempt
 # stops before step 5 (the step-4 checkpoint is saved by then, or being published by rank 0),
 # writes its pid to HOLD_DIR/held and waits there: the test kills it at a point that does not
@@ -125,13 +127,13 @@ def test_a_time_stamped_run_directory_is_refused_under_a_restart_policy(tmp_path
 def test_train_resume_defaults_to_auto_under_a_restart_policy(restart_policy):
     cfg = compose_config(TINY_GPT2)
     assert cfg.train.resume is None
-    assert elastic.prepare(cfg).train.resume == "auto"
-    assert elastic.prepare(compose_config([*TINY_GPT2, "train.resume=/some/where"])).train.resume == "/some/where"
+    assert elastic.prepare(cfg, CPU).train.resume == "auto"
+    assert elastic.prepare(compose_config([*TINY_GPT2, "train.resume=/some/where"]), CPU).train.resume == "/some/where"
 
 
 def test_train_resume_stays_unset_without_a_restart_policy(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
-    assert elastic.prepare(compose_config(TINY_GPT2)).train.resume is None
+    assert elastic.prepare(compose_config(TINY_GPT2), CPU).train.resume is None
 
 
 def free_port() -> int:

@@ -95,7 +95,7 @@ def test_a_gpt2_checkpoint_alone_trains_as_a_causal_lm(checkpoints, tmp_path, st
 
 
 def test_pipe_2bw_from_a_checkpoint_follows_the_delayed_rule(checkpoints, tmp_path):
-    from tests.test_pipeline_runtime import trained_by_delayed_gradients
+    from tests.strategies.pipeline.test_runtime import trained_by_delayed_gradients
 
     cfg = finetune_cfg(checkpoints / "gpt2", "strategy=pipe_2bw", "strategy.num_microbatches=2",
                        "train.steps=4")

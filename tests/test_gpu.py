@@ -107,3 +107,28 @@ def test_bf16_updates_stay_within_bf16_error_of_fp32(name, precision, tmp_path):
 def test_fsdp_with_shards_on_the_host_equals_the_plain_loop(tmp_path):
     cfg, _, ours = trained_on_cuda("fsdp", tmp_path, "strategy.offload=host")
     assert_same_weights(ours, plain_reference(cfg, 0))
+
+
+@pytest.mark.parametrize("name", ["baseline", "l2l"])
+def test_lora_on_a_bf16_base_continues_a_peft_adapter_on_cuda(name, tmp_path):
+    """adapter=lora on cuda: under L2L the bf16 base stays in pinned host memory in bf16, is
+    uploaded and cast on the device; the adapter lands where a plain peft loop on the CPU does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from relaytrain.compose import compose_config
+    from tests.checkpoints import tiny_decoder
+    from tests.test_lora import RUN_KEYS, adapters_of, peft_adapter, peft_reference
+
+    base = tiny_decoder(tmp_path / "base", "llama", layers=4, dtype=torch.bfloat16)
+    adapter = peft_adapter(base, tmp_path / "adapter")
+    cfg = compose_config([f"model.pretrained={base}", f"adapter.pretrained={adapter}", f"strategy={name}",
+                          *RUN_KEYS, CUDA])
+    results = run(cfg, tmp_path / "run", quiet=True)
+    assert results["device"].startswith("cuda")
+    ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                     tmp_path / "run" / "model")
+    reference, _ = peft_reference(base, adapter, cfg, delay=0)
+    mine, theirs = adapters_of(ours), adapters_of(reference)
+    for key, p in mine.items():  # saved in bf16 (the checkpoint's dtype): bf16's rounding is the tolerance
+        torch.testing.assert_close(p, theirs[key].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2, msg=key)

@@ -15,11 +15,12 @@ from relaytrain.cli import main
 from relaytrain.compose import compose_config, validate
 from relaytrain.costmodel import ModelFacts, Shape
 from relaytrain.dryrun import simulate
-from relaytrain.plan import GiB, candidate_config, make_plan, predict
+from relaytrain.plan import make_plan, predict
+from relaytrain.plan_candidates import GiB, candidate_config
 from relaytrain.profile import PartTimes, Profile, Timings, load_spec, measure, spec_names
 from relaytrain.strategies import strategy_class
-from relaytrain.strategies.l2l import paper_step_s as l2l_paper_step_s
-from relaytrain.strategies.l2l import paper_transfer_overhead as l2l_transfer_overhead
+from relaytrain.strategies.l2l_cost import paper_step_s as l2l_paper_step_s
+from relaytrain.strategies.l2l_cost import paper_transfer_overhead as l2l_transfer_overhead
 from tests.conftest import TINY_BERT
 
 TINY = [*TINY_BERT, "train.threads=1"]
@@ -136,7 +137,7 @@ def test_deeper_pipelines_hold_less_per_stage_and_2bw_is_at_least_as_fast_as_flu
 def test_l2l_with_the_stash_on_the_host_is_predicted_exactly_as_its_preset():
     """One rule decides where the stash lives (`L2L.stash_on_host`): the preset and the key are one
     run, predicted alike on a GPU profile, and the stash's transfers are what sets them apart."""
-    spelled = [compose_config([*BERT_LARGE[:3], *keys]) for keys in (["strategy=l2l", "strategy.stash=cpu"],
+    spelled = [compose_config([*BERT_LARGE[:3], *keys]) for keys in (["strategy=l2l", "strategy.stash=host"],
                                                                       ["strategy=l2l_stash_cpu"],
                                                                       ["strategy=l2l"])]
     facts = ModelFacts.of(spelled[0])
@@ -189,10 +190,10 @@ def test_the_printed_command_composes_and_validates(tiny_plan):
 
 def test_plan_command_writes_plan_json_and_prints_the_table(tmp_path, capsys):
     assert main(["plan", *TINY, "plan.workers=2", "plan.batch_size=8", "plan.strategies=[baseline,pipe_2bw,l2l]",
-                 "strategy=l2l", "strategy.stash=cpu", "--out", str(tmp_path)]) == 0
+                 "strategy=l2l", "strategy.stash=host", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "relaytrain plan" in out and "run it: relaytrain train" in out and "predicted" in out
-    assert "ignored (the planner decides these): strategy=l2l strategy.stash=cpu" in out
+    assert "ignored (the planner decides these): strategy=l2l strategy.stash=host" in out
     plan = json.loads((tmp_path / "plan.json").read_text())
     best = plan["best"]
     assert best["command"].startswith("relaytrain train ") and "strategy.stash" not in best["command"]

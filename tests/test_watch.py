@@ -61,7 +61,7 @@ def test_train_help_lists_each_key_with_its_description(capsys):
     assert main(["train", "strategy=l2l", "--help"]) == 0
     out = capsys.readouterr().out
     assert "strategy.max_resident_blocks = 2" in out and "parts on the device at once" in out
-    assert "strategy.eps = sharded" in out and "[replicated|sharded]" in out
+    assert "strategy.eps_state = sharded" in out and "[replicated|sharded]" in out
     assert "strategy.stages" not in out  # not a key of l2l
     cfg = checked_config(["strategy=l2l"])
     assert all(f"strategy.{key} = " in out for key in cfg.strategy)

@@ -3,7 +3,8 @@
     RUN_DIR/checkpoints/step-00000010/        complete: manifest.json, trainer.pt, part-0.pt ... part-{n-1}.pt
     RUN_DIR/checkpoints/step-00000020.parts/  a save in progress, or one a crash cut short: ignored
 
-Every process writes its *part* (`Strategy.state_dict()` plus its RNG streams): weights and
+Every process writes its *share* (`Strategy.state_dict()` plus its RNG streams; on disk
+`part-R.pt`, the name every checkpoint so far has, and `step-N.parts/` while staged): weights and
 optimizer state keyed by Hugging Face parameter name, the loss scaler, and the strategy's own
 name-keyed sections (`extra`, e.g. 2BW's second weight version). The reporting process also
 writes `trainer.pt` (the step, the data position, the optimizer updates applied, which place
@@ -13,8 +14,8 @@ was saved, by which config and layout, every file's size) and renames the direct
 `step-N` directory whose manifest's files are all there, at their recorded sizes, is a
 complete checkpoint, and nothing else is.
 
-Loading reads only what a process needs: every part is opened with `mmap` (and
-`weights_only=True`), so a process picks its parameters by name from whichever parts hold
+Loading reads only what a process needs: every share is opened with `mmap` (and
+`weights_only=True`), so a process picks its parameters by name from whichever shares hold
 them. That is why checkpoints are strategy-neutral: a baseline checkpoint resumes under
 `l2l`, a 2-stage pipeline's under 3 stages or under `l2l`. Under the same strategy and layout
 the resume is exact, RNG streams included; otherwise weights, optimizer state and the step are
@@ -23,7 +24,7 @@ exact, and the RNG streams start afresh (this is said in one line).
 A strategy whose state is sharded across its processes (FSDP: `Strategy.sharded_state_dict`)
 has it written by every process together with `torch.distributed.checkpoint` into the
 checkpoint's `sharded/` directory, keyed by the same names (optimizer state under
-optimizer/<name>/<state>); its parts keep the rest. The manifest lists those files too, so
+optimizer/<name>/<state>); its shares keep the rest. The manifest lists those files too, so
 completeness means the same. A reader that is not sharded gets whole tensors by name from it
 (`state_for`), and a sharded one loads it straight into its shards, on any number of processes.
 """
@@ -44,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from relaytrain import failpoints
-from relaytrain.errors import CheckpointWriteFailed, ConfigError
+from relaytrain.errors import CheckpointWriteFailed, ConfigError, first_line
 from relaytrain.files import atomic_write, crc32_of, fsync_dir, write_json
 
 FORMAT = 2
@@ -53,7 +54,7 @@ TRAINER = "trainer.pt"
 BEST = "best.json"  # in the checkpoints directory: the step `train.keep_best` keeps
 STEP = re.compile(r"^step-(\d{8})$")
 STAGING = re.compile(r"^step-(\d{8})\.parts$")
-NAME_KEYED = ("weights", "optimizer")  # part sections merged by parameter name (plus every `extra` section)
+NAME_KEYED = ("weights", "optimizer")  # share sections merged by parameter name (plus every `extra` section)
 SHARDED = "sharded"  # the directory of a sharded strategy's state (torch.distributed.checkpoint)
 OPTIMIZER_PREFIX = "optimizer/"  # a sharded key of optimizer state: optimizer/<name>/<state>
 
@@ -66,7 +67,8 @@ def step_dir(directory: Path, step: int) -> Path:
     return Path(directory) / f"step-{step:08d}"
 
 
-def part_name(rank: int) -> str:
+def share_file(rank: int) -> str:
+    """The file of process `rank`'s share ("part-R.pt": kept, so that older checkpoints still read)."""
     return f"part-{rank}.pt"
 
 
@@ -80,6 +82,12 @@ def unique_named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
         if id(p) not in seen:
             seen.add(id(p))
             yield model.hf_name(p), p
+
+
+def trained_named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) for every parameter that trains: what a checkpoint holds. Under adapters
+    the frozen base is left out (it is `model.pretrained` again on resume, `identity` checks it)."""
+    return ((name, p) for name, p in unique_named_parameters(model) if p.requires_grad)
 
 
 def optimizer_state(optimizers, name_of: Callable[[torch.Tensor], str]) -> dict:
@@ -103,7 +111,7 @@ def load_optimizer_state(optimizers, name_of: Callable[[torch.Tensor], str], by_
 
 
 def model_state(model, params, optimizers, scaler) -> dict:
-    """A process's part for a strategy whose weights are the layered model's own parameters:
+    """A process's share for a strategy whose weights are the layered model's own parameters:
     `params` (by name), the optimizers' state for them, the loss scaler."""
     return {
         "weights": {model.hf_name(p): p.detach().cpu().clone() for p in params},
@@ -114,9 +122,9 @@ def model_state(model, params, optimizers, scaler) -> dict:
 
 
 def load_model_state(model, optimizers, scaler, state: dict) -> None:
-    """The inverse of `model_state`, for every parameter of the model (each tied one once)."""
+    """The inverse of `model_state`, for every parameter that trains (each tied one once)."""
     with torch.no_grad():
-        for name, p in unique_named_parameters(model):
+        for name, p in trained_named_parameters(model):
             p.copy_(state["weights"][name])
     load_optimizer_state(optimizers, model.hf_name, state["optimizer"])
     if state.get("scaler"):
@@ -145,16 +153,25 @@ def identity(cfg) -> dict:
     return {
         "family": str(m.family), "task": str(m.task), "num_layers": m.num_layers, "hidden_size": m.hidden_size,
         "num_heads": m.num_heads, "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
-        "optim": str(cfg.optim.name), "precision": str(cfg.precision.name),
+        "optim": str(cfg.optim.name), "precision": str(cfg.precision.name), **_adapter_identity(cfg),
     }
+
+
+def _adapter_identity(cfg) -> dict:
+    """An adapter run's shape (its checkpoint holds only the adapters); nothing without one, so
+    checkpoints of full fine-tunes keep their identity."""
+    a = getattr(cfg, "adapter", None)
+    if a is None or str(a.name) == "none":
+        return {}
+    return {"adapter": str(a.name), "adapter_r": a.r if not a.pretrained else "pretrained"}
 
 
 # ------------------------------------------------------------------------------ writing
 
 
-def save(world, directory: Path, step: int, part: dict, trainer: dict | None, manifest: dict, keep: int,
+def save(world, directory: Path, step: int, share: dict, trainer: dict | None, manifest: dict, keep: int,
          best: bool = False, sharded: dict | None = None) -> Path:
-    """Write this process's part (every process calls this at the same step) and, on the
+    """Write this process's share (every process calls this at the same step) and, on the
     process given `trainer`, the trainer's state; rank 0 publishes once all are on disk.
     `best`: the checkpoint also becomes the best one, kept beside the latest `keep`.
     `sharded`: this process's shards (every process gives them), saved together.
@@ -164,15 +181,15 @@ def save(world, directory: Path, step: int, part: dict, trainer: dict | None, ma
         staging.mkdir(parents=True, exist_ok=True)
         if sharded is not None:
             dcp.save(sharded, checkpoint_id=staging / SHARDED)
-        sums = {part_name(world.rank): atomic_write(staging / part_name(world.rank), lambda f: torch.save(part, f))}
+        sums = {share_file(world.rank): atomic_write(staging / share_file(world.rank), lambda f: torch.save(share, f))}
         if trainer is not None:
             sums[TRAINER] = atomic_write(staging / TRAINER, lambda f: torch.save(trainer, f))
         failpoints.reach("checkpoint", step, world.rank)
     except (OSError, CheckpointException) as err:  # the staging goes once every process has ended
-        why = f"{err.strerror or err}: {err.filename or staging}" if isinstance(err, OSError) else str(err).splitlines()[0]
+        why = f"{err.strerror or err}: {err.filename or staging}" if isinstance(err, OSError) else first_line(err)
         raise CheckpointWriteFailed(f"the checkpoint of step {step} could not be written ({why}); "
                                     f"{continue_from(latest(directory), 'make room')}") from err
-    gathered = world.gather(sums, 0)  # on rank 0 once every part is on disk
+    gathered = world.gather(sums, 0)  # on rank 0 once every share is on disk
     if world.rank == 0:
         publish(directory, step, {**manifest, "processes": world.size}, keep,
                 checksums={name: crc for each in gathered for name, crc in each.items()})
@@ -192,11 +209,11 @@ def best_step(directory: Path) -> int | None:
 
 def publish(directory: Path, step: int, contents: dict, keep: int, checksums: dict[str, int]) -> Path:
     """Make the staged files of `step` a complete checkpoint; call once every file is written.
-    `checksums`: the CRC-32 of each part and of the trainer's file, as their writers summed them
+    `checksums`: the CRC-32 of each share and of the trainer's file, as their writers summed them
     (a sharded directory's files are summed here). Older complete ones beyond the newest `keep`
     are removed, except the best one."""
     staging, final = _staging_dir(directory, step), step_dir(directory, step)
-    files = [part_name(rank) for rank in range(contents["processes"])] + [TRAINER]
+    files = [share_file(rank) for rank in range(contents["processes"])] + [TRAINER]
     if (staging / SHARDED).is_dir():
         sharded = sorted(f.relative_to(staging).as_posix() for f in (staging / SHARDED).iterdir())
         checksums = {**checksums, **{name: crc32_of(staging / name) for name in sharded}}
@@ -330,11 +347,11 @@ def find(resume: str, run_dir: Path) -> tuple[Path | None, list[str]]:
 
 @dataclass
 class Checkpoint:
-    """A complete checkpoint, checked against the run's config; reads parts lazily."""
+    """A complete checkpoint, checked against the run's config; reads shares lazily."""
 
     path: Path
     manifest: dict
-    exact: bool  # same strategy and layout: every process finds its own part (RNG streams included)
+    exact: bool  # same strategy and layout: every process finds its own share (RNG streams included)
 
     @property
     def step(self) -> int:
@@ -346,7 +363,7 @@ class Checkpoint:
 
     @property
     def sharded(self) -> bool:
-        """Whether a sharded strategy's state is in `sharded_dir` rather than in the parts."""
+        """Whether a sharded strategy's state is in `sharded_dir` rather than in the shares."""
         return bool(self.manifest.get("sharded"))
 
     @property
@@ -366,24 +383,24 @@ class Checkpoint:
         return self.step - trainer.get("history", {}).get("skipped", 0)
 
     def rng(self, rank: int) -> dict | None:
-        return _load(self.path / part_name(rank))["rng"] if self.exact else None
+        return _load(self.path / share_file(rank))["rng"] if self.exact else None
 
     def state_for(self, names: list[str], rank: int) -> dict:
-        """`weights`, `optimizer` and every `extra` section, for `names`, from whichever parts hold
-        them; `scaler` from any part. `extra` is None unless the resume is exact."""
+        """`weights`, `optimizer` and every `extra` section, for `names`, from whichever shares hold
+        them; `scaler` from any share. `extra` is None unless the resume is exact."""
         wanted = set(names)
         out: dict = {"weights": {}, "optimizer": {}, "scaler": None, "extra": {} if self.exact else None}
-        parts = [f for f in self.manifest["files"] if f.startswith("part-")]
-        own = part_name(rank)
-        for name in sorted(parts, key=lambda f: f != own):  # its own part first, where it has one
-            part = _load(self.path / name)
+        shares = [f for f in self.manifest["files"] if f.startswith("part-")]
+        own = share_file(rank)
+        for name in sorted(shares, key=lambda f: f != own):  # its own share first, where it has one
+            share = _load(self.path / name)
             for section in NAME_KEYED:
-                out[section].update({k: v for k, v in part[section].items() if k in wanted})
+                out[section].update({k: v for k, v in share[section].items() if k in wanted})
             if self.exact:
-                for section, values in (part["extra"] or {}).items():
+                for section, values in (share["extra"] or {}).items():
                     out["extra"].setdefault(section, {}).update({k: v for k, v in values.items() if k in wanted})
-            out["scaler"] = out["scaler"] or part["scaler"]
-            if wanted <= out["weights"].keys():  # a parameter's sections live in the part that holds it
+            out["scaler"] = out["scaler"] or share["scaler"]
+            if wanted <= out["weights"].keys():  # a parameter's sections live in the share that holds it
                 break
         if self.sharded:
             weights, optimizer = read_sharded(self.sharded_dir, wanted - out["weights"].keys())
@@ -396,8 +413,9 @@ class Checkpoint:
         return out
 
 
-def read(path: Path, cfg, strategy: str, layout: dict) -> Checkpoint:
-    """The checkpoint at `path`, refused with one line unless it fits `cfg`."""
+def read(path: Path, cfg, strategy: str, layout: dict, base: str | None = None) -> Checkpoint:
+    """The checkpoint at `path`, refused with one line unless it fits `cfg` (and, given the
+    fingerprint of the frozen `base` adapters train on, unless it was made on that base)."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as err:
@@ -409,11 +427,22 @@ def read(path: Path, cfg, strategy: str, layout: dict) -> Checkpoint:
     if diffs:
         raise ConfigError(f"checkpoint {path} does not fit this config ({', '.join(diffs)}); "
                           f"resume with the config it was saved with")
+    if base is not None and manifest.get("base") != base:
+        raise ConfigError(f"checkpoint {path} holds adapters trained on another base (fingerprint "
+                          f"{manifest.get('base')}, this model.pretrained gives {base}); resume with the base it was made on")
     if manifest["step"] >= cfg.train.steps:
         raise ConfigError(f"checkpoint {path} is at step {manifest['step']}, not before train.steps={cfg.train.steps}; "
                           f"raise train.steps to train further")
-    exact = manifest["strategy"] == strategy and manifest["layout"] == layout
+    exact = manifest["strategy"] == strategy and _renamed(manifest["layout"]) == layout
     return Checkpoint(path, manifest, exact)
+
+
+# Layout keys renamed since checkpoints were first written: an older manifest still resumes exactly.
+RENAMED_LAYOUT_KEYS = {"eps": "eps_state"}  # L2L's placement of the param server's state
+
+
+def _renamed(layout: dict) -> dict:
+    return {RENAMED_LAYOUT_KEYS.get(key, key): value for key, value in layout.items()}
 
 
 def sharded_contents(directory: Path) -> dict:

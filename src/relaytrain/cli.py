@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 
 EXIT_USAGE = 2
 MAX_SWEEP_CHECKS = 256
@@ -131,7 +131,8 @@ GENERATE_HELP = f"""\
 usage: {GENERATE_USAGE}
 
 Print what a causal language model answers to a prompt: only the new text. DIR is a Hugging
-Face directory with its tokenizer, such as a run's RUN_DIR/model (train.save_model=true).
+Face directory with its tokenizer, such as a run's RUN_DIR/model (train.save_model=true), or
+a peft LoRA adapter directory (adapter=lora), which is put on the base model it names.
 Decoding is Hugging Face's own `generate`, on the GPU when there is one, the weights in the
 dtype they were saved in.
 
@@ -252,6 +253,7 @@ def _run_hydra(args: list[str]) -> int:
 
         from relaytrain.errors import Aborted, Interrupted
         from relaytrain.train import finished_results, run
+        from relaytrain.world import pick_device
 
         hydra_cfg = HydraConfig.get()
         in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
@@ -259,15 +261,15 @@ def _run_hydra(args: list[str]) -> int:
         run_dir = hydra_cfg.runtime.output_dir
         try:
             finished = finished_results(cfg, Path(run_dir)) is not None  # nothing to estimate
-            run(cfg, run_dir, overrides, table=not in_sweep, estimate=None if finished else _estimate(cfg, overrides))
+            device = pick_device(cfg.train.device)  # this job's, decided once
+            run(cfg, run_dir, overrides, table=not in_sweep,
+                estimate=None if finished else _estimate(cfg, overrides, device), device=device)
         except (Interrupted, Aborted) as stop:  # the whole sweep stops too: the user asked
             print(f"relaytrain: {stop}", file=sys.stderr)
             sys.exit(128 + stop.signum)  # the shell's convention for "ended by this signal"
         except Exception as err:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            from relaytrain.compose import first_line
-
             _fail(first_line(err) if isinstance(err, ConfigError)
                   else f"{type(err).__name__}: {first_line(err)} (HYDRA_FULL_ERROR=1 shows the traceback)")
             if not in_sweep:
@@ -286,15 +288,15 @@ def _run_hydra(args: list[str]) -> int:
     return 0
 
 
-def _estimate(cfg, overrides: list[str]):
-    """The planner's prediction of this run, printed before it starts, on the process that shows
-    progress; None for a dry run (it times nothing) or a config the planner cannot model."""
+def _estimate(cfg, overrides: list[str], device):
+    """The planner's prediction of this run on its `device`, printed before it starts, on the
+    process that shows progress; None for a dry run (it times nothing) or a config the planner
+    cannot model."""
     from relaytrain.estimate import estimate
     from relaytrain.models.pretrained import explicit_overrides, resolve
     from relaytrain.strategies import strategy_class
-    from relaytrain.world import pick_device, under_torchrun
+    from relaytrain.world import under_torchrun
 
-    device = pick_device(cfg.train.device)
     if device.type == "meta" or (under_torchrun() and int(os.environ["RANK"]) != 0):
         return None
     try:
@@ -312,10 +314,11 @@ def check_overrides(overrides: list[str], multirun: bool = False) -> None:
     check this machine can start and hold it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from relaytrain.compose import compose, first_line, validate
+    from relaytrain.compose import compose, validate
     from relaytrain.models.pretrained import explicit_overrides, resolve
     from relaytrain.preflight import check_can_start
     from relaytrain.strategies import strategy_class
+    from relaytrain.world import pick_device
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -325,7 +328,7 @@ def check_overrides(overrides: list[str], multirun: bool = False) -> None:
     for combo in itertools.islice(combos, MAX_SWEEP_CHECKS):
         cfg = resolve(compose(combo), explicit_overrides(combo))
         validate(cfg)
-        check_can_start(cfg, strategy_class(cfg.strategy.name))
+        check_can_start(cfg, strategy_class(cfg.strategy.name), pick_device(cfg.train.device))
 
 
 def _combinations(parsed) -> itertools.product:
@@ -397,7 +400,8 @@ def _plan(args: list[str]) -> int:
 
         print(PLAN_HELP.format(profiles=", ".join(spec_names())), end="")
         return 0
-    from relaytrain.plan import infeasible_line, make_plan, out_dir, print_plan, write_plan
+    from relaytrain.plan import make_plan, out_dir
+    from relaytrain.plan_output import infeasible_line, print_plan, write_plan
 
     plan = make_plan(overrides)
     where = out_dir(overrides, options.get("--out"))

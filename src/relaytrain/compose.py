@@ -21,7 +21,7 @@ import difflib
 from hydra.core.config_store import ConfigStore
 
 from relaytrain.config import OPTIMIZER_CONFIGS, RelayTrainConfig, check_shared
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 from relaytrain.strategies import check_preset, registry, strategy_class
 
 CONFIG_MODULE = "relaytrain.configs"
@@ -133,6 +133,8 @@ def _omegaconf_message(err) -> str:
         return _unknown_key_message(key, getattr(err, "object_type", None))
     if isinstance(err, ValidationError):
         value = getattr(err, "value", None)
+        if (key, str(value)) in RENAMED_VALUES:
+            return RENAMED_VALUES[key, str(value)]
         node = getattr(err, "child_node", None)
         enum_type = getattr(node, "enum_type", None)
         if enum_type is not None:
@@ -146,10 +148,17 @@ def _omegaconf_message(err) -> str:
     return f"{key}: {msg}" if key else msg
 
 
-# Keys that were renamed: the old name is refused with the new one (used for nothing else).
+# Keys and values that were renamed: the old one is refused in one line naming the new one, for
+# one release, and means nothing else meanwhile (no silent alias).
 RENAMED_KEYS = {
     "train.warmup_steps": "train.warmup_steps was renamed train.untimed_steps (steps left out of the "
                           "throughput figures); optim.warmup_steps is the learning-rate warm-up",
+    "strategy.eps": "strategy.eps was renamed strategy.eps_state (where the eager param server's state lives: "
+                    "sharded or replicated); optim.eps is the optimizer's epsilon",
+}
+RENAMED_VALUES = {
+    ("strategy.stash", "cpu"): "strategy.stash=cpu was renamed strategy.stash=host (host memory, as in "
+                               "strategy.offload=host)",
 }
 
 
@@ -183,6 +192,3 @@ def _keys_of(section: str) -> list[str]:
             return [g.name for g in dataclasses.fields(f.default_factory)]
     return [f.name for f in dataclasses.fields(RelayTrainConfig)] if not section else []
 
-
-def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -90,10 +90,23 @@ class Backend(Choice):
     nccl = "nccl"
 
 
+class AdapterName(Choice):
+    none = "none"  # every parameter trains
+    lora = "lora"  # low-rank adapters (peft's LoRA) train; the base is frozen
+
+
 class Recompute(Choice):
     none = "none"  # keep every activation for backward
     block = "block"  # keep each block's input, recompute the block in backward
     stage = "stage"  # pipelines: keep each stage's input, recompute the stage in backward
+
+
+class Offload(Choice):
+    """Whether a strategy keeps state in host memory instead of the device's (`strategy.offload`
+    of FSDP and the pipelines): `host` means host memory wherever a key names a place."""
+
+    none = "none"  # on the device
+    host = "host"  # in host memory: FSDP's shards (CPUOffloadPolicy), a pipeline stage's masters and optimizer state
 
 
 # --------------------------------------------------------------------------- shared groups
@@ -123,6 +136,17 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # Hugging Face attention kernel: sdpa or eager
     resolved_from: str | None = None  # set by relaytrain: the checkpoint whose config filled these keys
     checkpoint_dtype: str | None = None  # set by relaytrain: the dtype model.pretrained stores its weights in
+
+
+@dataclass
+class AdapterConfig:
+    name: AdapterName = AdapterName.none  # none (full fine-tuning) or lora (set by the adapter= group)
+    r: int = 8  # lora: the adapters' rank
+    alpha: float = 16.0  # lora: scaling numerator (updates are scaled by alpha / r)
+    dropout: float = 0.0  # lora: dropout on each adapter's input (keyed like the model's)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # lora: linear layers of the blocks to adapt, by name ending (q_proj, v_proj), or all-linear
+    pretrained: str | None = None  # lora: a peft adapter directory to continue training (its r, alpha and targets apply)
+    merge_on_save: bool = False  # train.save_model writes the merged full model instead of the adapter directory
 
 
 @dataclass
@@ -221,6 +245,7 @@ class TrainConfig:
     log_every: int = 25  # plain-progress lines when not on a terminal
     threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: cores / workers)
     check_memory: bool = True  # refuse runs the host cannot hold
+    compile: bool = False  # torch.compile the block function once, one graph shared by every block (results.json: compile time)
     # checkpoints
     checkpoint_every: int = 0  # also after the last step when set
     keep_checkpoints: int = 3  # the newest checkpoints kept (0: all)
@@ -256,6 +281,7 @@ class RelayTrainConfig:
     strategy: Any = MISSING  # typed by the chosen option's schema (strategy/<name>_schema)
     optim: Any = MISSING  # typed by the chosen option's schema (optim/<name>_schema)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -297,6 +323,7 @@ def check_shared(cfg) -> None:
     positive(cfg, "train", "steps")
     positive(cfg, "optim", "lr")
     _check_model(cfg.model, cfg.data)
+    _check_adapter(cfg)
     _check_data(cfg.data)
     _check_eval(cfg)
     _check_train(cfg)
@@ -326,6 +353,18 @@ def _check_model(m, d) -> None:
         raise ConfigError(f"model.num_labels={m.num_labels} must be at least 2 for classification")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+
+
+def _check_adapter(cfg) -> None:
+    import torch
+
+    from relaytrain.models import adapter, build_model
+
+    a = cfg.adapter
+    named = adapter.enabled(a) and not a.pretrained and adapter.ALL_LINEAR not in a.target_modules
+    # The target modules are checked against the model's shapes (the meta device: no weights).
+    shapes = build_model(cfg.model, quiet=True, device=torch.device("meta")) if named else None
+    adapter.check(a, cfg.model, shapes)
 
 
 def _check_data(d) -> None:
@@ -406,6 +445,7 @@ def _check_dry_run(cfg) -> None:
                                   ("train.checkpoint_every", cfg.train.checkpoint_every),
                                   ("train.resume", cfg.train.resume),
                                   ("held-out data", has_held_out_data(cfg.data)),
+                                  ("data.pack=true", cfg.data.pack),  # packed records' positions
                                   ("log.tensorboard=true", cfg.log.tensorboard)) if on]
     if valued:
         raise ConfigError(f"train.device=meta is a dry run (shapes, no values): drop {', '.join(valued)}")

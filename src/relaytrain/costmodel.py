@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from relaytrain.metrics import attention_flops, block_shape, key_value_width, query_width
+from relaytrain.models import adapter as adapters
 from relaytrain.models import part_parameters
 from relaytrain.models.family import BlockShape
 from relaytrain.optim import state_words
@@ -99,19 +100,56 @@ class ModelFacts:
     state_words: int  # fp32 optimizer-state words per parameter
     logits_per_sample: int  # values the head's logits hold per sample (an LM: seq x vocabulary)
     shape: BlockShape  # one block's widths: query and key/value heads, head width, MLP width and kind
+    # Under adapters (adapter=lora): the (embeddings, block, head) parameters that train, and the
+    # host bytes of a frozen base value where a param server keeps it (a bf16 checkpoint: 2).
+    trained_parts: tuple[int, int, int] | None = None  # None: every parameter trains
+    frozen_bytes: int = FP32
 
     @classmethod
     def of(cls, cfg) -> ModelFacts:
-        embed, block, head = part_parameters(cfg.model)
+        adapter = cfg.adapter if adapters.enabled(cfg.adapter) else None
+        embed, block, head = part_parameters(cfg.model, adapter)
         precision = str(cfg.precision.name)
         m = cfg.model
+        trained = part_parameters(m, adapter, trained=True) if adapter else None
+        half_base = precision.startswith("cmp") or m.checkpoint_dtype in ("bfloat16", "float16")
         return cls(m.num_layers, m.hidden_size, m.num_heads, cfg.data.seq_len, embed, block, head,
                    2 if precision.startswith("cmp") else FP32, FP32 if precision == "fp32" else 2,
-                   state_words(cfg.optim), logits_per_sample(cfg), block_shape(m))
+                   state_words(cfg.optim), logits_per_sample(cfg), block_shape(m), trained,
+                   2 if adapter and half_base else FP32)
 
     @property
     def params(self) -> int:
         return self.embed_params + self.num_layers * self.block_params + self.head_params
+
+    @property
+    def trained_params(self) -> int:
+        """Parameters that train: they alone have gradients, optimizer state and masters."""
+        if self.trained_parts is None:
+            return self.params
+        embed, block, head = self.trained_parts
+        return embed + self.num_layers * block + head
+
+    def built_bytes(self, compact_base: bool) -> int:
+        """The model as built on the host: fp32, but an adapter's frozen base in `frozen_bytes` a
+        value where the strategy keeps it compact (`Strategy.compact_base`)."""
+        frozen = self.params - self.trained_params
+        return self.trained_params * FP32 + frozen * (self.frozen_bytes if compact_base else FP32)
+
+    def part_times(self, t: Timings, part: str, b: int) -> PartTimes:
+        """The profiled times of `part` ("block", "embed", "head") at micro-batch size `b`. Under
+        adapters its backward skips the frozen weights' gradients: about half of a backward is
+        the weight gradients, kept in the share of the part that trains."""
+        times = t.part(part, b)
+        if self.trained_parts is None:
+            return times
+        total = {"embed": self.embed_params, "block": self.block_params, "head": self.head_params}[part]
+        trained = self.trained_parts[("embed", "block", "head").index(part)]
+        return PartTimes(times.forward_s, times.backward_s * (0.5 + 0.5 * trained / max(total, 1)))
+
+    @property
+    def trained_share(self) -> float:
+        return self.trained_params / max(self.params, 1)
 
     def boundary_bytes(self, b: int) -> int:
         """A block's input (or output) for b samples: what a stash entry holds and a stage sends."""
@@ -171,7 +209,8 @@ def block_activation_bytes(b: int, seq_len: int, shape: BlockShape, dtype_bytes:
 def stage_bytes(facts: ModelFacts, b: int, blocks: int, params: int, last: bool, in_flight: int, versions: int,
                 recompute: str) -> int:
     """MEMORY(.) of PipeDream-2BW §4.2.2 for one stage (the baseline is one stage): `versions`
-    copies of its `params` weights, their gradients and optimizer state, and the activations of
+    copies of its `params` weights, their gradients and optimizer state (under adapters: of the
+    share that trains; the frozen base once), and the activations of
     `in_flight` micro-batches of b samples: all of them without recompute; with block recompute
     each block's input plus one block's activations while recomputing; with stage recompute the
     stage's input plus one micro-batch's worth while recomputing."""
@@ -182,7 +221,8 @@ def stage_bytes(facts: ModelFacts, b: int, blocks: int, params: int, last: bool,
         activations = in_flight * blocks * facts.boundary_bytes(b) + facts.block_activation_bytes(b)
     else:
         activations = in_flight * facts.boundary_bytes(b) + per_microbatch
-    return int(params * FP32 * (versions + 1 + facts.state_words) + activations)
+    trained = params * facts.trained_share  # versions, gradients and optimizer state; the frozen rest once
+    return int((params - trained) * FP32 + trained * FP32 * (versions + 1 + facts.state_words) + activations)
 
 
 def logits_per_sample(cfg) -> int:
@@ -286,11 +326,13 @@ def allreduce_s(nbytes: float, replicas: int, profile: Profile, messages: int = 
 
 def optimizer_s(t: Timings, facts: ModelFacts, blocks: int, embed: bool, head: bool) -> float:
     """One optimizer step over `blocks` blocks and maybe the embeddings and the head, from the
-    profiled steps (one block's; the ends' split between them by parameters)."""
+    profiled steps (one block's; the ends' split between them by parameters); under adapters
+    only what trains steps."""
     if embed and head:
-        return blocks * t.optimizer_block_s + t.optimizer_ends_s
+        return (blocks * t.optimizer_block_s + t.optimizer_ends_s) * facts.trained_share
     share = (facts.embed_params if embed else 0) + (facts.head_params if head else 0)
-    return blocks * t.optimizer_block_s + t.optimizer_ends_s / max(facts.embed_params + facts.head_params, 1) * share
+    ends = t.optimizer_ends_s / max(facts.embed_params + facts.head_params, 1) * share
+    return (blocks * t.optimizer_block_s + ends) * facts.trained_share
 
 
 # --------------------------------------------------------------------------- shapes

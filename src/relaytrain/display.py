@@ -103,6 +103,22 @@ def format_eval(figures: dict) -> str:
     return "  ".join(shown) + f"  ({figures.get('items', 0)} items)"
 
 
+def compile_rows(compiled: dict | None) -> list[tuple[str, str]]:
+    """train.compile's row: the first step's compile time (in its step time) and the whole run's."""
+    if not compiled:
+        return []
+    first = "n/a" if compiled["first_step_s"] is None else f"{compiled['first_step_s']:.1f} s"
+    return [("compile (torch.compile)", f"{first} in the first step, {compiled['total_s']:.1f} s in all; "
+                                        f"{compiled['graphs']} graph(s), {compiled['compiles']} compile(s)")]
+
+
+def adapter_rows(adapter: dict | None) -> list[tuple[str, str]]:
+    """What trained under adapters: their kind and rank, and the parameters that train."""
+    if not adapter:
+        return []
+    return [("adapters", f"{adapter['name']} r={adapter['r']}: {si(adapter['trained_parameters'])} parameters train")]
+
+
 def print_results_table(results: dict, path: Path) -> None:
     t = results["throughput"]
     table = Table(title=f"relaytrain · {results['strategy']} · {results['model']['name']}", show_header=False)
@@ -111,6 +127,7 @@ def print_results_table(results: dict, path: Path) -> None:
     losses = [loss for loss in results["loss"] if loss is not None]
     rows = [
         ("parameters", si(results["model"]["parameters"])),
+        *adapter_rows(results.get("adapter")),
         ("device", results["device"]),
         ("precision", results["precision"]),
         ("steps", f"{results['steps']} (throughput over the last {results['measured_steps']})"),
@@ -122,6 +139,7 @@ def print_results_table(results: dict, path: Path) -> None:
         ("tokens/s", si(t["tokens_per_s"])),
         ("step time (mean)", "n/a" if t["step_time_s"] is None else f"{t['step_time_s']:.3f} s"),
         ("model FLOP/s (estimate)", si(t["model_flops_per_s"], "FLOP/s")),
+        *compile_rows(results.get("compile")),
         *memory_rows(results["memory"]),
     ]
     dry = bool(results["memory"]["device"].get("simulated"))

@@ -20,6 +20,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from relaytrain import checkpoint
 from relaytrain.errors import ConfigError
 from relaytrain.files import write_json
@@ -37,13 +39,13 @@ def several_nodes() -> bool:
     return under_torchrun() and int(os.environ.get("GROUP_WORLD_SIZE") or 1) > 1
 
 
-def prepare(cfg):
-    """The config an attempt runs: `train.resume=auto` when the user left it unset under a
-    restart policy. Refuses a time-stamped run directory where attempts or nodes would differ."""
+def prepare(cfg, device: torch.device):
+    """The config an attempt runs on the run's `device`: `train.resume=auto` when the user left it
+    unset under a restart policy (a dry run saves nothing to resume). Refuses a time-stamped run directory where attempts or nodes would differ."""
     if not (restartable() or several_nodes()):
         return cfg
     _check_run_dir()
-    if cfg.train.resume is None and restartable() and str(cfg.train.device) != "meta":
+    if cfg.train.resume is None and restartable() and device.type != "meta":
         cfg = copy.deepcopy(cfg)
         cfg.train.resume = "auto"
     return cfg

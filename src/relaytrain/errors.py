@@ -6,6 +6,12 @@ import signal
 from pathlib import Path
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name when the message is empty): what a
+    one-line error quotes of a library's multi-line one."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 class ConfigError(Exception):
     """A bad config, bad input data or a run the machine cannot hold; the message names the fix (exit 2)."""
 

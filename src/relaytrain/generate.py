@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 
 KEYS = ("model.pretrained", "prompt", "max_new_tokens", "do_sample", "temperature", "top_p", "seed", "chat")
 CHAT = ("auto", "true", "false")
@@ -93,7 +93,38 @@ def _choice(given: dict, key: str, default: str, choices: dict):
 
 
 def load(path: str):
-    """The causal LM and its tokenizer in `path`, the weights in the dtype they were saved in."""
+    """The causal LM and its tokenizer in `path`, the weights in the dtype they were saved in; a
+    peft adapter directory (adapter=lora) on the base it names."""
+    from relaytrain.models import adapter
+
+    if adapter.is_adapter_dir(path):
+        return _load_adapted(path)
+    return _load_model(path)
+
+
+def _load_adapted(path: str):
+    """An adapter directory's base (peft's base_model_name_or_path) with the adapter on it; the
+    adapter's tokenizer where it has one (a relaytrain run saves it there), else the base's."""
+    from peft import PeftModel
+
+    from relaytrain.data.tokenizer import TOKENIZER_FILES
+    from relaytrain.models import adapter
+
+    base = adapter.adapter_base(path)
+    if not base:
+        raise ConfigError(f"model.pretrained={path} is a LoRA adapter that names no base model; train it with "
+                          f"adapter.merge_on_save=true, or set base_model_name_or_path in its adapter_config.json")
+    model, tokenizer = _load_model(base)
+    if any((Path(path).expanduser() / f).is_file() for f in TOKENIZER_FILES):
+        tokenizer = load_tokenizer(path)
+    try:
+        model = PeftModel.from_pretrained(model, _local_or_id(path))
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ConfigError(f"model.pretrained={path}: the adapter does not fit its base {base} ({first_line(err)})") from err
+    return model.eval(), tokenizer
+
+
+def _load_model(path: str):
     from transformers import AutoModelForCausalLM
 
     from relaytrain.models.pretrained import checkpoint_task, load_hf_config
@@ -108,7 +139,7 @@ def load(path: str):
     try:
         model = AutoModelForCausalLM.from_pretrained(_local_or_id(path), dtype="auto")
     except (OSError, ValueError) as err:
-        raise ConfigError(f"model.pretrained={path}: its weights could not be loaded ({_first_line(err)})") from err
+        raise ConfigError(f"model.pretrained={path}: its weights could not be loaded ({first_line(err)})") from err
     finally:
         quiet()
     return model.eval(), tokenizer
@@ -127,16 +158,12 @@ def load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(_local_or_id(path))
     except (OSError, ValueError) as err:
-        raise ConfigError(f"model.pretrained={path}: its tokenizer could not be loaded ({_first_line(err)})") from err
+        raise ConfigError(f"model.pretrained={path}: its tokenizer could not be loaded ({first_line(err)})") from err
 
 
 def _local_or_id(path: str) -> str:
     local = Path(path).expanduser()
     return str(local) if local.exists() else path
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _quiet_transformers():

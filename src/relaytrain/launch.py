@@ -44,14 +44,14 @@ import torch
 import torch.multiprocessing as mp
 
 from relaytrain.checkpoint import continue_from
-from relaytrain.errors import Aborted, ConfigError, Interrupted
+from relaytrain.errors import Aborted, ConfigError, Interrupted, first_line
 from relaytrain.files import write_json
 from relaytrain.units import duration
 from relaytrain.world import (
     LocalGroup,
     StopRequest,
     World,
-    pick_device,
+    local_device,
     threads_per_process,
     torchrun_attempt,
     under_torchrun,
@@ -64,17 +64,18 @@ class WorkerFailed(ConfigError):
     """A worker failed; the message is that worker's error in one line (shown like a ConfigError)."""
 
 
-def launch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_checkpoint):
-    """Run `entry(cfg, world, payload)` in each of `processes`; return the reporter's result
-    (None on the other processes under torchrun). `describe(rank)` names a worker in errors;
-    `latest_checkpoint()` names the newest complete checkpoint when a second signal aborts."""
+def launch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_checkpoint, device: torch.device):
+    """Run `entry(cfg, world, payload)` in each of `processes` on the run's `device` (each worker
+    on its local rank's); return the reporter's result (None on the other processes under
+    torchrun). `describe(rank)` names a worker in errors; `latest_checkpoint()` names the newest
+    complete checkpoint when a second signal aborts."""
     if under_torchrun():
-        return _as_torchrun_worker(entry, cfg, processes, payload)
-    if pick_device(cfg.train.device).type == "meta":
+        return _as_torchrun_worker(entry, cfg, processes, payload, device)
+    if device.type == "meta":
         return _dry_run(entry, cfg, processes, payload)
     if processes == 1:
-        return _in_this_process(entry, cfg, payload)
-    return _spawn_and_watch(entry, cfg, processes, describe, Path(run_dir), payload, latest_checkpoint)
+        return _in_this_process(entry, cfg, payload, device)
+    return _spawn_and_watch(entry, cfg, processes, describe, Path(run_dir), payload, latest_checkpoint, device)
 
 
 def announce_stop(signum: int, how_long: str = "") -> None:
@@ -105,9 +106,9 @@ def keep_freed_host_memory() -> None:
     libc.mallopt(m_trim_threshold, 2**30)
 
 
-def _in_this_process(entry, cfg, payload):
+def _in_this_process(entry, cfg, payload, device: torch.device):
     keep_freed_host_memory()
-    world = World(device=pick_device(cfg.train.device), stop=StopRequest(announce=announce_stop))
+    world = World(device=device, stop=StopRequest(announce=announce_stop))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
@@ -116,7 +117,7 @@ def _in_this_process(entry, cfg, payload):
         return entry(cfg, world, payload)
 
 
-def _as_torchrun_worker(entry, cfg, processes: int, payload):
+def _as_torchrun_worker(entry, cfg, processes: int, payload, device: torch.device):
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if size != processes:
         raise ConfigError(f"torchrun started {size} workers but strategy={cfg.strategy.name} needs {processes} "
@@ -124,7 +125,7 @@ def _as_torchrun_worker(entry, cfg, processes: int, payload):
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     keep_freed_host_memory()
     torch.set_num_threads(threads_per_process(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", size))))
-    world = _world(cfg, rank, size, local_rank, StopRequest(announce=announce_stop))
+    world = _world(cfg, rank, size, local_rank, StopRequest(announce=announce_stop), device)
     with _signal_handlers(world.stop.request):
         return _joined(entry, cfg, world, payload, "env://", store=_attempt_store(world))
 
@@ -147,9 +148,9 @@ def _attempt_store(world: World):
     return PrefixStore(f"relaytrain/{run_id}/attempt-{torchrun_attempt()}/", store)
 
 
-def _world(cfg, rank: int, size: int, local_rank: int, stop: StopRequest) -> World:
+def _world(cfg, rank: int, size: int, local_rank: int, stop: StopRequest, device: torch.device) -> World:
     timeout = float(getattr(cfg.strategy, "timeout_s", 120.0))
-    return World(rank, size, local_rank, pick_device(cfg.train.device, local_rank), stop, timeout)
+    return World(rank, size, local_rank, local_device(device, local_rank), stop, timeout)
 
 
 def _joined(entry, cfg, world: World, payload, init_method: str, store=None):
@@ -244,7 +245,8 @@ class _Shared:
         return PHASES[self.where[2 * rank]].format(self.where[2 * rank + 1])
 
 
-def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_checkpoint):
+def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payload, latest_checkpoint,
+                     device: torch.device):
     from omegaconf import OmegaConf
 
     errors = run_dir / "worker_errors"  # written only when a worker fails
@@ -256,7 +258,7 @@ def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payloa
     shared = _Shared.create(context, processes)
     procs = [
         context.Process(target=_spawned_worker,
-                        args=(entry, rank, processes, config, payload, str(run_dir), init_method, shared),
+                        args=(entry, rank, processes, config, payload, str(run_dir), init_method, shared, device),
                         name=f"relaytrain-rank{rank}")
         for rank in range(processes)
     ]
@@ -405,7 +407,7 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
-def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, shared) -> None:
+def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, shared, device) -> None:
     # Stop requests come through `shared` (a Ctrl-C to the process group must not kill a worker
     # mid-step); SIG_IGN is inherited already, set here for a launcher outside the main thread.
     for sig in STOP_SIGNALS:
@@ -418,7 +420,7 @@ def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, sh
         cfg = OmegaConf.create(config)
         keep_freed_host_memory()
         torch.set_num_threads(threads_per_process(cfg.train.threads, size))
-        world = _world(cfg, rank, size, rank, StopRequest(read=lambda: shared.signum.value))
+        world = _world(cfg, rank, size, rank, StopRequest(read=lambda: shared.signum.value), device)
         world.mark = lambda phase, step: shared.mark(rank, phase, step)
         _joined(entry, cfg, world, payload, init_method)
     except Interrupted as stop:
@@ -444,6 +446,6 @@ def _exit_without_teardown(code: int) -> None:
 def _record_failure(errors: Path, rank: int, err: Exception) -> None:
     errors.mkdir(parents=True, exist_ok=True)
     record = {"rank": rank, "time": time.time(), "error": type(err).__name__,
-              "message": (str(err).strip().splitlines() or [""])[0], "user_error": isinstance(err, ConfigError)}
+              "message": first_line(err), "user_error": isinstance(err, ConfigError)}
     (errors / f"rank{rank}.txt").write_text(traceback.format_exc())
     write_json(errors / f"rank{rank}.json", record)

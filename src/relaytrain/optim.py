@@ -33,6 +33,7 @@ from torch import nn
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
+from relaytrain.errors import first_line
 from relaytrain.flat import FlatState
 
 
@@ -89,7 +90,7 @@ def deepspeed_cpu_adam(host_kernel: str):
     absent = isinstance(failure, ModuleNotFoundError) and failure.name == "deepspeed"
     if failure is not None and not _DEEPSPEED.get("said") and (host_kernel == "deepspeed" or not absent):
         _DEEPSPEED["said"] = True
-        reason = (str(failure).strip().splitlines() or [""])[0]
+        reason = first_line(failure)
         print(f"relaytrain: optim.host_kernel={host_kernel}: DeepSpeed's cpu_adam op is unavailable "
               f"({type(failure).__name__}: {reason}); the host optimizer runs torch's AdamW "
               f"(pip install relaytrain[fast] installs DeepSpeed)", file=sys.stderr, flush=True)

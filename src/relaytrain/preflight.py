@@ -1,6 +1,6 @@
 """Before anything starts: can this machine start the run's processes, and hold its host memory?
 
-`check_can_start(cfg, cls)` is the one pre-launch check: `relaytrain train` runs it on every
+`check_can_start(cfg, cls, device)` is the one pre-launch check: `relaytrain train` runs it on every
 combination of a sweep before Hydra makes a run directory, the trainer again before it starts
 workers, and the planner on each candidate it would run on this machine. The host memory is an
 estimate from the config's shapes (labelled as such), not a measurement; the strategy makes it
@@ -18,26 +18,28 @@ import torch
 
 from relaytrain.errors import ConfigError
 from relaytrain.models import count_parameters
-from relaytrain.world import pick_device, under_torchrun
+from relaytrain.world import under_torchrun
 
 HEADROOM = 1.0 * 2**30  # Python, torch and the libraries themselves
 WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time out, not progress
 
 
-def check_can_start(cfg, cls) -> None:
-    """Refuse, in one line, a run this machine cannot start or hold."""
-    check_machine(cfg, cls.processes(cfg))
-    device = pick_device(cfg.train.device)
+def check_can_start(cfg, cls, device: torch.device) -> None:
+    """Refuse, in one line, a run this machine cannot start or hold on its decided `device`."""
+    check_machine(cfg, cls.processes(cfg), device)
     cls.check_device(cfg, device)
+    if cfg.train.compile:
+        from relaytrain import compile as compiling
+
+        compiling.check(device)
     # A dry run plans for the machine the real run will have, not this one: it allocates no
     # such memory, and reports the estimate (results.json's memory.host_estimate_bytes).
     if cfg.train.check_memory and device.type != "meta":
-        check_host_memory(cfg, cls)
+        check_host_memory(cfg, cls, device)
 
 
-def check_machine(cfg, processes: int) -> None:
+def check_machine(cfg, processes: int, device: torch.device) -> None:
     """Refuse a run whose workers this machine cannot start."""
-    device = pick_device(cfg.train.device)
     backend = str(getattr(cfg.strategy, "backend", "auto"))
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError("strategy.backend=nccl needs CUDA devices; use strategy.backend=gloo or auto")
@@ -53,13 +55,12 @@ def check_machine(cfg, processes: int) -> None:
                           f"{WORKERS_PER_CPU} per core; lower strategy.stages or strategy.replicas")
 
 
-def estimate_host_bytes(cfg, cls) -> int:
-    device_type = pick_device(cfg.train.device).type
-    return int(cls.estimate_host_bytes(cfg, count_parameters(cfg.model), device_type) + HEADROOM)
+def estimate_host_bytes(cfg, cls, device: torch.device) -> int:
+    return int(cls.estimate_host_bytes(cfg, count_parameters(cfg.model), device.type) + HEADROOM)
 
 
-def check_host_memory(cfg, cls) -> int:
-    need = estimate_host_bytes(cfg, cls)
+def check_host_memory(cfg, cls, device: torch.device) -> int:
+    need = estimate_host_bytes(cfg, cls, device)
     available = psutil.virtual_memory().available
     if need > available:
         raise ConfigError(

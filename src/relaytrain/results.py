@@ -16,7 +16,7 @@ import torch
 
 from relaytrain import metrics
 from relaytrain.files import write_json
-from relaytrain.models import count_parameters
+from relaytrain.models import count_parameters, trained_parameters
 from relaytrain.preflight import estimate_host_bytes
 
 
@@ -49,6 +49,7 @@ def assemble_results(cfg, cls, history: dict, measured: list[float], reports: li
             "hidden_size": m.hidden_size,
             "pretrained": m.pretrained,  # the checkpoint the run started from, None: fresh weights
         },
+        "adapter": adapter_facts(cfg),
         "device": str(world.device),
         "precision": str(cfg.precision.name),
         "processes": cls.processes(cfg),
@@ -74,6 +75,16 @@ def assemble_results(cfg, cls, history: dict, measured: list[float], reports: li
     }
 
 
+def adapter_facts(cfg) -> dict | None:
+    """What trained under adapters (adapter=lora): its keys and the parameters that train; None
+    for a full fine-tune."""
+    a = cfg.adapter
+    if str(a.name) == "none":
+        return None
+    return {"name": str(a.name), "r": a.r, "alpha": a.alpha, "pretrained": a.pretrained,
+            "trained_parameters": trained_parameters(cfg)}
+
+
 def memory(cls, cfg, reports: list[dict]) -> dict:
     """The run's peaks: device memory of the fullest device, host RSS of the largest process
     (and their sum), and every process's own figures when there are several. A dry run's host
@@ -82,7 +93,7 @@ def memory(cls, cfg, reports: list[dict]) -> dict:
                  key=lambda dm: dm["peak_allocated_bytes"] or 0)
     out = {"device": device}
     if device.get("simulated"):
-        out.update(host_peak_rss_bytes=None, host_estimate_bytes=estimate_host_bytes(cfg, cls),
+        out.update(host_peak_rss_bytes=None, host_estimate_bytes=estimate_host_bytes(cfg, cls, torch.device("meta")),
                    host_note="a dry run: host memory estimated from the config, not measured")
     else:
         out.update(host_peak_rss_bytes=max(r["host_peak_rss_bytes"] for r in reports),

@@ -21,13 +21,15 @@ import torch
 import transformers
 
 from relaytrain import checkpoint, elastic, failpoints, metrics, runlog
+from relaytrain import compile as compiling
 from relaytrain.compose import validate
 from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
 from relaytrain.display import StepProgress, print_one_line, print_results_table
-from relaytrain.errors import Aborted, ConfigError, Interrupted, TrainingDiverged
+from relaytrain.errors import Aborted, ConfigError, Interrupted, TrainingDiverged, first_line
 from relaytrain.evaluation import better
 from relaytrain.launch import launch
 from relaytrain.memory import DeviceMemory
+from relaytrain.models import adapter as adapters
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import explicit_overrides
 from relaytrain.models.pretrained import resolve as resolve_pretrained
@@ -36,9 +38,9 @@ from relaytrain.preflight import check_can_start
 from relaytrain.results import assemble_results, process_report, write_results
 from relaytrain.strategies import strategy_class
 from relaytrain.units import duration
-from relaytrain.world import StopVotes, World, under_torchrun
+from relaytrain.world import StopVotes, World, pick_device, under_torchrun
 
-EMPTY_PART = {"weights": {}, "optimizer": {}, "scaler": None, "extra": None}
+EMPTY_SHARE = {"weights": {}, "optimizer": {}, "scaler": None, "extra": None}
 
 
 @dataclass
@@ -55,12 +57,13 @@ class Job:
 
 
 def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: bool = True,
-        quiet: bool = False, estimate=None) -> dict:
+        quiet: bool = False, estimate=None, device: torch.device | None = None) -> dict:
     """Train as `cfg` says, write `run_dir/results.json`, print the summary (the whole table, or
     with `table=False` one line, or with `quiet` nothing at all), return the results (an empty
     dict on the processes of a torchrun launch that do not report). `run_dir/status.json` says
     how the run ended. `estimate`: the planner's prediction the caller made (`relaytrain.estimate`),
-    for the ETA before the first step ends."""
+    for the ETA before the first step ends. `device`: the run's device as the caller decided it
+    (None: decided here from train.device); every check and worker is handed this decision."""
     run_dir = Path(run_dir)
     logs = not under_torchrun() or int(os.environ["RANK"]) == 0
     done = finished_results(cfg, run_dir)
@@ -70,7 +73,8 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
                   f"raise train.steps to train further", flush=True)
         return done
     try:
-        results = _run(cfg, run_dir, overrides or [], logs, quiet, estimate.step_s if estimate else None)
+        results = _run(cfg, run_dir, overrides or [], logs, quiet, estimate.step_s if estimate else None,
+                       device or pick_device(cfg.train.device))
     except (Interrupted, Aborted) as stop:
         if logs:
             runlog.write_status(run_dir, runlog.INTERRUPTED, error=str(stop))
@@ -79,7 +83,7 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
         raise
     except BaseException as err:
         if logs:
-            runlog.write_status(run_dir, runlog.FAILED, error=(str(err).strip().splitlines() or [type(err).__name__])[0])
+            runlog.write_status(run_dir, runlog.FAILED, error=first_line(err))
         if not under_torchrun():  # every worker has ended: a save the failure cut short is only in the way
             checkpoint.remove_staging(checkpoint.checkpoint_dir(run_dir))
         raise
@@ -104,11 +108,12 @@ def finished_results(cfg, run_dir: Path) -> dict | None:
     return json.loads(results.read_text())
 
 
-def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, estimate_s: float | None) -> dict | None:
-    cfg = elastic.prepare(resolve_pretrained(cfg, explicit_overrides(overrides)))
+def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, estimate_s: float | None,
+         device: torch.device) -> dict | None:
+    cfg = elastic.prepare(resolve_pretrained(cfg, explicit_overrides(overrides)), device)
     validate(cfg)
     cls = strategy_class(cfg.strategy.name)
-    check_can_start(cfg, cls)
+    check_can_start(cfg, cls, device)
     resume = _find_resume(cfg, cls, run_dir)
     if logs:
         elastic.record_attempt(run_dir, resume)
@@ -118,7 +123,7 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, esti
     build_loader(cfg, dataset, cls.replicas(cfg))  # refuses a dataset smaller than one minibatch
     job = Job(run_dir, dataset, eval_dataset, resume, overrides, estimate_s, quiet)
     return launch(train_process, cfg, cls.processes(cfg), lambda rank: cls.describe_process(cfg, rank),
-                  run_dir, job, lambda: checkpoint.latest(run_dir))
+                  run_dir, job, lambda: checkpoint.latest(run_dir), device)
 
 
 def _find_resume(cfg, cls, run_dir: Path) -> Path | None:
@@ -144,7 +149,9 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
     host = metrics.HostMemory()
     host.reset_peak()
     metrics.reset_device_peak(world.device)
-    model = build_model(cfg.model, cfg.train.seed, quiet=world.rank != 0 or job.quiet, device=world.device)
+    model = build_model(cfg.model, cfg.train.seed, quiet=world.rank != 0 or job.quiet, device=world.device,
+                        adapter=cfg.adapter, compact_base=cls.compact_base)
+    compiled = compiling.compile_blocks(model, cfg.train.compile, world.device)  # before copies are made
     strategy = cls(model, cfg, world)
     # A dry run counts the device tensors this process holds from here on (memory.DeviceMemory).
     tracker = DeviceMemory(world.device, strategy.memory_holders) if world.simulated else None
@@ -152,9 +159,11 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
         with tracker or nullcontext():
             if tracker is not None:
                 tracker.register(t for held in strategy.memory_holders().values() for t in held)
-            return Trainer(cfg, cls, strategy, world, job, host, tracker).run()
+            return Trainer(cfg, cls, strategy, world, job, host, tracker, compiled).run()
     finally:
         strategy.close()
+        if compiled is not None:
+            compiled.close()
 
 
 class Trainer:
@@ -167,9 +176,10 @@ class Trainer:
     """
 
     def __init__(self, cfg, cls, strategy, world: World, job: Job, host: metrics.HostMemory,
-                 tracker: DeviceMemory | None = None):
+                 tracker: DeviceMemory | None = None, compiled: compiling.CompileStats | None = None):
         self.cfg, self.cls, self.strategy, self.world, self.job, self.host = cfg, cls, strategy, world, job, host
         self.tracker = tracker  # a dry run's device memory
+        self.compiled = compiled  # train.compile: this process's compile times
         self.reporter = world.rank == cls.reporter(cfg)
         self.loader = build_loader(cfg, job.dataset, cls.replicas(cfg))
         self.votes = StopVotes(world, cls.stop_lag)
@@ -190,7 +200,7 @@ class Trainer:
         steps = self.cfg.train.steps
         self.first = step = self._restore()
         if self.world.rank == 0:
-            checkpoint.remove_staging(self.directory)  # before the barrier: nobody writes parts yet
+            checkpoint.remove_staging(self.directory)  # before the barrier: nobody writes shares yet
         self.world.barrier()  # start the clock together
         title = f"{self.cfg.strategy.name} · {self.cfg.model.name}" + (" (dry run)" if self.world.simulated else "")
         progress = StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter and not self.job.quiet,
@@ -291,6 +301,8 @@ class Trainer:
         result = self.strategy.step(minibatch, self.lr)
         metrics.synchronize(self.world.device)
         elapsed = time.perf_counter() - start
+        if self.compiled is not None:
+            self.compiled.step_done()
         self.applied += not result.skipped  # a skipped step consumes no warm-up (as HF and accelerate)
         self.votes.after(step)
         if not self.reporter:
@@ -320,15 +332,20 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _save(self, step: int, best: bool = False) -> Path:
-        """Every process's part at `step`; `best`: it also becomes the kept best checkpoint."""
+        """Every process's share of the checkpoint at `step`; `best`: it also becomes the kept best checkpoint."""
         self.world.mark("checkpoint", step)
-        part = self.strategy.state_dict() or dict(EMPTY_PART)
-        part = {**part, "rng": checkpoint.rng_state(self.world.device)}
+        share = self.strategy.state_dict() or dict(EMPTY_SHARE)
+        share = {**share, "rng": checkpoint.rng_state(self.world.device)}
         trainer = {"step": step, "applied_updates": self.applied, "history": self.history} if self.reporter else None
         manifest = {"strategy": self.cls.name, "layout": self.cls.state_layout(self.cfg),
-                    "identity": checkpoint.identity(self.cfg)}
-        return checkpoint.save(self.world, self.directory, step, part, trainer, manifest,
+                    "identity": checkpoint.identity(self.cfg), "base": self._base()}
+        return checkpoint.save(self.world, self.directory, step, share, trainer, manifest,
                                self.cfg.train.keep_checkpoints, best=best, sharded=self.strategy.sharded_state_dict())
+
+    def _base(self) -> str | None:
+        """The frozen base's fingerprint under adapters (a checkpoint holds no base: resuming
+        reloads it and must find the same one); None when every parameter trains."""
+        return getattr(self.strategy.model, "base_fingerprint", None)
 
     def _restore(self) -> int:
         """Fresh: seed torch's global streams (dropout does not draw from them: each part's draws
@@ -338,7 +355,7 @@ class Trainer:
             torch.manual_seed(self.cfg.train.seed)
             self.strategy.start(0)
             return 0
-        found = checkpoint.read(self.job.resume, self.cfg, self.cls.name, self.cls.state_layout(self.cfg))
+        found = checkpoint.read(self.job.resume, self.cfg, self.cls.name, self.cls.state_layout(self.cfg), self._base())
         self.strategy.start(found.step)
         self.strategy.load_checkpoint(found)
         self.applied = found.applied_updates()
@@ -360,12 +377,14 @@ class Trainer:
                 save_model(self.cfg, self.strategy, weights, self.job.run_dir)
         device = self.strategy.simulated_memory(self.tracker) if self.tracker else metrics.device_memory(self.world.device)
         report = process_report(self.strategy, self.world, self.host, device)
+        report["compile"] = None if self.compiled is None else self.compiled.report()
         reports = self.world.gather(report, self.cls.reporter(self.cfg))
         if not self.reporter:
             return None
         measured = self.history["step_times"][self.first + self.cfg.train.untimed_steps:]
         results = assemble_results(self.cfg, self.cls, self.history, measured, reports, self.world, self.job.overrides)
         results.update(elastic.results_entry(self.job.run_dir))
+        results.update(compiling.results_entry([r["compile"] for r in reports]))
         results.update(data_facts(self.job.dataset, self.job.eval_dataset))  # e.g. chat records cut or dropped
         write_results(self.job.run_dir, results)
         return results
@@ -383,26 +402,41 @@ def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Pat
     # One process whose model holds plain, whole tensors: write them; otherwise a fresh model
     # (a pipeline stage holds part of the model, a sharded strategy parts of every tensor).
     own = strategy.world.size == 1 and all(type(p.data) is torch.Tensor for p in strategy.model.parameters())
-    hf_model = strategy.model.hf_model if own else build_model(cfg.model, cfg.train.seed).hf_model
+    model = strategy.model if own else build_model(cfg.model, cfg.train.seed, quiet=True, adapter=cfg.adapter)
+    hf_model = model.hf_model
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
-            if name not in merged:
+            if name in merged:
+                p.copy_(merged[name])
+            elif p.requires_grad:  # a frozen base is the checkpoint's, as loaded; what trains must be there
                 raise ConfigError(f"no process holds the weights of {name}; the model cannot be saved")
-            p.copy_(merged[name])
     out = run_dir / "model"
     tokenizer = _run_tokenizer(cfg, run_dir)
     if tokenizer is not None and hf_model.can_generate():
         _set_special_ids(hf_model.generation_config, tokenizer, hf_model.get_input_embeddings().num_embeddings,
                          inherited=bool(cfg.model.pretrained))
     dtype = save_dtype(cfg)
-    transformers.utils.logging.disable_progress_bar()  # one shard of a small model: a bar is noise
-    hf_model.save_pretrained(out, state_dict=_cast_state(hf_model, SAVE_DTYPES[dtype]))
-    # save_pretrained records the dtype of the model in memory (the fp32 masters); the files hold `dtype`.
-    hf_model.config.dtype = dtype
-    hf_model.config.save_pretrained(out)
+    if adapters.enabled(cfg.adapter) and not cfg.adapter.merge_on_save:
+        adapters.save_adapter(model, out, _base_source(cfg.model.pretrained), SAVE_DTYPES[dtype])
+    else:
+        state = adapters.merged_state(hf_model) if adapters.enabled(cfg.adapter) else hf_model.state_dict(keep_vars=True)
+        transformers.utils.logging.disable_progress_bar()  # one shard of a small model: a bar is noise
+        hf_model.save_pretrained(out, state_dict=_cast_state(state, SAVE_DTYPES[dtype]))
+        # save_pretrained records the dtype of the model in memory (the fp32 masters); the files hold `dtype`.
+        hf_model.config.dtype = dtype
+        hf_model.config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
+
+
+def _base_source(pretrained: str | None) -> str | None:
+    """What an adapter directory names as its base: the checkpoint's absolute path (the adapter
+    then loads from any working directory), a hub id as given, None for a model made from scratch."""
+    if not pretrained:
+        return None
+    local = Path(pretrained).expanduser()
+    return str(local.resolve()) if local.exists() else pretrained
 
 
 def save_dtype(cfg) -> str:
@@ -414,12 +448,12 @@ def save_dtype(cfg) -> str:
     return cfg.model.checkpoint_dtype if cfg.model.checkpoint_dtype in SAVE_DTYPES else "float32"
 
 
-def _cast_state(hf_model, dtype: torch.dtype) -> dict:
-    """The model's state dict with floating tensors in `dtype`. A tied weight stays one tensor
-    under both names: save_pretrained finds ties by shared storage and writes them once."""
+def _cast_state(tensors: dict, dtype: torch.dtype) -> dict:
+    """A state dict with floating tensors in `dtype`. A tied weight stays one tensor under both
+    names: save_pretrained finds ties by shared storage and writes them once."""
     cast: dict[int, torch.Tensor] = {}
     state = {}
-    for name, t in hf_model.state_dict(keep_vars=True).items():
+    for name, t in tensors.items():
         if id(t) not in cast:
             cast[id(t)] = t.detach().to(dtype) if t.is_floating_point() else t.detach()
         state[name] = cast[id(t)]
@@ -443,7 +477,7 @@ def _run_tokenizer(cfg, run_dir: Path):
         return AutoTokenizer.from_pretrained(str(source), trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as err:  # a tokenizer it cannot read must not cost the trained weights
         print(f"train.save_model: the model is saved without a tokenizer: {source}'s could not be loaded "
-              f"({str(err).splitlines()[0] if str(err) else type(err).__name__})", flush=True)
+              f"({first_line(err)})", flush=True)
         return None
 
 

@@ -187,12 +187,20 @@ class World:
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device `train.device=name` means here (auto: CUDA when one is visible). A run decides it
+    once, where it starts (`train.run`, each `relaytrain train` job, `relaytrain plan`), and hands
+    the decision down: to the checks, to the launcher and through it to every `World`."""
     name = str(name)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
+    return local_device(torch.device(name), local_rank)
+
+
+def local_device(device: torch.device, local_rank: int) -> torch.device:
+    """A worker's share of the run's device: the CUDA device of its local rank, else the same."""
+    if device.type == "cuda":
         return torch.device(f"cuda:{local_rank % max(torch.cuda.device_count(), 1)}")
-    return torch.device(name)
+    return device
 
 
 def under_torchrun() -> bool:

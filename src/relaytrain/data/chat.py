@@ -31,7 +31,7 @@ import torch
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.sources import IGNORE_INDEX, pad_rows, read_lines, special_ids
 from relaytrain.data.tokenizer import load_tokenizer
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.family import family_spec
 
 ROLES = ("system", "user", "assistant")
@@ -68,9 +68,6 @@ def _check_model(cfg) -> None:
     if cfg.data.pack and not family_spec(m.family).layered.packs_records:
         raise ConfigError(f"data.pack=true needs a model that keeps packed records apart by their positions, "
                           f"which model.family={m.family} does not; drop data.pack")
-    if cfg.data.pack and str(cfg.train.device) == "meta":
-        raise ConfigError("data.pack=true reads packed records' positions, which a dry run (train.device=meta) "
-                          "does not have; drop data.pack for the dry run")
 
 
 # --------------------------------------------------------------------------- reading
@@ -165,7 +162,7 @@ def _template(tokenizer, messages: list[dict], generation_prompt: bool, where: s
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except (TemplateError, ValueError, TypeError, KeyError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = first_line(e)
         raise ConfigError(f"{where}: the chat template refuses this conversation ({reason}); "
                           f"fix the record or use data.tokenizer=DIR with a template that takes it") from e
 

@@ -25,7 +25,7 @@ import torch
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.synthetic import FIRST_TOKEN, MASK_ID, MLM_MASK_RATE
 from relaytrain.data.tokenizer import find_tokenizer, load_tokenizer
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 
 IGNORE_INDEX = -100  # label value the losses skip
 TOKENIZE_BATCH = 10_000  # lines per tokenizer call when streaming a large corpus
@@ -347,7 +347,7 @@ def _split_from_disk(path: str, split: str, key: str):
         loaded = datasets.load_from_disk(str(Path(path).expanduser()))
     except FileNotFoundError as e:
         raise ConfigError(
-            f"data.path={path} is not a `datasets` directory ({_first_line(e)}); "
+            f"data.path={path} is not a `datasets` directory ({first_line(e)}); "
             f"write one with DatasetDict.save_to_disk, or use data=jsonl"
         ) from e
     if not isinstance(loaded, datasets.DatasetDict):
@@ -371,12 +371,12 @@ def _split_from_hub(hub_name: str, name: str | None, split: str):
     try:
         return datasets.load_dataset(hub_name, name, split=split)
     except (ConnectionError, TimeoutError) as e:  # includes offline mode with nothing cached
-        raise ConfigError(_unreachable(dataset, _first_line(e))) from e
+        raise ConfigError(_unreachable(dataset, first_line(e))) from e
     except DatasetNotFoundError as e:
         raise ConfigError(f"{dataset} was not found on the Hugging Face hub; check data.name") from e
     except (OSError, ValueError) as e:  # unknown config name or split, broken cache
         raise ConfigError(
-            f"cannot load {dataset} split={split} ({_first_line(e)}); check data.name and data.split"
+            f"cannot load {dataset} split={split} ({first_line(e)}); check data.name and data.split"
         ) from e
 
 
@@ -389,11 +389,6 @@ def _unreachable(dataset: str, why: str) -> str:
         f"the Hugging Face hub is unreachable for {dataset} ({why}); set data.path=<local datasets dir> "
         f"(written by DatasetDict.save_to_disk) or use data=jsonl data.path=<file.jsonl>"
     )
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 # --------------------------------------------------------------------------- encoding

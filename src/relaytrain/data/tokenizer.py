@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.family import family_spec
 
 # Ids 0..4, in the order synthetic.py reserves them ([PAD]=0, [CLS]=1, [SEP]=2, [MASK]=3, [UNK]=4).
@@ -104,7 +104,7 @@ def _from_pretrained(location: str, key: str) -> PreTrainedTokenizerFast:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else location)
     except (OSError, ValueError) as e:  # missing files, unreachable hub, unknown tokenizer class
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = first_line(e)
         raise ConfigError(
             f"{key}={location}: cannot load its tokenizer ({reason}); give a local directory "
             f"saved with save_pretrained"

@@ -8,16 +8,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 
 # The families register themselves when their modules are imported: every one is imported here.
+from relaytrain.models import adapter as adapters
 from relaytrain.models import bert, decoder, gpt2  # noqa: F401
 from relaytrain.models.family import Family, families, family_of, family_spec
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 from relaytrain.models.pretrained import load_hf_config
 
 __all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "count_parameters", "families",
-           "family_of", "family_spec", "hf_config", "part_parameters"]
+           "family_of", "family_spec", "hf_config", "part_parameters", "trained_parameters"]
 
 _AUTO_CLASS = {
     "classification": AutoModelForSequenceClassification,
@@ -36,13 +37,17 @@ def hf_config(m):
     return config
 
 
-def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | None = None) -> LayeredModel:
+def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | None = None,
+                adapter=None, compact_base: bool = False) -> LayeredModel:
     """A layered model on the CPU in fp32; strategies move what they need to the device.
 
     With `model.pretrained` (after `pretrained.resolve` made the config agree with it) the
     checkpoint's weights; a head the checkpoint lacks (another task, another number of labels)
     is initialised from `seed`, and unless `quiet` one line names the weights that are new.
     On the meta `device` (a dry run) the model is shapes only: no weights are read or made.
+    With an `adapter` config (adapter=lora) its adapters are injected and the rest is frozen;
+    `compact_base` then keeps the frozen base in the checkpoint's own half precision (a param
+    server that keeps it on the host: half the bytes, every value as stored).
     """
     torch.manual_seed(seed)
     auto = _AUTO_CLASS[str(m.task)]
@@ -54,7 +59,9 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
         with torch.device("meta"):
             hf_model = auto.from_config(config, attn_implementation=dry_attention.NAME if attention == "sdpa" else attention)
     elif m.pretrained:
-        hf_model, fresh = _load_pretrained(m, auto)
+        adapted = adapter is not None and adapters.enabled(adapter)
+        half = m.checkpoint_dtype in ("bfloat16", "float16") and adapted and compact_base
+        hf_model, fresh = _load_pretrained(m, auto, getattr(torch, m.checkpoint_dtype) if half else torch.float32)
         if fresh and not quiet:
             shown = ", ".join(fresh[:4]) + (f" and {len(fresh) - 4} more" if len(fresh) > 4 else "")
             print(f"model.pretrained={m.pretrained}: a new {m.task} head"
@@ -64,12 +71,15 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
         config = hf_config(m)
         hf_model = auto.from_config(config, attn_implementation=config._attn_implementation)
     hf_model.train()
-    return family_spec(m.family).layered(hf_model, str(m.task))
+    model = family_spec(m.family).layered(hf_model, str(m.task))
+    if adapter is not None and adapters.enabled(adapter):
+        adapters.attach(model, adapter)
+    return model
 
 
-def _load_pretrained(m, auto) -> tuple:
-    """The checkpoint under `auto`'s head, with the run's dropout and number of labels; and the
-    names of the weights the checkpoint did not have (initialised here)."""
+def _load_pretrained(m, auto, dtype: torch.dtype = torch.float32) -> tuple:
+    """The checkpoint under `auto`'s head, with the run's dropout and number of labels, in
+    `dtype`; and the names of the weights the checkpoint did not have (initialised here)."""
     config = load_hf_config(m.pretrained, m.trust_remote_code)
     family = family_spec(m.family)
     family.set_dropout(config, m.dropout)
@@ -84,10 +94,10 @@ def _load_pretrained(m, auto) -> tuple:
         # updates, its masters; train.save_model writes them back in the checkpoint's dtype.
         hf_model, info = auto.from_pretrained(source, config=config, attn_implementation=attention,
                                               ignore_mismatched_sizes=True, output_loading_info=True,
-                                              dtype=torch.float32, trust_remote_code=m.trust_remote_code)
+                                              dtype=dtype, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as err:
         raise ConfigError(
-            f"model.pretrained={m.pretrained} could not be loaded ({str(err).splitlines()[0]}); "
+            f"model.pretrained={m.pretrained} could not be loaded ({first_line(err)}); "
             f"give a local Hugging Face model directory, or a hub id while online"
         ) from err
     finally:
@@ -114,19 +124,29 @@ def count_parameters(m) -> int:
     return sum(unique.values())
 
 
-def part_parameters(m) -> tuple[int, int, int]:
+def part_parameters(m, adapter=None, trained: bool = False) -> tuple[int, int, int]:
     """Parameters of the embeddings, of one block and of the head of the model the config
     describes (a tied weight counted once, with the embeddings), from a one-block model on the
-    meta device: what the cost models and the profile scale by the number of blocks."""
+    meta device: what the cost models and the profile scale by the number of blocks. With an
+    `adapter` config its adapters are counted too, and `trained` counts only what trains."""
     one_block = copy.deepcopy(m)
     one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
     with torch.device("meta"):
-        model = build_model(one_block, quiet=True)
+        model = build_model(one_block, quiet=True, adapter=adapter)
     seen: set[int] = set()
 
     def count(module) -> int:
-        fresh = [p for p in module.parameters() if id(p) not in seen]
+        fresh = [p for p in module.parameters() if id(p) not in seen and (p.requires_grad or not trained)]
         seen.update(id(p) for p in fresh)
         return sum(p.numel() for p in fresh)
 
     return count(model.embed), count(model.blocks[0]), count(model.head)
+
+
+def trained_parameters(cfg) -> int | None:
+    """How many parameters train under the run's adapter (adapter=lora: the adapters'); None
+    when every parameter trains."""
+    if adapters.enabled(cfg.adapter):
+        embed, block, head = part_parameters(cfg.model, cfg.adapter, trained=True)
+        return embed + cfg.model.num_layers * block + head
+    return None

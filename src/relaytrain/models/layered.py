@@ -179,9 +179,13 @@ class Block(nn.Module):
         self.layer = layer
         self.index = index
 
+    # train.compile=true: `relaytrain.compile.run_compiled`, `run_layer` compiled once for every
+    # block (a plain attribute: the copies strategies make keep it); None runs it eagerly.
+    compiled = None
+
     def forward(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
         with keyed_draws(ctx.get(DRAW), block_part(self.index), hidden.device, self.training):
-            out = self.run_layer(hidden, ctx)
+            out = self.run_layer(hidden, ctx) if self.compiled is None else self.compiled(self, hidden, ctx)
         return out[0] if isinstance(out, tuple) else out
 
     def run_layer(self, hidden: torch.Tensor, ctx: dict):
@@ -212,12 +216,16 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         # and registering it too would list every parameter under two names.
         object.__setattr__(self, "hf_model", hf_model)
         object.__setattr__(self, "hf_config", hf_model.config)
-        # Hugging Face names, fixed before any strategy splits the model (tied weights: the first name).
-        object.__setattr__(self, "_hf_names", {id(p): n for n, p in hf_model.named_parameters()})
+        self.rename_parameters()
         self.embed = embed
         self.blocks = nn.ModuleList(self.block_class(layer, index) for index, layer in enumerate(blocks))
         self.head = head
         self.task = task
+
+    def rename_parameters(self) -> None:
+        """Every parameter's Hugging Face name, fixed before any strategy splits the model (tied
+        weights: the first name); again after adapters are injected (they rename what they wrap)."""
+        object.__setattr__(self, "_hf_names", {id(p): n for n, p in self.hf_model.named_parameters()})
 
     @property
     def num_blocks(self) -> int:

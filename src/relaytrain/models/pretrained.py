@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.family import family_of, family_spec
 
 FINE_TUNABLE = ("task", "num_labels", "dropout")
@@ -35,6 +35,9 @@ def load_hf_config(pretrained: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     local = Path(pretrained).expanduser()
+    if local.is_dir() and (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        raise ConfigError(f"model.pretrained={pretrained} is a LoRA adapter, not a model; train on with "
+                          f"adapter=lora adapter.pretrained={pretrained} model.pretrained=<its base>")
     if local.is_dir() and not (local / "config.json").is_file():
         raise ConfigError(f"model.pretrained={pretrained} has no config.json; give a directory written by "
                           f"save_pretrained (e.g. a run's model/ directory), or a hub id while online")
@@ -45,7 +48,7 @@ def load_hf_config(pretrained: str, trust_remote_code: bool = False):
         return AutoConfig.from_pretrained(str(local) if local.exists() else pretrained,
                                           trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"model.pretrained={pretrained} could not be loaded ({str(err).splitlines()[0]}); "
+        raise ConfigError(f"model.pretrained={pretrained} could not be loaded ({first_line(err)}); "
                           f"give a local Hugging Face model directory, or a hub id while online") from err
 
 

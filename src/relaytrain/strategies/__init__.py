@@ -7,7 +7,7 @@ the class answers the whole contract, the planner's questions included, so a str
 without a cost model fails at import instead of being left out of `relaytrain plan`.
 
 A *preset* is a strategy with some of its keys fixed, made by a config file alone:
-`configs/strategy/l2l_stash_cpu.yaml` is `l2l` with `stash: cpu`. It runs the class it names
+`configs/strategy/l2l_stash_cpu.yaml` is `l2l` with `stash: host`. It runs the class it names
 in its defaults (`l2l_schema`), keeps its own name for the user (results.json, the report),
 and refuses an override of a key it fixes.
 """
@@ -46,6 +46,10 @@ def register(name: str):
         if unanswered:
             raise TypeError(f"strategy {name!r} ({cls.__qualname__}) does not answer {', '.join(unanswered)} of the "
                             f"contract in strategies/base.py (the planner needs every strategy's cost and memory)")
+        schedule = getattr(cls, "schedule", None)  # a pipeline's program is named as the strategy that runs it
+        if schedule is not None and schedule.name != name:
+            raise TypeError(f"strategy {name!r} ({cls.__qualname__}) runs schedule {schedule.__qualname__}, "
+                            f"named {schedule.name!r}; a schedule's name is its strategy's")
         cls.name = name
         _REGISTRY[name] = cls
         return cls

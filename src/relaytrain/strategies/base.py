@@ -38,6 +38,7 @@ from relaytrain.costmodel import (
 )
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
+from relaytrain.models import trained_parameters
 from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.optim import state_words
 from relaytrain.precision import Precision
@@ -72,6 +73,9 @@ class Strategy(ABC):
     Config: ClassVar[type] = StrategyConfig  # the typed config group: keys no other strategy needs
     capabilities: ClassVar[Capabilities] = Capabilities()
     stop_lag: ClassVar[int] = 1  # steps a process may run ahead of the slowest (see world.StopVotes)
+    # Under adapters, whether the frozen base may stay in the checkpoint's half precision in host
+    # memory (a strategy that casts what it uploads: L2L); the others compute with the base as it is.
+    compact_base: ClassVar[bool] = False
     on_progress: Callable[[str], None] | None = None  # set by the trainer on the reporter: progress inside a step
 
     # -- what it needs: class level, no process and no tensor --------------------------------
@@ -129,7 +133,7 @@ class Strategy(ABC):
         return reports[0]
 
     # -- what the planner asks: class level, no process and no tensor -----------------------------
-    # `cfg` is a whole config with the shape's keys set (`plan.candidate_config`); `facts` the
+    # `cfg` is a whole config with the shape's keys set (`plan_candidates.candidate_config`); `facts` the
     # model's sizes; `profile` the machine. Every figure is a prediction.
     @classmethod
     @abstractmethod
@@ -211,12 +215,12 @@ class Strategy(ABC):
 
     def sharded_state_dict(self) -> dict | None:
         """State sharded across the processes (tensors split by torch.distributed), keyed by name,
-        which every process saves together beside its part; None for a strategy whose parts
+        which every process saves together beside its share; None for a strategy whose shares
         hold all of it."""
         return None
 
     def load_checkpoint(self, found) -> None:
-        """Resume from `found` (a `checkpoint.Checkpoint`): by name from whichever parts (or
+        """Resume from `found` (a `checkpoint.Checkpoint`): by name from whichever shares (or
         sharded directory) hold this process's parameters."""
         self.load_state_dict(found.state_for(self.parameter_names(), self.world.rank))
 
@@ -299,7 +303,10 @@ def replica_rows(minibatch: list[MicroBatch], replica: int, replicas: int) -> li
 
 
 def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
-    return num_params * FP32 * (2 + state_words(cfg.optim))
+    """fp32 weights, and the gradients and optimizer state of what trains (under adapters: theirs)."""
+    trained = trained_parameters(cfg)
+    trained = num_params if trained is None else trained
+    return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
 
 
 def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries: int = 0) -> int:

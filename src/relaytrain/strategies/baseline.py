@@ -25,19 +25,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from relaytrain.checkpoint import load_model_state, model_state, unique_named_parameters
-from relaytrain.config import Recompute, StrategyConfig, WorkersConfig
-from relaytrain.costmodel import (
-    FP32,
-    ModelFacts,
-    Shape,
-    StepCost,
-    allreduce_s,
-    both,
-    optimizer_s,
-    powers_of_two_dividing,
-    stage_bytes,
+from relaytrain.checkpoint import (
+    load_model_state,
+    model_state,
+    trained_named_parameters,
+    unique_named_parameters,
 )
+from relaytrain.config import Recompute, StrategyConfig, WorkersConfig
+from relaytrain.costmodel import ModelFacts, Shape, StepCost
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
@@ -45,19 +40,16 @@ from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler, Precision
 from relaytrain.profile import Profile
 from relaytrain.strategies import register
+from relaytrain.strategies import whole_model_cost as cost
 from relaytrain.strategies.base import (
     ReplicatedStrategy,
     StepResult,
-    cpu_activation_bytes,
     minibatch_items,
     optimizer_tensors,
     replica_rows,
     scalar,
-    weights_grads_optimizer_bytes,
 )
-
-WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each extra worker
-BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket: one all-reduce message each
+from relaytrain.strategies.whole_model_cost import BUCKET_BYTES
 
 
 @dataclass
@@ -107,18 +99,6 @@ def evaluate_replicated(net: MicrobatchLoss, batches: list[list[MicroBatch]], re
     return stats
 
 
-def whole_model_compute(cfg, facts: ModelFacts, profile: Profile, recomputes: bool):
-    """A data-parallel worker's compute in a step (the baseline's and FSDP's): every micro-batch
-    of its share through the embeddings, every block (block recompute: one more forward each)
-    and the head. Returns the seconds, the profiled parts and the recompute per block."""
-    s, n = cfg.strategy, facts.num_layers
-    t = profile.for_workers(s.replicas, cfg.train.threads)
-    block, embed, head = (t.part(part, s.microbatch_size) for part in ("block", "embed", "head"))
-    recompute = block.forward_s if recomputes else 0.0
-    compute = s.num_microbatches * (both(embed) + n * (both(block) + recompute) + both(head))
-    return compute, t, (embed, block, head), recompute
-
-
 def _sum_hook(group, bucket):  # no annotations: DDP checks them, and these would be strings
     """All-reduce a bucket of gradients as a sum (DDP's own hook averages over the workers)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
@@ -138,53 +118,32 @@ class Baseline(ReplicatedStrategy):
 
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
-        # One micro-batch at a time: every block's activations, or (recompute) one block's and every block's input.
-        live, stash = (1, cfg.model.num_layers) if cls.recomputes(cfg) else (cfg.model.num_layers, 0)
-        per_worker = weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live, stash)
-        replicas = cfg.strategy.replicas
-        return replicas * per_worker + (replicas * WORKER_OVERHEAD_BYTES if replicas > 1 else 0)
+        """`whole_model_cost.baseline_host_bytes`."""
+        return cost.baseline_host_bytes(cfg, num_params, device_type)
 
     @classmethod
     def describe_process(cls, cfg, rank: int) -> str:
         return f"rank {rank} (replica {rank} of {cfg.strategy.replicas})"
 
-    # -- what the planner asks --------------------------------------------------------------------
+    # -- what the planner asks (the closed forms are whole_model_cost's) --------------------------
     @classmethod
     def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
-        """Any number of replicas w that divides the batch (one worker each), every micro-batch size
-        b of a worker's share (m = batch / (w b)), with and without block recompute."""
-        return [Shape(cls.name, b, batch // (w * b), w, 1, str(recompute))
-                for w in range(1, workers + 1) if batch % w == 0
-                for b in powers_of_two_dividing(batch // w) for recompute in (Recompute.none, Recompute.block)]
+        """Replicas, micro-batch sizes, block recompute or not (`whole_model_cost.baseline_shapes`)."""
+        return cost.baseline_shapes(cls, workers, batch)
 
     @classmethod
     def recomputes(cls, cfg) -> bool:
-        return cfg.strategy.recompute == Recompute.block
+        return cost.recomputes_blocks(cfg)
 
     @classmethod
     def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-        """L2L paper, Algorithm 1: per micro-batch, the embeddings, every block and the head
-        forward and backward (block recompute: one more forward per block); then one optimizer
-        step over the whole model. With replicas, the all-reduce of every gradient, in buckets
-        during the last micro-batch's backward: what outlasts that backward is exposed (on a
-        CPU all of it: the cores that compute also sum)."""
-        s, n = cfg.strategy, facts.num_layers
-        compute, t, (embed, block, head), recompute = whole_model_compute(cfg, facts, profile, cls.recomputes(cfg))
-        optimizer = optimizer_s(t, facts, n, embed=True, head=True)
-        parts = {"compute": compute, "optimizer": optimizer}
-        if s.replicas > 1:
-            nbytes = facts.params * FP32
-            sums = allreduce_s(nbytes, s.replicas, profile, messages=-(-nbytes // BUCKET_BYTES))
-            last_backward = embed.backward_s + n * (block.backward_s + recompute) + head.backward_s
-            parts["gradient sums (exposed)"] = sums if profile.device_type == "cpu" else max(
-                allreduce_s(min(nbytes, BUCKET_BYTES), s.replicas, profile), sums - last_backward)
-        return StepCost(sum(parts.values()), parts)
+        """L2L paper, Algorithm 1, and the replicas' gradient sums (`whole_model_cost.baseline_step_cost`)."""
+        return cost.baseline_step_cost(cfg, facts, profile)
 
     @classmethod
     def device_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """The whole model as one stage with one micro-batch in flight."""
-        return stage_bytes(facts, cfg.strategy.microbatch_size, facts.num_layers, facts.params, last=True,
-                           in_flight=1, versions=1, recompute=str(cfg.strategy.recompute))
+        """The whole model as one stage with one micro-batch in flight (`whole_model_cost.baseline_device_bytes`)."""
+        return cost.baseline_device_bytes(cfg, facts)
 
     # -- one worker -------------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
@@ -257,7 +216,7 @@ class Baseline(ReplicatedStrategy):
 
     # -- state ----------------------------------------------------------------------------------
     def parameter_names(self) -> list[str]:
-        return [name for name, _ in unique_named_parameters(self.model)]
+        return [name for name, _ in trained_named_parameters(self.model)]
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         if self.replica != 0:  # every replica holds the same weights
@@ -267,7 +226,7 @@ class Baseline(ReplicatedStrategy):
     def state_dict(self) -> dict | None:
         if self.replica != 0:  # and the same optimizer state
             return None
-        params = [p for _, p in unique_named_parameters(self.model)]
+        params = [p for _, p in trained_named_parameters(self.model)]
         return model_state(self.model, params, [self.optimizer], self.scaler)
 
     def load_state_dict(self, state: dict) -> None:

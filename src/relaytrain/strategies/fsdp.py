@@ -51,51 +51,33 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMi
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state, sharded_contents
-from relaytrain.config import Choice, Recompute, StrategyConfig, WorkersConfig
-from relaytrain.costmodel import (
-    FP32,
-    ModelFacts,
-    Shape,
-    StepCost,
-    allreduce_s,
-    optimizer_s,
-    powers_of_two_dividing,
-    stage_bytes,
-    upload_s,
-)
+from relaytrain.config import Offload, Recompute, StrategyConfig, WorkersConfig
+from relaytrain.costmodel import ModelFacts, Shape, StepCost
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch
-from relaytrain.optim import build_optimizer, set_lr, state_words
+from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler
 from relaytrain.profile import Profile
 from relaytrain.strategies import register
+from relaytrain.strategies import whole_model_cost as cost
 from relaytrain.strategies.base import (
     ReplicatedStrategy,
     StepResult,
-    cpu_activation_bytes,
     minibatch_items,
     optimizer_tensors,
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.baseline import Baseline, MicrobatchLoss, evaluate_replicated, whole_model_compute
-
-WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each extra worker
-GATHERED_BLOCKS = 2  # a block computing and the next one prefetched, gathered at once
-
-
-
-class Placement(Choice):
-    none = "none"  # shards on the device
-    host = "host"  # shards and optimizer state in host memory (CPUOffloadPolicy)
+from relaytrain.strategies.baseline import Baseline, MicrobatchLoss, evaluate_replicated
+from relaytrain.strategies.whole_model_cost import gathered_params
 
 
 @dataclass
 class FsdpConfig(WorkersConfig, StrategyConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True  # true: ZeRO-3, parameters gathered again for backward; false: kept from forward to backward
-    offload: Placement = Placement.none  # host: parameter, gradient and optimizer shards in host memory (needs a CUDA device)
+    offload: Offload = Offload.none  # host: parameter, gradient and optimizer shards in host memory (needs a CUDA device)
     recompute: Recompute = Recompute.none  # none, or block: keep each block's input, recompute it in backward
 
 
@@ -113,20 +95,14 @@ class Fsdp(ReplicatedStrategy):
 
     @classmethod
     def check_device(cls, cfg, device: torch.device) -> None:
-        if cfg.strategy.offload == Placement.host and device.type == "cpu":
+        if cfg.strategy.offload == Offload.host and device.type == "cpu":
             raise ConfigError("strategy.offload=host keeps the shards in host memory apart from the device's; on a "
                               "CPU device they are there already: use strategy.offload=none")
 
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
-        """Every worker builds the whole model once before sharding it; then it keeps its shards
-        (on the host when the device is the host, or with offload) and one micro-batch's activations."""
-        s, m = cfg.strategy, cfg.model
-        live, stash = (1, m.num_layers) if cls.recomputes(cfg) else (m.num_layers, 0)
-        shards = num_params * FP32 * (2 + state_words(cfg.optim)) / s.replicas
-        on_host = shards if device_type == "cpu" or s.offload == Placement.host else 0
-        per_worker = num_params * FP32 + on_host + cpu_activation_bytes(cfg, device_type, live, stash)
-        return int(s.replicas * per_worker + (s.replicas * WORKER_OVERHEAD_BYTES if s.replicas > 1 else 0))
+        """The whole model once, then the shards and activations (`whole_model_cost.fsdp_host_bytes`)."""
+        return cost.fsdp_host_bytes(cfg, num_params, device_type)
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
@@ -136,79 +112,30 @@ class Fsdp(ReplicatedStrategy):
     def describe_process(cls, cfg, rank: int) -> str:
         return f"rank {rank} (shard {rank} of {cfg.strategy.replicas})"
 
-    # -- what the planner asks --------------------------------------------------------------------
+    # -- what the planner asks (the closed forms are whole_model_cost's) --------------------------
     @classmethod
     def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
-        """Any number of workers w that divides the batch (2 or more: one worker shards nothing),
-        every micro-batch size of a worker's share, with and without block recompute, resharding
-        after forward or not, the shards on the device or the host."""
-        return [Shape(cls.name, b, batch // (w * b), w, 1, str(recompute),
-                      cls.shape_options(reshard_after_forward=reshard, offload=offload))
-                for w in range(2, workers + 1) if batch % w == 0
-                for b in powers_of_two_dividing(batch // w)
-                for recompute in (Recompute.none, Recompute.block)
-                for reshard in (True, False) for offload in Placement]
+        """Workers, micro-batch sizes, recompute, resharding, offload (`whole_model_cost.fsdp_shapes`)."""
+        return cost.fsdp_shapes(cls, workers, batch)
 
     @classmethod
     def recomputes(cls, cfg) -> bool:
-        return cfg.strategy.recompute == Recompute.block
+        return cost.recomputes_blocks(cfg)
 
     @classmethod
     def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-        """The baseline's compute on each worker's share, plus FSDP's traffic: every micro-batch
-        all-gathers every parameter for its forward and (resharding) again for its backward, or
-        without resharding once a step, and each step reduce-scatters the gradients once. On a GPU the gathers overlap the compute of
-        the unit before them (prefetch): what outlasts the compute is exposed, and one unit's
-        gather at least; on a CPU the cores that compute also move the bytes: all of it counts.
-        Offload adds each gather's upload of the shards and the optimizer step on the host."""
-        s, n = cfg.strategy, facts.num_layers
-        w = s.replicas
-        compute, t, _, _ = whole_model_compute(cfg, facts, profile, cls.recomputes(cfg))
-        # A ring all-gather or reduce-scatter moves half an all-reduce's bytes (NCCL). gloo's
-        # all-gather takes its all-reduce's time, measured, and its reduce-scatter runs as one
-        # (ReduceScatterByAllReduce): on a CPU each costs a whole all-reduce.
-        share = 1.0 if profile.device_type == "cpu" else 0.5
-        gather = allreduce_s(facts.params * facts.weight_bytes, w, profile, messages=n + 1) * share
-        gathers = 2 * s.num_microbatches if s.reshard_after_forward else 1
-        traffic = gathers * gather + allreduce_s(facts.params * FP32, w, profile, messages=n + 1) * share
-        offloaded = s.offload == Placement.host
-        if offloaded:
-            traffic += gathers * upload_s(facts.params * FP32 / w, profile)
-        if profile.device_type == "cpu":
-            exposed = traffic
-        else:
-            exposed = max(traffic - compute, gather / (n + 1))
-        optimizer = (facts.params * profile.host_optimizer_s_per_param if offloaded
-                     else optimizer_s(t, facts, n, embed=True, head=True)) / w
-        parts = {"compute": compute, "gathers and reduce-scatters (exposed)": exposed, "optimizer": optimizer}
-        return StepCost(sum(parts.values()), parts)
+        """The baseline's compute plus FSDP's gathers and reduce-scatters (`whole_model_cost.fsdp_step_cost`)."""
+        return cost.fsdp_step_cost(cfg, facts, profile)
 
     @classmethod
     def device_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """1/R of the weights, gradients and optimizer state (none with offload), the units
-        gathered at once (the root's embeddings and head and the blocks around the one computing;
-        without resharding every block, from its forward to its backward), and one micro-batch's
-        activations as the baseline keeps them."""
-        s = cfg.strategy
-        activations = stage_bytes(facts, s.microbatch_size, facts.num_layers, 0, last=True, in_flight=1,
-                                  versions=0, recompute=str(s.recompute))
-        shards = 0 if s.offload == Placement.host else facts.params * FP32 * (2 + facts.state_words) / s.replicas
-        return int(shards + cls._gathered_params(cfg, facts.embed_params + facts.head_params, facts.block_params,
-                                                  facts.num_layers) * facts.weight_bytes + activations)
+        """1/R of the state, the gathered units, one micro-batch's activations (`whole_model_cost.fsdp_device_bytes`)."""
+        return cost.fsdp_device_bytes(cfg, facts)
 
     @classmethod
     def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """With `strategy.offload=host` (CPUOffloadPolicy), a worker's 1/R of the fp32 weights,
-        gradients and optimizer state; otherwise none apart from the device's."""
-        if cfg.strategy.offload != Placement.host:
-            return 0
-        return int(facts.params * FP32 * (2 + facts.state_words) / cfg.strategy.replicas)
-
-    @classmethod
-    def _gathered_params(cls, cfg, ends: int, block: int, num_layers: int) -> int:
-        """Parameters held whole at the peak: the root's, and the gathered blocks."""
-        blocks = min(GATHERED_BLOCKS, num_layers) if cfg.strategy.reshard_after_forward else num_layers
-        return ends + blocks * block
+        """The offloaded shards, or none (`whole_model_cost.fsdp_host_state_bytes`)."""
+        return cost.fsdp_host_state_bytes(cfg, facts)
 
     # -- one worker -------------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
@@ -235,7 +162,7 @@ class Fsdp(ReplicatedStrategy):
             store = dist.HashStore()
             dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
             self.own_group = True
-        offloaded = cfg.strategy.offload == Placement.host
+        offloaded = cfg.strategy.offload == Offload.host
         if not offloaded:
             model.to(self.device)
         mesh = init_device_mesh(self.device.type, (self.num_replicas,))
@@ -292,7 +219,11 @@ class Fsdp(ReplicatedStrategy):
 
     # -- state ------------------------------------------------------------------------------------
     def parameter_names(self) -> list[str]:
-        return list(dict.fromkeys(self.hf_names.values()))
+        return list(dict.fromkeys(self.hf_names[n] for n, _ in self._trained()))
+
+    def _trained(self):
+        """(name, parameter) of what trains: what checkpoints hold (an adapter's base is left out)."""
+        return ((n, p) for n, p in self.net.model.named_parameters() if p.requires_grad)
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """The whole weights on the first worker (every worker gathers: a collective)."""
@@ -310,7 +241,7 @@ class Fsdp(ReplicatedStrategy):
         if not self.sharded:
             return None
         out = {}
-        for name, p in self.net.model.named_parameters():
+        for name, p in self._trained():
             hf = self.hf_names[name]
             out[hf] = p
             for key, value in self.optimizer.state.get(p, {}).items():
@@ -329,7 +260,7 @@ class Fsdp(ReplicatedStrategy):
         # either (not the primed one), so its first update counts as its first, as uninterrupted.
         state = {k: v for k, v in self.sharded_state_dict().items() if k in saved or not k.startswith(OPTIMIZER_PREFIX)}
         with_state = {k[len(OPTIMIZER_PREFIX):].rsplit("/", 1)[0] for k in saved if k.startswith(OPTIMIZER_PREFIX)}
-        for name, p in self.net.model.named_parameters():
+        for name, p in self._trained():
             if self.hf_names[name] not in with_state:
                 self.optimizer.state.pop(p, None)
         dcp.load(state, checkpoint_id=found.sharded_dir)
@@ -344,7 +275,7 @@ class Fsdp(ReplicatedStrategy):
     def load_state_dict(self, state: dict) -> None:
         """Whole tensors by name (another strategy's checkpoint): each worker keeps its shards."""
         with torch.no_grad():
-            for name, p in self.net.model.named_parameters():
+            for name, p in self._trained():
                 _local(p).copy_(_local(self._my_shard(state["weights"][self.hf_names[name]], p)))
         by_name = {hf: {k: self._my_shard(v, self._param(hf)) if _is_whole(v, self._param(hf)) else v
                         for k, v in fields.items()}
@@ -388,13 +319,13 @@ class Fsdp(ReplicatedStrategy):
         by_kind = dict(figures["by_kind"])
         state = ("weights", "gradients", "optimizer state")
         whole = sum(by_kind[k] for k in state)
-        offloaded = self.cfg.strategy.offload == Placement.host
+        offloaded = self.cfg.strategy.offload == Offload.host
         for kind in state:
             by_kind[kind] = 0 if offloaded else by_kind[kind] // self.num_replicas
         ends = sum(p.numel() for part in (self.model.embed, self.model.head) for p in part.parameters())
         block = sum(p.numel() for p in self.model.blocks[0].parameters())
         param_bytes = self.precision.weight_dtype.itemsize  # fp32 gathers under amp_* (see the module)
-        by_kind["parameters gathered"] = self._gathered_params(self.cfg, ends, block, len(self.model.blocks)) * param_bytes
+        by_kind["parameters gathered"] = gathered_params(self.cfg, ends, block, len(self.model.blocks)) * param_bytes
         peak = figures["peak_allocated_bytes"] - whole + sum(by_kind[k] for k in (*state, "parameters gathered"))
         return {**figures, "peak_allocated_bytes": peak, "by_kind": by_kind, "closed_form": True,
                 "note": "simulated activations (a dry run of the unsharded model on the meta device); weights, "

@@ -29,6 +29,7 @@ class Resident:
 
     transfer: Transfer
     leaves: list[torch.Tensor]
+    frozen: list[torch.Tensor]  # an adapter's base: computed with, never differentiated
 
 
 class WeightRelay:
@@ -39,13 +40,18 @@ class WeightRelay:
     the last block, needed again right after the head, stays and does not cross twice.
     """
 
-    def __init__(self, parts: list[Part], transfers: Transfers, device: torch.device, capacity: int, prefetch: bool):
+    def __init__(self, parts: list[Part], transfers: Transfers, device: torch.device, capacity: int, prefetch: bool,
+                 dtype: torch.dtype = torch.float32):
         self.parts = parts
         self.transfers = transfers
         self.capacity = capacity
         self.prefetch = prefetch and capacity >= 2
+        self.dtype = dtype  # what the parts compute with: a frozen base stored in another dtype is cast to it
         head = len(parts) - 1
-        self.order = list(range(head + 1)) + list(range(head - 1, -1, -1))
+        # The backward stops at the lowest part that trains: below it no gradient is wanted (a
+        # frozen embedding table under adapters).
+        self.lowest_trained = next((i for i, part in enumerate(parts) if part.masters), 0)
+        self.order = list(range(head + 1)) + list(range(head - 1, self.lowest_trained - 1, -1))
         # Buffers (position ids) are constant: on the device once, outside the relay.
         self.buffers = [{n: b.to(device) for n, b in p.module.named_buffers()} for p in parts]
         self.resident: dict[int, Resident] = {}
@@ -64,19 +70,22 @@ class WeightRelay:
         if self.prefetch and self.cursor + 1 < len(self.order):
             self._make_resident(self.order[self.cursor + 1])
         self.cursor += 1
-        leaves = self.resident[index].leaves
-        self.transfers.acquire(self.resident[index].transfer)
-        weights = dict(zip(self.parts[index].names, leaves, strict=True)) | self.buffers[index]
-        return weights, leaves
+        resident, part = self.resident[index], self.parts[index]
+        self.transfers.acquire(resident.transfer)
+        frozen = [t if t.dtype == self.dtype else t.to(self.dtype) for t in resident.frozen]  # a bf16-stored base
+        weights = (dict(zip(part.names, resident.leaves, strict=True)) | dict(zip(part.frozen_names, frozen, strict=True))
+                   | self.buffers[index])
+        return weights, resident.leaves
 
     def _make_resident(self, index: int) -> None:
         if index in self.resident:
             return
         while len(self.resident) >= self.capacity:
             del self.resident[self._farthest_needed()]
-        transfer = self.transfers.upload(self.parts[index].wires)
-        leaves = [t.requires_grad_(True) for t in transfer.tensors]
-        self.resident[index] = Resident(transfer, leaves)
+        part = self.parts[index]
+        transfer = self.transfers.upload(part.wires + part.frozen)
+        leaves = [t.requires_grad_(True) for t in transfer.tensors[:len(part.wires)]]
+        self.resident[index] = Resident(transfer, leaves, transfer.tensors[len(part.wires):])
         self.peak_resident = max(self.peak_resident, len(self.resident))
 
     def _farthest_needed(self) -> int:

@@ -25,7 +25,7 @@ one master `.grad` (the head's arrives first), and only the owner's optimizer up
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -46,6 +46,10 @@ class Part:
     owned_names: list[str]
     wires: list[torch.Tensor]  # host copies in the device's dtype (the masters themselves in fp32)
     buffer: torch.Tensor | None  # the owned masters, contiguous (their `.data` are views); None if none
+    # The frozen base an adapter sits on (adapter=lora): it travels to the device with the part
+    # but has no master, no gradient and no optimizer state; kept in `frozen_dtype` on the host.
+    frozen_names: list[str] = field(default_factory=list)
+    frozen: list[torch.Tensor] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None  # None on a replica that does not own the part
 
     @property
@@ -58,10 +62,11 @@ class Part:
 
 
 
-def build_parts(modules, wire_dtype: torch.dtype, pin: bool) -> list[Part]:
+def build_parts(modules, wire_dtype: torch.dtype, pin: bool, frozen_dtype: torch.dtype | None = None) -> list[Part]:
     """The parts in relay order. A master belongs to the first part that uses it; each part's
     own masters move into one buffer (every replica builds the same layout), then the wires
-    are made, so an fp32 wire is a view of the buffer too."""
+    are made, so an fp32 wire is a view of the buffer too. Frozen parameters (an adapter's
+    base) are no masters: they travel as they are, or stored in `frozen_dtype` where given."""
     parts, wire_of = [], {}  # wire_of: id(master) -> its one wire, shared by every part using it
     for name, module in modules:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -70,9 +75,22 @@ def build_parts(modules, wire_dtype: torch.dtype, pin: bool) -> list[Part]:
         for _, p in owned:
             wire_of[id(p)] = _wire(p, wire_dtype, pin)
         masters = [p for _, p in named]
+        frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]  # a tied one once
         parts.append(Part(name, module, [n for n, _ in named], masters, [p for _, p in owned],
-                          [n for n, _ in owned], [wire_of[id(p)] for p in masters], buffer))
+                          [n for n, _ in owned], [wire_of[id(p)] for p in masters], buffer,
+                          [n for n, _ in frozen], [_frozen(p, frozen_dtype, pin) for _, p in frozen]))
     return parts
+
+
+@torch.no_grad()
+def _frozen(p: nn.Parameter, dtype: torch.dtype | None, pin: bool) -> torch.Tensor:
+    """The host copy of a frozen parameter that travels: the parameter itself, stored in `dtype`
+    where given (its `.data` then is that copy, so the fp32 one is freed), pinned for DMA."""
+    if dtype is not None and p.dtype != dtype and p.device.type != "meta":
+        p.data = p.data.to(dtype)
+    if pin and not p.data.is_pinned():
+        p.data = p.data.pin_memory()
+    return p.detach()
 
 
 def _layout(named: list[tuple[str, nn.Parameter]]) -> list[nn.Parameter]:

@@ -49,18 +49,20 @@ class Shipment:
 class EagerParamServer:
     """fp32 masters + optimizer state per part on the host, updated on a background worker.
 
-    `modules`: the parts in relay order (embeddings, blocks..., head); their parameters
-    are the masters. `wire_dtype`: the dtype parts compute in on the device. `pin`: keep
-    host tensors that cross to a CUDA device in pinned memory (asynchronous DMA).
+    `modules`: the parts in relay order (embeddings, blocks..., head); their trainable
+    parameters are the masters, the frozen ones (an adapter's base) only travel, kept in
+    `frozen_dtype` where given. `wire_dtype`: the dtype parts compute in on the device. `pin`:
+    keep host tensors that cross to a CUDA device in pinned memory (asynchronous DMA).
     """
 
     def __init__(self, modules: list[tuple[str, nn.Module]], optim_cfg, scaler: LossScaler,
-                 wire_dtype: torch.dtype = torch.float32, pin: bool = False, peers: Peers | None = None):
+                 wire_dtype: torch.dtype = torch.float32, pin: bool = False, peers: Peers | None = None,
+                 frozen_dtype: torch.dtype | None = None):
         self.scaler = scaler
         self.grad_clip = optim_cfg.grad_clip
         self.defer = self.grad_clip > 0 or scaler.enabled
         self.peers = peers
-        self.parts = build_parts(modules, wire_dtype, pin)
+        self.parts = build_parts(modules, wire_dtype, pin, frozen_dtype)
         self.owners = peers.assign(self.parts) if peers else [0] * len(self.parts)
         self.rank = peers.rank if peers else 0
         for part, owner in zip(self.parts, self.owners, strict=True):

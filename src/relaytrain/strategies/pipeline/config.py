@@ -7,12 +7,12 @@ No `from __future__ import annotations` here: the field types stay real types, s
 from dataclasses import dataclass
 from typing import Any
 
-from relaytrain.config import Choice, Recompute, StrategyConfig, WorkersConfig
+from omegaconf import OmegaConf
 
+from relaytrain.config import Choice, Offload, Recompute, StrategyConfig, WorkersConfig
+from relaytrain.errors import ConfigError
 
-class Offload(Choice):
-    none = "none"
-    host = "host"
+LAYOUTS = ("balanced", "even")  # strategy.layout's words; otherwise a list of blocks per model chunk
 
 
 class Execution(Choice):
@@ -23,8 +23,21 @@ class Execution(Choice):
 @dataclass
 class PipelineConfig(WorkersConfig, StrategyConfig):
     stages: int = 2  # pipeline depth: worker processes per replica, each holding consecutive blocks
-    # Any: OmegaConf has no unions; `check_config` takes balanced, even or a list.
+    # Any: OmegaConf has no unions; `check_layout` takes balanced, even or a list.
     layout: Any = "balanced"  # blocks per stage: balanced (by each part's cost, the ends counted), even, or a list like [3,2,1]
     recompute: Recompute = Recompute.none  # block: each block's input kept; stage: each stage's input (2BW paper)
     offload: Offload = Offload.none  # host: fp32 masters and optimizer state in host memory, bucketed updates (AxoNN)
     execution: Execution = Execution.static  # message_driven: each stage runs whichever forward or backward has its input (AxoNN)
+
+
+def check_layout(layout: Any, parts: int, num_layers: int, chunked: bool) -> None:
+    """Refuse a `strategy.layout` that is neither one of LAYOUTS (or unset) nor `parts` positive
+    block counts summing to the model's blocks (one per model chunk when `chunked`)."""
+    if layout is None or (isinstance(layout, str) and layout in LAYOUTS):
+        return
+    given = list(layout) if OmegaConf.is_list(layout) or isinstance(layout, list) else None
+    if given is None or not all(isinstance(n, int) and not isinstance(n, bool) for n in given) \
+            or len(given) != parts or sum(given) != num_layers or min(given) < 1:
+        raise ConfigError(f"strategy.layout={given if given is not None else layout} must be balanced, "
+                          f"even or {parts} positive block counts (one per "
+                          f"{'model chunk' if chunked else 'stage'}) summing to model.num_layers={num_layers}")

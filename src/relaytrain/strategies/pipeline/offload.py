@@ -40,7 +40,7 @@ from relaytrain.precision import LossScaler
 from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.eps import EagerParamServer, Shipment
 from relaytrain.strategies.pipeline.stage import StageModule
-from relaytrain.strategies.pipeline.weights import VersionBuffers
+from relaytrain.strategies.pipeline.weights import VersionBuffers, version_copies
 from relaytrain.strategies.transfers import Transfers
 
 FAILURE_POLL_S = 0.05  # how often a stage waiting for an update checks that the EPS worker has not failed
@@ -86,7 +86,7 @@ class HostVersions(VersionBuffers):
     """
 
     def __init__(self, stage: StageModule, versions: int, optim_cfg, device: torch.device):
-        super().__init__([copy.deepcopy(stage).to(device) for _ in range(versions)], stage)
+        super().__init__(version_copies(copy.deepcopy(stage).to(device), versions), stage)
         self.cuda = device.type == "cuda"
         self.eps = EagerParamServer(stage_parts(stage), optim_cfg, LossScaler(False), pin=self.cuda)
         masters = dict(stage.named_parameters())

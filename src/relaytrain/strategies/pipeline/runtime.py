@@ -12,75 +12,51 @@ batches run so far and runs it to its end: the stage finishes exactly what it be
 stages stop at the same batch. The next `step` starts a new program from there (for 2BW on the
 two weight versions the drained program left).
 
-Each action type maps to one method (DeepSpeed's engine does the same with its instructions),
-so the order of work lives in the schedule and the executor (`executor.py`: the program's
-order, or message-driven within the schedule's rules); this file only knows how to do each
-kind of work. Where the weights live is `weights.py` (on the device) or `offload.py`
-(masters and optimizer state in host memory).
+Each action type maps to one handler in a table (`handlers.py`; DeepSpeed's engine does the
+same with its instructions), and what the handlers leave for later actions is one `InFlight`
+(`inflight.py`), so the order of work lives in the schedule and the executor (`executor.py`:
+the program's order, or message-driven within the schedule's rules) and this file keeps the
+strategy's contract: steps, drains, evaluation, state. Where the weights live is `weights.py`
+(on the device) or `offload.py` (masters and optimizer state in host memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain import memory
 from relaytrain.config import Recompute
-from relaytrain.costmodel import (
-    FP32,
-    ModelFacts,
-    Shape,
-    StepCost,
-    allreduce_s,
-    both,
-    optimizer_s,
-    p2p_s,
-    part_costs,
-    powers_of_two_dividing,
-    stage_bytes,
-)
+from relaytrain.costmodel import ModelFacts, Shape, StepCost, part_costs
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch, eval_mode
-from relaytrain.optim import state_words
-from relaytrain.profile import Profile, Timings
+from relaytrain.profile import Profile
 from relaytrain.strategies.base import (
     Capabilities,
     StepResult,
     Strategy,
-    cpu_activation_bytes,
     minibatch_items,
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.pipeline.comms import (
-    TIED_TAG,
-    Comms,
-    GradReduction,
-    Mailbox,
-    Outbox,
-    TiedExchange,
-    Topology,
-    Watcher,
-)
-from relaytrain.strategies.pipeline.config import Execution, Offload, PipelineConfig
+from relaytrain.strategies.pipeline import cost
+from relaytrain.strategies.pipeline.comms import Comms, Mailbox, Outbox, Topology, Watcher
+from relaytrain.strategies.pipeline.config import Execution, Offload, PipelineConfig, check_layout
 from relaytrain.strategies.pipeline.executor import MessageDrivenExecutor, StaticExecutor
+from relaytrain.strategies.pipeline.handlers import HANDLERS, apply_ready_updates
+from relaytrain.strategies.pipeline.inflight import InFlight
 from relaytrain.strategies.pipeline.jitter import ENV, StageJitter
 from relaytrain.strategies.pipeline.offload import HostVersions
-from relaytrain.strategies.pipeline.schedule import Action, Op, Schedule, stop_points, virtual_stage
+from relaytrain.strategies.pipeline.schedule import Action, Schedule, stop_points, virtual_stage
 from relaytrain.strategies.pipeline.stage import StageModule, balanced_layout, partition
-from relaytrain.strategies.pipeline.validate import StageInvariants, check_schedule, simulate
+from relaytrain.strategies.pipeline.validate import StageInvariants, check_schedule
 from relaytrain.strategies.pipeline.weights import VersionBuffers, WeightVersions
-from relaytrain.units import gib
 
-WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each worker
-LAYOUTS = ("balanced", "even")  # strategy.layout's words; otherwise a list of blocks per model chunk
 _balanced_layouts: dict[tuple, list[int]] = {}  # the planner asks for the same layout many times
 
 
@@ -143,13 +119,7 @@ class PipelineStrategy(Strategy):
         if parts > m.num_layers:
             raise ConfigError(f"{what} exceeds model.num_layers={m.num_layers}; every "
                               f"{'chunk' if v > 1 else 'stage'} needs a block")
-        if not (s.layout is None or (isinstance(s.layout, str) and s.layout in LAYOUTS)):
-            given = list(s.layout) if OmegaConf.is_list(s.layout) or isinstance(s.layout, list) else None
-            if given is None or not all(isinstance(n, int) and not isinstance(n, bool) for n in given) \
-                    or len(given) != parts or sum(given) != m.num_layers or min(given) < 1:
-                raise ConfigError(f"strategy.layout={given if given is not None else s.layout} must be balanced, "
-                                  f"even or {parts} positive block counts (one per "
-                                  f"{'model chunk' if v > 1 else 'stage'}) summing to model.num_layers={m.num_layers}")
+        check_layout(s.layout, parts, m.num_layers, chunked=v > 1)
         cls.schedule.check_shape(s.stages, s.num_microbatches, cfg.train.steps, v)
         check_schedule(cls.schedule.build(s.stages, s.num_microbatches, min(cfg.train.steps, 3), chunks=v))
         if s.execution == Execution.message_driven and not cls.schedule.reorderable:
@@ -161,20 +131,8 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
-        s = cfg.strategy
-        versions, v = cls.schedule.weight_versions, cls.chunks(cfg)
-        # The first stage holds the most; a unit in flight holds a chunk's blocks.
-        in_flight = -(-cls.schedule.in_flight(s.stages, s.num_microbatches, 0, v) // v)
-        masters = 1 if s.offload == Offload.host else 0  # host copies of the weights, apart from the working ones
-        per_replica = num_params * FP32 * (versions + 1 + state_words(cfg.optim) + masters)
-        if s.recompute == Recompute.none:
-            per_replica += cpu_activation_bytes(cfg, device_type, live_blocks=cfg.model.num_layers * in_flight)
-        else:
-            per_replica += cpu_activation_bytes(cfg, device_type, live_blocks=s.stages,
-                                                stash_entries=cfg.model.num_layers * in_flight)
-        # Each worker builds the whole model once before keeping its stage.
-        workers = cls.processes(cfg) * (WORKER_OVERHEAD_BYTES + num_params * FP32)
-        return int(workers + s.replicas * per_replica)
+        """Weight versions, state and the first stage's activations per replica (`cost.host_bytes`)."""
+        return cost.host_bytes(cls, cfg, num_params, device_type)
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
@@ -226,50 +184,14 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def combine_reports(cls, cfg, reports: list[dict]) -> dict:
-        """Per-stage figures and the bubble (idle share of step time, measured over the steps
-        after warm-up), next to what the bubble formula and the schedule's dry run predict."""
-        s = cfg.strategy
-        stages = [r["stage_figures"] for r in reports]
-        measured = sum(st["bubble_fraction"] for st in stages) / len(stages)
-        v = cls.chunks(cfg)
-        formula = cls.schedule.bubble(s.stages, s.num_microbatches, v)
-        simulated = simulate(cls.schedule.build(s.stages, s.num_microbatches, cfg.train.steps, chunks=v)).bubble_fraction()
-        layout = cls.state_layout(cfg)["stages"]
-        return {
-            "stages": s.stages,
-            "replicas": s.replicas,
-            "layout": layout,
-            "execution": str(s.execution),
-            "offload": str(s.offload),
-            "per_stage": stages,
-            "bubble_fraction_measured": measured,
-            "bubble_fraction_formula": formula,
-            "bubble_fraction_schedule": simulated,
-            "bubble_note": f"formula: {cls.schedule.bubble_words(s.stages, s.num_microbatches, v)}; "
-                           "schedule: dry run of the whole run with backward = 2 x forward",
-            "summary": {
-                "pipeline": (f"{s.stages} stages x {s.replicas} replicas" + (f", {v} chunks each" if v > 1 else "")
-                             + f", blocks {layout}"),
-                "execution, offload": f"{s.execution}, {s.offload}",
-                "bubble measured / formula": f"{measured:.3f} / {formula:.3f}",
-                "stage samples/s": ", ".join(f"{st['samples_per_s']:.1f}" for st in stages),
-                **_stage_rows(stages),
-            },
-        }
+        """Per-stage figures, the bubble measured beside predicted (`cost.combine_reports`)."""
+        return cost.combine_reports(cls, cfg, reports)
 
-    # -- what the planner asks --------------------------------------------------------------------
+    # -- what the planner asks (the closed forms are pipeline/cost.py's) --------------------------
     @classmethod
     def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
-        """Every worker in the pipeline: w x d = workers with 2 <= d <= the model's blocks and w
-        dividing the batch; each micro-batch size b of a replica's share with m = batch / (w b) as
-        the schedule allows; no recompute, block or stage recompute."""
-        return [Shape(cls.name, b, batch // (workers // d * b), workers // d, d, str(recompute),
-                      cls.shape_options(chunks=v) if v > 1 else ())
-                for d in range(2, min(workers, num_layers) + 1) if workers % d == 0 and batch % (workers // d) == 0
-                for b in powers_of_two_dividing(batch // (workers // d))
-                for v in cls.chunk_choices(d, num_layers)
-                if cls.schedule.refusal(d, batch // (workers // d * b), v) is None
-                for recompute in Recompute]
+        """Depths, replicas, micro-batch sizes, chunks and recompute the schedule allows (`cost.shapes`)."""
+        return cost.shapes(cls, workers, batch, num_layers)
 
     @classmethod
     def chunk_choices(cls, stages: int, num_layers: int) -> list[int]:
@@ -282,71 +204,18 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-        """PipeDream-2BW's THROUGHPUT(.) (§4.2.1) for one minibatch of m micro-batches on d stages
-        x w replicas: stage i costs t_i = max(T_i^comp, T_i^comm) per micro-batch, compute (with
-        recompute) and the activations and gradients exchanged with its neighbours overlapping;
-        the schedule composes the minibatch from the t_i (filled and drained once, or kept full).
-        Then the all-reduce of each stage's gradients across the replicas (hidden under the next
-        minibatch where the schedule lets it) and the stage's optimizer step."""
-        s, v = cfg.strategy, cls.chunks(cfg)
-        m, d, b = s.num_microbatches, s.stages, s.microbatch_size
-        t = profile.for_workers(cls.processes(cfg), cfg.train.threads)
-        compute = cls._stage_times(cfg, t)
-        exchange = v * p2p_s(facts.boundary_bytes(b), cls.processes(cfg), profile)  # one message per chunk
-        slots = [max(work, exchange) for work in compute]
-        pipeline = cls.schedule.minibatch_time(slots, m, v)
-        stages = cls._stages(cfg)
-        sums = max(allreduce_s(facts.stage_params(*stage) * FP32, s.replicas, profile) for stage in stages)
-        hidden = cls.schedule.hides_gradient_sums and profile.device_type != "cpu"  # a CPU sums on the cores that compute
-        exposed_sums = max(0.0, sums - pipeline) if hidden else sums
-        optimizer = max(optimizer_s(t, facts, *stage) for stage in stages)
-        parts = {"compute": m * max(compute), "bubble": pipeline - m * max(slots),
-                 "activations exchange": 2 * m * exchange, "gradient sums (exposed)": exposed_sums,
-                 "optimizer": optimizer}
-        return StepCost(pipeline + exposed_sums + optimizer, parts,
-                        [f"bubble {cls.schedule.bubble_words(d, m, v)}"])
+        """PipeDream-2BW's THROUGHPUT(.) under this schedule (`cost.step_cost`)."""
+        return cost.step_cost(cls, cfg, facts, profile)
 
     @classmethod
     def device_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """The fullest stage's MEMORY(.): its weight versions, gradients and optimizer state, and
-        the activations of the micro-batches its schedule keeps in flight there."""
-        s, v = cfg.strategy, cls.chunks(cfg)
-        # A unit in flight holds one chunk's activations: 1/v of the stage's blocks.
-        return max(stage_bytes(facts, s.microbatch_size, blocks, facts.stage_params(blocks, first, last), last,
-                               cls.schedule.in_flight(s.stages, s.num_microbatches, i, v) / v,
-                               cls.schedule.weight_versions, str(s.recompute))
-                   for i, (blocks, first, last) in enumerate(cls._stages(cfg)))
+        """The fullest stage's MEMORY(.) (`cost.device_bytes`)."""
+        return cost.device_bytes(cls, cfg, facts)
 
     @classmethod
     def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """With `strategy.offload=host`, the fullest stage's fp32 masters, optimizer state and the
-        gradients downloaded for the eager param server (AxoNN); otherwise none: every weight,
-        gradient and optimizer state lives where the stage computes."""
-        if cfg.strategy.offload != Offload.host:
-            return 0
-        largest = max(facts.stage_params(*stage) for stage in cls._stages(cfg))
-        return int(largest * FP32 * (2 + facts.state_words))
-
-    @classmethod
-    def _stages(cls, cfg) -> list[tuple[int, bool, bool]]:
-        """(blocks, holds the embeddings, holds the head) of each stage."""
-        d = cfg.strategy.stages
-        return [(sum(len(r) for r in cls.stage_blocks(cfg, i)), i == 0, i == d - 1) for i in range(d)]
-
-    @classmethod
-    def _stage_times(cls, cfg, t: Timings) -> list[float]:
-        """T_i^comp: each stage's forward + backward (+ recompute) seconds for one micro-batch."""
-        b, recompute = cfg.strategy.microbatch_size, cfg.strategy.recompute
-        block, embed, head = (t.part(part, b) for part in ("block", "embed", "head"))
-        times = []
-        for blocks, first, last in cls._stages(cfg):
-            work = blocks * both(block) + (both(embed) if first else 0.0) + (both(head) if last else 0.0)
-            if recompute == Recompute.block:
-                work += blocks * block.forward_s
-            elif recompute == Recompute.stage:
-                work += blocks * block.forward_s + (embed.forward_s if first else 0.0) + (head.forward_s if last else 0.0)
-            times.append(work)
-        return times
+        """The fullest stage's host masters and optimizer state with offload, else none (`cost.host_state_bytes`)."""
+        return cost.host_state_bytes(cls, cfg, facts)
 
     # -- one stage -----------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
@@ -362,7 +231,6 @@ class PipelineStrategy(Strategy):
         self.comms = Comms(self.topology, world.rank, bool(stage.tied_names), world.timeout_s, dry=world.simulated,
                            lanes=message_driven)
         self.versions = self._weights(stage)
-        self.num_tied = len(stage.tied_names)
         self.hidden_shape = (s.microbatch_size, cfg.data.seq_len, stage.model.hf_config.hidden_size)
         self.watcher = Watcher(self.comms.timeout, self.comms.poll)
         self.mailbox = Mailbox(self.comms, self.hidden_shape, self.device, self.watcher, watch=message_driven)
@@ -374,20 +242,7 @@ class PipelineStrategy(Strategy):
         self.segment: Segment | None = None
         self.drain_s = 0.0  # time spent finishing batches in flight between steps (checkpoints, evaluations)
         self.batch = 0  # the next batch `step` runs
-        self.lrs: dict[int, float] = {}
-        self.minibatches: dict[int, tuple[list[MicroBatch], int]] = {}
-        self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # unit -> (input, output)
-        self.inbox: dict[tuple[Op, tuple[int, int]], torch.Tensor] = {}  # received, not yet computed with
-        self.tied_recvs: dict[int, TiedExchange] = {}  # per batch: the partner's tied gradients, posted early
-        self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
-        self.batch_loss: dict[int, torch.Tensor] = {}
-        self.reductions: dict[int, GradReduction] = {}  # reduced, not yet applied (in batch order)
-        self.dispatch = {
-            Op.FORWARD: self.forward, Op.BACKWARD: self.backward,
-            Op.RECV_ACT: self.recv_act, Op.SEND_ACT: self.send_act,
-            Op.RECV_GRAD: self.recv_grad, Op.SEND_GRAD: self.send_grad,
-            Op.REDUCE_GRADS: self.reduce_grads, Op.OPTIMIZER_STEP: self.optimizer_step,
-        }
+        self.inflight = InFlight()  # what the handlers leave for later actions
 
     def _weights(self, stage: StageModule) -> VersionBuffers:
         """The stage's weight versions: all on the device, or the masters and optimizer state on
@@ -403,8 +258,9 @@ class PipelineStrategy(Strategy):
     # -- steps ------------------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
         c = self.batch
-        self.lrs[c] = lr
-        self._keep(c, minibatch)
+        self.inflight.lrs[c] = lr
+        items = minibatch_items(self.versions.buffers[0].model, minibatch) if self.last else 1
+        self.inflight.keep(c, replica_rows(minibatch, self.replica, self.topology.replicas), items)
         if self.segment is None:
             self.segment = self._segment(c, self.steps)
         seg = self.segment
@@ -444,112 +300,17 @@ class PipelineStrategy(Strategy):
 
     def do(self, action: Action) -> None:
         """One action of the program (the executor decides which, and when)."""
-        self.dispatch[action.op](action)
-        self._apply_ready_updates()
+        HANDLERS[action.op](self, action)
+        apply_ready_updates(self)
 
     def _loss(self, batch: int) -> float | None:
         """Batch `batch`'s loss on the last stage (summed over replicas); None on other stages."""
         if not self.last:
             return None
-        loss = self.batch_loss.pop(batch)
+        loss = self.inflight.batch_loss.pop(batch)
         if self.comms.loss_group is not None:  # its own group: never queued behind a gradient sum
             self.comms.all_reduce(loss, self.comms.loss_group)
         return scalar(loss)
-
-    # -- compute ----------------------------------------------------------------------------
-    def forward(self, a: Action) -> None:
-        mb, items = self._microbatch(a.microbatch)
-        module = self.versions.module(a.version)
-        hidden = None if module.embeds(a.chunk) else self.inbox.pop((Op.RECV_ACT, a.unit))
-        with self.timer.phase("update_wait"):  # offload: the update that made this version must have landed
-            self.versions.await_version(a.version)
-        with self.timer.phase("forward"), self._jittered("forward", a), self.precision.autocast_context(self.device):
-            out = module(mb, hidden, items, a.chunk)
-        self.stash[a.unit] = (hidden, out)
-        if module.computes_loss(a.chunk):
-            self.batch_loss[a.batch] = self.batch_loss.get(a.batch, 0.0) + out.detach()
-
-    def backward(self, a: Action) -> None:
-        hidden, out = self.stash.pop(a.unit)
-        module = self.versions.module(a.version)
-        if self.comms.tied_peer is not None and a.unit == (0, (a.batch + 1) * self.m - 1):
-            # This stage's last backward of the batch: the partner's tied gradients may come during it.
-            tied = self.versions.params[a.version % len(self.versions.buffers)][len(self.versions.names) - self.num_tied:]
-            self.tied_recvs[a.batch] = TiedExchange(self.comms, tied)
-        with self.timer.phase("backward"), self._jittered("backward", a):
-            grad = None if module.computes_loss(a.chunk) else self.inbox.pop((Op.RECV_GRAD, a.unit))
-            out.backward(grad)
-        if not module.embeds(a.chunk):
-            self.grads_out[a.unit] = hidden.grad
-        if module.computes_loss(a.chunk):
-            self.progress(f"micro-batch {a.microbatch % self.m + 1}/{self.m} through the pipeline")
-
-    def _jittered(self, op: str, a: Action):
-        """The injected delay of this stage, if RELAYTRAIN_STAGE_JITTER names it (a benchmarking aid)."""
-        return self.jitter.around(op, a.microbatch, self.device) if self.jitter is not None else nullcontext()
-
-    # -- transfers ----------------------------------------------------------------------------
-    def send_act(self, a: Action) -> None:
-        self._send(self.stash[a.unit][1].detach().float(), a)
-
-    def send_grad(self, a: Action) -> None:
-        self._send(self.grads_out.pop(a.unit), a)
-
-    def recv_act(self, a: Action) -> None:
-        self._recv(a, requires_grad=True)
-
-    def recv_grad(self, a: Action) -> None:
-        self._recv(a, requires_grad=False)
-
-    def _send(self, tensor: torch.Tensor, a: Action) -> None:
-        to, group, tag = self.comms.route(a)
-        self.outbox.send(tensor, to, tag=tag, group=group)
-
-    def _recv(self, a: Action, requires_grad: bool) -> None:
-        with self.timer.phase("message_wait"):
-            buffer = self.mailbox.take(a)
-        self.inbox[(a.op, a.unit)] = buffer.requires_grad_(requires_grad)
-
-    # -- updates ------------------------------------------------------------------------------
-    def reduce_grads(self, a: Action) -> None:
-        grads = self.versions.take_grads(self.schedule.weight_version(a.batch * self.m, self.m))
-        reduction = GradReduction(self.comms, grads, self.num_tied, self.tied_recvs.pop(a.batch, None))
-        self.reductions[a.batch] = reduction
-        for work, tensor in reduction.sends:
-            self.outbox.keep(work, tensor, self.comms.tied_peer, TIED_TAG)
-
-    def optimizer_step(self, a: Action) -> None:
-        """The schedule's deadline for batch a.batch's update: apply it now unless it already was."""
-        if a.batch in self.reductions:
-            self._apply_update(a.batch)
-
-    def _apply_ready_updates(self) -> None:
-        """Apply each reduced update as soon as its sums have arrived (the paper's 2BW: the
-        gradients of batch b are freed before batch b+1's accumulate), in batch order. The
-        buffer an update writes held version b-1, which nothing needs once batch b's
-        backwards are done here, so an early update never breaks the version rule."""
-        while self.reductions:
-            batch = min(self.reductions)
-            if not self.reductions[batch].ready():
-                return
-            self._apply_update(batch)
-
-    def _apply_update(self, batch: int) -> None:
-        with self.timer.phase("reduction_wait"):
-            grads = self.reductions.pop(batch).finish()
-        with self.timer.phase("optimizer"):  # offload: only starting the update; it lands in the background
-            self.versions.apply(grads, self.lrs.pop(batch))
-
-    # -- data ---------------------------------------------------------------------------------
-    def _keep(self, batch: int, minibatch: list[MicroBatch]) -> None:
-        """This replica's rows of the global minibatch, and its loss items (2BW overlaps two batches)."""
-        self.minibatches.pop(batch - 2, None)
-        items = minibatch_items(self.versions.buffers[0].model, minibatch) if self.last else 1
-        self.minibatches[batch] = (replica_rows(minibatch, self.replica, self.topology.replicas), items)
-
-    def _microbatch(self, k: int) -> tuple[MicroBatch, int]:
-        rows, items = self.minibatches[k // self.m]
-        return rows[k % self.m].to(self.device, non_blocking=True), items
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats | None:
@@ -597,76 +358,14 @@ class PipelineStrategy(Strategy):
 
     def memory_holders(self) -> dict[str, list]:
         params = self.versions.device_tensors()
-        reduced = [g for r in self.reductions.values() for g in r.tensors()]
-        return {"weights": params, "gradients": [p.grad for p in params] + reduced,
+        return {"weights": params, "gradients": [p.grad for p in params] + self.inflight.reduced(),
                 "optimizer state": self.versions.device_optimizer_state(),
-                "stash": [t for pair in self.stash.values() for t in pair]}
+                "stash": self.inflight.stashed()}
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:
-        phases = dict(self.timer.totals)
-        busy = phases.get("forward", 0.0) + phases.get("backward", 0.0)
-        wall = phases.get("step", 0.0)
-        steps = self.timer.counts.get("step", 0)
-        s = self.cfg.strategy
-        samples = s.microbatch_size * s.num_microbatches
-        figures = {
-            "rank": self.world.rank,
-            "stage": self.stage,
-            "replica": self.replica,
-            "blocks": len(self.versions.buffers[0].model.blocks),
-            "parameters": sum(p.numel() for p in self.versions.params[0]),
-            "samples_per_s": samples * steps / wall if wall > 0 else 0.0,
-            "bubble_fraction": 1.0 - busy / wall if wall > 0 else 0.0,
-            "phases_s": phases,
-            "drain_s": self.drain_s,
-            "steps": steps,
-            "message_wait_s": phases.get("message_wait", 0.0),  # blocked on an activation or gradient
-            "exposed_update_s": phases.get("optimizer", 0.0) + phases.get("update_wait", 0.0),
-            "device_peak_bytes": _device_peak(self.device),
-            "host_offload_bytes": self.versions.host_bytes(),
-            **self.executor.report(),  # message-driven: units run, and how many out of the static order
-        }
-        if s.offload == Offload.host:
-            figures["eps"] = self.versions.report()
-        if self.jitter is not None:
-            figures["injected_delay"] = self.jitter.report()
-        return {"stage_figures": figures}
+        return {"stage_figures": cost.stage_report(self)}
 
     def close(self) -> None:
         self.watcher.close()
         self.versions.close()
-
-
-def _device_peak(device: torch.device) -> int | None:
-    """This stage's peak device memory: a dry run's simulated one, the CUDA allocator's, or None
-    on the CPU (there the stage's memory is its process's host RSS, in memory.per_process)."""
-    tracker = memory.active()
-    if tracker is not None:
-        return tracker.peak
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-
-
-def _stage_rows(stages: list[dict]) -> dict[str, str]:
-    """Summary rows with one figure per stage: waiting, updates, memory, the executor's own."""
-    def each(figure) -> str:
-        return ", ".join(figure(st) for st in stages)
-
-    def per_step(key: str):
-        return lambda st: f"{st[key] / st['steps']:.3f}" if st["steps"] else "n/a"
-
-    rows = {"stage message wait (s/step)": each(per_step("message_wait_s")),
-            "stage exposed update (s/step)": each(per_step("exposed_update_s"))}
-    if all(st["device_peak_bytes"] is not None for st in stages):
-        rows["stage device peak"] = each(lambda st: gib(st["device_peak_bytes"]))
-    if any(st["host_offload_bytes"] for st in stages):
-        rows["stage host offload: masters + optimizer"] = each(lambda st: gib(sum(st["host_offload_bytes"].values())))
-    if "units" in stages[0]:
-        rows["stage units run out of static order"] = each(lambda st: f"{st['out_of_order']}/{st['units']}")
-    for st in stages:
-        if "injected_delay" in st:
-            delay = st["injected_delay"]
-            rows["injected delay (benchmarking aid)"] = (
-                f"stage {delay['stage']}: U[0, {delay['max_fraction']:.0%}) of each compute, seed {delay['seed']}, "
-                f"{delay['added_s']:.2f} s added")
-    return rows

@@ -13,7 +13,7 @@ a run resumed at step `first` still has to do), a schedule holds each stage's *p
 of steps, each a short list of `Action`s around one unit of work (receive, compute, send), as
 DeepSpeed's instruction generators yield them. The runtime executes a program through a
 dispatch table, in program order or as messages arrive (`executor.py`, which sees a slice of
-the program as a `SlicePlan`); the validator dry-runs all programs together; the viewer draws
+the program as a `SlicePlan`); the validator replays all programs together; the viewer draws
 them.
 
 Micro-batches are numbered globally, k = b*m + j for micro-batch j of batch b, so a rule such
@@ -129,6 +129,12 @@ class Schedule:
     def weight_version(cls, microbatch: int, m: int) -> int:
         """The weight version micro-batch k computes with (forward and backward alike)."""
         return microbatch // m
+
+    @classmethod
+    def last_backward(cls, batch: int, m: int) -> tuple[int, int]:
+        """The unit (chunk, micro-batch) of every stage's last backward of `batch`: backwards
+        keep micro-batch order, and a micro-batch leaves a stage's backward through chunk 0."""
+        return 0, (batch + 1) * m - 1
 
     @classmethod
     def in_flight(cls, stages: int, m: int, stage: int, chunks: int = 1) -> int:
@@ -382,8 +388,18 @@ def _interleaved(stages: int, stage: int, first: int, m: int, chunks: int) -> li
 
 
 def schedules() -> dict[str, type[Schedule]]:
-    """Every schedule by name."""
-    return {cls.name: cls for cls in Schedule.__subclasses__()}
+    """Every schedule by name, subclasses of subclasses included (a schedule may refine another);
+    each must name itself, or two strategies would run one program under the same name."""
+    found: dict[str, type[Schedule]] = {}
+    pending = list(Schedule.__subclasses__())
+    while pending:
+        cls = pending.pop(0)
+        pending += cls.__subclasses__()
+        if "name" not in vars(cls) or not cls.name:
+            raise TypeError(f"schedule {cls.__qualname__} does not set its own `name` (its strategy's name)")
+        if found.setdefault(cls.name, cls) is not cls:
+            raise TypeError(f"schedules {found[cls.name].__qualname__} and {cls.__qualname__} share the name {cls.name!r}")
+    return found
 
 
 def build_schedule(name: str, stages: int, num_microbatches: int, num_batches: int = 1, first_batch: int = 0,

@@ -117,7 +117,8 @@ class StageModule(nn.Module):
         if self.first == self.last:  # a middle stage, or one stage holding both ends (one tensor)
             return []
         side = 0 if self.first else 1
-        return [f"model.{pair[side]}" for pair in model.tied_parameters()]
+        trains = {name for name, p in model.named_parameters() if p.requires_grad}
+        return [f"model.{pair[side]}" for pair in model.tied_parameters() if pair[side] in trains]
 
     def embeds(self, chunk: int) -> bool:
         """Whether this chunk starts the model: it reads the input ids."""

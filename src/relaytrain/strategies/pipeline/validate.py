@@ -1,4 +1,5 @@
-"""Check a schedule before anything runs it: invariants per stage, then a dry run of all stages.
+"""Check a schedule before anything runs it: invariants per stage, then a replay of all stages
+together (an event replay of the programs; the meta-device dry run is `relaytrain.dryrun`).
 
 The per-stage invariants are one incremental checker (`StageInvariants`): the validator
 replays each program through it, and the message-driven executor asks it before each choice,
@@ -7,7 +8,7 @@ further: it explores every state the stages can reach together when each runs wh
 permitted unit has its message, under every order of arrival, and fails on a broken invariant
 or a state where no stage can move.
 
-The dry run executes every program against simulated channels with the runtime's
+The replay executes every program against modelled channels with the runtime's
 semantics: sends never block (isend), receives block until the matching send happened
 (irecv + wait), and a stage's OPTIMIZER_STEP(b) waits until every stage it shares weights
 with (first and last stage: tied embeddings) has started REDUCE_GRADS(b). If no stage can
@@ -64,10 +65,10 @@ class Timeline:
 
 
 def check_schedule(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
-    """Raise ScheduleError on the first broken invariant; return the dry run's timeline."""
+    """Raise ScheduleError on the first broken invariant; return the replay's timeline."""
     for stage in range(schedule.stages):
         _check_stage(schedule, stage)
-    return simulate(schedule, forward_time, backward_time)
+    return replay(schedule, forward_time, backward_time)
 
 
 # ----------------------------------------------------------------------- per stage
@@ -194,12 +195,12 @@ class StageInvariants:
             self.next[action.op, action.chunk] += 1
 
 
-# ------------------------------------------------------------------------- dry run
+# ------------------------------------------------------------------------- replay
 
 
-def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
+def replay(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
     """Run every stage's program together; raise ScheduleError on a deadlock or unpaired transfer."""
-    run = _DryRun(schedule, {Op.FORWARD: forward_time, Op.BACKWARD: backward_time})
+    run = _Replay(schedule, {Op.FORWARD: forward_time, Op.BACKWARD: backward_time})
     run.run_until_stuck()
     stalled = [(s, run.programs[s][p]) for s, p in enumerate(run.position) if p < len(run.programs[s])]
     if stalled:
@@ -211,7 +212,7 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
     return Timeline(tuple(tuple(events) for events in run.events))
 
 
-class _DryRun:
+class _Replay:
     def __init__(self, schedule: Schedule, durations: dict[Op, float]):
         self.schedule = schedule
         self.durations = durations

@@ -1,6 +1,6 @@
 """A schedule's timeline as in the PipeDream-2BW paper's Figures 1-3 (`relaytrain schedule`).
 
-Rows are stages, columns time units from the schedule's dry run with a backward costing
+Rows are stages, columns time units from the schedule's replay with a backward costing
 twice a forward (the papers' convention). Each box shows the micro-batch id, 1-based as in
 the figures; forwards and backwards have their own colours, and the colours switch with the
 weight version the work uses, so 2BW's version changes show as colour changes (under an
@@ -55,7 +55,7 @@ def show(schedule: Schedule, out: Path | None = None, notes: list[str] | None = 
 
 @dataclass(frozen=True)
 class Box:
-    """One forward or backward of the dry run: what every rendering draws."""
+    """One forward or backward of the replay: what every rendering draws."""
 
     stage: int
     start: float
@@ -221,7 +221,7 @@ def _plain_legend(banded: bool, shade: str) -> Text:
 def describe(schedule: Schedule, timeline: Timeline) -> list[str]:
     """The figures the grid shows, in words: bubble, and when each stage's versions change."""
     lines = [schedule.legend,
-             f"bubble (idle share of stage time): {timeline.bubble_fraction():.3f} in this dry run; formula: "
+             f"bubble (idle share of stage time): {timeline.bubble_fraction():.3f} in this replay; formula: "
              f"{schedule.bubble_words(schedule.stages, schedule.num_microbatches, schedule.chunks)}"]
     for stage, events in enumerate(timeline.events):
         changes = [_version_change(e, events) for e in events if e.action.op is Op.OPTIMIZER_STEP]

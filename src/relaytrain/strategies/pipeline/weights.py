@@ -21,21 +21,37 @@ from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.pipeline.stage import StageModule
 
 
+def version_copies(stage: StageModule, versions: int) -> list[StageModule]:
+    """`stage` and `versions - 1` copies of it: the buffers of the weight versions. A frozen
+    parameter (an adapter's base) never changes, so every copy shares the stage's one tensor:
+    2BW keeps two versions of what trains only."""
+    frozen = {id(p): p for p in stage.parameters() if not p.requires_grad}
+    return [stage] + [copy.deepcopy(stage, dict(frozen)) for _ in range(versions - 1)]
+
+
 class VersionBuffers:
-    """The working weights: `buffers[v % len(buffers)]` computes version v. Parameters are listed
-    in one order everywhere (`names`: untied first, tied last, as GradReduction sums them)."""
+    """The working weights: `buffers[v % len(buffers)]` computes version v. The parameters that
+    train are listed in one order everywhere (`names`: untied first, tied last, as GradReduction
+    sums them); the frozen ones (`frozen`, an adapter's base) are one copy all versions share."""
 
     def __init__(self, buffers: list[StageModule], hf_names_of: StageModule):
         self.buffers = buffers
         stage = buffers[0]
-        self.names = [n for n, _ in stage.named_parameters() if n not in stage.tied_names] + stage.tied_names
+        self.names = [n for n, p in stage.named_parameters()
+                      if p.requires_grad and n not in stage.tied_names] + stage.tied_names
+        self.frozen = [p for p in stage.parameters() if not p.requires_grad]
         self.params = [[dict(b.named_parameters())[n] for n in self.names] for b in buffers]
         named = dict(hf_names_of.named_parameters())
         self.hf_names = [stage.model.hf_name(named[n]) for n in self.names]
+        self.num_tied = len(stage.tied_names)  # the last of `names`
         self.updates = 0  # optimizer steps taken: the newest version
 
     def module(self, version: int) -> StageModule:
         return self.buffers[version % len(self.buffers)]
+
+    def tied(self, version: int) -> list[torch.Tensor]:
+        """`version`'s tied weights (what the partner stage's tied gradients are shaped like)."""
+        return self.params[version % len(self.buffers)][len(self.names) - self.num_tied:]
 
     def latest(self) -> StageModule:
         return self.module(self.updates)
@@ -57,7 +73,7 @@ class VersionBuffers:
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Every weight tensor held where the stage computes."""
-        return [p for version in self.params for p in version]
+        return [p for version in self.params for p in version] + self.frozen
 
     def device_optimizer_state(self) -> list[torch.Tensor]:
         """The optimizer state held where the stage computes."""
@@ -94,7 +110,7 @@ class WeightVersions(VersionBuffers):
     """
 
     def __init__(self, stage: StageModule, versions: int, optim_cfg):
-        super().__init__([stage] + [copy.deepcopy(stage) for _ in range(versions - 1)], stage)
+        super().__init__(version_copies(stage, versions), stage)
         self.optimizer = build_optimizer(zip(self.names, self.params[0], strict=True), optim_cfg)
 
     def apply(self, grads: list[torch.Tensor | None], lr: float) -> None:

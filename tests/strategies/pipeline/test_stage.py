@@ -11,7 +11,7 @@ from relaytrain.costmodel import ModelFacts, part_costs
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.pipeline.stage import balanced_layout, partition
 from tests.conftest import train_plain_loop
-from tests.test_pipeline_runtime import (
+from tests.strategies.pipeline.test_runtime import (
     STEPS,
     assert_same_weights,
     pipeline_cfg,

@@ -1,6 +1,7 @@
 """Pipeline schedules as data: invariants for many (stages, micro-batches), no processes, no torch."""
 
 import dataclasses
+import gc
 import io
 import re
 import subprocess
@@ -63,6 +64,20 @@ def test_every_shape_validates_and_runs_each_microbatch_once(kind):
             for op in COMPUTE:
                 assert sorted(a.microbatch for a in actions if a.op is op) == list(range(3 * m))
             assert [a.batch for a in actions if a.op is Op.OPTIMIZER_STEP] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", sorted(schedules()))
+def test_last_backward_names_each_stages_last_backward_of_a_batch(kind):
+    """The runtime posts the tied-gradient receive at the unit `last_backward` names."""
+    cls = schedules()[kind]
+    for d, m in [(2, 2), (2, 4), (3, 3), (4, 4), (4, 8)]:
+        for v in (1, 2):
+            if cls.refusal(d, m, v):
+                continue
+            schedule = cls.build(d, m, num_batches=3, first_batch=1, chunks=v)
+            for stage in range(d):
+                last = {a.batch: a.unit for a in schedule.actions(stage) if a.op is Op.BACKWARD}
+                assert last == {b: cls.last_backward(b, m) for b in (1, 2)}, (d, m, v, stage)
 
 
 @pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw"])
@@ -145,6 +160,32 @@ def swap(actions, first, second):
     i, j = actions.index(first), actions.index(second)
     actions[i], actions[j] = actions[j], actions[i]
     return actions
+
+
+def test_the_registry_finds_a_refined_schedule_and_refuses_one_without_its_own_name():
+    def names_with(attrs):
+        refined = type("Refined", (TwoBWSchedule,), attrs)  # held: the registry sees it until collected
+        try:
+            return list(schedules())
+        except TypeError as err:
+            return str(err)
+        finally:
+            del refined
+
+    assert "pipe_refined" in names_with({"name": "pipe_refined"})
+    gc.collect()
+    assert names_with({}) == "schedule Refined does not set its own `name` (its strategy's name)"
+    gc.collect()
+    assert "pipe_refined" not in schedules()
+
+
+def test_a_strategy_must_run_the_schedule_named_as_it():
+    from relaytrain.strategies import register, registry
+    from relaytrain.strategies.pipeline.flush import Flush
+
+    with pytest.raises(TypeError, match="named 'pipe_flush'; a schedule's name is its strategy's"):
+        register("pipe_renamed")(type("Renamed", (Flush,), {}))
+    assert "pipe_renamed" not in registry()
 
 
 def test_validator_catches_a_backward_before_its_forward():

@@ -23,14 +23,20 @@ from relaytrain.strategies.pipeline.offload import HostVersions
 from relaytrain.strategies.pipeline.stage import StageModule
 from relaytrain.strategies.pipeline.weights import WeightVersions
 from tests.conftest import tiny_cfg, train_plain_loop, wait_for
-from tests.test_pipeline_checkpoint import TWO_BW, assert_same_run, finish, kill_group, start
-from tests.test_pipeline_runtime import (
+from tests.strategies.pipeline.test_runtime import (
     STEPS,
     assert_same_weights,
     pipeline_cfg,
     trained_by_delayed_gradients,
     trained_by_pipeline,
     whole_minibatch_cfg,
+)
+from tests.strategies.pipeline.test_runtime_checkpoint import (
+    TWO_BW,
+    assert_same_run,
+    finish,
+    kill_group,
+    start,
 )
 
 OFFLOAD = "strategy.offload=host"

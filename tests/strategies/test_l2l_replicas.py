@@ -59,7 +59,7 @@ def assert_same_weights(a, b, atol=2e-6, rtol=1e-5):
     ("bert", "l2l_stash_cpu", "replicated", "adamw"),
 ])
 def test_two_replicas_equal_one_worker_and_a_plain_loop(tmp_path, family, strategy, eps, optim):
-    cfg = replicas_cfg(family, strategy, f"strategy.eps={eps}", f"optim={optim}")
+    cfg = replicas_cfg(family, strategy, f"strategy.eps_state={eps}", f"optim={optim}")
     results = run(cfg, tmp_path / "replicas")
     single = run(one_worker(cfg), tmp_path / "single")
     ours = saved_model(cfg, tmp_path / "replicas")
@@ -78,7 +78,7 @@ def test_two_replicas_equal_one_worker_and_a_plain_loop(tmp_path, family, strate
 
 
 def test_clipping_with_sharded_state_clips_by_the_global_norm(tmp_path):
-    cfg = replicas_cfg("bert", "l2l", "strategy.eps=sharded", "optim=sgd", "optim.momentum=0.0",
+    cfg = replicas_cfg("bert", "l2l", "strategy.eps_state=sharded", "optim=sgd", "optim.momentum=0.0",
                        "optim.lr=1.0", "optim.grad_clip=1e-3", f"train.steps={2}", "train.untimed_steps=0")
     run(cfg, tmp_path / "replicas")
     run(one_worker(cfg), tmp_path / "single")

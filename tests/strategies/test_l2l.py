@@ -235,7 +235,7 @@ def test_cli_trains_with_l2l_and_writes_the_report(tmp_path):
     results = json.loads((run_dir / "results.json").read_text())
     report = results["strategy_report"]
     assert results["strategy"] == "l2l_stash_cpu" and results["steps"] == 3
-    assert report["peak_resident_blocks"] == 2 and report["stash"] == "cpu"
+    assert report["peak_resident_blocks"] == 2 and report["stash"] == "host"
     assert set(report["phase_times_s"]) == {"forward", "recompute_backward", "optimizer_exposed"}
     assert report["transfer_wait_s"] >= 0
     assert report["eps"]["parameters_per_s"] > 0

@@ -150,7 +150,7 @@ def test_a_parameter_without_gradient_is_not_updated_as_in_the_baseline():
     assert after[untouched] not in versions.optimizer.state
 
 
-@pytest.mark.parametrize("execution", ["static", "message_driven"])
+@pytest.mark.parametrize("execution", ["static", pytest.param("message_driven", marks=pytest.mark.slow)])
 def test_killing_a_worker_ends_the_run_with_a_clear_error_in_bounded_time(tmp_path, execution, monkeypatch):
     """The peer of a killed worker waits in a transfer; the launcher ends it long before
     strategy.timeout_s would. Rank 1 is held before step 3 (a failpoint), then killed."""

@@ -22,7 +22,7 @@ from relaytrain.strategies.pipeline.jitter import StageJitter
 from relaytrain.strategies.pipeline.schedule import COMPUTE, Op, build_schedule, stop_points
 from relaytrain.strategies.pipeline.validate import StageInvariants
 from tests.conftest import train_plain_loop
-from tests.test_pipeline_runtime import (
+from tests.strategies.pipeline.test_runtime import (
     STEPS,
     assert_same_weights,
     pipeline_cfg,

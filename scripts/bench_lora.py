@@ -1,0 +1,124 @@
+"""LoRA under L2L against full fine-tuning under L2L: host memory and throughput.
+
+A bf16 checkpoint of the Llama layout (made here by save_pretrained, as users' checkpoints are)
+is fine-tuned under `strategy=l2l` twice per round, in separate processes: `adapter=lora`
+(peft's LoRA, rank 8 on every linear layer of the blocks) and `adapter=none`, same model, same
+minibatch, same optimizer. Each process reports its host memory: the peak resident set of the
+run (results.json, `memory.host_peak_rss_bytes`) less what the process held before building
+the model (the interpreter, torch, transformers, the data), i.e. what training added; beside
+it the planner's closed form (`L2L.host_state_bytes`). Headlines:
+
+- `lora_l2l_host_bytes_ratio`: host memory LoRA / full, median over rounds (target <= 0.25);
+- `lora_l2l_vs_full_l2l`: samples/s LoRA / full, median over rounds (target >= 1.2).
+
+    .venv/bin/python scripts/bench_lora.py --json bench_lora.json [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchlib import OtherLoad, headline
+
+HERE = Path(__file__).resolve().parent
+# The model: the Llama layout, grouped-query attention 16/4, SwiGLU, an untied 8k vocabulary (107 M
+# parameters): blocks, not the embeddings, are most of it, as in the checkpoints users adapt.
+SIZES = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+             intermediate_size=2816, vocab_size=8192, max_position_embeddings=256)
+RUN = ["strategy=l2l", "data.seq_len=64", "data.num_samples=256", "strategy.microbatch_size=4",
+       "strategy.num_microbatches=2", "optim=adamw", "optim.lr=1e-4", "model.dropout=0.0",
+       "train.check_memory=false"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is untimed")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--child", nargs=3, metavar=("CHECKPOINT", "ADAPTER", "RUN_DIR"), help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def make_checkpoint(directory: Path) -> Path:
+    """The bf16 checkpoint, written once by a process of its own (its fp32 build is not measured)."""
+    code = ("import sys, torch; from transformers import AutoConfig, AutoModelForCausalLM; "
+            f"torch.manual_seed(0); c = AutoConfig.for_model('llama', **{SIZES!r}); "
+            "AutoModelForCausalLM.from_config(c).to(torch.bfloat16).save_pretrained(sys.argv[1])")
+    subprocess.run([sys.executable, "-c", code, str(directory)], check=True)
+    return directory
+
+
+def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
+    """One run in this process: what it held before the model, then the run's own figures."""
+    import psutil
+
+    from relaytrain.compose import compose_config
+    from relaytrain.costmodel import ModelFacts
+    from relaytrain.models.pretrained import resolve
+    from relaytrain.strategies import strategy_class
+    from relaytrain.train import run
+
+    given = [f"model.pretrained={checkpoint}", f"adapter={adapter}", *RUN, f"train.steps={steps}",
+             "train.untimed_steps=1"]
+    cfg = resolve(compose_config(given), given)
+    closed_form = strategy_class("l2l").host_state_bytes(cfg, ModelFacts.of(cfg))
+    before = psutil.Process().memory_info().rss
+    results = run(cfg, Path(run_dir), table=False)
+    out = {"rss_before_bytes": before, "peak_rss_bytes": results["memory"]["host_peak_rss_bytes"],
+           "samples_per_s": results["throughput"]["samples_per_s"], "closed_form_bytes": closed_form,
+           "parameters": results.get("strategy_report", {}).get("eps", {}).get("updated_parameters")}
+    Path(run_dir, "bench.json").write_text(json.dumps(out))
+
+
+def one_run(checkpoint: Path, adapter: str, workdir: Path, steps: int) -> dict:
+    run_dir = workdir / f"{adapter}-{len(list(workdir.iterdir()))}"
+    subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", str(checkpoint), adapter,
+                    str(run_dir)], check=True, stdout=subprocess.DEVNULL)
+    figures = json.loads((run_dir / "bench.json").read_text())
+    figures["host_bytes"] = figures["peak_rss_bytes"] - figures["rss_before_bytes"]
+    return figures
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        child(*args.child, args.steps)
+        return
+    with tempfile.TemporaryDirectory() as tmp, OtherLoad() as load:
+        workdir = Path(tmp)
+        checkpoint = make_checkpoint(workdir / "checkpoint")
+        runs = workdir / "runs"
+        runs.mkdir()
+        rounds = []
+        for r in range(args.rounds):  # alternate which runs first: a warmer machine favours neither
+            order = ("lora", "none") if r % 2 == 0 else ("none", "lora")
+            rounds.append({adapter: one_run(checkpoint, adapter, runs, args.steps) for adapter in order})
+    memory = [r["lora"]["host_bytes"] / r["none"]["host_bytes"] for r in rounds]
+    speed = [r["lora"]["samples_per_s"] / r["none"]["samples_per_s"] for r in rounds]
+    closed = rounds[0]["lora"]["closed_form_bytes"] / rounds[0]["none"]["closed_form_bytes"]
+    results = {
+        "command": "python scripts/bench_lora.py " + f"--rounds {args.rounds} --steps {args.steps}",
+        "model": {**SIZES, "checkpoint_dtype": "bfloat16"}, "run": RUN, "rounds": rounds,
+        "closed_form_ratio": closed, "other_load_cores": load.cores,
+        "headlines": {"lora_l2l_host_bytes_ratio": headline(memory, 0.25, lower_is_better=True),
+                      "lora_l2l_vs_full_l2l": headline(speed, 1.2)},
+    }
+    for name, h in results["headlines"].items():
+        print(f"{name}: median {h['median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in h['rounds'])})")
+    first = rounds[0]
+    for adapter in ("lora", "none"):
+        f = first[adapter]
+        print(f"  {adapter}: host {f['host_bytes'] / 2**20:.0f} MiB measured, {f['closed_form_bytes'] / 2**20:.0f} MiB "
+              f"closed form; {f['samples_per_s']:.2f} samples/s")
+    print(f"  closed-form ratio {closed:.3f}; other processes kept {load.cores:.2f} cores busy")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

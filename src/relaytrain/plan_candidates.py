@@ -1,0 +1,268 @@
+"""The planner's candidates: steps 2 to 5 of `relaytrain plan` (the steps are listed in full in
+`relaytrain.plan`, which profiles the machine and calls these).
+
+2. **Candidates**: every shape each strategy says trains the requested global batch B on the
+   workers given (`Strategy.shapes`: the baseline's micro-batch size b and count m = B / b,
+   with or without block recompute; L2L's b, inner loop u, replicas w and stash; a pipeline's
+   width w x depth d = workers, b, m = B / (w b) and recompute none/block/stage). Micro-batch
+   sizes are powers of two.
+3. **Time**: each candidate's step by its strategy's cost model (`Strategy.step_cost`, made of
+   the shared formulas in `relaytrain.costmodel`).
+4. **Host memory**: each candidate's host memory on one machine, estimated from its strategy's
+   host state (`Strategy.host_state_bytes`: an eager param server's, offloaded masters and
+   optimizer state, a stash on the host) and the fp32 model each worker builds there first,
+   against `plan.host_memory_gb` (this machine's RAM for plan.device=this; unlimited for a
+   profile unless given): a candidate over it does not fit, whatever its device memory.
+5. **Device memory**: each candidate's device memory from the meta-device dry run of the real
+   strategy code (`relaytrain.dryrun.simulate`), walking the candidates fastest first until
+   the fastest that fits is found, then the fastest that fits of every other strategy and
+   variant. A closed-form MEMORY(.) (`Strategy.device_bytes`) prunes obviously hopeless ones
+   before they are simulated; a shape whose micro-batch did not fit is not simulated again with
+   a larger one (memory only grows with b at a fixed batch).
+
+Nothing here knows a strategy by name: a registered strategy is asked through its class.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+
+from relaytrain.compose import validate
+from relaytrain.costmodel import ModelFacts, Shape, StepCost
+from relaytrain.dryrun import simulate
+from relaytrain.errors import ConfigError
+from relaytrain.preflight import HEADROOM, check_can_start
+from relaytrain.profile import Profile
+from relaytrain.strategies import presets, strategy_class
+
+GiB = 2**30
+PRUNE_FACTOR = 1.5  # closed-form memory above this many budgets: hopeless, not simulated
+CUDA_HEADROOM = 0.9  # of a GPU's memory for tensors: the CUDA context and allocator caching take the rest
+MAX_SIMULATIONS = 24  # dry runs per plan, at most
+MAX_PER_STRATEGY = 4  # dry runs per strategy variant (l2l, l2l stash=host), at most
+STATE_KINDS = ("weights", "gradients", "optimizer state")  # of a dry run's breakdown: what no b changes
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked: workers, each device's memory, the global batch, the profile,
+    strategies, and each machine's host memory (None: unlimited)."""
+
+    workers: int
+    memory_bytes: float
+    batch: int
+    device: str
+    strategies: tuple[str, ...]
+    threads: int  # train.threads (0: cores shared out)
+    host_memory_bytes: float | None = None
+
+    def to_json(self) -> dict:
+        host = None if self.host_memory_bytes is None else self.host_memory_bytes / GiB
+        return {"workers": self.workers, "device_memory_gb": self.memory_bytes / GiB, "batch_size": self.batch,
+                "device": self.device, "strategies": list(self.strategies), "threads": self.threads,
+                "host_memory_gb": host}
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def enumerate_shapes(request: Request, num_layers: int) -> list[Shape]:
+    """Every shape of every requested strategy that trains exactly `request.batch` samples a step
+    (a preset: its strategy's shapes that keep the keys it fixes)."""
+    shapes = []
+    for name in request.strategies:
+        cls = strategy_class(name)
+        offered = cls.shapes(request.workers, request.batch, num_layers)
+        preset = presets().get(name)
+        shapes += offered if preset is None else _keeping(offered, preset.fixed, cls)
+    return list(dict.fromkeys(shapes))  # a strategy and its preset offer some shapes twice
+
+
+def _keeping(shapes: list[Shape], fixed: dict, cls) -> list[Shape]:
+    """The shapes whose options agree with a preset's fixed keys (among the keys shapes vary)."""
+    varied = {key for shape in shapes for key, _ in shape.options}
+    wanted = dict(cls.shape_options(**{k: v for k, v in fixed.items() if k in varied}))
+    return [shape for shape in shapes if {k: v for k, v in shape.options if k in varied} == wanted]
+
+
+@dataclass
+class Candidate:
+    """One shape: its predicted step, its device memory (closed form; simulated once dry-run) and
+    whether it fits (None: not decided, the planner stopped before simulating it)."""
+
+    shape: Shape
+    cost: StepCost | None = None
+    closed_form_bytes: int = 0
+    simulated_bytes: int | None = None  # the fullest process's peak from the dry run
+    host_state_bytes: int = 0  # CPU plans: L2L's EPS state, in the same memory as the "device"
+    host_bytes: int = 0  # host memory of the fullest machine (an estimate: `host_bytes`)
+    over_host: bool = False  # refused: host_bytes exceeds plan.host_memory_gb (its device memory cannot save it)
+    by_kind: dict = field(default_factory=dict)
+    fits: bool | None = None
+    why_not: str | None = None
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.simulated_bytes is None else self.simulated_bytes + self.host_state_bytes
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return None if self.cost is None else self.shape.batch / self.cost.step_s
+
+    def to_json(self) -> dict:
+        s = self.shape
+        return {
+            "strategy": s.strategy, "microbatch_size": s.microbatch_size, "num_microbatches": s.num_microbatches,
+            "replicas": s.replicas, "stages": s.stages, "recompute": s.recompute, "workers": s.workers,
+            "predicted": None if self.cost is None else {"step_time_s": self.cost.step_s,
+                                                          "samples_per_s": self.samples_per_s,
+                                                          "parts_s": self.cost.parts, "notes": self.cost.notes},
+            "closed_form_memory_gb": self.closed_form_bytes / GiB,
+            "simulated_memory_gb": None if self.simulated_bytes is None else self.simulated_bytes / GiB,
+            "host_state_gb": self.host_state_bytes / GiB,
+            "host_memory_gb": self.host_bytes / GiB,
+            "simulated_by_kind_gb": {k: v / GiB for k, v in self.by_kind.items()},
+            "fits": self.fits, "why_not": self.why_not,
+        }
+
+
+def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, request: Request, device) -> Candidate:
+    """A shape checked as `relaytrain train` would check it (on this machine's `device`: also
+    whether it can start its workers and hold its host memory), then timed by its strategy's cost model."""
+    cls = strategy_class(shape.strategy)
+    cfg = candidate_config(base, shape)
+    candidate = Candidate(shape, closed_form_bytes=cls.device_bytes(cfg, facts),
+                          host_bytes=host_bytes(cls, cfg, facts, profile, shape))
+    try:
+        validate(cfg)
+        if request.device == "this":
+            check_can_start(cfg, cls, device)
+    except ConfigError as err:
+        candidate.fits, candidate.why_not = False, str(err)
+        return candidate
+    candidate.cost = cls.step_cost(cfg, facts, profile)
+    if profile.device_type == "cpu":  # the host state is in the same memory the dry run counts
+        candidate.host_state_bytes = cls.host_state_bytes(cfg, facts)
+    budget = request.host_memory_bytes
+    if budget is not None and candidate.host_bytes > budget:
+        candidate.fits, candidate.over_host = False, True
+        candidate.why_not = (f"needs about {candidate.host_bytes / GiB:.1f} GB of host memory a machine (estimate), "
+                             f"over plan.host_memory_gb={budget / GiB:g}")
+    return candidate
+
+
+def host_bytes(cls, cfg, facts: ModelFacts, profile: Profile, shape: Shape) -> int:
+    """Host memory of the fullest machine, an estimate: each of its workers holds its strategy's
+    host state (`host_state_bytes`) or, if larger, the model it builds there before placing it
+    (fp32; an adapter's frozen base in the checkpoint's dtype where the strategy keeps it so),
+    plus the interpreter and libraries (`preflight.HEADROOM`). The workers of one machine: a
+    profile's devices per node, or every worker on this machine's CPU."""
+    per_machine = shape.workers if profile.device_type == "cpu" else min(shape.workers, profile.devices_per_node)
+    worker = max(facts.built_bytes(cls.compact_base), cls.host_state_bytes(cfg, facts)) + HEADROOM
+    return int(per_machine * worker)
+
+
+def candidate_config(base, shape: Shape):
+    """`base` (the user's config under the shape's strategy) with the shape's keys set."""
+    cfg = copy.deepcopy(base)
+    for override in shape.overrides()[1:]:
+        key, value = override.split("=", 1)
+        OmegaConf.update(cfg, key, int(value) if value.isdigit() else value, merge=False)
+    return cfg
+
+
+# --------------------------------------------------------------------------- device memory
+
+
+def decide_memory(candidates: list[Candidate], bases: dict, request: Request, profile: Profile,
+                  max_simulations: int) -> None:
+    """Dry-run candidates (sorted fastest first), until the fastest that fits is found, then each
+    other strategy's fastest that fits, within the dry-run budget; the rest stay undecided (fits None)."""
+    budget = request.memory_bytes * (CUDA_HEADROOM if profile.device_type == "cuda" else 1.0)
+    walk = MemoryWalk(budget, max_simulations)
+    for c in candidates:
+        if c.fits is None:
+            walk.visit(c, bases[c.shape.strategy])
+    if not any(c.fits for c in candidates):
+        _simulate_smallest(candidates, bases, budget)
+
+
+class MemoryWalk:
+    """Decides candidates' memory in the order they are visited (fastest first).
+
+    Two inferences spare dry runs, both sound because at a fixed batch a shape's memory only
+    grows with its micro-batch b: a larger b than one that did not fit does not fit either;
+    and weights, gradients and optimizer state do not depend on b or on recompute, so when
+    they alone exceed the budget no micro-batch of that (strategy, w, d) fits.
+    """
+
+    def __init__(self, budget: float, max_simulations: int):
+        self.budget, self.max_simulations = budget, max_simulations
+        self.too_big: dict[tuple, int] = {}  # (strategy, options, w, d, recompute) -> smallest b that did not fit
+        self.state: dict[tuple, int] = {}  # (strategy, options, w, d) -> simulated weights + gradients + optimizer state
+        self.runs: dict[str, int] = {}  # dry runs per variant
+        self.found: set[str] = set()  # variants with a candidate that fits
+
+    def visit(self, c: Candidate, base) -> None:
+        name, footprint = variant(c.shape), _footprint(c.shape)
+        state_key = footprint[:4]
+        if name in self.found:
+            c.why_not = f"not simulated: a faster {name} candidate fits"
+        elif self.state.get(state_key, 0) > self.budget:
+            c.fits, c.why_not = False, (f"its weights, gradients and optimizer state alone need "
+                                        f"{self.state[state_key] / GiB:.2f} GB (simulated)")
+        elif footprint in self.too_big and c.shape.microbatch_size > self.too_big[footprint]:
+            c.fits, c.why_not = False, f"a smaller micro-batch (b={self.too_big[footprint]}) of this shape did not fit"
+        elif c.closed_form_bytes > PRUNE_FACTOR * self.budget:
+            c.fits, c.why_not = False, (f"closed-form MEMORY(.) {c.closed_form_bytes / GiB:.1f} GB is over "
+                                        f"{PRUNE_FACTOR:g} x the budget (not simulated)")
+        elif sum(self.runs.values()) >= self.max_simulations or self.runs.get(name, 0) >= MAX_PER_STRATEGY:
+            c.why_not = "not simulated: the dry-run budget was spent"
+        else:
+            self._dry_run(c, base, name, footprint, state_key)
+
+    def _dry_run(self, c: Candidate, base, name: str, footprint: tuple, state_key: tuple) -> None:
+        self.runs[name] = self.runs.get(name, 0) + 1
+        _simulate(c, base, self.budget)
+        if c.fits:
+            self.found.add(name)
+        elif c.simulated_bytes is not None:
+            self.too_big[footprint] = min(self.too_big.get(footprint, c.shape.microbatch_size), c.shape.microbatch_size)
+            state = sum(c.by_kind.get(kind, 0) for kind in STATE_KINDS)
+            self.state[state_key] = max(self.state.get(state_key, 0), state)
+
+
+def variant(shape: Shape) -> str:
+    """A strategy with the options its shapes vary (l2l, l2l stash=host): each gets its own fastest."""
+    return " ".join([shape.strategy, *(f"{key}={value}" for key, value in shape.options)])
+
+
+def _footprint(shape: Shape) -> tuple:
+    """What fixes a shape's memory but for its micro-batch (the first four, its state key: but for b
+    and recompute). Not a model family, nor a `strategy.layout`."""
+    return shape.strategy, shape.options, shape.replicas, shape.stages, shape.recompute
+
+
+def _simulate(c: Candidate, base, budget: float) -> None:
+    try:
+        simulation = simulate(candidate_config(base, c.shape), steps=2)
+    except ConfigError as err:  # e.g. a dataset smaller than the batch: the real run would stop the same way
+        c.fits, c.why_not = False, str(err)
+        return
+    fullest = max(simulation.per_process, key=lambda p: p.peak_bytes)
+    c.simulated_bytes, c.by_kind = simulation.peak_bytes, dict(fullest.by_kind)
+    c.fits = c.memory_bytes <= budget
+    if not c.fits:
+        c.why_not = f"needs {c.memory_bytes / GiB:.2f} GB (simulated), over {budget / GiB:.2f} GB"
+
+
+def _simulate_smallest(candidates: list[Candidate], bases: dict, budget: float) -> None:
+    """Nothing fits: dry-run the candidate the closed form finds smallest, for the one-line answer."""
+    valid = [c for c in candidates if c.cost is not None and not c.over_host]
+    if valid:
+        smallest = min(valid, key=lambda c: c.closed_form_bytes)
+        if smallest.simulated_bytes is None:
+            _simulate(smallest, bases[smallest.shape.strategy], budget)

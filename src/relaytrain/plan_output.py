@@ -1,0 +1,108 @@
+"""The planner's answer: step 6 of `relaytrain plan` (the steps are listed in full in
+`relaytrain.plan`), from a finished `Plan`.
+
+6. **Answer**: a table, the best candidate that fits, the `relaytrain train` command that runs
+   it, and plan.json. Every time figure is a prediction and says so. When nothing fits, one
+   line says what came closest and where every candidate is (`infeasible_line`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from relaytrain.files import write_json
+from relaytrain.plan import Plan
+from relaytrain.plan_candidates import Candidate, GiB, variant
+
+TABLE_ROWS = 24
+WIDE = 160  # columns of the table when the output is not a terminal (a file, a pipe)
+
+
+def write_plan(plan: Plan, out_dir: Path) -> Path:
+    return write_json(Path(out_dir) / "plan.json", plan.to_json(), indent=2)
+
+
+def print_plan(plan: Plan, path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if Console().is_terminal else Console(width=WIDE)
+    r, p = plan.request, plan.profile
+    console.print(f"profile: {p.device}; {p.source.split(': ')[0]} (details in plan.json)", highlight=False)
+    if plan.ignored_overrides:
+        console.print(f"ignored (the planner decides these): {' '.join(plan.ignored_overrides)}", highlight=False)
+    best = plan.best
+    host = "unlimited" if r.host_memory_bytes is None else f"{r.host_memory_bytes / GiB:g} GB"
+    table = Table(title=f"relaytrain plan: {r.workers} worker(s) x {r.memory_bytes / GiB:g} GB, host {host} a machine, "
+                        f"batch {r.batch} (times predicted; memory simulated, host memory estimated)")
+    for column in ("", "strategy", "shape", "step s", "samples/s", "memory GB", "closed form GB", "host GB", "fits",
+                   "why not"):
+        table.add_column(column, overflow="fold")
+    shown = _rows_to_show(plan)
+    for c in shown:
+        table.add_row("*" if c is best else "", c.shape.strategy, c.shape.describe(),
+                      _fmt(c.cost.step_s if c.cost else None, ".3g"), _fmt(c.samples_per_s, ".3g"),
+                      _fmt(None if c.memory_bytes is None else c.memory_bytes / GiB, ".2f"),
+                      f"{c.closed_form_bytes / GiB:.2f}", f"{c.host_bytes / GiB:.1f}",
+                      {True: "yes", False: "no", None: "?"}[c.fits],
+                      c.why_not or "")
+    console.print(table)
+    if len(shown) < len(plan.candidates):
+        console.print(f"{len(plan.candidates) - len(shown)} more candidates in {path}", highlight=False)
+    for name, why in _refused_variants(plan).items():
+        console.print(f"not considered: {name} ({why})", highlight=False)
+    if p.device_type == "cpu":
+        console.print("CPU: no host<->device transfer; workers share the cores; a row's memory adds the state "
+                      "its strategy keeps on the host (an eager param server's: the same memory)", highlight=False)
+    console.print(f"best (predicted): {best.shape.strategy} {best.shape.describe()}: {best.cost.step_s:.3g} s a step, "
+                  f"{best.samples_per_s:.3g} samples/s, {best.memory_bytes / GiB:.2f} GB of device memory "
+                  f"(simulated)", highlight=False)
+    console.print(f"run it: {plan.command(best)}", highlight=False, soft_wrap=True)
+    console.print(f"wrote {path}", highlight=False)
+
+
+def _rows_to_show(plan: Plan) -> list[Candidate]:
+    """Every candidate whose memory was decided by a dry run, and each variant's fastest of those
+    the checks let through (a variant refused whole is one line below the table)."""
+    fastest = {}
+    for c in plan.candidates:
+        if c.cost is not None:
+            fastest.setdefault(variant(c.shape), c)
+    rows = [c for c in plan.candidates if c.simulated_bytes is not None or fastest.get(variant(c.shape)) is c]
+    return rows[:TABLE_ROWS]
+
+
+def _refused_variants(plan: Plan) -> dict[str, str]:
+    """The variants none of whose candidates passed the checks, with the first reason."""
+    timed = {variant(c.shape) for c in plan.candidates if c.cost is not None}
+    refused: dict[str, str] = {}
+    for c in plan.candidates:
+        if variant(c.shape) not in timed:
+            refused.setdefault(variant(c.shape), c.why_not)
+    return refused
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def infeasible_line(plan: Plan, where: Path) -> str:
+    r = plan.request
+    asked = f"nothing fits {r.workers} x {r.memory_bytes / GiB:g} GB for a batch of {r.batch}"
+    simulated = [c for c in plan.candidates if c.memory_bytes is not None]
+    over_host = [c for c in plan.candidates if c.over_host]
+    reasons = []
+    if simulated:
+        c = min(simulated, key=lambda c: c.memory_bytes)
+        reasons.append(f"the smallest dry run, {c.shape.strategy} {c.shape.describe()}, needs "
+                       f"{c.memory_bytes / GiB:.2f} GB")
+    if over_host:
+        c = min(over_host, key=lambda c: c.host_bytes)
+        reasons.append(f"{len(over_host)} candidate(s) need more host memory than plan.host_memory_gb="
+                       f"{r.host_memory_bytes / GiB:g}, the least {c.shape.strategy} {c.shape.describe()} "
+                       f"with {c.host_bytes / GiB:.1f} GB (an estimate)")
+    if not reasons:
+        refusals = sorted({c.why_not for c in plan.candidates if c.why_not})
+        reasons.append(f"every candidate was refused ({refusals[0] if refusals else 'no candidate'})")
+    return (f"{asked}: {'; '.join(reasons)}; raise plan.device_memory_gb, plan.host_memory_gb or plan.workers, "
+            f"or lower plan.batch_size (every candidate in {where / 'plan.json'})")

@@ -1,0 +1,1 @@
+"""Tests of `relaytrain.strategies`, one file per module they test."""

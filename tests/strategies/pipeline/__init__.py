@@ -1,0 +1,1 @@
+"""Tests of `relaytrain.strategies.pipeline`, one file per module they test."""
