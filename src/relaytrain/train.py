@@ -37,6 +37,7 @@ from relaytrain.optim import lr_at
 from relaytrain.preflight import check_can_start
 from relaytrain.results import assemble_results, process_report, write_results
 from relaytrain.strategies import strategy_class
+from relaytrain.strategies.base import Strategy
 from relaytrain.units import duration
 from relaytrain.world import StopVotes, World, pick_device, under_torchrun
 
@@ -47,6 +48,7 @@ EMPTY_SHARE = {"weights": {}, "optimizer": {}, "scaler": None, "extra": None}
 class Job:
     """What every process of a run gets from the launcher, besides the config."""
 
+    strategy: type[Strategy]  # the run's strategy class, decided once (by name, before any worker)
     run_dir: Path
     dataset: TokenDataset
     eval_dataset: TokenDataset | None = None
@@ -121,7 +123,7 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, esti
     # Once, before any worker: data errors end here.
     dataset, eval_dataset = build_datasets(cfg, tokenizer_dir=str(run_dir))
     build_loader(cfg, dataset, cls.replicas(cfg))  # refuses a dataset smaller than one minibatch
-    job = Job(run_dir, dataset, eval_dataset, resume, overrides, estimate_s, quiet)
+    job = Job(cls, run_dir, dataset, eval_dataset, resume, overrides, estimate_s, quiet)
     return launch(train_process, cfg, cls.processes(cfg), lambda rank: cls.describe_process(cfg, rank),
                   run_dir, job, lambda: checkpoint.latest(run_dir), device)
 
@@ -145,7 +147,7 @@ def _find_resume(cfg, cls, run_dir: Path) -> Path | None:
 
 def train_process(cfg, world: World, job: Job) -> dict | None:
     """One process of the run: build, train, report. Returns the results on the reporter."""
-    cls = strategy_class(cfg.strategy.name)
+    cls = job.strategy
     host = metrics.HostMemory()
     host.reset_peak()
     metrics.reset_device_peak(world.device)
