@@ -44,7 +44,8 @@ def uninterrupted(tmp_path_factory):
     return run_dir, finish(run_dir)
 
 
-@pytest.mark.parametrize("kill", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default suite kills and resumes L2L (test_l2l_killed_run_resumes_bit_for_bit) and the pipelines
+@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_run_resumes_to_the_same_weights_and_losses(uninterrupted, tmp_path, kill):
     whole_dir, whole = uninterrupted
     run_dir = tmp_path / "run"

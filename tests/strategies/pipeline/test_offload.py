@@ -121,8 +121,10 @@ def offload_reference(tmp_path_factory):
     return run_dir
 
 
-# Resuming the offloaded checkpoint on the device (none) runs in make test-slow: the suite keeps to 15 min
-@pytest.mark.parametrize("resume_with", ["host", pytest.param("none", marks=pytest.mark.slow)])
+# A kill and two resumes: make test-slow runs them (the default suite keeps to 15 min; the kill and
+# exact resume of a pipeline is test_runtime_checkpoint's, of the EPS test_checkpoint's l2l case).
+@pytest.mark.slow
+@pytest.mark.parametrize("resume_with", ["host", "none"])
 def test_2bw_with_offload_killed_resumes_exactly_with_or_without_offload(offload_reference, tmp_path, resume_with):
     """GPT-2 (tied weights on both stages), dropout on, killed after the checkpoint of an odd
     step: the newest version in the second device buffer, the master on the host."""
