@@ -118,7 +118,8 @@ def _load_adapted(path: str):
     if any((Path(path).expanduser() / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = load_tokenizer(path)
     try:
-        model = PeftModel.from_pretrained(model, _local_or_id(path))
+        with adapter.quiet_peft():
+            model = PeftModel.from_pretrained(model, _local_or_id(path))
     except (OSError, ValueError, RuntimeError) as err:
         raise ConfigError(f"model.pretrained={path}: the adapter does not fit its base {base} ({first_line(err)})") from err
     return model.eval(), tokenizer

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -67,7 +69,8 @@ def attach(model, a) -> None:
 
     config = _peft_config(model, a)
     try:
-        inject_adapter_in_model(config, model.hf_model, adapter_name=ADAPTER)
+        with quiet_peft():
+            inject_adapter_in_model(config, model.hf_model, adapter_name=ADAPTER)
     except ValueError as err:  # peft's NoMatchingPeftModuleError: the adapter's targets are not in this model
         raise ConfigError(f"adapter.pretrained={a.pretrained} was made for another base ({first_line(err)}); "
                           f"use the model.pretrained it was trained on") from err
@@ -80,6 +83,15 @@ def attach(model, a) -> None:
         _load_adapter_weights(model, a.pretrained)
     object.__setattr__(model, "adapter", config)
     object.__setattr__(model, "base_fingerprint", base_fingerprint(model))
+
+
+@contextmanager
+def quiet_peft():
+    """peft asks transformers a question transformers 5 deprecates (`is_gradient_checkpointing`):
+    its FutureWarning says nothing to a user of relaytrain, so it is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def _shapes_only(model) -> bool:
