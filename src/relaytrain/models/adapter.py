@@ -182,11 +182,6 @@ def read_adapter_weights(directory: str) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- what training keeps
 
 
-def has_frozen(model) -> bool:
-    """Whether some parameters are frozen (an adapter run)."""
-    return any(not p.requires_grad for p in model.parameters())
-
-
 def base_fingerprint(model) -> str:
     """A short hash of the frozen base: each frozen tensor's name, shape and 64 of its values
     spread over it. Two bases that differ anywhere a fine-tune touches differ here; computing
