@@ -16,6 +16,7 @@ import torch
 
 from relaytrain import metrics
 from relaytrain.files import write_json
+from relaytrain.models import adapter as adapters
 from relaytrain.models import count_parameters, trained_parameters
 from relaytrain.preflight import estimate_host_bytes
 
@@ -79,7 +80,7 @@ def adapter_facts(cfg) -> dict | None:
     """What trained under adapters (adapter=lora): its keys and the parameters that train; None
     for a full fine-tune."""
     a = cfg.adapter
-    if str(a.name) == "none":
+    if not adapters.enabled(a):
         return None
     return {"name": str(a.name), "r": a.r, "alpha": a.alpha, "pretrained": a.pretrained,
             "trained_parameters": trained_parameters(cfg)}

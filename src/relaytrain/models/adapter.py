@@ -112,7 +112,7 @@ def _peft_config(model, a):
         config.inference_mode = False
         return config
     targets = _target_names(model, list(a.target_modules))
-    conv1d = any(type(module).__name__ == "Conv1D" for module in targets.values())  # GPT-2 stores (in, out)
+    conv1d = any(_is_conv1d(module) for module in targets.values())  # GPT-2 stores (in, out)
     return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=_short_names(model, targets),
                       fan_in_fan_out=conv1d, bias="none")
 
@@ -121,7 +121,7 @@ def _target_names(model, wanted: list[str]) -> dict[str, nn.Module]:
     """The blocks' linear layers `wanted` names (by name ending; all-linear: every one), by full name."""
     names = {id(module): name for name, module in model.hf_model.named_modules()}
     linear = {names[id(module)]: module for block in model.blocks for module in block.layer.modules()
-              if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"}
+              if _is_linear(module)}
     if ALL_LINEAR in wanted:
         return linear
     chosen = {name: module for name, module in linear.items() if any(_ends_with(name, w) for w in wanted)}
@@ -130,6 +130,16 @@ def _target_names(model, wanted: list[str]) -> dict[str, nn.Module]:
         raise ConfigError(f"adapter.target_modules={wanted} matches no linear layer of the blocks; they end in "
                           f"{', '.join(endings)} (or use all-linear)")
     return chosen
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's linear layers, weights stored (in, out))."""
+    return type(module).__name__ == "Conv1D"
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """A layer LoRA can adapt: a linear layer, or GPT-2's Conv1D."""
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
 
 
 def _ends_with(name: str, ending: str) -> bool:
@@ -141,8 +151,7 @@ def _short_names(model, targets: dict[str, nn.Module]) -> list[str]:
     name no other layer of the model (BERT's pooler is also a `dense`); else the full names."""
     endings = sorted({name.rsplit(".", 1)[-1] for name in targets})
     matched = {name for name, module in model.hf_model.named_modules()
-               if any(_ends_with(name, e) for e in endings) and (isinstance(module, nn.Linear)
-                                                                  or type(module).__name__ == "Conv1D")}
+               if any(_ends_with(name, e) for e in endings) and _is_linear(module)}
     return endings if matched == set(targets) else sorted(targets)
 
 
@@ -235,7 +244,7 @@ def merged_state(hf_model) -> dict[str, torch.Tensor]:
                 deltas[f"{name}.weight"] = module.get_delta_weight(ADAPTER)
     state = {}
     for name, t in hf_model.state_dict(keep_vars=True).items():
-        if ".lora_" in name:
+        if _is_adapter(name):
             continue
         plain = name.replace(".base_layer.", ".")
         state[plain] = t.detach().float() + deltas[plain].float() if plain in deltas else t  # folded in fp32
