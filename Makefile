@@ -23,6 +23,11 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
 
+# The `fast` extra (DeepSpeed's cpu_adam op, built with ninja on first use): the slow step runs its tests.
+$(VENV)/.installed-fast: $(VENV)/.installed-dev
+	$(BIN)/python -m pip install --quiet -e ".[fast]"
+	touch $@
+
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	touch $@
@@ -35,8 +40,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# Longer end-to-end checks (multi-step sweeps, wheel install, many-block memory bounds).
-test-slow: $(VENV)/.installed-dev
+# Longer end-to-end checks (multi-step sweeps, wheel install, many-block memory bounds, the
+# DeepSpeed kernel against torch's).
+test-slow: $(VENV)/.installed-fast
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # GPU acceptance run (docs/benchmarks.md, "GPU acceptance run"). Here, online: `make gpu-wheels`

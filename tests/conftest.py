@@ -41,9 +41,15 @@ TINY_LLAMA = [
 ]
 
 
+TINY = {"bert": TINY_BERT, "gpt2": TINY_GPT2, "llama": TINY_LLAMA}
+
+
 def tiny_cfg(family: str = "bert", *overrides: str):
-    base = TINY_BERT if family == "bert" else TINY_GPT2
-    return compose_config([*base, "train.steps=3", "train.untimed_steps=1", *overrides])
+    """A tiny model of `family` (bert, gpt2 or llama), three steps; an unknown family fails loudly
+    rather than quietly building another."""
+    if family not in TINY:
+        raise ValueError(f"tiny_cfg knows {', '.join(TINY)}, not {family!r}")
+    return compose_config([*TINY[family], "train.steps=3", "train.untimed_steps=1", *overrides])
 
 
 @pytest.fixture(autouse=True)

@@ -66,6 +66,7 @@ def assert_close_to_fp32(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # the op: CI's slow step installs the `fast` extra (make test-slow)
 def test_deepspeed_kernel_steps_as_torch_fused_adamw(deepspeed_op):
     ours, theirs = flat_params(), flat_params()
     ds = build_optimizer(zip(NAMES, ours, strict=True), cfg("deepspeed"), flat=True)
@@ -81,6 +82,7 @@ def test_deepspeed_kernel_steps_as_torch_fused_adamw(deepspeed_op):
         assert ds.state[p]["step"].dtype == fused.state[q]["step"].dtype and float(ds.state[p]["step"]) == 5.0
 
 
+@pytest.mark.slow  # the op: CI's slow step installs the `fast` extra (make test-slow)
 @pytest.mark.parametrize("first,then", [("deepspeed", "torch"), ("torch", "deepspeed")])
 def test_a_checkpoint_of_one_kernel_resumes_under_the_other(deepspeed_op, first, then):
     resumed, reference = flat_params(), flat_params()
@@ -99,6 +101,7 @@ def test_a_checkpoint_of_one_kernel_resumes_under_the_other(deepspeed_op, first,
     assert_close_to_fp32(resumed, reference)
 
 
+@pytest.mark.slow  # the op: CI's slow step installs the `fast` extra (make test-slow)
 def test_l2l_ends_at_the_same_weights_under_either_kernel(deepspeed_op):
     """GPT-2 ties its embedding and head: the early table update steps a one-off optimizer of
     the part's own kind, so the held rows run the same kernel as the rest."""
@@ -146,6 +149,7 @@ def test_torch_kernel_dry_runs_and_device_optimizers_never_load_the_op(fresh_loa
     assert type(build_optimizer(zip(NAMES, flat_params(), strict=True), cfg("deepspeed"))) is torch.optim.AdamW
 
 
+@pytest.mark.slow  # the op: CI's slow step installs the `fast` extra (make test-slow)
 def test_a_group_the_op_cannot_step_in_place_takes_torchs_update(deepspeed_op):
     """The op writes raw fp32 memory: a non-contiguous parameter would be stepped in a copy."""
     base = torch.randn(24, 48)
