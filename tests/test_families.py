@@ -14,6 +14,7 @@ from relaytrain.compose import compose_config
 from relaytrain.models import MicroBatch, build_model, count_parameters, families, family_spec
 from relaytrain.models.pretrained import resolve
 from tests.checkpoints import ARCHITECTURES, tiny_decoder
+from tests.models.equality import assert_layered_equals_hf, padded_batch
 
 
 def pretrained_cfg(directory, *overrides: str):
@@ -54,19 +55,7 @@ def test_layered_loss_and_gradients_equal_hugging_face(checkpoint):
     model = build_model(pretrained_cfg(directory).model)
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                      attn_implementation=model.hf_config._attn_implementation)
-    ids = torch.randint(4, 300, (3, 16))
-    mask = torch.ones_like(ids)
-    mask[1, 11:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-
-    ours = model(MicroBatch(ids, labels, mask))
-    ours.backward()
-    theirs = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
-    theirs.backward()
-    torch.testing.assert_close(ours, theirs)
-    grads = dict(reference.named_parameters())
-    for name, p in model.hf_model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad, msg=f"{arch}: {name}")
+    assert_layered_equals_hf(model, reference, *padded_batch(), what=arch)
 
 
 def test_mistral_and_gemma2_layers_slide_as_their_configs_say(tmp_path):
@@ -74,6 +63,78 @@ def test_mistral_and_gemma2_layers_slide_as_their_configs_say(tmp_path):
     gemma = build_model(pretrained_cfg(tiny_decoder(tmp_path / "g", "gemma2")).model)
     assert [b.layer_type for b in mistral.blocks] == ["sliding_attention"] * 3
     assert [b.layer_type for b in gemma.blocks] == ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def trains_what_hugging_face_computes(directory):
+    """The layered model of a checkpoint, checked against the checkpoint's own model."""
+    model = build_model(pretrained_cfg(directory).model)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                     attn_implementation=model.hf_config._attn_implementation)
+    assert_layered_equals_hf(model, reference, *padded_batch(), what=str(directory))
+    return model
+
+
+def test_a_llama_checkpoint_carrying_a_window_attends_fully_as_hugging_face_does(tmp_path):
+    """Llama's forward ignores `sliding_window`: so do the blocks, and the model keys show none."""
+    directory = tiny_decoder(tmp_path, "llama", sliding_window=4)
+    assert json.loads((directory / "config.json").read_text())["sliding_window"] == 4
+    model = trains_what_hugging_face_computes(directory)
+    assert [b.layer_type for b in model.blocks] == ["full_attention"] * 3
+    assert pretrained_cfg(directory).model.sliding_window is None
+
+
+def test_qwen2_slides_the_layers_its_config_switches_on(tmp_path):
+    directory = tiny_decoder(tmp_path, "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    model = trains_what_hugging_face_computes(directory)
+    assert [b.layer_type for b in model.blocks] == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert pretrained_cfg(directory).model.sliding_window == 4
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_a_window_the_architecture_would_ignore_is_refused(capsys, model_type):
+    """Llama never slides; Qwen2 slides only from layer max_window_layers (28) on, past these 4."""
+    assert main(["train", "model=llama_tiny", f"model.model_type={model_type}", "model.sliding_window=4"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "model.sliding_window=4" in line and "drop it" in line
+
+
+def test_an_unproven_model_type_is_refused_naming_the_proven(capsys):
+    assert main(["train", "model=llama_tiny", "model.model_type=minicpm3"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "minicpm3 is not among" in line and "llama" in line and "granite" in line
+
+
+@pytest.mark.parametrize("name,theta,scaling,eps", [
+    ("llama3_1b", 500000.0, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}, 1e-5),
+    ("llama3_8b", 500000.0, None, 1e-5), ("llama3_70b", 500000.0, None, 1e-5), ("qwen3_8b", 1000000.0, None, 1e-6),
+    ("mistral_7b", 10000.0, None, 1e-5), ("gemma2_9b", 10000.0, None, 1e-6)])
+def test_a_published_config_builds_its_published_rotary_and_norm(name, theta, scaling, eps):
+    from relaytrain.models import hf_config
+
+    config = hf_config(compose_config([f"model={name}"]).model)
+    rope = dict(config.rope_parameters)
+    assert rope.pop("rope_theta") == theta and config.rms_norm_eps == eps
+    assert rope == (scaling or {"rope_type": "default"})
+
+
+def test_a_checkpoints_rotary_and_norm_settings_become_model_keys(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    directory = tiny_decoder(tmp_path, "llama", rope_theta=500000.0, rope_scaling=dict(scaling),
+                             rms_norm_eps=1e-5)  # a copy: transformers adds rope_theta to the dict it is given
+    m = pretrained_cfg(directory).model
+    assert (m.rope_theta, dict(m.rope_scaling), m.norm_eps) == (500000.0, scaling, 1e-5)
+    trains_what_hugging_face_computes(directory)
+
+
+@pytest.mark.parametrize("override,says", [("model.rope_scaling=5", "must be a mapping with a rope_type"),
+                                           ("model.rope_scaling={rope_type:llama3,factor:8.0}", "Missing required keys"),
+                                           ("model.norm_eps=1e-5 model.model_type=olmo", "take no epsilon")])
+def test_rotary_and_norm_keys_the_architecture_cannot_take_are_one_line(capsys, override, says):
+    assert main(["train", "model=llama_tiny", *override.split()]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert says in line
 
 
 def test_rotary_embeddings_are_computed_once_per_micro_batch(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -132,7 +133,10 @@ class ModelConfig:
     num_kv_heads: int | None = None  # grouped-query attention's key/value heads (default: num_heads)
     head_dim: int | None = None  # width of one head (default: hidden_size / num_heads)
     tie_embeddings: bool | None = None  # one matrix for input embeddings and LM head (default: the architecture's)
-    sliding_window: int | None = None  # tokens a sliding-window layer sees (default: the architecture's)
+    sliding_window: int | None = None  # tokens a sliding-window layer sees (default: the architecture's; refused where it slides none)
+    rope_theta: float | None = None  # rotary base frequency (default: the architecture's), e.g. 500000 for Llama 3
+    rope_scaling: Any = None  # rotary scaling as in config.json: {rope_type: llama3, factor: 8.0, ...}; null: none (a mapping; Any: null can replace one)
+    norm_eps: float | None = None  # the norms' epsilon (rms_norm_eps, layer_norm_eps; default: the architecture's)
     attn_implementation: str = "sdpa"  # Hugging Face attention kernel: sdpa or eager
     resolved_from: str | None = None  # set by relaytrain: the checkpoint whose config filled these keys
     checkpoint_dtype: str | None = None  # set by relaytrain: the dtype model.pretrained stores its weights in
@@ -146,7 +150,10 @@ class AdapterConfig:
     dropout: float = 0.0  # lora: dropout on each adapter's input (keyed like the model's)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # lora: linear layers of the blocks to adapt, by name ending (q_proj, v_proj), or all-linear
     pretrained: str | None = None  # lora: a peft adapter directory to continue training (its r, alpha and targets apply)
-    merge_on_save: bool = False  # train.save_model writes the merged full model instead of the adapter directory
+    merge_on_save: bool = False  # train.save_model writes the merged full model (peft's merge_and_unload) instead
+    use_dora: bool = False  # lora: DoRA (peft's use_dora): a trained magnitude per output of each adapted layer
+    lora_bias: bool = False  # lora: a trained bias on each adapter's lora_B (peft's lora_bias)
+    modules_to_save: list[str] = field(default_factory=list)  # lora: modules trained in full beside the adapters (e.g. lm_head)
 
 
 @dataclass
@@ -353,6 +360,11 @@ def _check_model(m, d) -> None:
         raise ConfigError(f"model.num_labels={m.num_labels} must be at least 2 for classification")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    if m.rope_scaling is not None and not (isinstance(m.rope_scaling, Mapping) and "rope_type" in m.rope_scaling):
+        raise ConfigError(f"model.rope_scaling={m.rope_scaling} must be a mapping with a rope_type, as config.json's "
+                          f"rope_scaling is (e.g. {{rope_type: llama3, factor: 8.0, ...}}), or null for none")
+    if not m.pretrained:  # the keys must describe a model the family takes (a checkpoint's config was asked)
+        family_spec(m.family).hf_config(m)
 
 
 def _check_adapter(cfg) -> None:
@@ -361,10 +373,14 @@ def _check_adapter(cfg) -> None:
     from relaytrain.models import adapter, build_model
 
     a = cfg.adapter
+    stray = adapter.set_without_adapter(a, AdapterConfig())
+    if stray:
+        raise ConfigError(f"{' and '.join(stray)} set, but adapter=none trains every weight in full; "
+                          f"add adapter=lora, or drop the adapter.* keys")
     named = adapter.enabled(a) and not a.pretrained and adapter.ALL_LINEAR not in a.target_modules
     # The target modules are checked against the model's shapes (the meta device: no weights).
     shapes = build_model(cfg.model, quiet=True, device=torch.device("meta")) if named else None
-    adapter.check(a, cfg.model, shapes)
+    adapter.check(a, cfg.model, shapes, defaults=AdapterConfig())
 
 
 def _check_data(d) -> None:

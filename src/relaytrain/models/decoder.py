@@ -1,18 +1,20 @@
-"""Decoder-only models of the Llama layout as a layered model: Llama, Qwen2/3, Mistral, Gemma 2/3,
-Phi-3 and whatever else Hugging Face builds the same way.
+"""Decoder-only models of the Llama layout as a layered model: Llama, Qwen2/3, Mistral, Gemma 1/2/3,
+Phi-3, Granite, Cohere, OLMo and the other model types proven to compute the same way.
 
-The family is recognised by structure, not by name: a causal LM whose body has token embeddings
-(`embed_tokens`), a list of decoder layers that take rotary `position_embeddings`, a final norm
-and a rotary embedding, under an `lm_head`:
+A model type trains only when its whole causal-LM forward is what the layered model computes
+(`PROVEN`, each type with its extra steps, proven by tests/models/test_type_survey.py):
 
-    embed_tokens -> layers[0..N) -> norm -> lm_head (-> soft-capping, Gemma 2)
+    embed_tokens (-> * multiplier, Granite; -> norm, NanoChat) -> layers[0..N) -> norm -> lm_head
+        (-> * or / a scalar, Cohere and Granite; -> soft-capping, Gemma 2)
+
+Any other type is refused in one line before anything is built, whatever its shape.
 
 What Hugging Face's model forward computes once and hands to every layer is computed once per
 micro-batch by `shared_context`, in the same way: the rotary cos/sin for the micro-batch's positions
 (one pair per layer type where the rotary embedding is per type, as Gemma 3's), and the causal
-mask of each layer type the model declares (`layer_types`: full or sliding-window attention;
-a model without them slides every layer when it has a `sliding_window`, as Mistral and Phi-3
-do). Each block then picks its own: `block(hidden, ctx)` stays the one call every strategy makes.
+mask of each layer type, as the model's own code decides it (`layer_types`: full or
+sliding-window attention). Each block then picks its own: `block(hidden, ctx)` stays the one
+call every strategy makes.
 
 Grouped-query attention and gated MLPs are the layers' own business. Tied input and output
 embeddings are one parameter, as GPT-2's are.
@@ -21,6 +23,8 @@ embeddings are one parameter, as GPT-2's are.
 from __future__ import annotations
 
 import inspect
+import sys
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import NO_CACHE, Block, LayeredModel, MicroBatch
 
@@ -39,23 +43,37 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 
 
 class DecoderEmbed(nn.Module):
-    def __init__(self, embed_tokens: nn.Embedding):
+    """The token embeddings, then what the type's forward does to them before the first layer:
+    a scalar multiplier (Granite) and a norm (NanoChat's, the final norm's module again)."""
+
+    def __init__(self, embed_tokens: nn.Embedding, multiplier: float | None = None, norm: nn.Module | None = None):
         super().__init__()
         self.embed_tokens = embed_tokens  # Gemma's scales by sqrt(hidden) itself
+        self.multiplier, self.norm = multiplier, norm
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        if self.multiplier is not None:
+            hidden = hidden * self.multiplier
+        return hidden if self.norm is None else self.norm(hidden)
 
 
 class DecoderHead(nn.Module):
-    """Final norm and LM head, then the logits' soft-capping where the config has one (Gemma 2)."""
+    """Final norm and LM head, then the type's scalars on the logits in Hugging Face's order: a
+    multiplier (Cohere), a divisor (Granite), soft-capping (Gemma 2)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, softcap: float | None):
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, softcap: float | None = None,
+                 multiplier: float | None = None, divisor: float | None = None):
         super().__init__()
-        self.norm, self.lm_head, self.softcap = norm, lm_head, softcap
+        self.norm, self.lm_head = norm, lm_head
+        self.softcap, self.multiplier, self.divisor = softcap, multiplier, divisor
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(hidden))
+        if self.multiplier is not None:
+            logits = logits * self.multiplier
+        if self.divisor is not None:
+            logits = logits / self.divisor
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -79,8 +97,12 @@ class LayeredDecoder(LayeredModel):
 
     def __init__(self, hf_model: nn.Module, task: str):
         body, config = hf_model.model, hf_model.config
-        head = DecoderHead(body.norm, hf_model.lm_head, getattr(config, "final_logit_softcapping", None))
-        super().__init__(hf_model, DecoderEmbed(body.embed_tokens), list(body.layers), head, task)
+        steps = PROVEN[config.model_type]
+        embed = DecoderEmbed(body.embed_tokens, steps.value(config, "embedding_multiplier"),
+                             body.norm if steps.initial_norm else None)
+        head = DecoderHead(body.norm, hf_model.lm_head, steps.value(config, "logit_softcap"),
+                           steps.value(config, "logit_multiplier"), steps.value(config, "logit_divisor"))
+        super().__init__(hf_model, embed, list(body.layers), head, task)
         for block, layer_type in zip(self.blocks, layer_types(config), strict=True):
             block.layer_type = layer_type
         self.rotary = body.rotary_emb  # buffers only: no parameter, nothing to train or save
@@ -118,13 +140,72 @@ class LayeredDecoder(LayeredModel):
 
 
 def layer_types(config) -> list[str]:
-    """Each layer's attention, as the model's own forward decides it: the config's `layer_types`,
-    else a sliding window on every layer when the config has one (Mistral, Phi-3), else full."""
-    declared = getattr(config, "layer_types", None)
-    if declared:
-        return list(declared)[: config.num_hidden_layers]
-    sliding = getattr(config, "sliding_window", None) is not None
-    return [SLIDING if sliding else FULL] * config.num_hidden_layers
+    """Each layer's attention, as the model's own forward decides it. A model whose code builds no
+    sliding-window mask attends fully whatever its config carries (Llama, Gemma 1, OLMo, Granite
+    ignore `sliding_window`); one whose config class declares `layer_types` follows them (Qwen2/3
+    derive them from `use_sliding_window` and `max_window_layers`, Gemma 2/3 alternate); the
+    others slide every layer when the config has a window (Mistral, Phi-3, Starcoder2)."""
+    count = config.num_hidden_layers
+    if not _builds_sliding_masks(config):
+        return [FULL] * count
+    if _takes(config, "layer_types"):
+        return list(getattr(config, "layer_types", None) or [FULL] * count)[:count]
+    return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * count
+
+
+def _builds_sliding_masks(config) -> bool:
+    """Whether the causal LM's modelling code has the sliding-window mask builder at all."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    module = sys.modules.get(getattr(model_class, "__module__", ""), None)
+    return hasattr(module, create_sliding_window_causal_mask.__name__)
+
+
+def _takes(config, key: str) -> bool:
+    """Whether the config's class has `key` as an argument (not merely an attribute a saved
+    config.json carried in)."""
+    return key in inspect.signature(type(config).__init__).parameters
+
+
+# --------------------------------------------------------------------------- the proven types
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What a model type's forward does beyond embed_tokens -> layers -> norm -> lm_head: each a
+    scalar named by the config attribute that holds it (None: the type has no such step), or the
+    final norm applied before the first layer too."""
+
+    embedding_multiplier: str | None = None  # embeddings * scalar (Granite)
+    logit_multiplier: str | None = None  # logits * scalar (Cohere's logit_scale)
+    logit_divisor: str | None = None  # logits / scalar (Granite's logits_scaling)
+    logit_softcap: str | None = None  # tanh(logits / scalar) * scalar (Gemma 2)
+    initial_norm: bool = False  # NanoChat
+
+    def value(self, config, step: str) -> float | None:
+        attribute = getattr(self, step)
+        return None if attribute is None else getattr(config, attribute, None)
+
+
+LLAMA = Steps()
+GEMMA2 = Steps(logit_softcap="final_logit_softcapping")
+GRANITE = Steps(embedding_multiplier="embedding_multiplier", logit_divisor="logits_scaling")
+COHERE = Steps(logit_multiplier="logit_scale")
+# The model types whose whole causal-LM forward is what the layered model computes, with their
+# extra steps: each is checked against Hugging Face's own loss and gradients, its scalars set
+# to values that matter, by tests/models/test_type_survey.py. A type not listed is refused, so
+# a transformers release cannot slip in an architecture that computes something else.
+PROVEN: dict[str, Steps] = {
+    "llama": LLAMA, "mistral": LLAMA, "ministral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "phi3": LLAMA,
+    "starcoder2": LLAMA, "gemma": LLAMA, "gemma2": GEMMA2, "gemma3_text": GEMMA2, "vaultgemma": GEMMA2,
+    "granite": GRANITE, "granite_swa": GRANITE, "cohere": COHERE, "cohere2": COHERE,
+    "hyperclovax": Steps(embedding_multiplier="embedding_multiplier", logit_multiplier="logits_scaling"),
+    "nanochat": Steps(logit_softcap="final_logit_softcapping", initial_norm=True),
+    "olmo": LLAMA, "olmo2": LLAMA, "olmo3": LLAMA, "stablelm": LLAMA, "helium": LLAMA, "glm": LLAMA, "glm4": LLAMA,
+    "seed_oss": LLAMA, "arcee": LLAMA, "apertus": LLAMA, "apertus1p5_text": LLAMA, "smollm3": LLAMA,
+    "exaone4": LLAMA, "ernie4_5": LLAMA, "hunyuan_v1_dense": LLAMA, "bitnet": LLAMA, "diffllama": LLAMA,
+    "cwm": LLAMA, "jais2": LLAMA, "iquestcoder": LLAMA, "internlm3": LLAMA, "exaone": LLAMA,
+    "nemotron": LLAMA, "ministral3": LLAMA,
+}
 
 
 # --------------------------------------------------------------------------- the family spec
@@ -140,24 +221,81 @@ def _hf_config(m):
     }
     if m.tie_embeddings is not None:
         sizes["tie_word_embeddings"] = m.tie_embeddings
-    if m.sliding_window is not None:
-        sizes["sliding_window"] = m.sliding_window
-    try:
-        config = AutoConfig.for_model(str(m.model_type), **sizes)
-    except ValueError as err:
-        raise ConfigError(f"model.model_type={m.model_type} is not a Hugging Face architecture this transformers "
-                          f"knows; use e.g. llama, qwen2, qwen3, mistral, gemma2 or phi3") from err
+    if str(m.model_type) not in PROVEN:
+        raise ConfigError(f"model.model_type={m.model_type}: {_unproven(m.model_type)}")
+    config = AutoConfig.for_model(str(m.model_type), **sizes)
+    config = _with_published_settings(config, m, sizes)
     # A fresh config keeps its architecture's default special ids (Phi-3's pad id is 32000),
     # which a smaller vocabulary lacks: the embedding's padding row must be one of its rows.
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(config, key, None), int) and getattr(config, key) >= m.vocab_size:
             setattr(config, key, None)
     SPEC.set_dropout(config, m.dropout)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an architecture's default ids (Phi-3 pads
-        token = getattr(config, key, None)                        # with 32000) may lie past a small vocabulary
-        if isinstance(token, int) and token >= m.vocab_size:
-            setattr(config, key, None)
     return config
+
+
+def _with_published_settings(config, m, sizes: dict):
+    """`config` made again with the window, rotary settings and norm epsilon the `model` keys give
+    (None keeps the architecture's own), each refused in one line where the architecture has no
+    such setting."""
+    extra = {}
+    if m.sliding_window is not None:
+        extra["sliding_window"] = m.sliding_window
+        if _takes(config, "use_sliding_window"):  # Qwen2/3 drop the window unless it is switched on
+            extra["use_sliding_window"] = True
+    if m.rope_theta is not None or m.rope_scaling is not None:
+        extra["rope_parameters"] = _rope_parameters(config, m)
+    if m.norm_eps is not None:
+        extra[_norm_eps_key(config, m)] = m.norm_eps
+    if not extra:
+        return config
+    try:
+        config = AutoConfig.for_model(str(m.model_type), **sizes, **extra)
+    except (KeyError, ValueError, TypeError) as err:  # transformers validates the rotary parameters
+        raise ConfigError(f"model.rope_theta / model.rope_scaling / model.norm_eps: a {m.model_type} config refuses them "
+                          f"({first_line(err)}); give them as the checkpoint's config.json does") from err
+    if m.sliding_window is not None and SLIDING not in layer_types(config):
+        raise ConfigError(f"model.sliding_window={m.sliding_window}: no layer of a {m.model_type} model with these keys "
+                          f"slides (Hugging Face's {m.model_type} attends fully here, whatever the window); drop it")
+    return config
+
+
+def _rope_parameters(config, m) -> dict:
+    """The architecture's rotary parameters with `model.rope_theta` and `model.rope_scaling` over them."""
+    current = dict(_rope_of(config))
+    if any(isinstance(value, dict) for value in current.values()):
+        raise ConfigError(f"model.rope_theta / model.rope_scaling: a {m.model_type} model has a rotary embedding per "
+                          f"layer type, which these keys do not describe; drop them")
+    if m.rope_scaling is not None:
+        current = {key: value for key, value in current.items() if key in ("rope_theta", "partial_rotary_factor")}
+        current.update(dict(m.rope_scaling))
+    if m.rope_theta is not None:
+        current["rope_theta"] = float(m.rope_theta)
+    return current
+
+
+def _rope_of(config) -> dict:
+    """The config's rotary parameters: `rope_parameters` (transformers 5), else the older
+    `rope_theta` and `rope_scaling` attributes."""
+    parameters = getattr(config, "rope_parameters", None)
+    if parameters:
+        return dict(parameters)
+    legacy = dict(getattr(config, "rope_scaling", None) or {})
+    if getattr(config, "rope_theta", None) is not None:
+        legacy["rope_theta"] = config.rope_theta
+    return legacy
+
+
+NORM_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps")
+
+
+def _norm_eps_key(config, m=None) -> str | None:
+    """The config attribute that holds the norms' epsilon (None: the architecture fixes it)."""
+    key = next((key for key in NORM_EPS_KEYS if _takes(config, key)), None)
+    if key is None and m is not None:
+        raise ConfigError(f"model.norm_eps={m.norm_eps}: a {m.model_type} model's norms take no epsilon from its "
+                          f"config; drop it")
+    return key
 
 
 def attention_for(config, wanted: str) -> str:
@@ -170,13 +308,22 @@ def attention_for(config, wanted: str) -> str:
 
 
 def _facts(c) -> dict:
+    rope = _rope_of(c)
+    per_layer_type = any(isinstance(value, dict) for value in rope.values())  # Gemma 3: not one setting
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    norm_eps = _norm_eps_key(c)
     return {
         "model_type": c.model_type, "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
         "num_heads": c.num_attention_heads, "num_kv_heads": c.num_key_value_heads,
         "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         "intermediate_size": c.intermediate_size, "max_seq_len": c.max_position_embeddings,
         "dropout": float(getattr(c, "attention_dropout", 0.0) or 0.0),
-        "tie_embeddings": bool(c.tie_word_embeddings), "sliding_window": getattr(c, "sliding_window", None),
+        "tie_embeddings": bool(c.tie_word_embeddings),
+        # The window only where a layer slides: a Llama config that carries one attends fully.
+        "sliding_window": getattr(c, "sliding_window", None) if SLIDING in layer_types(c) else None,
+        "rope_theta": None if per_layer_type else rope.get("rope_theta"),
+        "rope_scaling": None if per_layer_type or scaling.get("rope_type", "default") == "default" else scaling,
+        "norm_eps": None if norm_eps is None else getattr(c, norm_eps, None),
     }
 
 
@@ -186,13 +333,18 @@ def _block_shape(m) -> BlockShape:
 
 
 def _refuses(c) -> str | None:
-    """Why a checkpoint's config is not of the Llama layout (None: it is)."""
-    if getattr(c, "is_encoder_decoder", False):
+    """Why a checkpoint's config is not one the layered decoder computes as Hugging Face does
+    (None: it is). The model type decides, before anything is built (`PROVEN`); the checks after
+    it catch a proven type's config that asks for what the blocks cannot carry."""
+    model_type = _attribute(c, "model_type")
+    if _attribute(c, "is_encoder_decoder"):
         return "an encoder-decoder model; decoders of the Llama layout are trained"
-    experts = next((getattr(c, key) for key in EXPERT_KEYS if getattr(c, key, 0)), 0)
+    experts = next((count for key in EXPERT_KEYS if isinstance(count := _attribute(c, key), int) and count), 0)
     if experts:
         return f"a mixture-of-experts model ({experts} experts a layer), which the blocks cannot carry yet"
-    unknown = sorted(set(getattr(c, "layer_types", None) or []) - set(MASKS))
+    if model_type not in PROVEN:
+        return _unproven(model_type)
+    unknown = sorted(set(layer_types(c)) - set(MASKS))
     if unknown:
         return f"layers of type {', '.join(unknown)}; the blocks take {FULL} and {SLIDING}"
     if getattr(c, "use_bidirectional_attention", False):
@@ -200,9 +352,23 @@ def _refuses(c) -> str | None:
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(c)
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError):
         return "not a causal LM"
     return None if _is_llama_layout(model) else "not the Llama layout"
+
+
+def _unproven(model_type) -> str:
+    return (f"{model_type} is not among the model types whose forward the decoder family is proven to compute as "
+            f"Hugging Face does: {', '.join(sorted(PROVEN))}")
+
+
+def _attribute(config, key: str):
+    """`config.key`, or None where the config has none or will not say (Gemma 4's per-layer
+    attributes raise on a global read): refusing must never crash."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - any config's own error is "no such setting" here
+        return None
 
 
 def _is_llama_layout(model: nn.Module) -> bool:
@@ -219,6 +385,7 @@ def _is_llama_layout(model: nn.Module) -> bool:
 SPEC = register_family(Family(
     name="decoder", layered=LayeredDecoder, tasks=("causal_lm",), tokenizer="byte_bpe",
     hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses, attention=attention_for,
-    dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop"),
-    description="decoders of the Llama layout (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3; causal LM)",
+    dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout"),
+    description="decoders of the Llama layout of a proven model type (Llama, Qwen2/3, Mistral, Gemma, Phi-3, "
+                "Granite, Cohere, OLMo, ...; causal LM)",
 ))
