@@ -14,6 +14,7 @@ import torch
 from relaytrain.cli import main
 from relaytrain.compose import compose_config
 from relaytrain.data import build_datasets
+from relaytrain.data.chat import end_of_turn_id
 from relaytrain.errors import ConfigError
 from relaytrain.models import build_model
 from relaytrain.models.layered import eval_mode
@@ -179,6 +180,59 @@ def test_a_tool_turn_needs_a_template_that_renders_it(checkpoints, tmp_path, cap
     line = cli_error([f"model.pretrained={checkpoints / 'plain'}", f"data.tokenizer={tmp_path / 'no_tools'}",
                       "data=chat", f"data.path={path}", "data.seq_len=32", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert f"{path} line 2: message 2 has role 'tool', which this chat template does not render" in line
+
+
+# --------------------------------------------------------------------------- templates
+
+
+LLAMA3 = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+          "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+GEMMA = ("{{ bos_token }}{% for message in messages %}<start_of_turn>"
+         "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{{ message['content'] | trim }}"
+         "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# Llama 2 and Mistral: no assistant header, so add_generation_prompt rightly changes nothing.
+LLAMA2 = ("{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token }}[INST] {{ message['content'] }}"
+          " [/INST]{% else %} {{ message['content'] }} {{ eos_token }}{% endif %}{% endfor %}")
+PLAIN_TEXT = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n\n{% endfor %}"
+              "{% if add_generation_prompt %}assistant: {% endif %}")
+# ChatML whose generation prompt is missing: the assistant's header is written only inside its turn.
+NO_GENERATION_PROMPT = CHATML[: CHATML.index("{% if add_generation_prompt %}")]
+
+
+def styled_tokenizer(template: str, eos: str, *special: str):
+    """The test tokenizer with another model family's special tokens, eos and chat template."""
+    tokenizer = chat_tokenizer()
+    tokenizer.add_tokens(list(special), special_tokens=True)
+    tokenizer.eos_token, tokenizer.chat_template = eos, template
+    return tokenizer
+
+
+@pytest.mark.parametrize("template, eos, special, stop", [
+    (CHATML, "<|endoftext|>", (), END),  # Qwen2.5: text ends with <|endoftext|>, a turn with <|im_end|>
+    (LLAMA3, "<|end_of_text|>", ("<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+     "<|eot_id|>"),
+    (GEMMA, "<eos>", ("<eos>", "<start_of_turn>", "<end_of_turn>"), "<end_of_turn>"),
+    (LLAMA2, "</s>", ("</s>",), "</s>"),
+    (PLAIN_TEXT, "<|endoftext|>", (), None),  # a text marker would stop wherever the text occurs
+    (None, "<|endoftext|>", (), None),
+], ids=["qwen2.5", "llama3.1", "gemma", "llama2", "plain-text", "no-template"])
+def test_the_end_of_turn_token_is_read_from_the_template(template, eos, special, stop):
+    tokenizer = styled_tokenizer(template, eos, *special)
+    expected = None if stop is None else tokenizer.convert_tokens_to_ids(stop)
+    assert end_of_turn_id(tokenizer) == expected
+
+
+def test_a_template_that_ignores_the_generation_prompt_is_refused(checkpoints, tmp_path, capsys):
+    path = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 4)
+    styled_tokenizer(NO_GENERATION_PROMPT, END).save_pretrained(tmp_path / "no_prompt")
+    line = cli_error([f"model.pretrained={checkpoints / 'plain'}", f"data.tokenizer={tmp_path / 'no_prompt'}",
+                      "data=chat", f"data.path={path}", "data.seq_len=32", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert f"tokenizer {tmp_path / 'no_prompt'} ignores add_generation_prompt" in line
+    # ... while a template with no assistant header (Llama 2, Mistral) ignores it rightly
+    styled_tokenizer(LLAMA2, END).save_pretrained(tmp_path / "llama2")
+    train, _ = build_datasets(chat_cfg(checkpoints / "plain", path, f"data.tokenizer={tmp_path / 'llama2'}"))
+    assert label_text(train, 0) == " Hello. " + END
 
 
 # --------------------------------------------------------------------------- long records

@@ -9,6 +9,7 @@ tokenizer can only come from the checkpoint.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relaytrain.cli import main
 from relaytrain.compose import compose_config
-from relaytrain.generate import device, load, new_token_ids, parse_request
+from relaytrain.generate import device, load, new_token_ids, parse_request, stop_ids
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import resolve
 from relaytrain.train import run
@@ -25,6 +26,7 @@ from tests.checkpoints import CHATML, chat_tokenizer, tiny_decoder
 from tests.conftest import train_plain_loop
 
 STEPS = 3
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PROMPT = "What is 2+2?"
 
 
@@ -109,6 +111,60 @@ def test_a_checkpoints_own_stop_ids_are_kept_beside_the_tokenizers_eos(tmp_path)
     run(saved_cfg(checkpoint), tmp_path / "run", table=False)
     saved = json.loads((tmp_path / "run" / "model" / "generation_config.json").read_text())
     assert saved["eos_token_id"] == [chat_tokenizer().eos_token_id, 5]
+
+
+def qwen_style_checkpoint(directory) -> tuple:
+    """A tiny checkpoint shaped like a Qwen2.5 base: text ends with <|endoftext|> (its eos, and its
+    generation config's only stop id) while its ChatML template ends a turn with <|im_end|>."""
+    tokenizer = chat_tokenizer()
+    tokenizer.eos_token = "<|endoftext|>"
+    tiny_decoder(directory, "llama", layers=2, tokenizer=False, eos_token_id=tokenizer.eos_token_id)
+    tokenizer.save_pretrained(directory)
+    return directory, tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def force_every_token(model_dir, token_id: int) -> None:
+    """Rewrite a saved llama's weights so that greedy decoding picks `token_id` whatever it reads:
+    with the blocks' output projections zero, the last hidden state is the token's embedding, the
+    same for every token, and only `token_id`'s output row is non-zero."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    state = load_file(path)
+    for name, weight in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weight.zero_()
+    state["model.embed_tokens.weight"].fill_(1.0)
+    state["lm_head.weight"].zero_()
+    state["lm_head.weight"][token_id] = 1.0
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def test_a_chat_fine_tune_stops_generating_where_a_turn_ends(tmp_path, capsys):
+    checkpoint, end_of_text, end_of_turn = qwen_style_checkpoint(tmp_path / "qwen")
+    cfg = saved_cfg(checkpoint, "data=chat", f"data.path={EXAMPLES / 'chat.jsonl'}", "data.seq_len=64")
+    run(cfg, tmp_path / "run", quiet=True)
+    out = tmp_path / "run" / "model"
+    saved = json.loads((out / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == [end_of_text, end_of_turn]
+    force_every_token(out, end_of_turn)
+    args = [f"model.pretrained={out}", f"prompt={PROMPT}", "max_new_tokens=6"]
+    model, tokenizer = load(str(out))
+    assert new_token_ids(parse_request(args), model, tokenizer).tolist() == [end_of_turn]
+    assert main(["generate", *args]) == 0 and capsys.readouterr().out == "\n"
+    # Stopping only at the end of text, as the checkpoint did, runs on to max_new_tokens.
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    assert model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                          eos_token_id=end_of_text)[0, ids.shape[1]:].tolist() == [end_of_turn] * 6
+
+
+def test_a_chat_prompt_stops_at_the_end_of_turn_the_generation_config_lacks(tmp_path):
+    """A LoRA adapter directory has no generation config; its base's may stop only at the end of text."""
+    checkpoint, end_of_text, end_of_turn = qwen_style_checkpoint(tmp_path / "qwen")
+    model, tokenizer = load(str(checkpoint))
+    assert model.generation_config.eos_token_id == end_of_text
+    assert stop_ids(model.generation_config, tokenizer, "auto") == [end_of_text, end_of_turn]
+    assert stop_ids(model.generation_config, tokenizer, "false") == [end_of_text]  # raw text: no turns
 
 
 # ----------------------------------------------------------------------------- relaytrain generate

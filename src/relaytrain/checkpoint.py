@@ -427,7 +427,7 @@ def read(path: Path, cfg, strategy: str, layout: dict, base: str | None = None) 
     if diffs:
         raise ConfigError(f"checkpoint {path} does not fit this config ({', '.join(diffs)}); "
                           f"resume with the config it was saved with")
-    if base is not None and manifest.get("base") != base:
+    if base is not None and not _same_base(manifest.get("base"), base):
         raise ConfigError(f"checkpoint {path} holds adapters trained on another base (fingerprint "
                           f"{manifest.get('base')}, this model.pretrained gives {base}); resume with the base it was made on")
     if manifest["step"] >= cfg.train.steps:
@@ -435,6 +435,14 @@ def read(path: Path, cfg, strategy: str, layout: dict, base: str | None = None) 
                           f"raise train.steps to train further")
     exact = manifest["strategy"] == strategy and _renamed(manifest["layout"]) == layout
     return Checkpoint(path, manifest, exact)
+
+
+def _same_base(written: str | None, base: str) -> bool:
+    """The manifest's base fingerprint against this run's: every byte hashed, or in a checkpoint
+    written before that, 64 values a tensor (`models.adapter.fingerprint`)."""
+    from relaytrain.models.adapter import same_base
+
+    return same_base(written, base)
 
 
 # Layout keys renamed since checkpoints were first written: an older manifest still resumes exactly.

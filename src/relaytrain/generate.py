@@ -6,7 +6,9 @@
 DIR is a Hugging Face causal-LM directory with its tokenizer: a run's RUN_DIR/model
 (`train.save_model=true`), or any checkpoint `relaytrain train model.pretrained=DIR` takes.
 Hugging Face's own `generate` decodes, on the GPU when there is one, so what this prints is
-what anyone who loads the directory with transformers gets. Only the new text is printed.
+what anyone who loads the directory with transformers gets. Only the new text is printed. It
+stops at the generation config's stop ids (a run's saved model lists its chat template's
+end-of-turn token there) and, for a chat prompt, at that end-of-turn token in any case.
 """
 
 from __future__ import annotations
@@ -186,14 +188,34 @@ def _quiet_transformers():
 # ----------------------------------------------------------------------------- generating
 
 
-def prompt_ids(tokenizer, prompt: str, chat: str) -> torch.Tensor:
-    """The prompt as a [1, length] id tensor: a user turn in the tokenizer's chat template, ready for
-    the assistant's answer (chat=auto when there is a template, chat=true), or the raw text."""
-    templated = chat == "true" or (chat == "auto" and tokenizer.chat_template)
+def templated(tokenizer, chat: str) -> bool:
+    """Whether the prompt goes in a user turn of the chat template (see `prompt_ids`)."""
     if chat == "true" and not tokenizer.chat_template:
         raise ConfigError("chat=true needs a tokenizer with a chat template, and this one has none; "
                           "use chat=false to continue the raw text")
-    if not templated:
+    return chat == "true" or (chat == "auto" and bool(tokenizer.chat_template))
+
+
+def stop_ids(generation, tokenizer, chat: str) -> list[int]:
+    """The ids generation stops at: the generation config's (a run's saved model lists its chat
+    template's end-of-turn token there) and, for a templated prompt, that end-of-turn token too:
+    a LoRA adapter directory has no generation config of its own, and its base's may stop only
+    at the end of text (Qwen2.5's <|endoftext|>, not <|im_end|>), running the reply on to
+    max_new_tokens."""
+    from relaytrain.data.chat import end_of_turn_id
+
+    given = generation.eos_token_id
+    stops = [given] if isinstance(given, int) else list(given or [])
+    turn = end_of_turn_id(tokenizer) if templated(tokenizer, chat) else None
+    if turn is not None and turn not in stops:
+        stops.append(turn)
+    return stops
+
+
+def prompt_ids(tokenizer, prompt: str, chat: str) -> torch.Tensor:
+    """The prompt as a [1, length] id tensor: a user turn in the tokenizer's chat template, ready for
+    the assistant's answer (chat=auto when there is a template, chat=true), or the raw text."""
+    if not templated(tokenizer, chat):
         return tokenizer(prompt, return_tensors="pt")["input_ids"]
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                          tokenize=False)
@@ -213,6 +235,9 @@ def new_token_ids(request: Request, model, tokenizer) -> torch.Tensor:
                         if v is not None})
     else:  # greedy: a checkpoint's sampling settings (Qwen's, Llama's) do not apply, and would be warned about
         options.update(temperature=None, top_p=None, top_k=None)
+    stops = stop_ids(model.generation_config, tokenizer, request.chat)
+    if stops:
+        options["eos_token_id"] = stops
     if model.generation_config.pad_token_id is None:  # one prompt, no padding: any id will do, eos is customary
         options["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     set_seed(request.seed)

@@ -18,18 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import transformers
 
 from relaytrain import checkpoint, elastic, failpoints, metrics, runlog
 from relaytrain import compile as compiling
 from relaytrain.compose import validate
 from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
 from relaytrain.display import StepProgress, print_one_line, print_results_table
-from relaytrain.errors import Aborted, ConfigError, Interrupted, TrainingDiverged, first_line
+from relaytrain.errors import Aborted, Interrupted, TrainingDiverged, first_line
 from relaytrain.evaluation import better
+from relaytrain.export import save_model
 from relaytrain.launch import launch
 from relaytrain.memory import DeviceMemory
-from relaytrain.models import adapter as adapters
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import explicit_overrides
 from relaytrain.models.pretrained import resolve as resolve_pretrained
@@ -390,112 +389,3 @@ class Trainer:
         results.update(data_facts(self.job.dataset, self.job.eval_dataset))  # e.g. chat records cut or dropped
         write_results(self.job.run_dir, results)
         return results
-
-
-SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Path:
-    """Hugging Face `save_pretrained` into run_dir/model, loadable as it is by AutoModel*.from_pretrained,
-    AutoTokenizer.from_pretrained and `relaytrain generate`: the weights every process holds (by
-    name) in train.save_dtype, the run's tokenizer with its chat template, and a generation config
-    that stops where the tokenizer ends a turn."""
-    merged = {name: t for weights in gathered if weights is not None for name, t in weights.items()}
-    # One process whose model holds plain, whole tensors: write them; otherwise a fresh model
-    # (a pipeline stage holds part of the model, a sharded strategy parts of every tensor).
-    own = strategy.world.size == 1 and all(type(p.data) is torch.Tensor for p in strategy.model.parameters())
-    model = strategy.model if own else build_model(cfg.model, cfg.train.seed, quiet=True, adapter=cfg.adapter)
-    hf_model = model.hf_model
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if name in merged:
-                p.copy_(merged[name])
-            elif p.requires_grad:  # a frozen base is the checkpoint's, as loaded; what trains must be there
-                raise ConfigError(f"no process holds the weights of {name}; the model cannot be saved")
-    out = run_dir / "model"
-    tokenizer = _run_tokenizer(cfg, run_dir)
-    if tokenizer is not None and hf_model.can_generate():
-        _set_special_ids(hf_model.generation_config, tokenizer, hf_model.get_input_embeddings().num_embeddings,
-                         inherited=bool(cfg.model.pretrained))
-    dtype = save_dtype(cfg)
-    if adapters.enabled(cfg.adapter) and not cfg.adapter.merge_on_save:
-        adapters.save_adapter(model, out, _base_source(cfg.model.pretrained), SAVE_DTYPES[dtype])
-    else:
-        state = adapters.merged_state(hf_model) if adapters.enabled(cfg.adapter) else hf_model.state_dict(keep_vars=True)
-        transformers.utils.logging.disable_progress_bar()  # one shard of a small model: a bar is noise
-        hf_model.save_pretrained(out, state_dict=_cast_state(state, SAVE_DTYPES[dtype]))
-        # save_pretrained records the dtype of the model in memory (the fp32 masters); the files hold `dtype`.
-        hf_model.config.dtype = dtype
-        hf_model.config.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    return out
-
-
-def _base_source(pretrained: str | None) -> str | None:
-    """What an adapter directory names as its base: the checkpoint's absolute path (the adapter
-    then loads from any working directory), a hub id as given, None for a model made from scratch."""
-    if not pretrained:
-        return None
-    local = Path(pretrained).expanduser()
-    return str(local.resolve()) if local.exists() else pretrained
-
-
-def save_dtype(cfg) -> str:
-    """train.save_dtype with `auto` resolved: the checkpoint's dtype (users get back what they
-    started from, e.g. bfloat16), else float32, the dtype the masters trained in."""
-    chosen = str(cfg.train.save_dtype)
-    if chosen != "auto":
-        return chosen
-    return cfg.model.checkpoint_dtype if cfg.model.checkpoint_dtype in SAVE_DTYPES else "float32"
-
-
-def _cast_state(tensors: dict, dtype: torch.dtype) -> dict:
-    """A state dict with floating tensors in `dtype`. A tied weight stays one tensor under both
-    names: save_pretrained finds ties by shared storage and writes them once."""
-    cast: dict[int, torch.Tensor] = {}
-    state = {}
-    for name, t in tensors.items():
-        if id(t) not in cast:
-            cast[id(t)] = t.detach().to(dtype) if t.is_floating_point() else t.detach()
-        state[name] = cast[id(t)]
-    return state
-
-
-def _run_tokenizer(cfg, run_dir: Path):
-    """The tokenizer the saved model travels with: the one the run's data used (RUN_DIR/tokenizer),
-    else model.pretrained's (synthetic data reads no tokenizer); None when there is neither."""
-    from transformers import AutoTokenizer
-
-    from relaytrain.data.tokenizer import may_hold_tokenizer
-
-    source = run_dir / "tokenizer"
-    if not source.is_dir():
-        if not cfg.model.pretrained or not may_hold_tokenizer(cfg.model.pretrained):
-            return None
-        pretrained = Path(cfg.model.pretrained).expanduser()
-        source = pretrained if pretrained.is_dir() else cfg.model.pretrained  # a hub id, while online
-    try:
-        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError) as err:  # a tokenizer it cannot read must not cost the trained weights
-        print(f"train.save_model: the model is saved without a tokenizer: {source}'s could not be loaded "
-              f"({first_line(err)})", flush=True)
-        return None
-
-
-def _set_special_ids(generation, tokenizer, vocab_size: int, inherited: bool) -> None:
-    """The tokenizer's bos/pad ids into the generation config, and its eos among the ids generation
-    stops at. A checkpoint's own stop ids (`inherited`) are kept too: chat models often stop at
-    several (end of turn, end of text); a model built here had only the architecture's defaults,
-    which need not be tokens of the tokenizer trained for it."""
-    for key in ("bos_token_id", "pad_token_id", "eos_token_id"):
-        ours = getattr(tokenizer, key)
-        if ours is None or not 0 <= ours < vocab_size:
-            continue
-        if key != "eos_token_id":
-            setattr(generation, key, ours)
-            continue
-        given = generation.eos_token_id if inherited else None
-        given = [given] if isinstance(given, int) else list(given or [])
-        others = [i for i in given if i != ours and 0 <= i < vocab_size]
-        generation.eos_token_id = [ours, *others] if others else ours

@@ -13,7 +13,10 @@ reply is located by rendering the conversation prefix by prefix: the template up
 with the generation prompt is its prompt, the template up to and including the turn ends with
 the reply. So any template works, with or without `{% generation %}` markers; the reply is the
 content and the template's end-of-turn token, not the whitespace a template puts between turns.
-Turns after the last reply teach nothing and are left out.
+A template that ignores the generation prompt yet opens the assistant's turn with a header is
+refused: the header would be trained as the reply (`check_generation_prompt`). Turns after the
+last reply teach nothing and are left out. The template's end-of-turn token (`end_of_turn_id`)
+is also where a saved model's generation stops.
 
 A record longer than data.seq_len is cut from the right and kept when a reply token survives,
 else dropped; both are counted in the dataset's `facts` (results.json's `data`). With
@@ -56,6 +59,7 @@ def load_chat(cfg, tokenizer_dir: str | None) -> tuple[TokenDataset, TokenDatase
     groups = [(key, read_records(file, key)) for key, file in files]
     corpus = (text for record in groups[0][1] for m in record.messages for text in (m["role"], m["content"]))
     tokenizer = load_tokenizer(cfg, corpus, tokenizer_dir, chat=True)
+    check_generation_prompt(tokenizer, groups[0][1][0])
     datasets = [encode_records(records, tokenizer, cfg.data.seq_len, cfg.data.pack, key) for key, records in groups]
     return datasets[0], (datasets[1] if len(datasets) > 1 else None)
 
@@ -176,6 +180,52 @@ def _reply_span(tokenizer, messages: list[dict], turn: int, text: str, where: st
                           f"goes on, so its reply cannot be located; split the record into one per reply")
     # Whitespace after the end-of-turn token separates turns; generation stops before it.
     return len(prompt), max(len(prompt), len(through.rstrip()))
+
+
+def check_generation_prompt(tokenizer, record: Record) -> None:
+    """A reply starts where the generation prompt ends. A template that renders the same text with
+    and without `add_generation_prompt`, yet opens the assistant's turn with a header (ChatML's
+    "<|im_start|>assistant\n" written only inside the turn), would put that header into the loss
+    and leave `generate` without it. Templates whose reply follows the prompt directly (Llama 2's
+    and Mistral's "[/INST]") ignore the flag rightly. Checked once, on the first record's first reply: a template either honours
+    the flag or not."""
+    first = next(i for i, m in enumerate(record.messages) if m["role"] == REPLY)
+    prefix = record.messages[:first]
+    prompt = _template(tokenizer, prefix, True, record.where)
+    if prompt != _template(tokenizer, prefix, False, record.where):
+        return
+    turn = _template(tokenizer, record.messages[: first + 1], False, record.where)[len(prompt):]
+    if turn.lstrip().startswith(record.messages[first]["content"].strip()):
+        return
+    raise ConfigError(f"the chat template of the tokenizer {tokenizer.name_or_path or '(unnamed)'} ignores "
+                      f"add_generation_prompt, so the assistant's header would be trained as its reply; use "
+                      f"data.tokenizer=DIR with a template that writes the header when add_generation_prompt is true")
+
+
+# A reply the template has no reason to alter (no surrounding whitespace, nothing to escape).
+PROBE = [{"role": "user", "content": "What is 2+2?"}, {"role": REPLY, "content": "It is 4."}]
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token the chat template ends a reply with: where generation must stop, which need not
+    be the tokenizer's eos (Qwen2.5: <|im_end|>, not <|endoftext|>; Llama 3.1: <|eot_id|>, not
+    <|end_of_text|>). Read from the template itself: the first token after a rendered reply,
+    whitespace between turns aside, when it is a special (added) token; a plain-text marker
+    would stop generation wherever that text occurs. None without a template or such a token."""
+    from jinja2.exceptions import TemplateError
+
+    if not tokenizer.chat_template:
+        return None
+    reply = PROBE[-1]["content"]
+    try:
+        text = tokenizer.apply_chat_template(PROBE, tokenize=False)
+    except (TemplateError, ValueError, TypeError, KeyError):  # e.g. a template that insists on a system turn
+        return None
+    if reply not in text:
+        return None
+    tail = text[text.rindex(reply) + len(reply):].strip()
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+    return ids[0] if ids and ids[0] in tokenizer.added_tokens_decoder else None
 
 
 def _check_tools_rendered(messages: list[dict], text: str, where: str) -> None:

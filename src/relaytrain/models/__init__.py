@@ -73,7 +73,7 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     hf_model.train()
     model = family_spec(m.family).layered(hf_model, str(m.task))
     if adapter is not None and adapters.enabled(adapter):
-        adapters.attach(model, adapter)
+        adapters.attach(model, adapter, m.checkpoint_dtype if m.pretrained else None, quiet=quiet)
     return model
 
 

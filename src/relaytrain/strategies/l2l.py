@@ -203,9 +203,10 @@ class L2L(ReplicatedStrategy):
                  if world.distributed else None)
         modules = [("embed", EmbedInput(model)), *((f"block.{i}", b) for i, b in enumerate(model.blocks)),
                    ("head", HeadLoss(model))]
+        # An adapter's frozen base stays on the host as built (never rounded in place: it is the
+        # base a merge or a resume must find again); the relay casts the copy it uploads.
         self.eps = EagerParamServer(modules, cfg.optim, self.scaler, self.precision.weight_dtype,
-                                    pin=self.device.type == "cuda", peers=peers,
-                                    frozen_dtype=self._frozen_dtype(model))
+                                    pin=self.device.type == "cuda", peers=peers)
         self.peers = peers
         self.transfers = Transfers(self.device)
         self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch,
@@ -215,13 +216,6 @@ class L2L(ReplicatedStrategy):
         table = model.hf_model.get_input_embeddings().weight
         # A dry run leaves it out: its host tensors are on the meta device, and it times nothing.
         self.table = table if self.eps.can_update_table_early(0, table) and not world.simulated else None
-
-    def _frozen_dtype(self, model: LayeredModel) -> torch.dtype | None:
-        """What the host keeps an adapter's frozen base in: the device's half dtype where the
-        device computes in it anyway (cmp_*); else as built (`compact_base`: a half-precision
-        checkpoint's base stays in its own dtype, which the relay casts on upload)."""
-        frozen = any(not p.requires_grad for p in model.parameters())
-        return self.precision.weight_dtype if frozen and self.precision.weight_dtype != torch.float32 else None
 
     # -- one step -----------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
