@@ -41,7 +41,7 @@ from pathlib import Path
 
 from benchlib import headline
 from relaytrain.compose import compose_config
-from relaytrain.dryrun import simulate
+from relaytrain.planner.dryrun import simulate
 from relaytrain.strategies.pipeline.executor import preferred
 from relaytrain.strategies.pipeline.jitter import ENV
 from relaytrain.strategies.pipeline.schedule import COMPUTE, Op, SlicePlan, build_schedule, stop_points

@@ -58,7 +58,7 @@ def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
     import psutil
 
     from relaytrain.compose import compose_config
-    from relaytrain.costmodel import ModelFacts
+    from relaytrain.cost.formulas import ModelFacts
     from relaytrain.models.pretrained import resolve
     from relaytrain.strategies import strategy_class
     from relaytrain.train import run

@@ -42,9 +42,9 @@ import torch.multiprocessing as mp
 
 from benchlib import headline
 from relaytrain.compose import compose_config
-from relaytrain.costmodel import fill_and_drain_bubble
+from relaytrain.cost.formulas import fill_and_drain_bubble
 from relaytrain.models.layered import MicroBatch
-from relaytrain.plan import predict
+from relaytrain.planner.plan import predict
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.pipeline.schedule import InterleavedSchedule
 from relaytrain.train import run

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from benchlib import OtherLoad
 from relaytrain.compose import compose_config
-from relaytrain.plan import make_plan
+from relaytrain.planner.plan import make_plan
 from relaytrain.train import run
 
 MODEL = [

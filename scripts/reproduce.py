@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from relaytrain.compose import compose_config
-from relaytrain.dryrun import simulate
 from relaytrain.models import count_parameters
+from relaytrain.planner.dryrun import simulate
 from relaytrain.train import run
 
 GIB = 2**30
@@ -294,7 +294,7 @@ def _plans(requests: dict, explained: list[str], request_header: str, papers: st
     """Plan each request: one row for the planner's choice (with the papers' beside it where
     `papers` names that column), and for the `explained` requests each strategy's fastest that
     fits (or why none does)."""
-    from relaytrain.plan import make_plan
+    from relaytrain.planner.plan import make_plan
 
     choices = [request_header, "planner's choice", "predicted step s", "simulated GB", "host GB (estimate)",
                "strategies that fit", "command", *([papers] if papers else [])]
@@ -322,13 +322,13 @@ def _plans(requests: dict, explained: list[str], request_header: str, papers: st
 
 
 def _variant(c) -> str:
-    from relaytrain.plan_candidates import variant
+    from relaytrain.planner.candidates import variant
 
     return variant(c.shape)
 
 
 def _gb(c) -> str:
-    from relaytrain.plan_candidates import GiB as PLAN_GIB
+    from relaytrain.planner.candidates import GiB as PLAN_GIB
 
     return f"{c.memory_bytes / PLAN_GIB:.2f}"
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from relaytrain.compose import compose_config
-from relaytrain.dryrun import simulate
+from relaytrain.planner.dryrun import simulate
 
 MODEL = ["model=bert_tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
          "model.intermediate_size=1024", "model.dropout=0.0", "data.seq_len=128", "data.num_samples=1024",

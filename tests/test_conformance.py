@@ -20,13 +20,13 @@ from omegaconf import OmegaConf
 from relaytrain import checkpoint
 from relaytrain.cli import main
 from relaytrain.compose import compose_config, validate
-from relaytrain.costmodel import ModelFacts
-from relaytrain.dryrun import simulate
+from relaytrain.cost.formulas import ModelFacts
+from relaytrain.cost.profile import from_spec, load_spec
 from relaytrain.errors import ConfigError
 from relaytrain.models import build_model, families
-from relaytrain.plan import make_plan
-from relaytrain.plan_candidates import PRUNE_FACTOR, candidate_config
-from relaytrain.profile import from_spec, load_spec
+from relaytrain.planner.candidates import PRUNE_FACTOR, candidate_config
+from relaytrain.planner.dryrun import simulate
+from relaytrain.planner.plan import make_plan
 from relaytrain.strategies import Capabilities, Strategy, choices, register, registry, strategy_class
 from relaytrain.strategies.base import StepResult
 from relaytrain.train import run

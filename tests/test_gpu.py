@@ -118,7 +118,7 @@ def test_lora_on_a_bf16_base_continues_a_peft_adapter_on_cuda(name, tmp_path):
 
     from relaytrain.compose import compose_config
     from tests.checkpoints import tiny_decoder
-    from tests.test_lora import RUN_KEYS, adapters_of, peft_adapter, peft_reference
+    from tests.models.test_lora import RUN_KEYS, adapters_of, peft_adapter, peft_reference
 
     base = tiny_decoder(tmp_path / "base", "llama", layers=4, dtype=torch.bfloat16)
     adapter = peft_adapter(base, tmp_path / "adapter")

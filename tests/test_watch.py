@@ -119,7 +119,7 @@ def test_the_estimate_and_progress_inside_long_steps(tmp_path, monkeypatch, caps
 
 
 def test_a_config_meant_for_a_gpu_says_so_before_it_starts():
-    from relaytrain.estimate import estimate
+    from relaytrain.planner.estimate import estimate
     from relaytrain.strategies import strategy_class
 
     cpu = torch.device("cpu")

@@ -292,8 +292,8 @@ def _estimate(cfg, overrides: list[str], device):
     """The planner's prediction of this run on its `device`, printed before it starts, on the
     process that shows progress; None for a dry run (it times nothing) or a config the planner
     cannot model."""
-    from relaytrain.estimate import estimate
     from relaytrain.models.pretrained import explicit_overrides, resolve
+    from relaytrain.planner.estimate import estimate
     from relaytrain.strategies import strategy_class
     from relaytrain.world import under_torchrun
 
@@ -396,12 +396,12 @@ def _positive_int(value: str, name: str) -> int:
 def _plan(args: list[str]) -> int:
     options, overrides = parse_args(args, PLAN_USAGE, values=("--out",))
     if options.get("--help"):
-        from relaytrain.profile import spec_names
+        from relaytrain.cost.profile import spec_names
 
         print(PLAN_HELP.format(profiles=", ".join(spec_names())), end="")
         return 0
-    from relaytrain.plan import make_plan, out_dir
-    from relaytrain.plan_output import infeasible_line, print_plan, write_plan
+    from relaytrain.planner.output import infeasible_line, print_plan, write_plan
+    from relaytrain.planner.plan import make_plan, out_dir
 
     plan = make_plan(overrides)
     where = out_dir(overrides, options.get("--out"))
@@ -423,7 +423,7 @@ def _report(args: list[str]) -> int:
         return 0
     if not paths:
         raise ConfigError(f"give at least one run or sweep directory; usage: {REPORT_USAGE}")
-    from relaytrain.report import compare_runs
+    from relaytrain.report.command import compare_runs
 
     compare_runs(paths, out=options.get("--out"), sort=options.get("--sort"), filters=options.get("--filter", []),
                  as_json=bool(options.get("--json")))

@@ -1,5 +1,5 @@
 """What a run shows its user: progress while it trains, and its summary table at the end
-(`relaytrain report` compares runs; that is `report.py`)."""
+(`relaytrain report` compares runs; that is `report/command.py`)."""
 
 from __future__ import annotations
 

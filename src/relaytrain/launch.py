@@ -173,7 +173,7 @@ def _joined(entry, cfg, world: World, payload, init_method: str, store=None):
     return result
 
 
-# Set by a caller that reads only a dry run's device figures, by rank (`relaytrain.dryrun`):
+# Set by a caller that reads only a dry run's device figures, by rank (`relaytrain.planner.dryrun`):
 # `stand_in(cfg, rank)` names the rank whose dry run is exactly `rank`'s (the strategy says so).
 dry_run_stand_ins: ContextVar[Callable[[object, int], int] | None] = ContextVar("dry_run_stand_ins", default=None)
 

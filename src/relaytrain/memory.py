@@ -14,7 +14,7 @@ param server: its masters, host gradients, optimizer state, a host stash), so th
 needs to know what is *host*: tensors created on another thread (the EPS worker) are never
 seen, and the rest is declared with `on_host()` (around an offload) or `mark_host(...)`.
 
-`relaytrain.dryrun.simulate(cfg)` runs a short dry run of a whole config for the planner; this
+`relaytrain.planner.dryrun.simulate(cfg)` runs a short dry run of a whole config for the planner; this
 module is only the accounting, which the strategies and the trainer use.
 """
 

@@ -15,6 +15,6 @@ failed_jobs: list[str] = []  # run directories of this process's failed sweep jo
 
 class SweepReport(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
-        from relaytrain.report import compare_runs
+        from relaytrain.report.command import compare_runs
 
         compare_runs([config.hydra.sweep.dir], out=config.hydra.sweep.dir)

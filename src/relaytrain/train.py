@@ -62,7 +62,7 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     """Train as `cfg` says, write `run_dir/results.json`, print the summary (the whole table, or
     with `table=False` one line, or with `quiet` nothing at all), return the results (an empty
     dict on the processes of a torchrun launch that do not report). `run_dir/status.json` says
-    how the run ended. `estimate`: the planner's prediction the caller made (`relaytrain.estimate`),
+    how the run ended. `estimate`: the planner's prediction the caller made (`relaytrain.planner.estimate`),
     for the ETA before the first step ends. `device`: the run's device as the caller decided it
     (None: decided here from train.device); every check and worker is handed this decision."""
     run_dir = Path(run_dir)

@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 from relaytrain import checkpoint
 from relaytrain.compose import compose_config
-from relaytrain.dryrun import simulate
 from relaytrain.models import build_model
+from relaytrain.planner.dryrun import simulate
 from relaytrain.train import run
 from tests.conftest import TINY_BERT, tiny_cfg, train_plain_loop
 

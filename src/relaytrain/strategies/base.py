@@ -9,7 +9,7 @@ does the work (`step`, `evaluate`, `drain`) and hands over its state (`state_dic
 `load_state_dict`, `weights`) and figures (`report`, then the class's `combine_reports` over
 every process's report).
 
-The trainer (`relaytrain.train`) and the planner (`relaytrain.plan`) drive every strategy
+The trainer (`relaytrain.train`) and the planner (`relaytrain.planner.plan`) drive every strategy
 through this interface alone: neither asks for a strategy's name. A new strategy is one
 module with a registered subclass, its config file in `configs/strategy/`, and its tests;
 registering refuses a class that leaves a question of the contract unanswered.
@@ -27,7 +27,7 @@ import torch
 
 from relaytrain import metrics
 from relaytrain.config import StrategyConfig
-from relaytrain.costmodel import (
+from relaytrain.cost.formulas import (
     FP32,
     ModelFacts,
     Shape,
@@ -36,13 +36,13 @@ from relaytrain.costmodel import (
     logits_bytes,
     logits_per_sample,
 )
+from relaytrain.cost.profile import Profile
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models import trained_parameters
 from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.optim import state_words
 from relaytrain.precision import Precision
-from relaytrain.profile import Profile
 from relaytrain.world import World
 
 
@@ -122,7 +122,7 @@ class Strategy(ABC):
     def dry_run_stand_in(cls, cfg, rank: int) -> int:
         """The rank whose dry run is this rank's, exactly: the same code on tensors of the same
         shapes, neither depending on the other (a dry run moves nothing between processes), so
-        the planner's dry runs (`relaytrain.dryrun.simulate`) run only that one and give this
+        the planner's dry runs (`relaytrain.planner.dryrun.simulate`) run only that one and give this
         rank its figures. A rank another stands in for stands in for itself. Itself unless the
         strategy knows better."""
         return rank
@@ -133,7 +133,7 @@ class Strategy(ABC):
         return reports[0]
 
     # -- what the planner asks: class level, no process and no tensor -----------------------------
-    # `cfg` is a whole config with the shape's keys set (`plan_candidates.candidate_config`); `facts` the
+    # `cfg` is a whole config with the shape's keys set (`candidates.candidate_config`); `facts` the
     # model's sizes; `profile` the machine. Every figure is a prediction.
     @classmethod
     @abstractmethod
@@ -145,7 +145,7 @@ class Strategy(ABC):
     @abstractmethod
     def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
         """The predicted step time on `profile`'s machine, composed from the shared formulas of
-        `relaytrain.costmodel` and the profile's per-part times."""
+        `relaytrain.cost.formulas` and the profile's per-part times."""
 
     @classmethod
     @abstractmethod

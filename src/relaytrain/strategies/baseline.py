@@ -32,13 +32,13 @@ from relaytrain.checkpoint import (
     unique_named_parameters,
 )
 from relaytrain.config import Recompute, StrategyConfig, WorkersConfig
-from relaytrain.costmodel import ModelFacts, Shape, StepCost
+from relaytrain.cost.formulas import ModelFacts, Shape, StepCost
+from relaytrain.cost.profile import Profile
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
 from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler, Precision
-from relaytrain.profile import Profile
 from relaytrain.strategies import register
 from relaytrain.strategies import whole_model_cost as cost
 from relaytrain.strategies.base import (

@@ -52,13 +52,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state, sharded_contents
 from relaytrain.config import Offload, Recompute, StrategyConfig, WorkersConfig
-from relaytrain.costmodel import ModelFacts, Shape, StepCost
+from relaytrain.cost.formulas import ModelFacts, Shape, StepCost
+from relaytrain.cost.profile import Profile
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch
 from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler
-from relaytrain.profile import Profile
 from relaytrain.strategies import register
 from relaytrain.strategies import whole_model_cost as cost
 from relaytrain.strategies.base import (

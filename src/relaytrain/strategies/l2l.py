@@ -48,12 +48,12 @@ from relaytrain.checkpoint import (
     unique_named_parameters,
 )
 from relaytrain.config import StrategyConfig, WorkersConfig
-from relaytrain.costmodel import ModelFacts, Shape, StepCost
+from relaytrain.cost.formulas import ModelFacts, Shape, StepCost
+from relaytrain.cost.profile import Profile
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import Draw, LayeredModel, MicroBatch, eval_mode
 from relaytrain.precision import LossScaler
-from relaytrain.profile import Profile
 from relaytrain.strategies import l2l_cost as cost
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (

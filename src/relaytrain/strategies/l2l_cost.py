@@ -5,13 +5,13 @@ L2L's class answers the planner by delegating here (`L2L.step_cost` -> `step_cos
 relay and the server run in l2l.py and eps/, what they are predicted to cost is here, beside
 `paper_step_s` and `paper_transfer_overhead`, the paper's own equations that the planner's
 tests hold the model to. Every figure is a prediction (the shared formulas are
-`relaytrain.costmodel`'s) but those of `report` and `combine_reports`, a run's measured ones.
+`relaytrain.cost.formulas`'s) but those of `report` and `combine_reports`, a run's measured ones.
 """
 
 from __future__ import annotations
 
 from relaytrain.config import Choice
-from relaytrain.costmodel import (
+from relaytrain.cost.formulas import (
     FP32,
     LOOPS_ALWAYS,
     ModelFacts,
@@ -23,9 +23,9 @@ from relaytrain.costmodel import (
     powers_of_two_dividing,
     upload_s,
 )
+from relaytrain.cost.profile import Profile, Timings
 from relaytrain.models import trained_parameters
 from relaytrain.optim import state_words
-from relaytrain.profile import Profile, Timings
 from relaytrain.strategies.base import Strategy, cpu_activation_bytes
 from relaytrain.strategies.whole_model_cost import WORKER_OVERHEAD_BYTES
 

@@ -6,13 +6,13 @@ two differ in what a worker holds and what crosses between workers: the baseline
 model and all-reduces its gradients once a step, FSDP keeps 1/R of everything and gathers the
 units before they compute. The strategy classes answer the planner by delegating here
 (`Baseline.step_cost` -> `baseline_step_cost`, ...), so the runtime and the prediction each have
-their own file. Every figure is a prediction; the shared formulas are `relaytrain.costmodel`'s.
+their own file. Every figure is a prediction; the shared formulas are `relaytrain.cost.formulas`'s.
 """
 
 from __future__ import annotations
 
 from relaytrain.config import Offload, Recompute
-from relaytrain.costmodel import (
+from relaytrain.cost.formulas import (
     FP32,
     ModelFacts,
     Shape,
@@ -24,8 +24,8 @@ from relaytrain.costmodel import (
     stage_bytes,
     upload_s,
 )
+from relaytrain.cost.profile import Profile
 from relaytrain.optim import state_words
-from relaytrain.profile import Profile
 from relaytrain.strategies.base import Strategy, cpu_activation_bytes, weights_grads_optimizer_bytes
 
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each worker process

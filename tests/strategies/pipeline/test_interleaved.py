@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 
 from relaytrain.cli import main
 from relaytrain.compose import compose_config
-from relaytrain.dryrun import simulate
 from relaytrain.errors import ConfigError
 from relaytrain.models import build_model
+from relaytrain.planner.dryrun import simulate
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.pipeline.schedule import COMPUTE, FlushSchedule, InterleavedSchedule, Op
 from relaytrain.strategies.pipeline.validate import check_schedule

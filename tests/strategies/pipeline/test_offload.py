@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from relaytrain.checkpoint import checkpoint_dir
 from relaytrain.compose import compose_config
-from relaytrain.dryrun import simulate
 from relaytrain.models import build_model
+from relaytrain.planner.dryrun import simulate
 from relaytrain.strategies.pipeline.offload import HostVersions
 from relaytrain.strategies.pipeline.stage import StageModule
 from relaytrain.strategies.pipeline.weights import WeightVersions

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from relaytrain.cli import main
-from relaytrain.costmodel import fill_and_drain_bubble as bubble_formula
+from relaytrain.cost.formulas import fill_and_drain_bubble as bubble_formula
 from relaytrain.errors import ConfigError
 from relaytrain.strategies.pipeline.schedule import (
     COMPUTE,

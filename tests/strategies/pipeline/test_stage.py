@@ -7,7 +7,7 @@ import torch
 
 from relaytrain.cli import main
 from relaytrain.compose import compose_config
-from relaytrain.costmodel import ModelFacts, part_costs
+from relaytrain.cost.formulas import ModelFacts, part_costs
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.pipeline.stage import balanced_layout, partition
 from tests.conftest import train_plain_loop

@@ -7,7 +7,7 @@ times and says how many micro-batches each stage keeps in flight and how many we
 it holds, so one set of formulas serves every schedule. `combine_reports` sets the stages'
 measured figures (each process's `report`: `stage_report`) beside the bubble formula and the
 schedule's replay. Every other figure is a prediction; the shared formulas are
-`relaytrain.costmodel`'s.
+`relaytrain.cost.formulas`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from relaytrain import memory
 from relaytrain.config import Recompute
-from relaytrain.costmodel import (
+from relaytrain.cost.formulas import (
     FP32,
     ModelFacts,
     Shape,
@@ -28,8 +28,8 @@ from relaytrain.costmodel import (
     powers_of_two_dividing,
     stage_bytes,
 )
+from relaytrain.cost.profile import Profile, Timings
 from relaytrain.optim import state_words
-from relaytrain.profile import Profile, Timings
 from relaytrain.strategies.base import Strategy, cpu_activation_bytes
 from relaytrain.strategies.pipeline.config import Offload
 from relaytrain.strategies.pipeline.validate import replay

@@ -31,11 +31,11 @@ import torch
 from omegaconf import OmegaConf
 
 from relaytrain.config import Recompute
-from relaytrain.costmodel import ModelFacts, Shape, StepCost, part_costs
+from relaytrain.cost.formulas import ModelFacts, Shape, StepCost, part_costs
+from relaytrain.cost.profile import Profile
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch, eval_mode
-from relaytrain.profile import Profile
 from relaytrain.strategies.base import (
     Capabilities,
     StepResult,
@@ -149,7 +149,7 @@ class PipelineStrategy(Strategy):
     @classmethod
     def layout(cls, cfg) -> list[int] | None:
         """Blocks per model chunk as `strategy.layout` asks (None: the even split). `balanced`
-        (or no layout): cut by `costmodel.part_costs`, the embeddings on the first chunk and the
+        (or no layout): cut by `formulas.part_costs`, the embeddings on the first chunk and the
         head on the last, so that the costliest stage is as cheap as it can be (per chunk under
         interleaving). The costs come from the model's shapes, not from timings: every process,
         and a resumed run, computes the same split."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
 
-from relaytrain.costmodel import fill_and_drain_bubble
+from relaytrain.cost.formulas import fill_and_drain_bubble
 from relaytrain.errors import ConfigError
 
 

@@ -1,5 +1,5 @@
 """Check a schedule before anything runs it: invariants per stage, then a replay of all stages
-together (an event replay of the programs; the meta-device dry run is `relaytrain.dryrun`).
+together (an event replay of the programs; the meta-device dry run is `relaytrain.planner.dryrun`).
 
 The per-stage invariants are one incremental checker (`StageInvariants`): the validator
 replays each program through it, and the message-driven executor asks it before each choice,

@@ -1,6 +1,6 @@
 """Adapters as peft builds them: modules_to_save, LoRA on the embeddings and the head, DoRA and
 lora_bias, continued under a strategy equal to a plain peft loop; merging through peft's own
-merge on the exact base; and what is refused in one line (tests/test_lora.py: plain LoRA).
+merge on the exact base; and what is refused in one line (tests/models/test_lora.py: plain LoRA).
 
 Each adapter is made for a tiny random Llama by peft itself (`get_peft_model`), every trained
 tensor randomised (a continued fine-tune), and saved by peft. The reference is
@@ -22,7 +22,7 @@ from relaytrain.errors import ConfigError
 from relaytrain.train import run
 from tests.checkpoints import tiny_decoder
 from tests.test_decoders import reference_loop
-from tests.test_lora import DELAYED, gpt2_checkpoint, lora_cfg
+from tests.models.test_lora import DELAYED, gpt2_checkpoint, lora_cfg
 
 BLOCK_TARGETS = ["q_proj", "v_proj", "down_proj"]
 # feature -> the LoraConfig keys that make it (every one on the Llama layout, untied embeddings).

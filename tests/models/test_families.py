@@ -219,7 +219,7 @@ def test_a_decoder_dry_run_on_padded_chat_data(tmp_path):
     builds the mask a GPU would instead of asking whether every token is real."""
     from pathlib import Path
 
-    examples = Path(__file__).parent.parent / "examples" / "chat.jsonl"
+    examples = Path(__file__).parents[2] / "examples" / "chat.jsonl"
     assert main(["train", "model=llama_tiny", "model.num_layers=2", "data=chat", f"data.path={examples}",
                  "data.seq_len=64", "train.device=meta", "train.steps=2", "train.untimed_steps=0",
                  f"hydra.run.dir={tmp_path}"]) == 0

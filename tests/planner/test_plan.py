@@ -13,11 +13,11 @@ import torch
 
 from relaytrain.cli import main
 from relaytrain.compose import compose_config, validate
-from relaytrain.costmodel import ModelFacts, Shape
-from relaytrain.dryrun import simulate
-from relaytrain.plan import make_plan, predict
-from relaytrain.plan_candidates import GiB, candidate_config
-from relaytrain.profile import PartTimes, Profile, Timings, load_spec, measure, spec_names
+from relaytrain.cost.formulas import ModelFacts, Shape
+from relaytrain.cost.profile import PartTimes, Profile, Timings, load_spec, measure, spec_names
+from relaytrain.planner.candidates import GiB, candidate_config
+from relaytrain.planner.dryrun import simulate
+from relaytrain.planner.plan import make_plan, predict
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.l2l_cost import paper_step_s as l2l_paper_step_s
 from relaytrain.strategies.l2l_cost import paper_transfer_overhead as l2l_transfer_overhead
@@ -151,7 +151,7 @@ def test_l2l_with_the_stash_on_the_host_is_predicted_exactly_as_its_preset():
 
 
 def from_v100(cfg, sizes):
-    from relaytrain.profile import from_spec
+    from relaytrain.cost.profile import from_spec
 
     return from_spec(load_spec("v100_16gb"), cfg, sizes)
 

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relaytrain import runlog
-from relaytrain.report_runs import GIB, Run, cell_text, numeric_key, short_key, shown_path
+from relaytrain.report.runs import GIB, Run, cell_text, numeric_key, short_key, shown_path
 from relaytrain.units import si
 
 STATUS_STYLE = {runlog.FINISHED: "green", runlog.FAILED: "bold red", runlog.INTERRUPTED: "yellow",

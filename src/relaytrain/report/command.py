@@ -4,11 +4,11 @@
     relaytrain report outputs/*/ --sort -samples_per_s --filter status=finished
     relaytrain report multirun/2025-01-31/10-00-00 --json > runs.json
 
-Each run directory gives one row, read from what the run left there (`relaytrain.report_runs`),
+Each run directory gives one row, read from what the run left there (`relaytrain.report.runs`),
 so a failed or interrupted job is a row with its status and error rather than a gap. The rows
-go to one table (`relaytrain.report_table`) or JSON, `summary.csv` (written here: plain numbers,
+go to one table (`relaytrain.report.table`) or JSON, `summary.csv` (written here: plain numbers,
 bytes in bytes, rates in units per second, plus one column per swept key) and, with matplotlib,
-PNG plots (`relaytrain.report_plots`). --filter and --sort choose and order the rows here.
+PNG plots (`relaytrain.report.plots`). --filter and --sort choose and order the rows here.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from rich.console import Console
 
 from relaytrain.display import console
 from relaytrain.errors import ConfigError
-from relaytrain.report_plots import write_plots
-from relaytrain.report_runs import (
+from relaytrain.report.plots import write_plots
+from relaytrain.report.runs import (
     COLUMNS,
     Run,
     cell_text,
@@ -39,7 +39,7 @@ from relaytrain.report_runs import (
     swept_keys,
     to_number,
 )
-from relaytrain.report_table import print_table
+from relaytrain.report.table import print_table
 
 _FILTER = re.compile(r"([^=!<>]+)(!=|=|>|<)(.*)")
 _stderr = Console(stderr=True)

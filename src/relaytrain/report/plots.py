@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from relaytrain import runlog
-from relaytrain.report_runs import GIB, Run, numeric_key, short_key, swept_keys, to_number
+from relaytrain.report.runs import GIB, Run, numeric_key, short_key, swept_keys, to_number
 
 PLOT_STYLE = {
     "font.size": 11, "axes.titlesize": 13, "axes.labelsize": 12, "legend.fontsize": 9,

@@ -1,6 +1,6 @@
 """Before the first step: how long will a step, and the run, take on this machine?
 
-A prediction, labelled as one, by the planner's own cost model (`relaytrain.plan.predict`):
+A prediction, labelled as one, by the planner's own cost model (`relaytrain.planner.plan.predict`):
 one block of the configured model is profiled briefly on this machine (forward, backward and
 an optimizer step at micro-batch sizes up to the configured one; larger sizes extrapolated
 once a block passes a fraction of a second), and the strategy's step is composed from it as
@@ -19,7 +19,7 @@ import torch
 from relaytrain import metrics
 from relaytrain.errors import ConfigError
 from relaytrain.models import count_parameters
-from relaytrain.plan import predict
+from relaytrain.planner.plan import predict
 from relaytrain.units import duration
 
 LONG_RUN_S = 3600.0

@@ -1,5 +1,5 @@
 """The planner's candidates: steps 2 to 5 of `relaytrain plan` (the steps are listed in full in
-`relaytrain.plan`, which profiles the machine and calls these).
+`relaytrain.planner.plan`, which profiles the machine and calls these).
 
 2. **Candidates**: every shape each strategy says trains the requested global batch B on the
    workers given (`Strategy.shapes`: the baseline's micro-batch size b and count m = B / b,
@@ -7,14 +7,14 @@
    width w x depth d = workers, b, m = B / (w b) and recompute none/block/stage). Micro-batch
    sizes are powers of two.
 3. **Time**: each candidate's step by its strategy's cost model (`Strategy.step_cost`, made of
-   the shared formulas in `relaytrain.costmodel`).
+   the shared formulas in `relaytrain.cost.formulas`).
 4. **Host memory**: each candidate's host memory on one machine, estimated from its strategy's
    host state (`Strategy.host_state_bytes`: an eager param server's, offloaded masters and
    optimizer state, a stash on the host) and the fp32 model each worker builds there first,
    against `plan.host_memory_gb` (this machine's RAM for plan.device=this; unlimited for a
    profile unless given): a candidate over it does not fit, whatever its device memory.
 5. **Device memory**: each candidate's device memory from the meta-device dry run of the real
-   strategy code (`relaytrain.dryrun.simulate`), walking the candidates fastest first until
+   strategy code (`relaytrain.planner.dryrun.simulate`), walking the candidates fastest first until
    the fastest that fits is found, then the fastest that fits of every other strategy and
    variant. A closed-form MEMORY(.) (`Strategy.device_bytes`) prunes obviously hopeless ones
    before they are simulated; a shape whose micro-batch did not fit is not simulated again with
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from omegaconf import OmegaConf
 
 from relaytrain.compose import validate
-from relaytrain.costmodel import ModelFacts, Shape, StepCost
-from relaytrain.dryrun import simulate
+from relaytrain.cost.formulas import ModelFacts, Shape, StepCost
+from relaytrain.cost.profile import Profile
 from relaytrain.errors import ConfigError
+from relaytrain.planner.dryrun import simulate
 from relaytrain.preflight import HEADROOM, check_can_start
-from relaytrain.profile import Profile
 from relaytrain.strategies import presets, strategy_class
 
 GiB = 2**30

@@ -11,10 +11,10 @@ import torch
 from relaytrain.cli import main
 from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.dryrun import simulate
 from relaytrain.errors import ConfigError
 from relaytrain.memory import DeviceMemory
 from relaytrain.models import build_model
+from relaytrain.planner.dryrun import simulate
 from relaytrain.strategies import build_strategy, choices, strategy_class
 from relaytrain.train import run
 from relaytrain.world import LocalGroup

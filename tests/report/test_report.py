@@ -9,10 +9,11 @@ import pytest
 import yaml
 from rich.console import Console
 
-from relaytrain import report, runlog
+from relaytrain import runlog
 from relaytrain.cli import main
-from relaytrain.report import COLUMNS, swept_keys
-from relaytrain.report import compare_runs as summarize
+from relaytrain.report import command as report
+from relaytrain.report.command import compare_runs as summarize
+from relaytrain.report.runs import COLUMNS, swept_keys
 
 GIB = 2**30
 SWEPT = ["strategy.num_microbatches", "strategy.stages"]

@@ -9,8 +9,8 @@ import pytest
 
 from relaytrain.cli import main
 from relaytrain.compose import compose_config
-from relaytrain.costmodel import ModelFacts, block_activation_bytes
-from relaytrain.dryrun import simulate
+from relaytrain.cost.formulas import ModelFacts, block_activation_bytes
+from relaytrain.cost.profile import block_forward_flops, load_spec, spec_names
 from relaytrain.metrics import (
     attention_flops,
     attention_width,
@@ -20,9 +20,9 @@ from relaytrain.metrics import (
 )
 from relaytrain.models import count_parameters
 from relaytrain.models.family import BlockShape
-from relaytrain.plan import make_plan
-from relaytrain.plan_candidates import GiB
-from relaytrain.profile import block_forward_flops, load_spec, spec_names
+from relaytrain.planner.candidates import GiB
+from relaytrain.planner.dryrun import simulate
+from relaytrain.planner.plan import make_plan
 from relaytrain.strategies import strategy_class
 from tests.conftest import TINY_BERT
 

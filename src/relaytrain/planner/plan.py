@@ -4,12 +4,12 @@ memory limit; and `predict(cfg)`, the same cost model for one config before a ru
 PipeDream-2BW's planner (§4, Algorithm 1) over every registered strategy:
 
 1. **Profile** the machine: this one, timed on one block of the configured model, or a GPU
-   profile file of spec-sheet figures (`relaytrain.profile`).
+   profile file of spec-sheet figures (`relaytrain.cost.profile`).
 2.-5. **Candidates**: every shape each strategy offers for the request, checked, timed by its
    cost model, its host memory estimated and its device memory decided by the meta-device dry
-   run, fastest first (`relaytrain.plan_candidates`).
+   run, fastest first (`relaytrain.planner.candidates`).
 6. **Answer**: a table, the best candidate that fits, the `relaytrain train` command that runs
-   it, and plan.json (`relaytrain.plan_output`).
+   it, and plan.json (`relaytrain.planner.output`).
 
 Nothing here knows a strategy by name: a registered strategy is planned through its class.
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from relaytrain.compose import compose
-from relaytrain.costmodel import ModelFacts, powers_of_two_dividing
-from relaytrain.dryrun import simulate
+from relaytrain.cost.formulas import ModelFacts, powers_of_two_dividing
+from relaytrain.cost.profile import Profile, from_spec, load_spec, measure
 from relaytrain.errors import ConfigError
 from relaytrain.models.pretrained import explicit_overrides, resolve
-from relaytrain.plan_candidates import (
+from relaytrain.planner.candidates import (
     MAX_SIMULATIONS,
     Candidate,
     GiB,
@@ -37,7 +37,7 @@ from relaytrain.plan_candidates import (
     decide_memory,
     enumerate_shapes,
 )
-from relaytrain.profile import Profile, from_spec, load_spec, measure
+from relaytrain.planner.dryrun import simulate
 from relaytrain.strategies import registry, strategy_class
 from relaytrain.world import pick_device
 

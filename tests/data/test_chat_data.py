@@ -22,7 +22,7 @@ from relaytrain.models.pretrained import resolve
 from relaytrain.train import run
 from tests.checkpoints import CHATML, chat_tokenizer, tiny_decoder
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 END = "<|im_end|>"
 
 

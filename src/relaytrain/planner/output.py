@@ -1,5 +1,5 @@
 """The planner's answer: step 6 of `relaytrain plan` (the steps are listed in full in
-`relaytrain.plan`), from a finished `Plan`.
+`relaytrain.planner.plan`), from a finished `Plan`.
 
 6. **Answer**: a table, the best candidate that fits, the `relaytrain train` command that runs
    it, and plan.json. Every time figure is a prediction and says so. When nothing fits, one
@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from relaytrain.files import write_json
-from relaytrain.plan import Plan
-from relaytrain.plan_candidates import Candidate, GiB, variant
+from relaytrain.planner.candidates import Candidate, GiB, variant
+from relaytrain.planner.plan import Plan
 
 TABLE_ROWS = 24
 WIDE = 160  # columns of the table when the output is not a terminal (a file, a pipe)

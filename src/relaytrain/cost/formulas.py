@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from relaytrain.cost.profile import PartTimes, Profile, Timings
 from relaytrain.metrics import attention_flops, block_shape, key_value_width, query_width
 from relaytrain.models import adapter as adapters
 from relaytrain.models import part_parameters
 from relaytrain.models.family import BlockShape
 from relaytrain.optim import state_words
-from relaytrain.profile import PartTimes, Profile, Timings
 
 FP32 = 4
 LOOPS_ALWAYS = "always"  # a shape's `recompute` when the strategy always recomputes (the L2L relay)
