@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-gpu bench lint install clean gpu-wheels gpu-install bench-gpu
+.PHONY: demo test test-slow test-gpu bench bench-compare lint install clean gpu-wheels gpu-install bench-gpu
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,15 @@ bench-gpu:
 
 bench: $(VENV)/.installed-bench
 	$(BIN)/python scripts/bench.py
+
+# The same benchmarks from BASE (a commit) and from this checkout, alternating, and each headline's
+# ratio HEAD/BASE: make bench-compare BASE=2788acc [ONLY=data_parallel,axonn] [ROUNDS=2]
+BASE ?=
+ONLY ?=
+ROUNDS ?= 2
+bench-compare: $(VENV)/.installed-bench
+	@[ -n "$(BASE)" ] || { echo "bench-compare: name the commit to compare against, e.g. make bench-compare BASE=2788acc"; exit 2; }
+	$(BIN)/python scripts/bench_compare.py --base $(BASE) --rounds $(ROUNDS) $(if $(ONLY),--only $(ONLY))
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests scripts

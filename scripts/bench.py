@@ -57,21 +57,9 @@ COMPARED = {
     "md_vs_static_flush_even": "1F1B d = 3, no jitter: message-driven / static",
     "offload_exposed_pipe_2bw": "pipe_2bw offload=host: exposed update / step, worst stage",
     "offload_exposed_pipe_flush": "pipe_flush offload=host: exposed update / step, worst stage",
+    "l2l_replicas_scaling": "l2l, 2 replicas / (2 x one worker)",
+    "plan_worst_error": "plan: worst |predicted / measured step - 1| of a round",
 }
-# Single-figure results of the other scripts: (what, figure, target), the target met when the
-# figure is at least it (a float) or at most its second item (("<=", x)).
-SINGLE = {
-    "l2l_scaling": lambda r: [("l2l, 2 replicas / (2 x one worker)", r["scaling_sharded"], r["target"])],
-    "planner": lambda r: [("plan: worst |predicted / measured step - 1|", r["worst_error"], ("<=", 1 - r["target"]))],
-}
-
-
-def met(figure: float, target) -> tuple[str, bool]:
-    if isinstance(target, tuple):
-        return f"<= {target[1]:.3g}", figure <= target[1]
-    return f">= {target}", figure >= target
-
-
 def run(name: str, script: Path, workdir: Path) -> dict:
     out = workdir / f"{name}.json"
     start = time.perf_counter()
@@ -94,16 +82,6 @@ def medians_table(headlines: dict) -> Table:
     return table
 
 
-def single_table(rows: list) -> Table:
-    table = Table(title="relaytrain benchmarks: single figures")
-    for column in ("benchmark", "figure", "target", "met"):
-        table.add_column(column)
-    for what, figure, target in rows:
-        wanted, ok = met(figure, target)
-        table.add_row(what, f"{figure:.3f}", wanted, "yes" if ok else "no")
-    return table
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(BENCHMARKS))
@@ -115,9 +93,6 @@ def main() -> None:
             results[name] = run(name, BENCHMARKS[name], Path(workdir))
     headlines = {key: h for result in results.values() for key, h in result.get("headlines", {}).items()}
     Console().print(medians_table(headlines))
-    singles = [row for name, result in results.items() if name in SINGLE for row in SINGLE[name](result)]
-    if singles:
-        Console().print(single_table(singles))
     if args.out:
         Path(args.out).write_text(json.dumps({"headlines": headlines, **results}, indent=2) + "\n")
 

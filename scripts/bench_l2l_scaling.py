@@ -20,6 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from benchlib import headline
 from relaytrain.compose import compose_config
 from relaytrain.train import run
 
@@ -76,6 +77,10 @@ def main() -> None:
         "scaling_sharded": best["2 replicas, sharded EPS"]["samples_per_s"] / ideal,
         "scaling_replicated": best["2 replicas, replicated EPS"]["samples_per_s"] / ideal,
         "target": TARGET,
+        # Tracked like every other comparison: each round's two replicas against twice that round's one worker.
+        "headlines": {"l2l_replicas_scaling": headline(
+            [two["samples_per_s"] / (2 * one["samples_per_s"])
+             for one, two in zip(rounds["one worker"], rounds["2 replicas, sharded EPS"], strict=True)], TARGET)},
     }
     print(json.dumps({k: v for k, v in out.items() if k != "rounds"}, indent=1))
     if args.json:

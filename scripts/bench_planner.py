@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from benchlib import OtherLoad
+from benchlib import OtherLoad, headline
 from relaytrain.compose import compose_config
 from relaytrain.planner.plan import make_plan
 from relaytrain.train import run
@@ -96,7 +96,11 @@ def main() -> None:
                   f"measured {rows[-1]['measured_step_s']:.3f} s ({rows[-1]['error']:+.0%})", flush=True)
     worst = max(abs(row["error"]) for row in rows)
     out = {"started": started, "rows": rows, "worst_error": worst, "accuracy": 1 - worst, "target": 1 - TARGET,
-           "within_target": sum(abs(row["error"]) <= TARGET for row in rows), "runs": len(rows)}
+           "within_target": sum(abs(row["error"]) <= TARGET for row in rows), "runs": len(rows),
+           # Tracked like every other comparison: each round's worst |predicted / measured - 1|.
+           "headlines": {"plan_worst_error": headline(
+               [max(abs(row["error"]) for row in rows if row["round"] == r + 1) for r in range(args.rounds)],
+               TARGET, lower_is_better=True)}}
     table = Table(title="relaytrain plan: predicted vs measured step time on this machine "
                         "(other cores busy: while planning / while running)")
     for column in ("round", "config", "planned shape", "predicted s", "measured s", "error", "other cores busy"):
