@@ -1,12 +1,11 @@
 """One suite every strategy passes, taken from the registry rather than listed by hand: a new
 strategy (or preset) is held to it the moment it is registered.
 
-Each `strategy=` option trains two steps of a tiny BERT and of a tiny Llama-layout decoder
-through the trainer, dropout on, and equals the plain loop (or, where its capabilities declare
-delayed updates, the delayed rule: pipe_2bw's, the one that differs on purpose), evaluates held-out data, resumes from its step-1 checkpoint to the
-same weights bit for bit, appears in `relaytrain --help` and in `relaytrain plan` with a cost
-and a memory figure, has a closed-form device memory within the planner's pruning factor of
-its dry run's on every model family, and refuses in one line what it cannot honour.
+Each `strategy=` option appears in `relaytrain --help` and in `relaytrain plan` with a cost and
+a memory figure, has a closed-form device memory within the planner's pruning factor of its dry
+run's on every model family, and refuses in one line what it cannot honour. What it trains (the
+weights against the plain loop or its delayed rule, evaluation, resuming bit for bit, LoRA,
+replicas, host offload, on every model family) is tests/conformance/, one matrix of cells.
 """
 
 from __future__ import annotations
@@ -17,10 +16,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain import checkpoint
 from relaytrain.cli import main
 from relaytrain.compose import compose_config, validate
 from relaytrain.cost.formulas import ModelFacts
+from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import from_spec, load_spec
 from relaytrain.errors import ConfigError
 from relaytrain.models import build_model, families
@@ -29,14 +28,13 @@ from relaytrain.planner.dryrun import simulate
 from relaytrain.planner.plan import make_plan
 from relaytrain.strategies import Capabilities, Strategy, choices, register, registry, strategy_class
 from relaytrain.strategies.base import StepResult
-from relaytrain.train import run
 from tests.conftest import TINY_BERT, TINY_GPT2, TINY_LLAMA, tiny_cfg, train_plain_loop
 
 STEPS = 2
 # What each capability a strategy may lack asks for, and the override that asks for it.
 ASKS = {"grad_clip": "optim.grad_clip=1.0", "fp16": "precision=amp_fp16", "cross_precision": "precision=cmp_bf16"}
-# The model families the training test runs over: an encoder, and a Llama-layout decoder (its
-# per-micro-batch context of masks and rotary tables, grouped-query attention, untied head).
+# An encoder, and a Llama-layout decoder (its per-micro-batch context of masks and rotary tables,
+# grouped-query attention, untied head).
 FAMILIES = {"bert": TINY_BERT, "llama": TINY_LLAMA}
 # Every model family, for the checks cheap enough to run on all: the two above and GPT-2 (tied head).
 EVERY_FAMILY = {**FAMILIES, "gpt2": TINY_GPT2}
@@ -67,35 +65,6 @@ def plain_reference(cfg, delay: int) -> torch.nn.Module:
     return train_plain_loop(single, STEPS, delay=delay, replicas=replicas).hf_model
 
 
-def training_cases() -> list:
-    """Every strategy on BERT; on the decoder the default suite keeps the three whose code differs
-    most (test_decoders.py trains every strategy on decoders too), the rest is `slow`."""
-    decoder_default = {"l2l", "pipe_2bw", "fsdp"}
-    return [pytest.param(name, family, marks=() if family == "bert" or name in decoder_default else pytest.mark.slow)
-            for name in choices() for family in FAMILIES]
-
-
-@pytest.mark.parametrize(("name", "family"), training_cases())
-def test_trains_evaluates_and_resumes_as_its_update_rule_says(name, family, tmp_path):
-    cfg = conformance_cfg(name, family=family)
-    cls = strategy_class(name)
-    results = run(cfg, tmp_path / "run")
-    ours = saved_weights(tmp_path / "run", cfg)
-    reference = plain_reference(cfg, cls.capabilities.update_delay)
-    for (key, a), (_, b) in zip(ours.named_parameters(), reference.named_parameters(), strict=True):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=key)
-    (evaluation,) = results["eval"]
-    assert evaluation["step"] == STEPS and evaluation["items"] > 0 and torch.isfinite(torch.tensor(evaluation["loss"]))
-
-    first = checkpoint.step_dir(checkpoint.checkpoint_dir(tmp_path / "run"), 1)
-    resumed_cfg = conformance_cfg(name, f"train.resume={first}", family=family)
-    resumed = run(resumed_cfg, tmp_path / "resumed")
-    for (key, a), (_, b) in zip(ours.named_parameters(), saved_weights(tmp_path / "resumed", cfg).named_parameters(),
-                                strict=True):
-        assert torch.equal(a, b), f"{name}: {key} differs after resuming"
-    assert resumed["loss"] == results["loss"] and resumed["eval"] == results["eval"]
-
-
 @pytest.mark.parametrize("name", choices())
 def test_refuses_in_one_line_what_it_cannot_honour(name, capsys):
     can = strategy_class(name).capabilities
@@ -122,13 +91,13 @@ def test_every_strategy_has_shapes_a_cost_and_a_closed_form_memory(name):
     cls = strategy_class(name)
     base = tiny_cfg("bert", f"strategy={name}", "model.num_layers=4")
     facts = ModelFacts.of(base)
-    shapes = cls.shapes(workers=2, batch=8, num_layers=base.model.num_layers)
+    shapes = cls.cost_model.shapes(workers=2, batch=8, num_layers=base.model.num_layers)
     assert shapes and all(s.strategy == name and s.batch == 8 and s.workers <= 2 for s in shapes)
     profile = from_spec(load_spec("v100_16gb"), base, sorted({s.microbatch_size for s in shapes}))
     for shape in shapes:
         cfg = candidate_config(base, shape)
-        assert cls.step_cost(cfg, facts, profile).step_s > 0, shape
-        assert cls.device_bytes(cfg, facts) > 0, shape
+        assert cls.cost_model.step_cost(cfg, facts, profile).step_s > 0, shape
+        assert cls.cost_model.device_bytes(cfg, facts) > 0, shape
 
 
 @pytest.mark.parametrize(("name", "family"), [(name, family) for name in choices() for family in EVERY_FAMILY])
@@ -137,7 +106,7 @@ def test_the_closed_form_memory_is_within_the_pruning_factor_of_the_dry_run(name
     form over PRUNE_FACTOR x the simulated peak would prune shapes that fit, and one under
     1 / PRUNE_FACTOR of it would rank (and show beside the dry run) a figure that far off."""
     cfg = conformance_cfg(name, family=family)
-    closed = strategy_class(name).device_bytes(cfg, ModelFacts.of(cfg))
+    closed = strategy_class(name).cost_model.device_bytes(cfg, ModelFacts.of(cfg))
     simulated = simulate(cfg, steps=2).peak_bytes
     assert 1 / PRUNE_FACTOR <= closed / simulated <= PRUNE_FACTOR, (
         f"{name} on {family}: closed form {closed} B, dry run {simulated} B, ratio {closed / simulated:.3f}")
@@ -158,7 +127,7 @@ def test_every_strategy_is_planned_with_a_time_and_a_dry_run(name, plan_of_every
     cls, keys = strategy_class(name), tiny_cfg("bert", f"strategy={name}", "model.num_layers=4").strategy
     mine = [c for c in plan_of_everything.candidates if c.shape.strategy == cls.name]
     varied = {key for c in mine for key, _ in c.shape.options}
-    wanted = cls.shape_options(**{key: keys[key] for key in varied})  # a preset's own variant
+    wanted = cls.cost_model.shape_options(**{key: keys[key] for key in varied})  # a preset's own variant
     ours = [c for c in mine if c.shape.options == wanted]
     assert ours, f"{name} is missing from the plan"
     assert all(c.cost is not None and c.cost.step_s > 0 and c.closed_form_bytes > 0 for c in ours)
@@ -166,6 +135,9 @@ def test_every_strategy_is_planned_with_a_time_and_a_dry_run(name, plan_of_every
 
 
 def test_a_strategy_without_a_cost_model_is_refused_when_registered():
+    """A strategy names its cost model once (`cost_model`); registering refuses one that names
+    none, and one whose cost model leaves the planner's questions unanswered."""
+
     class Incomplete(Strategy):
         def step(self, minibatch, lr) -> StepResult: ...
         def evaluate(self, batches): ...
@@ -174,9 +146,27 @@ def test_a_strategy_without_a_cost_model_is_refused_when_registered():
         def load_state_dict(self, state): ...
         def weights(self): ...
 
-    with pytest.raises(TypeError, match="device_bytes, shapes, step_cost"):
+    with pytest.raises(TypeError, match="names no cost model"):
         register("incomplete")(Incomplete)
+
+    class Unanswered(CostModel):
+        def host_state_bytes(self, cfg, facts) -> int:
+            return 0
+
+    class HalfPlanned(Incomplete):
+        cost_model = Unanswered
+
+    with pytest.raises(TypeError, match="device_bytes, shapes, step_cost"):
+        register("incomplete")(HalfPlanned)
     assert "incomplete" not in registry()
+
+
+def test_each_strategy_class_has_its_own_cost_model_bound_to_it():
+    """One cost model class may serve several strategies (the pipelines'): each class gets an
+    instance bound to itself, so the model asks the right class for its schedule and chunks."""
+    for cls in registry().values():
+        assert isinstance(cls.cost_model, CostModel) and cls.cost_model.strategy is cls
+    assert strategy_class("pipe_flush").cost_model is not strategy_class("pipe_2bw").cost_model
 
 
 def test_capabilities_declare_the_update_rule():

@@ -14,13 +14,15 @@ Chat rows add what synthetic rows lack: padding (an attention mask with zeros, t
 replies only) and packed records (no mask, positions restarting at each record). A Llama and a
 Gemma 2 checkpoint resume from their step-1 checkpoints bit for bit under L2L and PipeDream-2BW.
 
-The full matrices (every architecture x every strategy variant, and the chat rows) are `slow`;
-the default suite runs every strategy on Llama, every architecture under L2L, and Gemma 2's padded and packed chat rows once each.
+Every strategy on the Llama checkpoint (and on GPT-2's) is a cell of tests/conformance/, held to
+the same loops (`tests/conformance/references.py`); here are the other architectures. The full
+matrices (every other architecture x every strategy variant, and the chat rows) are `slow`; the
+default suite runs every architecture, Llama's included, under L2L, and Gemma 2's padded and
+packed chat rows once each.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 from pathlib import Path
@@ -31,12 +33,16 @@ from transformers import AutoModelForCausalLM
 
 from relaytrain import checkpoint
 from relaytrain.compose import compose_config
-from relaytrain.data import build_dataset, build_loader
-from relaytrain.models.pretrained import resolve
-from relaytrain.optim import lr_at
 from relaytrain.strategies import choices, strategy_class
 from relaytrain.train import run
 from tests.checkpoints import ARCHITECTURES, CORPUS, tiny_decoder
+from tests.conformance.references import (  # noqa: F401  (minibatches, reference_loop: tests.models import them from here)
+    assert_same_weights,
+    hf_reference,
+    minibatches,
+    reference_loop,
+)
+from tests.conformance.references import hf_saved as saved
 
 STEPS = 3
 LAYERS = 4  # two pipeline stages of two chunks each (pipe_interleaved) need four blocks
@@ -58,7 +64,7 @@ VARIANTS = {name: [f"strategy={name}"] for name in choices()} | {
     "pipe_flush_offload": ["strategy=pipe_flush", "strategy.offload=host"],
     "pipe_2bw_offload": ["strategy=pipe_2bw", "strategy.offload=host"],
 }
-DEFAULT_ARCH = "llama"
+CONFORMANCE_ARCH = "llama"  # every strategy trains it in tests/conformance/
 EVERY_ARCH = ("l2l",)  # what every architecture runs in the default suite (the model code is the same under each)
 # Chat rows: padded (an attention mask with zeros, the loss on replies only) or packed (no mask,
 # positions restarting at each record): what synthetic rows never exercise.
@@ -68,13 +74,10 @@ CHAT_DEFAULT = {("gemma2", "padded", "pipe_flush"), ("gemma2", "packed", "l2l")}
 
 
 def matrix() -> list:
-    """(architecture, variant) pairs; outside the default slice they are `slow`."""
-    pairs = []
-    for arch in ARCHITECTURES:
-        for variant in VARIANTS:
-            fast = arch == DEFAULT_ARCH or variant in EVERY_ARCH
-            pairs.append(pytest.param(arch, variant, id=f"{arch}-{variant}", marks=() if fast else pytest.mark.slow))
-    return pairs
+    """(architecture, variant) pairs; outside L2L they are `slow`. Llama's other variants are
+    conformance cells (tests/conformance/), not repeated here."""
+    return [pytest.param(arch, variant, id=f"{arch}-{variant}", marks=() if variant in EVERY_ARCH else pytest.mark.slow)
+            for arch in ARCHITECTURES for variant in VARIANTS if arch != CONFORMANCE_ARCH or variant in EVERY_ARCH]
 
 
 def chat_matrix() -> list:
@@ -119,87 +122,6 @@ def decoder_cfg(pretrained: Path, variant: str, *overrides: str):
     return compose_config([f"model.pretrained={pretrained}", *VARIANTS[variant], *RUN_KEYS, *overrides])
 
 
-def minibatches(cfg) -> list:
-    """The minibatches the run trains on, whole (every replica's rows), from relaytrain's loader."""
-    cfg = resolve(cfg)
-    loader = build_loader(cfg, build_dataset(cfg), replicas=strategy_class(cfg.strategy.name).replicas(cfg))
-    return [next(loader) for _ in range(STEPS)]
-
-
-def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on every weight but the norms' and the biases (named so by Hugging Face)."""
-    named = list(model.named_parameters())  # a tied weight once
-    exempt = [p for name, p in named if "norm" in name or name.endswith(".bias")]
-    decayed = [p for name, p in named if not ("norm" in name or name.endswith(".bias"))]
-    return [{"params": decayed, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
-
-
-def hf_loss(model: torch.nn.Module, minibatch: list) -> torch.Tensor:
-    """The minibatch's mean token loss, backpropagated micro-batch by micro-batch: Hugging Face's
-    own causal LM loss summed over each micro-batch's tokens and divided by the whole minibatch's
-    (`num_items_in_batch`, as the Trainer accumulates gradients)."""
-    items = sum(int((mb.labels[:, 1:] != -100).sum()) for mb in minibatch)
-    total = torch.zeros(())
-    for mb in minibatch:
-        mask = mb.attention_mask
-        if mask is None and mb.position_ids is None:  # packed rows have none: their positions keep records apart
-            mask = torch.ones_like(mb.input_ids)
-        # No KV cache in training; with one, Hugging Face would not look for packed records either.
-        out = model(input_ids=mb.input_ids, attention_mask=mask, position_ids=mb.position_ids, labels=mb.labels,
-                    num_items_in_batch=items, use_cache=False)
-        out.loss.backward()
-        total += out.loss.detach()
-    return total
-
-
-def hf_reference(pretrained: Path, cfg, delay: int = 0) -> tuple[torch.nn.Module, list[float]]:
-    """The checkpoint trained by a plain Hugging Face loop; its weights and each step's loss.
-
-    `delay=1`: PipeDream-2BW's rule, each minibatch's gradients taken at the weights one update
-    older, W(b+1) = W(b) - step(grad f_b(W(max(b-1, 0))))."""
-    o = cfg.optim
-    model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(decay_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-    return model, reference_loop(model, optimizer, cfg, delay)
-
-
-def reference_loop(model: torch.nn.Module, optimizer, cfg, delay: int = 0) -> list[float]:
-    """`model` trained by `optimizer` over the run's minibatches at its learning rates, Hugging
-    Face's loss backpropagated micro-batch by micro-batch; each step's loss. `delay=1`: the
-    gradients taken at the weights one update older (PipeDream-2BW)."""
-    model.train()
-    stale = copy.deepcopy(model) if delay else model  # the weights the gradients are taken at
-    versions = [copy.deepcopy(model.state_dict())] * delay
-    losses = []
-    for step, minibatch in enumerate(minibatches(cfg)):
-        if delay:
-            stale.load_state_dict(versions.pop(0))
-            versions.append(copy.deepcopy(model.state_dict()))
-        losses.append(float(hf_loss(stale, minibatch)))
-        if delay:
-            for p, q in zip(model.parameters(), stale.parameters(), strict=True):
-                if p.requires_grad:
-                    p.grad, q.grad = q.grad, None
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optim, STEPS)
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses
-
-
-def saved(run_dir: Path) -> torch.nn.Module:
-    """What the run saved, as anyone would load it."""
-    return AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32)
-
-
-def assert_same_weights(ours: torch.nn.Module, reference: torch.nn.Module, what: str) -> None:
-    theirs = dict(reference.named_parameters())
-    mine = dict(ours.named_parameters())
-    assert mine.keys() == theirs.keys(), what
-    for key, p in mine.items():
-        torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=lambda m, key=key: f"{what} {key}: {m}")
-
-
 @pytest.mark.parametrize(("arch", "variant"), matrix())
 def test_every_strategy_trains_the_checkpoint_as_a_plain_hugging_face_loop(arch, variant, checkpoints, tmp_path):
     pretrained = checkpoints(arch)
@@ -231,9 +153,11 @@ def test_padded_and_packed_chat_rows_train_as_a_plain_hugging_face_loop(arch, ro
     assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
 
 
-# Llama's are slow: test_conformance resumes a Llama-layout decoder under every strategy already.
-@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "gemma2"])
-@pytest.mark.parametrize("variant", ["l2l", "pipe_2bw"])
+# Gemma 2 (tied, alternating sliding and full layers) under 2BW in the default suite; the rest is `slow`:
+# tests/conformance/ resumes the Llama checkpoint under every strategy already.
+@pytest.mark.parametrize(("arch", "variant"), [
+    pytest.param("llama", "l2l", marks=pytest.mark.slow), pytest.param("llama", "pipe_2bw", marks=pytest.mark.slow),
+    pytest.param("gemma2", "l2l", marks=pytest.mark.slow), ("gemma2", "pipe_2bw")])
 def test_a_decoder_resumes_from_its_step_one_checkpoint_bit_for_bit(arch, variant, checkpoints, tmp_path):
     pretrained = checkpoints(arch)
     keys = ("train.checkpoint_every=1", "train.keep_checkpoints=0")

@@ -1,5 +1,7 @@
 """Watching and stopping a run: metrics.csv as it trains, TensorBoard events, progress inside
-long steps, figures that agree, help for every key, and Ctrl-C answered at once the second time."""
+long steps, help for every key, and Ctrl-C answered at once the second time. That every
+strategy's phase times sum to no more than the step time beside them is a property of every
+conformance cell (tests/conformance/)."""
 
 import csv
 import os
@@ -20,37 +22,17 @@ from relaytrain.compose import compose_config
 from relaytrain.config import field_docs
 from relaytrain.display import StepProgress
 from relaytrain.runlog import COLUMNS, read_metrics, read_status
-from relaytrain.strategies import choices, registry
+from relaytrain.strategies import registry
 from relaytrain.train import run
 from tests.conftest import tiny_cfg, wait_for
 
-STRATEGIES = choices()  # every strategy= option, from the registry
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_phase_times_sum_to_no_more_than_the_step_time_beside_them(tmp_path, strategy):
-    steps = ["strategy.num_microbatches=2"] if strategy.startswith("pipe") else []
-    cfg = tiny_cfg("bert", f"strategy={strategy}", "model.num_layers=4", "train.steps=5", "train.untimed_steps=2",
-                   "strategy.microbatch_size=4", *steps, "train.checkpoint_every=2", "data.eval_fraction=0.1")
-    results = run(cfg, tmp_path)
-    report = results["strategy_report"]
-    measured = results["measured_steps"] * results["throughput"]["step_time_s"]  # the same 3 steps
-    if strategy.startswith("pipe"):
-        for stage in report["per_stage"]:
-            phases = stage["phases_s"]
-            inside = sum(seconds for name, seconds in phases.items() if name != "step")
-            assert inside <= phases["step"] * 1.001, (stage["stage"], phases)
-        last = report["per_stage"][-1]["phases_s"]["step"]
-        assert 0.5 * measured < last <= measured * 1.001  # the reporter's clock times the last stage's steps
-    else:
-        assert sum(report["phase_times_s"].values()) <= measured * 1.001, report["phase_times_s"]
-
 
 def test_every_key_of_every_strategy_and_optimizer_has_a_description():
-    from relaytrain.config import OPTIMIZER_CONFIGS, RelayTrainConfig
+    from relaytrain.config import RelayTrainConfig
+    from relaytrain.optim import optimizer_schemas
 
     schemas = [f.default_factory for f in fields(RelayTrainConfig) if f.name not in ("strategy", "optim")]
-    schemas += [cls.Config for cls in registry().values()] + list(OPTIMIZER_CONFIGS.values())
+    schemas += [cls.Config for cls in registry().values()] + list(optimizer_schemas().values())
     for schema in schemas:
         docs = field_docs(schema)
         missing = [f.name for f in fields(schema) if not docs.get(f.name)]

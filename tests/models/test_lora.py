@@ -1,11 +1,14 @@
-"""LoRA (adapter=lora) on every strategy: equal to a plain peft loop, the base untouched.
+"""LoRA (adapter=lora): the base untouched, merging, resuming over the wrong base refused, the
+adapters alone in the EPS, and a chat fine-tune from the command line.
 
-A peft adapter with both matrices non-zero (a continued fine-tune: with lora_B = 0 the
-adapters' first gradients would miss half the product) is made for a tiny random Llama and
-GPT-2 by peft itself. Each strategy continues it (`adapter.pretrained=DIR`) and saves the
-adapter; the reference is peft's own `PeftModel.from_pretrained(base, DIR, is_trainable=True)`
-with its own forward and loss, torch's AdamW over the trainable parameters, the same minibatches
-and learning rates. Nothing of relaytrain's model, loss or optimizer is on its path.
+Every strategy continuing an adapter as a plain peft loop, and resuming it bit for bit, is the
+`lora` adapter of the conformance matrix (tests/conformance/): a peft adapter with both matrices
+non-zero (a continued fine-tune: with lora_B = 0 the adapters' first gradients would miss half
+the product) is made for a tiny random Llama and GPT-2 by peft itself. Each strategy continues
+it (`adapter.pretrained=DIR`) and saves the adapter; the reference is peft's own
+`PeftModel.from_pretrained(base, DIR, is_trainable=True)` with its own forward and loss, torch's
+AdamW over the trainable parameters, the same minibatches and learning rates. Nothing of
+relaytrain's model, loss or optimizer is on its path.
 """
 
 from __future__ import annotations
@@ -16,15 +19,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 from relaytrain import checkpoint
 from relaytrain.compose import compose_config
 from relaytrain.errors import ConfigError
 from relaytrain.train import run
 from tests.checkpoints import tiny_decoder
-from tests.test_decoders import minibatches, reference_loop
+from tests.conformance.references import (  # noqa: F401  (adapters_of, peft_reference: tests import them from here)
+    adapters_of,
+    gpt2_checkpoint,
+    minibatches,
+    peft_adapter,
+    peft_reference,
+)
 
 STEPS = 3
 RUN_KEYS = [
@@ -48,37 +57,6 @@ VARIANTS = {
     "pipe_flush_offload": ["strategy=pipe_flush", "strategy.offload=host"],
 }
 DELAYED = {"pipe_2bw"}  # PipeDream-2BW's rule: gradients at the weights one update older
-# The default suite: one of each kind of code path on the Llama layout, and the four most different
-# on GPT-2 (Conv1D layers, a tied head); the rest is `slow` (CI runs it in its own step).
-LLAMA_FAST = {"baseline", "baseline_replicas", "fsdp", "l2l", "l2l_replicas", "pipe_2bw", "pipe_flush_offload"}
-FAST = {"baseline", "l2l", "pipe_2bw", "fsdp"}
-RESUME_FAST = {"baseline", "l2l", "pipe_2bw"}
-
-
-def gpt2_checkpoint(directory: Path) -> Path:
-    """A tiny random GPT-2 (Conv1D layers, tied embeddings) saved by save_pretrained."""
-    config = AutoConfig.for_model("gpt2", vocab_size=320, n_embd=32, n_layer=4, n_head=4, n_positions=64,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # peft's loop draws its own masks
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return directory
-
-
-def peft_adapter(base: Path, directory: Path) -> Path:
-    """A LoRA adapter for `base` made by peft, both matrices random (non-zero), saved by peft."""
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    gpt2 = model.config.model_type == "gpt2"
-    targets = ["c_attn", "c_proj", "c_fc"] if gpt2 else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                         "up_proj", "down_proj"]
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, fan_in_fan_out=gpt2)
-    peft_model = get_peft_model(model, config)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)
-    peft_model.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -102,46 +80,6 @@ def lora_cfg(base: Path, adapter: Path, variant: str, *overrides: str):
                            *RUN_KEYS, *overrides])
 
 
-def peft_reference(base: Path, adapter: Path, cfg, delay: int) -> tuple[torch.nn.Module, list[float]]:
-    """The adapter trained by a plain peft loop: peft's model and loss, torch's AdamW on the
-    trainable parameters (decay on matrices, as every LoRA matrix is), relaytrain's minibatches."""
-    o = cfg.optim
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter,
-                                      is_trainable=True)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    return model, reference_loop(model, optimizer, cfg, delay)
-
-
-def adapters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach() for name, p in model.named_parameters() if "lora_" in name}
-
-
-def matrix() -> list:
-    return [pytest.param(family, variant, id=f"{family}-{variant}",
-                         marks=() if variant in (LLAMA_FAST if family == "llama" else FAST) else pytest.mark.slow)
-            for family in ("llama", "gpt2") for variant in VARIANTS]
-
-
-@pytest.mark.parametrize(("family", "variant"), matrix())
-def test_every_strategy_continues_a_peft_adapter_as_a_plain_peft_loop(family, variant, bases, tmp_path):
-    base, adapter = bases(family)
-    cfg = lora_cfg(base, adapter, variant)
-    results = run(cfg, tmp_path / "run", table=False)
-    saved = tmp_path / "run" / "model"
-    assert (saved / "adapter_config.json").is_file() and (saved / "adapter_model.safetensors").is_file()
-    assert not (saved / "model.safetensors").exists()  # the adapter only, not the base again
-    ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), saved)
-    reference, losses = peft_reference(base, adapter, cfg, delay=1 if variant in DELAYED else 0)
-    mine, theirs = adapters_of(ours), adapters_of(reference)
-    assert mine.keys() == theirs.keys() and mine
-    start = adapters_of(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter))
-    for key, p in mine.items():
-        torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=lambda m, key=key: f"{variant} {key}: {m}")
-        assert (p - start[key]).abs().max() > 1e-3, f"{key} did not train"
-    assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
-
-
 @pytest.mark.parametrize("variant", ["baseline", "l2l", pytest.param("pipe_2bw", marks=pytest.mark.slow)])
 def test_the_base_is_bit_for_bit_unchanged_and_merging_writes_a_plain_model(variant, bases, tmp_path):
     base, adapter = bases("llama")
@@ -157,26 +95,6 @@ def test_the_base_is_bit_for_bit_unchanged_and_merging_writes_a_plain_model(vari
     folded = unmerged.merge_and_unload()
     for name, t in merged.state_dict().items():
         torch.testing.assert_close(t, folded.state_dict()[name], atol=1e-6, rtol=1e-6)
-
-
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v in RESUME_FAST else pytest.mark.slow)
-                                     for v in VARIANTS])
-def test_resume_with_adapters_is_exact(variant, bases, tmp_path):
-    base, adapter = bases("llama")
-    keys = ("train.checkpoint_every=1", "train.keep_checkpoints=0")
-    results = run(lora_cfg(base, adapter, variant, *keys), tmp_path / "run", table=False)
-    first = checkpoint.step_dir(checkpoint.checkpoint_dir(tmp_path / "run"), 1)
-    saved = set(torch.load(first / "part-0.pt", weights_only=False)["weights"])
-    if (first / checkpoint.SHARDED).is_dir():  # fsdp: every shard in torch.distributed.checkpoint's files
-        saved |= {key for key in checkpoint.sharded_contents(first / checkpoint.SHARDED) if "/" not in key}
-    assert saved and all("lora_" in name for name in saved)  # the adapters, not the base
-    resumed = run(lora_cfg(base, adapter, variant, *keys, f"train.resume={first}"), tmp_path / "resumed", table=False)
-    assert resumed["loss"] == results["loss"]
-    from safetensors.torch import load_file
-
-    whole = load_file(tmp_path / "run" / "model" / "adapter_model.safetensors")
-    again = load_file(tmp_path / "resumed" / "model" / "adapter_model.safetensors")
-    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
 
 
 def test_a_checkpoint_refuses_to_resume_over_another_base(bases, tmp_path):

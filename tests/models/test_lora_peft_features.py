@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM
 from relaytrain.errors import ConfigError
 from relaytrain.train import run
 from tests.checkpoints import tiny_decoder
-from tests.test_decoders import reference_loop
 from tests.models.test_lora import DELAYED, gpt2_checkpoint, lora_cfg
+from tests.test_decoders import reference_loop
 
 BLOCK_TARGETS = ["q_proj", "v_proj", "down_proj"]
 # feature -> the LoraConfig keys that make it (every one on the Llama layout, untied embeddings).
