@@ -6,7 +6,7 @@ is fine-tuned under `strategy=l2l` twice per round, in separate processes: `adap
 minibatch, same optimizer. Each process reports its host memory: the peak resident set of the
 run (results.json, `memory.host_peak_rss_bytes`) less what the process held before building
 the model (the interpreter, torch, transformers, the data), i.e. what training added; beside
-it the planner's closed form (`L2L.host_state_bytes`). Headlines:
+it the planner's closed form (`L2LCost.host_state_bytes`). Headlines:
 
 - `lora_l2l_host_bytes_ratio`: host memory LoRA / full, median over rounds (target <= 0.25);
 - `lora_l2l_vs_full_l2l`: samples/s LoRA / full, median over rounds (target >= 1.2).
@@ -66,7 +66,7 @@ def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
     given = [f"model.pretrained={checkpoint}", f"adapter={adapter}", *RUN, f"train.steps={steps}",
              "train.untimed_steps=1"]
     cfg = resolve(compose_config(given), given)
-    closed_form = strategy_class("l2l").host_state_bytes(cfg, ModelFacts.of(cfg))
+    closed_form = strategy_class("l2l").cost_model.host_state_bytes(cfg, ModelFacts.of(cfg))
     before = psutil.Process().memory_info().rss
     results = run(cfg, Path(run_dir), table=False)
     out = {"rss_before_bytes": before, "peak_rss_bytes": results["memory"]["host_peak_rss_bytes"],

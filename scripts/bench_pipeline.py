@@ -104,6 +104,7 @@ def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out, tuned_a
     from relaytrain.launch import keep_freed_host_memory
     from relaytrain.models import build_model
     from relaytrain.optim import build_optimizer
+    from relaytrain.strategies.base import minibatch_items
     from relaytrain.strategies.pipeline.stage import StageModule, partition
 
     cfg = OmegaConf.create(cfg_dict)
@@ -118,7 +119,8 @@ def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out, tuned_a
     items = {"n": 1}
 
     def loss_fn(hidden, labels):
-        return stage.model.head_loss(hidden, labels) / items["n"]
+        # torch's schedule hands the loss only the labels: the objective reads nothing else here
+        return stage.model.head_loss(hidden, MicroBatch(input_ids=labels, labels=labels)).over(items["n"])
 
     # GPT-2's wte (stage 0) and lm_head (last stage) are one tied weight: as relaytrain does, sum
     # their gradients over the two copies every step, or torch would train (and time) an untied model.
@@ -137,7 +139,7 @@ def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out, tuned_a
         minibatch = next(loader)
         ids = torch.cat([mb.input_ids for mb in minibatch])
         labels = torch.cat([mb.labels for mb in minibatch])
-        items["n"] = int((labels[:, 1:] != -100).sum())
+        items["n"] = minibatch_items(stage.model, minibatch)
         if rank == 0:
             schedule.step(ids)
         elif rank == world - 1:

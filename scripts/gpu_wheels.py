@@ -16,7 +16,7 @@ machine can refuse a wheel older than the code it carries; and prints the total,
 the wheels and the source tree exceed what one device call carries.
 
 `datasets` stays behind (with pyarrow and pandas it is far beyond the budget): relaytrain imports
-it only inside the glue and wikitext loaders (data/sources.py), which read the hub or a
+it only inside the glue and wikitext loaders (data/reading.py), which read the hub or a
 `datasets` directory that the GPU machine has neither of.
 """
 
@@ -47,7 +47,8 @@ CARRY = {
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64"]
 # Requirements of relaytrain the GPU machine may lack: imported lazily, only by what it cannot run.
-LAZY = {"datasets": "imported only by data=glue / data=wikitext, which need the hub or a datasets directory"}
+LAZY = {"datasets": "imported only by data=glue / data=wikitext, which need the hub or a datasets directory",
+        "bitsandbytes": "imported only by model.quantize=nf4 (its wheel, CUDA kernels included, is past the budget)"}
 
 
 PREFIX = ["gpu-wheels"]  # the make target a failure line names (gpu-install for --check and --verify)

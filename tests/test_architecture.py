@@ -1,5 +1,6 @@
 """The layout stays as docs/design.md draws it: imports point one way, and only the strategies
-know strategies by name.
+know strategies by name (the models model families, the objectives objectives, data/ the
+data sources).
 
 Both checks read the source (`ast`), counting every import: at the top of a module, inside a
 function, under `if TYPE_CHECKING`. A cycle among `src/relaytrain` modules, or a string
@@ -12,7 +13,9 @@ import ast
 from pathlib import Path
 
 import relaytrain
+from relaytrain.data.sources import source_names
 from relaytrain.models import families
+from relaytrain.objectives import objectives
 from relaytrain.strategies import choices
 from relaytrain.strategies.pipeline.schedule import schedules
 
@@ -96,11 +99,12 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
     assert "relaytrain.planner.plan" in source  # the estimate uses the planner, and nothing below calls back
 
 
-def quoted_outside(names: set[str], folder: str) -> list[str]:
-    """Every string literal equal to one of `names` in a module outside PACKAGE/folder."""
+def quoted_outside(names: set[str], folder: str, *excepted: str) -> list[str]:
+    """Every string literal equal to one of `names` in a module outside PACKAGE/folder (and the
+    `excepted` folders)."""
     quoted = []
     for path in PACKAGE.rglob("*.py"):
-        if folder in path.relative_to(PACKAGE).parts:
+        if {folder, *excepted} & set(path.relative_to(PACKAGE).parts):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:
@@ -115,3 +119,16 @@ def test_only_the_strategies_name_strategies():
 def test_only_the_models_name_model_families():
     """A family is asked (`family_spec`, `family_of`), never branched on by name outside `models/`."""
     assert quoted_outside(set(families()), "models") == []
+
+
+def test_only_the_objectives_name_objectives():
+    """An objective is asked (`objective(name).classifies`, `.predicts_next_token`, ...), never
+    branched on by name outside `objectives/` (the data asks through `data/labels.py`)."""
+    assert quoted_outside(set(objectives()), "objectives") == []
+
+
+def test_only_data_names_data_sources():
+    """A source is asked (`source(name).check`, `.load`, `.benchmark_task`), never branched on by
+    name outside `data/`. The one word shared by chance is `relaytrain generate`'s own `chat` key."""
+    quoted = quoted_outside(set(source_names()), "data")
+    assert [q for q in quoted if not (q.startswith("generate.py:") and q.endswith("'chat'"))] == []

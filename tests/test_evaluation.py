@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from relaytrain.evaluation import EvalStats, f1_positive, matthews_correlation, metric_names
+from relaytrain.objectives import objective
 
 
 def test_sums_over_any_split_equal_the_whole():
@@ -15,7 +16,7 @@ def test_sums_over_any_split_equal_the_whole():
     whole = EvalStats.of(logits, targets, num_labels=3)
     parts = EvalStats.of(logits[:3], targets[:3], 3) + EvalStats.of(logits[3:], targets[3:], 3)
     torch.testing.assert_close(whole.sums, parts.sums)
-    figures = whole.metrics("classification")
+    figures = whole.metrics(objective("classification"))
     valid = targets != -100
     assert figures["items"] == 9
     assert figures["accuracy"] == int((logits.argmax(-1) == targets)[valid].sum()) / 9
@@ -25,10 +26,10 @@ def test_sums_over_any_split_equal_the_whole():
 
 def test_language_models_report_perplexity_over_predicted_tokens():
     logits, targets = torch.zeros(2, 4, 8), torch.tensor([[1, 2, -100, 3], [4, -100, -100, 5]])
-    figures = EvalStats.of(logits, targets).metrics("causal_lm")
+    figures = EvalStats.of(logits, targets).metrics(objective("causal_lm"))
     assert figures["items"] == 5 and figures["loss"] == pytest.approx(math.log(8))
     assert figures["perplexity"] == pytest.approx(8.0)
-    assert "accuracy" in EvalStats.of(logits, targets).metrics("masked_lm")
+    assert "accuracy" in EvalStats.of(logits, targets).metrics(objective("masked_lm"))
 
 
 def test_matthews_correlation_and_f1_by_hand():
@@ -45,7 +46,7 @@ def test_matthews_correlation_and_f1_by_hand():
 def test_glue_tasks_add_their_own_metric():
     logits, targets = torch.tensor([[2.0, 0.0], [0.0, 2.0], [0.0, 2.0]]), torch.tensor([0, 1, 0])
     stats = EvalStats.of(logits, targets, num_labels=2)
-    assert "matthews_correlation" in stats.metrics("classification", "cola")
-    assert stats.metrics("classification", "mrpc")["f1"] == pytest.approx(2 / 3)
-    assert metric_names("classification", "cola") == ["loss", "accuracy", "matthews_correlation"]
-    assert metric_names("causal_lm") == ["loss", "perplexity"]
+    assert "matthews_correlation" in stats.metrics(objective("classification"), "cola")
+    assert stats.metrics(objective("classification"), "mrpc")["f1"] == pytest.approx(2 / 3)
+    assert metric_names(objective("classification"), "cola") == ["loss", "accuracy", "matthews_correlation"]
+    assert metric_names(objective("causal_lm")) == ["loss", "perplexity"]

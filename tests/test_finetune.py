@@ -211,7 +211,7 @@ def write_jsonl(path, rows):
     (["eval.every=5"], "eval.every=5 needs held-out data: set data.eval_fraction"),
     (["data.eval_fraction=1.5"], "data.eval_fraction=1.5 must be in [0, 1)"),
     (["data.eval_split=validation"], "data.eval_split names a split of a hub dataset"),
-    (["data.eval_path=/no/such.jsonl"], "data.eval_path is a jsonl file for data=jsonl"),
+    (["data.eval_path=/no/such.jsonl"], "data.eval_path is a jsonl file for data=chat or jsonl"),
     (["data.eval_fraction=0.1", "train.keep_best=perplexity", "train.checkpoint_every=2"],
      "train.keep_best=perplexity is not a metric of model.task=classification"),
     (["train.keep_best=loss"], "train.keep_best=loss keeps the best evaluated checkpoint: it needs held-out data"),

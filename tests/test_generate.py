@@ -247,3 +247,18 @@ def test_generate_has_its_help_and_is_listed(capsys):
     assert "model.pretrained=DIR" in capsys.readouterr().out
     assert main(["--help"]) == 0
     assert "relaytrain generate" in capsys.readouterr().out
+
+
+def test_generation_never_picks_an_id_no_token_decodes(tmp_path):
+    """An embedding table wider than the tokenizer (a padded vocabulary, or a fresh model beside a
+    tokenizer trained on a small file): rows past the last token are never generated, since no
+    text decodes from them and the answer would print as nothing."""
+    checkpoint = tiny_decoder(tmp_path / "padded", "llama", layers=2, vocab_size=len(chat_tokenizer()) + 64)
+    model, tokenizer = load(str(checkpoint))
+    rows = model.get_output_embeddings().weight.shape[0]
+    assert rows == len(tokenizer) + 64
+    force_every_token(checkpoint, rows - 1)  # greedy decoding alone would pick that row every time
+    model, tokenizer = load(str(checkpoint))
+    args = [f"model.pretrained={checkpoint}", f"prompt={PROMPT}", "max_new_tokens=4", "chat=false"]
+    ids = new_token_ids(parse_request(args), model, tokenizer).tolist()
+    assert len(ids) == 4 and max(ids) < len(tokenizer)

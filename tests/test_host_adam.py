@@ -9,9 +9,8 @@ from torch import nn
 
 from relaytrain import optim
 from relaytrain.checkpoint import load_optimizer_state, optimizer_state
-from relaytrain.config import AdamWConfig
 from relaytrain.flat import flatten
-from relaytrain.optim import DeepSpeedAdamW, FlatAdamW, build_optimizer
+from relaytrain.optim import AdamWConfig, DeepSpeedAdamW, FlatAdamW, build_optimizer
 from tests.strategies.test_l2l import assert_same_weights, l2l_cfg, train
 
 NAMES = ["w", "b", "table"]

@@ -32,3 +32,13 @@ def test_editable_install_reads_the_checkouts_configs():
     import relaytrain.configs
 
     assert Path(relaytrain.configs.__file__).resolve().parent == ROOT / "configs"
+
+
+def test_every_package_of_the_source_is_in_the_wheel():
+    """pyproject.toml lists packages by hand: a new folder left out would be missing from every
+    wheel install while an editable checkout runs fine."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    source = ROOT / "src"
+    found = {".".join(init.parent.relative_to(source).parts) for init in source.glob("relaytrain/**/__init__.py")}
+    assert found - listed == set(), f"add to pyproject.toml's packages: {sorted(found - listed)}"

@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from relaytrain import checkpoint
-from relaytrain.config import LambConfig, OptimConfig
-from relaytrain.optim import Lamb, build_optimizer, lr_at
+from relaytrain.config import OptimConfig
+from relaytrain.optim import Lamb, LambConfig, build_optimizer, lr_at
 from relaytrain.precision import LossScaler
 from relaytrain.strategies.baseline import Baseline
 from relaytrain.train import run

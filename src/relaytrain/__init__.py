@@ -5,4 +5,10 @@ The pieces, in the order a run uses them: `config` (typed schema and checks), `m
 pipelines), `metrics` and `report`. `train.run` ties them together.
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# bitsandbytes (model.quantize=nf4) warns at import, on a CPU, that an optional kernel package
+# is absent; peft imports it wherever it is installed, so every adapter run would print that line.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

@@ -20,8 +20,9 @@ import difflib
 
 from hydra.core.config_store import ConfigStore
 
-from relaytrain.config import OPTIMIZER_CONFIGS, RelayTrainConfig, check_shared
+from relaytrain.config import RelayTrainConfig, check_shared
 from relaytrain.errors import ConfigError, first_line
+from relaytrain.optim import optimizer_schemas
 from relaytrain.strategies import check_preset, registry, strategy_class
 
 CONFIG_MODULE = "relaytrain.configs"
@@ -33,7 +34,7 @@ def register_schema() -> None:
     """Store the root schema and every strategy's and optimizer's schema in Hydra's ConfigStore."""
     store = ConfigStore.instance()
     store.store(name="relaytrain_schema", node=RelayTrainConfig)
-    for name, schema in OPTIMIZER_CONFIGS.items():
+    for name, schema in optimizer_schemas().items():
         store.store(group="optim", name=f"{name}_schema", node=schema)
     for name, cls in registry().items():
         store.store(group="strategy", name=f"{name}_schema", node=cls.Config)
@@ -182,7 +183,7 @@ def _unknown_key_message(key: str, schema) -> str:
 
 
 def _options_with_key(section: str, leaf: str) -> list[str]:
-    schemas = {"strategy": {n: c.Config for n, c in registry().items()}, "optim": OPTIMIZER_CONFIGS}.get(section, {})
+    schemas = {"strategy": {n: c.Config for n, c in registry().items()}, "optim": optimizer_schemas()}.get(section, {})
     return [name for name, schema in schemas.items() if leaf in {f.name for f in dataclasses.fields(schema)}]
 
 

@@ -3,13 +3,14 @@
 The dataclasses below are registered in Hydra's ConfigStore (`relaytrain.compose`). The root
 schema (`relaytrain_schema`, the first default of `configs/config.yaml`) types the groups every
 run shares; the `strategy` and `optim` groups are typed per option: each strategy class brings
-its own config dataclass (`Strategy.Config`) and each optimizer its own here, registered as
+its own config dataclass (`Strategy.Config`) and each optimizer its own (`optim.py`), registered as
 `strategy/<name>_schema` and `optim/<name>_schema` and extended by the option's YAML file. So
 Hydra itself refuses a key the chosen strategy or optimizer does not have
 (`strategy.stages` under `baseline`, `optim.momentum` under `lamb`), a wrong type, or a
 value outside an enum, while composing. `check_shared` adds the checks that involve several
 keys; `compose.validate` runs them and then the chosen strategy's own rules. Every failure is a
-`ConfigError` naming the key and the fix. Nothing here knows a strategy.
+`ConfigError` naming the key and the fix. Nothing here knows a strategy, an optimizer or a data
+source: the data keys are judged by the chosen source (`data/sources/`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
 
 from relaytrain.errors import ConfigError
+from relaytrain.objectives import DEFAULT as DEFAULT_OBJECTIVE
 
 
 class Choice(str, Enum):
@@ -35,32 +36,10 @@ class Choice(str, Enum):
         return self.value
 
 
-class Task(Choice):
-    classification = "classification"
-    masked_lm = "masked_lm"
-    causal_lm = "causal_lm"
-
-
-class Source(Choice):
-    synthetic = "synthetic"
-    jsonl = "jsonl"
-    chat = "chat"
-    glue = "glue"
-    wikitext = "wikitext"
-
-
 class LRSchedule(Choice):
     constant = "constant"
     linear = "linear"
     cosine = "cosine"
-
-
-class HostKernel(Choice):
-    """Which kernel steps AdamW on the host (the eager param server's masters)."""
-
-    auto = "auto"  # deepspeed where it imports and its op builds, else torch
-    torch = "torch"  # torch's fused AdamW (optim.fused)
-    deepspeed = "deepspeed"  # DeepSpeed's cpu_adam op (falls back to torch, said once, when it cannot load)
 
 
 class PrecisionName(Choice):
@@ -96,6 +75,11 @@ class AdapterName(Choice):
     lora = "lora"  # low-rank adapters (peft's LoRA) train; the base is frozen
 
 
+class Quantize(Choice):
+    none = "none"  # the base as the checkpoint stores it
+    nf4 = "nf4"  # the blocks' linear weights in NormalFloat-4 (QLoRA's), under an adapter
+
+
 class Recompute(Choice):
     none = "none"  # keep every activation for backward
     block = "block"  # keep each block's input, recompute the block in backward
@@ -124,7 +108,7 @@ class ModelConfig:
     max_seq_len: int = 512  # the model's position table (max_position_embeddings)
     vocab_size: int = 30522  # embedding table rows: token ids must be below it
     num_labels: int = 2  # classification only
-    task: Task = Task.classification  # the head: classification, masked_lm (BERT) or causal_lm (GPT-2, decoders)
+    task: str = DEFAULT_OBJECTIVE  # the objective: classification, masked_lm (BERT), causal_lm (GPT-2, decoders), or package.module:Class of your own
     dropout: float = 0.1  # hidden and attention dropout; its masks are the same whichever strategy runs
     pretrained: str | None = None  # local Hugging Face directory, or a hub id when online
     trust_remote_code: bool = False  # let a checkpoint that ships its own modelling code run it
@@ -140,6 +124,10 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # Hugging Face attention kernel: sdpa or eager
     resolved_from: str | None = None  # set by relaytrain: the checkpoint whose config filled these keys
     checkpoint_dtype: str | None = None  # set by relaytrain: the dtype model.pretrained stores its weights in
+    # QLoRA (adapter=qlora sets nf4): embeddings, norms and the head stay as stored. Needs
+    # model.pretrained and an adapter (a quantized weight cannot train).
+    quantize: Quantize = Quantize.none  # nf4: the frozen base's block linear weights as NormalFloat-4 (bitsandbytes; scales over blocks of 64)
+    quantize_double: bool = False  # nf4: quantize the scales too (8 bits, blocks of 256): 4.13 bits a weight, not 4.5
 
 
 @dataclass
@@ -158,7 +146,7 @@ class AdapterConfig:
 
 @dataclass
 class DataConfig:
-    source: Source = Source.synthetic  # where samples come from (set by the data= group)
+    source: str = MISSING  # where samples come from: a source registered in data/sources/ (set by the data= group)
     path: str | None = None  # jsonl or chat file, or a local `datasets` directory for glue/wikitext
     name: str | None = None  # hub dataset config, e.g. "sst2" or "wikitext-2-raw-v1"
     split: str = "train"  # glue / wikitext: the split to train on
@@ -196,7 +184,7 @@ class WorkersConfig:
 
 @dataclass
 class OptimConfig:
-    """Keys every optimizer has; each optimizer's config below extends it."""
+    """Keys every optimizer has; each optimizer's config extends it (`relaytrain.optim`)."""
 
     name: str = MISSING  # the optimizer (set by the optim= group)
     lr: float = 3e-4  # peak learning rate
@@ -204,34 +192,6 @@ class OptimConfig:
     schedule: LRSchedule = LRSchedule.constant  # after warm-up: constant, linear or cosine decay to 0
     warmup_steps: int = 0  # linear learning-rate warm-up steps
     grad_clip: float = 0.0  # global-norm clipping; 0 disables
-
-
-@dataclass
-class AdamWConfig(OptimConfig):
-    name: str = "adamw"
-    eps: float = 1e-6  # added to the second-moment root
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
-    fused: bool = True  # torch's fused kernel, on CPU and CUDA
-    host_kernel: HostKernel = HostKernel.torch  # kernel of the host-side (EPS) AdamW: torch (bit for bit the device's), deepspeed (pip install relaytrain[fast]) or auto (deepspeed where installed)
-
-
-@dataclass
-class LambConfig(OptimConfig):
-    name: str = "lamb"
-    lr: float = 1e-3
-    eps: float = 1e-6  # added to the second-moment root
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
-
-
-@dataclass
-class SGDConfig(OptimConfig):
-    name: str = "sgd"
-    lr: float = 1e-2
-    weight_decay: float = 0.0
-    momentum: float = 0.0  # heavy-ball momentum (0: plain SGD)
-
-
-OPTIMIZER_CONFIGS = {"adamw": AdamWConfig, "lamb": LambConfig, "sgd": SGDConfig}
 
 
 @dataclass
@@ -331,16 +291,19 @@ def check_shared(cfg) -> None:
     positive(cfg, "optim", "lr")
     _check_model(cfg.model, cfg.data)
     _check_adapter(cfg)
-    _check_data(cfg.data)
+    _check_data(cfg)
     _check_eval(cfg)
     _check_train(cfg)
 
 
 def _check_model(m, d) -> None:
     from relaytrain.models.family import family_spec
+    from relaytrain.objectives import objective
 
-    tasks = family_spec(m.family).tasks  # one line naming the families when there is no such family
-    if str(m.task) not in tasks:
+    family = family_spec(m.family)  # one line naming the families when there is no such family
+    wanted = objective(m.task)  # one line naming the objectives when there is no such objective
+    if not family.trains(wanted):
+        tasks = family.tasks
         raise ConfigError(f"model.task={m.task} is not available for model.family={m.family}; "
                           f"use model.task={tasks[0]}" + (f" (or {', '.join(tasks[1:])})" if len(tasks) > 1 else ""))
     if m.num_kv_heads is not None and (m.num_kv_heads <= 0 or m.num_heads % m.num_kv_heads):
@@ -356,7 +319,7 @@ def _check_model(m, d) -> None:
             f"data.seq_len={d.seq_len} exceeds the model's positions (model.max_seq_len={m.max_seq_len}); "
             f"lower data.seq_len or raise model.max_seq_len"
         )
-    if m.task == Task.classification and m.num_labels < 2:
+    if wanted.classifies and m.num_labels < 2:
         raise ConfigError(f"model.num_labels={m.num_labels} must be at least 2 for classification")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
@@ -381,19 +344,41 @@ def _check_adapter(cfg) -> None:
     # The target modules are checked against the model's shapes (the meta device: no weights).
     shapes = build_model(cfg.model, quiet=True, device=torch.device("meta")) if named else None
     adapter.check(a, cfg.model, shapes, defaults=AdapterConfig())
+    _check_quantize(cfg.model, a)
 
 
-def _check_data(d) -> None:
-    if d.source in (Source.jsonl, Source.chat):  # read from a local JSONL file
-        if not d.path:
-            raise ConfigError(f"data={d.source} needs a file: set data.path=/path/to/train.jsonl")
-        if not Path(d.path).expanduser().is_file():
-            raise ConfigError(f"data.path={d.path} does not exist; point data.path at a JSONL file")
-    if d.pack and d.source != Source.chat:
-        raise ConfigError(f"data.pack=true packs chat records into rows; data={d.source} has none: "
-                          f"drop data.pack or use data=chat")
-    if d.path and d.source in (Source.glue, Source.wikitext) and not Path(d.path).expanduser().exists():
-        raise ConfigError(f"data.path={d.path} does not exist; give a `datasets` directory or drop data.path")
+def _check_quantize(m, a) -> None:
+    """A quantized base is frozen: it needs an adapter to train, and a checkpoint to quantize."""
+    from relaytrain.models import adapter
+
+    if m.quantize == Quantize.none:
+        if m.quantize_double:
+            raise ConfigError("model.quantize_double=true set, but model.quantize=none; add model.quantize=nf4 "
+                              "(or adapter=qlora), or drop model.quantize_double")
+        return
+    if not adapter.enabled(a):
+        raise ConfigError(f"model.quantize={m.quantize}: a full fine-tune cannot train {m.quantize} weights "
+                          f"(adapter=none); add adapter=lora (or use adapter=qlora), or drop model.quantize")
+    if not m.pretrained:
+        raise ConfigError(f"model.quantize={m.quantize} quantizes the weights of model.pretrained; give one "
+                          f"(a model made from scratch has no base worth keeping frozen)")
+    if a.merge_on_save and _saved_quantized(m):
+        raise ConfigError(f"adapter.merge_on_save=true: model.pretrained={m.pretrained} holds only 4-bit weights, no "
+                          f"original to merge into; save the adapter (merge_on_save=false), or train over the "
+                          f"bf16/fp32 checkpoint with model.quantize=nf4")
+
+
+def _saved_quantized(m) -> bool:
+    from relaytrain.models.pretrained import load_hf_config
+
+    return getattr(load_hf_config(m.pretrained, m.trust_remote_code), "quantization_config", None) is not None
+
+
+def _check_data(cfg) -> None:
+    """The data keys are the source's to judge (data/sources/): which it needs, which it refuses."""
+    from relaytrain.data.sources import source
+
+    source(cfg.data.source).check(cfg)  # one line naming the sources when there is no such source
 
 
 def has_held_out_data(d) -> bool:
@@ -408,27 +393,22 @@ def _check_eval(cfg) -> None:
         raise ConfigError(f"{' and '.join(given)} both name held-out data; keep one")
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
-    if d.eval_path and d.source not in (Source.jsonl, Source.chat):
-        raise ConfigError(f"data.eval_path is a jsonl file for data=jsonl or chat; for data={d.source} use "
-                          f"data.eval_split (e.g. validation) or data.eval_fraction")
-    if d.eval_path and not Path(d.eval_path).expanduser().is_file():
-        raise ConfigError(f"data.eval_path={d.eval_path} does not exist; point it at a JSONL file of held-out samples")
-    if d.eval_split and d.source not in (Source.glue, Source.wikitext):
-        raise ConfigError(f"data.eval_split names a split of a hub dataset (glue, wikitext); for data={d.source} "
-                          f"use data.eval_fraction{' or data.eval_path' if d.source in (Source.jsonl, Source.chat) else ''}")
     if e.every < 0 or e.max_batches < 0:
         raise ConfigError(f"eval.every={e.every} and eval.max_batches={e.max_batches} must be 0 or positive")
     if e.every and not has_held_out_data(d):
-        raise ConfigError(f"eval.every={e.every} needs held-out data: set data.eval_fraction (e.g. 0.1), "
-                          f"data.eval_path (jsonl, chat) or data.eval_split (glue, wikitext)")
+        from relaytrain.data.sources import held_out_options
+
+        raise ConfigError(f"eval.every={e.every} needs held-out data: set {held_out_options()}")
     if cfg.train.keep_best:
         _check_keep_best(cfg)
 
 
 def _check_keep_best(cfg) -> None:
+    from relaytrain.data.sources import source
     from relaytrain.evaluation import metric_names
+    from relaytrain.objectives import objective
 
-    allowed = metric_names(cfg.model.task, cfg.data.name if cfg.data.source == Source.glue else None)
+    allowed = metric_names(objective(cfg.model.task), source(cfg.data.source).benchmark_task(cfg))
     if cfg.train.keep_best not in allowed:
         raise ConfigError(f"train.keep_best={cfg.train.keep_best} is not a metric of model.task={cfg.model.task}; "
                           f"choose one of {', '.join(allowed)}")

@@ -26,10 +26,11 @@ METRICS = ("loss", "accuracy", "perplexity", "matthews_correlation", "f1")  # ev
 LOWER_IS_BETTER = {"loss", "perplexity"}
 
 
-def metric_names(task: str, glue_task: str | None = None) -> list[str]:
-    """The figures `EvalStats.metrics` reports for this task (what train.keep_best may name)."""
-    names = ["loss", "perplexity" if str(task) == "causal_lm" else "accuracy"]
-    if str(task) == "classification" and glue_task in GLUE_METRIC:
+def metric_names(objective, glue_task: str | None = None) -> list[str]:
+    """The figures `EvalStats.metrics` reports for this objective (`relaytrain.objectives`: what
+    train.keep_best may name)."""
+    names = ["loss", objective.metric]
+    if objective.classifies and glue_task in GLUE_METRIC:
         names.append(GLUE_METRIC[glue_task])
     return names
 
@@ -80,15 +81,15 @@ class EvalStats:
         labels = math.isqrt(size)
         return self.sums[_CONFUSION:].view(labels, labels)
 
-    def metrics(self, task: str, glue_task: str | None = None) -> dict:
-        """The figures of a held-out evaluation: mean loss over every predicted item, and accuracy
-        (classification, masked LM), perplexity (causal LM), the GLUE task's own metric."""
+    def metrics(self, objective, glue_task: str | None = None) -> dict:
+        """The figures of a held-out evaluation: mean loss over every predicted item, and the
+        objective's metric (accuracy, or perplexity), the GLUE task's own metric."""
         items = self.items
         if items == 0:
             return {"loss": None, "items": 0}
         loss = float(self.sums[_LOSS]) / items
         out = {"loss": loss, "items": items}
-        if str(task) == "causal_lm":
+        if objective.metric == "perplexity":
             out["perplexity"] = math.exp(min(loss, 700.0))
         else:
             out["accuracy"] = float(self.sums[_CORRECT]) / items

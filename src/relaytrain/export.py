@@ -72,8 +72,11 @@ def _save_merged(cfg, model, out: Path, dtype: str) -> None:
     staging = out.parent / f".{out.name}.adapter"
     adapters.save_adapter(model, staging, _base_source(cfg.model.pretrained), torch.float32)
     try:
-        base = build_model(cfg.model, cfg.train.seed, quiet=True).hf_model
+        base = build_model(cfg.model, cfg.train.seed, quiet=True).hf_model  # no adapter: never quantized
         merged = adapters.merged_model(base, staging)
+        if getattr(model, "quantized", None):
+            print(f"adapter.merge_on_save: merged into the original (unquantized) weights of model.pretrained="
+                  f"{cfg.model.pretrained}; the adapter trained over their {model.quantized} quantization", flush=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     merged.generation_config = model.hf_model.generation_config  # its stop ids, set above

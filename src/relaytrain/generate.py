@@ -131,12 +131,14 @@ def _load_model(path: str):
     from transformers import AutoModelForCausalLM
 
     from relaytrain.models.pretrained import checkpoint_task, load_hf_config
+    from relaytrain.objectives import objective, objectives
 
     config = load_hf_config(path)  # one line for a directory without config.json, or a model that brings code
     task = checkpoint_task(config)
-    if task != "causal_lm":
+    if task is None or not objective(task).predicts_next_token:
+        causal = " or ".join(name for name, spec in objectives().items() if spec.predicts_next_token and ":" not in name)
         raise ConfigError(f"model.pretrained={path} holds a {', '.join(config.architectures or [config.model_type])} "
-                          f"({task or 'no head'}); generate needs a causal language model (model.task=causal_lm)")
+                          f"({task or 'no head'}); generate needs a causal language model (model.task={causal})")
     tokenizer = load_tokenizer(path)
     quiet = _quiet_transformers()
     try:
@@ -240,10 +242,21 @@ def new_token_ids(request: Request, model, tokenizer) -> torch.Tensor:
         options["eos_token_id"] = stops
     if model.generation_config.pad_token_id is None:  # one prompt, no padding: any id will do, eos is customary
         options["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if untokened := wordless_ids(model, tokenizer):
+        options["suppress_tokens"] = untokened
     set_seed(request.seed)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **options)
     return out[0, ids.shape[1]:]
+
+
+def wordless_ids(model, tokenizer) -> list[int]:
+    """The embedding rows past the tokenizer's last token: a vocabulary padded for speed (Qwen's
+    151,936 rows for 151,665 tokens) or a fresh model whose tokenizer was trained on a small file
+    (8,192 rows, a few hundred tokens). No text decodes from them, so they are never generated:
+    an answer of such ids would print as nothing."""
+    rows = model.get_output_embeddings().weight.shape[0]
+    return list(range(len(tokenizer), rows))
 
 
 def device() -> torch.device:

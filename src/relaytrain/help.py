@@ -15,7 +15,8 @@ from importlib import resources
 
 from omegaconf import OmegaConf
 
-from relaytrain.config import OPTIMIZER_CONFIGS, RelayTrainConfig, field_docs
+from relaytrain.config import RelayTrainConfig, field_docs
+from relaytrain.optim import optimizer_schemas
 
 GROUPS = ("model", "data", "strategy", "optim", "precision")
 HEADER = """\
@@ -60,7 +61,7 @@ def _sections(cfg):
         if f.name == "strategy":
             yield f.name, strategy_class(cfg.strategy.name).Config
         elif f.name == "optim":
-            yield f.name, OPTIMIZER_CONFIGS[str(cfg.optim.name)]
+            yield f.name, optimizer_schemas()[str(cfg.optim.name)]
         else:
             yield f.name, f.default_factory
 
@@ -84,15 +85,16 @@ def _types(annotation) -> list:
         from relaytrain import config
 
         names = [part.strip() for part in annotation.split("|")]
-        return [getattr(config, n, None) or _strategy_enum(n) for n in names]
+        return [getattr(config, n, None) or _option_enum(n) for n in names]
     return [annotation]
 
 
-def _strategy_enum(name: str):
+def _option_enum(name: str):
+    """An enum that a strategy's or an optimizer's own module declares (`strategy.*`, `optim.*` keys)."""
     from relaytrain.strategies import registry
 
-    for cls in registry().values():
-        module = __import__(cls.__module__, fromlist=[name])
+    for owner in [*registry().values(), *optimizer_schemas().values()]:
+        module = __import__(owner.__module__, fromlist=[name])
         if hasattr(module, name):
             return getattr(module, name)
     return None

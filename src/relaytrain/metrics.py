@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from relaytrain.models.family import BlockShape
+from relaytrain.cost.work import model_work
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -117,60 +117,13 @@ class PhaseTimer:
         self.counts.clear()
 
 
-def model_flops_per_token(num_params: int, num_layers: int, attention_width: int, seq_len: int) -> float:
-    """Training FLOPs per token of the model's math (6N plus attention scores), without recompute.
-
-    An estimate from the model's shape, the usual "model FLOPs" convention: recomputation
-    is work the strategy chose to do, not work the model needs. The attention term, 3 x 4 s
-    per query value, takes the queries' width (`attention_width`: heads x head width, the
-    hidden size unless a model sets its heads' width apart from it).
-    """
-    return 6.0 * num_params + 12.0 * num_layers * attention_width * seq_len
-
-
-def attention_width(m) -> int:
-    """The `model` config's query width, heads x head width, as its family reports the block."""
-    return query_width(block_shape(m))
-
-
-# --------------------------------------------------------------------------- a block's widths and work
-
-
-def block_shape(m) -> BlockShape:
-    """One block's widths, as the model's family reports them for the `model` keys."""
-    from relaytrain.models import family_spec  # the families register themselves on import
-
-    return family_spec(m.family).block_shape(m)
-
-
-def query_width(shape: BlockShape) -> int:
-    """Width of the queries (and of the attention's output): heads x head width."""
-    return shape.num_heads * shape.head_dim
-
-
-def key_value_width(shape: BlockShape) -> int:
-    """Width of the keys, and of the values: grouped-query attention has fewer heads for them."""
-    return shape.num_kv_heads * shape.head_dim
-
-
-def mlp_projections(shape: BlockShape) -> int:
-    """Weight matrices of the MLP: up and down, and a gate beside up in a gated MLP (SwiGLU, GeGLU)."""
-    return 3 if shape.gated_mlp else 2
-
-
-def block_matmul_flops(shape: BlockShape) -> int:
-    """Forward FLOPs of one block's weight matmuls per token: 2 x (the query, key, value and
-    output projections, h x q + 2 h x kv + q x h, and the MLP's 2 or 3 matrices of h x i): 24 h^2
-    for BERT's and GPT-2's (q = kv = h, i = 4 h)."""
-    h, q, kv = shape.hidden, query_width(shape), key_value_width(shape)
-    return 2 * (h * q + 2 * h * kv + q * h + mlp_projections(shape) * h * shape.intermediate)
-
-
-def attention_flops(shape: BlockShape, seq_len: int) -> int:
-    """Forward FLOPs of one block's attention per token, scores and their weighted sum over the
-    values: 2 x 2 s q (every query head scores all s positions, grouped or not; causal
-    masking is not subtracted, as in the usual model-FLOPs count)."""
-    return 4 * seq_len * query_width(shape)
+def model_flops_per_token(m, seq_len: int) -> float:
+    """Training FLOPs per token of the model the `model` config describes, without recompute:
+    forward and backward through every block and the head, as `cost.work` counts a part's work
+    (the one count the planner's profiles and layouts use too). An estimate from the model's
+    shape, the usual "model FLOPs" convention: recomputation is work the strategy chose to do,
+    not work the model needs."""
+    return model_work(m, seq_len).training_flops_per_token(m.num_layers, seq_len)
 
 
 def throughput(step_times: list[float], samples_per_step: int, tokens_per_step: int, flops_per_token: float) -> dict:

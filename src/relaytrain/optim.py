@@ -1,4 +1,9 @@
-"""Optimizers (AdamW, LAMB, SGD), parameter groups and learning-rate schedules.
+"""Optimizers (AdamW, LAMB, SGD): their config schemas, parameter groups and learning-rate schedules.
+
+Each optimizer's schema (`optim=<name>`: its keys beyond `config.OptimConfig`'s) is a dataclass
+registered here with `@register_optimizer(name)`; `compose` stores every registered one in
+Hydra's ConfigStore as `optim/<name>_schema`, which configs/optim/<name>.yaml extends, so Hydra
+refuses a key the chosen optimizer does not have.
 
 Every strategy builds its optimizers here, so the same config means the same update rule
 whether the step runs on the device (baseline), on the host per block (the eager param
@@ -22,19 +27,86 @@ are always torch's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
+from relaytrain.config import Choice, OptimConfig
 from relaytrain.errors import first_line
 from relaytrain.flat import FlatState
+
+# --------------------------------------------------------------------------- schemas
+
+_SCHEMAS: dict[str, type[OptimConfig]] = {}
+
+
+def register_optimizer(name: str):
+    """Class decorator: make an `OptimConfig` dataclass the schema of `optim=<name>`."""
+
+    def add(schema: type[OptimConfig]) -> type[OptimConfig]:
+        if name in _SCHEMAS and _SCHEMAS[name] is not schema:
+            raise ValueError(f"optimizer {name!r} is registered twice ({_SCHEMAS[name].__qualname__}, "
+                             f"{schema.__qualname__})")
+        if not (dataclasses.is_dataclass(schema) and issubclass(schema, OptimConfig)) or schema.name != name:
+            raise TypeError(f"optimizer {name!r}: {schema.__qualname__} must be an OptimConfig dataclass whose "
+                            f"name defaults to {name!r}")
+        _SCHEMAS[name] = schema
+        return schema
+
+    return add
+
+
+def optimizer_schemas() -> dict[str, type[OptimConfig]]:
+    """Every registered optimizer's schema by name."""
+    return dict(sorted(_SCHEMAS.items()))
+
+
+class HostKernel(Choice):
+    """Which kernel steps AdamW on the host (the eager param server's masters)."""
+
+    auto = "auto"  # deepspeed where it imports and its op builds, else torch
+    torch = "torch"  # torch's fused AdamW (optim.fused)
+    deepspeed = "deepspeed"  # DeepSpeed's cpu_adam op (falls back to torch, said once, when it cannot load)
+
+
+@register_optimizer("adamw")
+@dataclass
+class AdamWConfig(OptimConfig):
+    name: str = "adamw"
+    eps: float = 1e-6  # added to the second-moment root
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
+    fused: bool = True  # torch's fused kernel, on CPU and CUDA
+    host_kernel: HostKernel = HostKernel.torch  # kernel of the host-side (EPS) AdamW: torch (bit for bit the device's), deepspeed (pip install relaytrain[fast]) or auto (deepspeed where installed)
+
+
+@register_optimizer("lamb")
+@dataclass
+class LambConfig(OptimConfig):
+    name: str = "lamb"
+    lr: float = 1e-3
+    eps: float = 1e-6  # added to the second-moment root
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
+
+
+@register_optimizer("sgd")
+@dataclass
+class SGDConfig(OptimConfig):
+    name: str = "sgd"
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # heavy-ball momentum (0: plain SGD)
+
+
+# --------------------------------------------------------------------------- building
 
 
 def decays(p: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@
 combination of a sweep before Hydra makes a run directory, the trainer again before it starts
 workers, and the planner on each candidate it would run on this machine. The host memory is an
 estimate from the config's shapes (labelled as such), not a measurement; the strategy makes it
-(`Strategy.estimate_host_bytes`), since only it knows where its weights, gradients, optimizer
+(`CostModel.estimate_host_bytes`, its `cost_model`'s), since only it knows where its weights, gradients, optimizer
 state and activations live. It errs high: a refused run costs the user one line, an
 out-of-memory kill costs them the machine.
 """
@@ -56,7 +56,7 @@ def check_machine(cfg, processes: int, device: torch.device) -> None:
 
 
 def estimate_host_bytes(cfg, cls, device: torch.device) -> int:
-    return int(cls.estimate_host_bytes(cfg, count_parameters(cfg.model), device.type) + HEADROOM)
+    return int(cls.cost_model.estimate_host_bytes(cfg, count_parameters(cfg.model), device.type) + HEADROOM)
 
 
 def check_host_memory(cfg, cls, device: torch.device) -> int:

@@ -38,7 +38,7 @@ def assemble_results(cfg, cls, history: dict, measured: list[float], reports: li
     samples = s.microbatch_size * s.num_microbatches * replicas
     params = count_parameters(m)
     measured = measured or history["step_times"]
-    flops_per_token = metrics.model_flops_per_token(params, m.num_layers, metrics.attention_width(m), d.seq_len)
+    flops_per_token = metrics.model_flops_per_token(m, d.seq_len)
     return {
         "strategy": s.name,
         "model": {

@@ -23,6 +23,7 @@ from relaytrain import checkpoint, elastic, failpoints, metrics, runlog
 from relaytrain import compile as compiling
 from relaytrain.compose import validate
 from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
+from relaytrain.data.sources import source
 from relaytrain.display import StepProgress, print_one_line, print_results_table
 from relaytrain.errors import Aborted, Interrupted, TrainingDiverged, first_line
 from relaytrain.evaluation import better
@@ -32,6 +33,7 @@ from relaytrain.memory import DeviceMemory
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import explicit_overrides
 from relaytrain.models.pretrained import resolve as resolve_pretrained
+from relaytrain.objectives import objective
 from relaytrain.optim import lr_at
 from relaytrain.preflight import check_can_start
 from relaytrain.results import assemble_results, process_report, write_results
@@ -194,7 +196,7 @@ class Trainer:
         s = cfg.strategy
         self.eval_batches = None if job.eval_dataset is None else eval_batches(
             job.eval_dataset, s.microbatch_size * cls.replicas(cfg), s.num_microbatches, cfg.eval.max_batches)
-        self.glue_task = cfg.data.name if str(cfg.data.source) == "glue" else None
+        self.glue_task = source(cfg.data.source).benchmark_task(cfg)
         self.progress: StepProgress | None = None
 
     def run(self) -> dict | None:
@@ -276,7 +278,7 @@ class Trainer:
         stats = self.strategy.evaluate(self.eval_batches)
         improved = False
         if self.reporter:
-            figures = stats.metrics(self.cfg.model.task, self.glue_task)
+            figures = stats.metrics(objective(self.cfg.model.task), self.glue_task)
             self.history["eval"].append({"step": step, **figures})
             self.progress.evaluated(step, figures)
             metric = self.cfg.train.keep_best

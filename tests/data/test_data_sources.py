@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from relaytrain.config import ModelConfig, RelayTrainConfig
-from relaytrain.data import build_dataset
-from relaytrain.data.sources import IGNORE_INDEX, load_source
+from relaytrain.data import build_dataset, load_source
+from relaytrain.data.labels import IGNORE_INDEX
 from relaytrain.data.synthetic import CLS_ID, MASK_ID
 from relaytrain.data.tokenizer import find_tokenizer, load_tokenizer
 from relaytrain.errors import ConfigError

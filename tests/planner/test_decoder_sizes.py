@@ -10,14 +10,9 @@ import pytest
 from relaytrain.cli import main
 from relaytrain.compose import compose_config
 from relaytrain.cost.formulas import ModelFacts, block_activation_bytes
-from relaytrain.cost.profile import block_forward_flops, load_spec, spec_names
-from relaytrain.metrics import (
-    attention_flops,
-    attention_width,
-    block_matmul_flops,
-    block_shape,
-    model_flops_per_token,
-)
+from relaytrain.cost.profile import load_spec, spec_names
+from relaytrain.cost.work import attention_flops, block_matmul_flops, block_shape, model_work, query_width
+from relaytrain.metrics import model_flops_per_token
 from relaytrain.models import count_parameters
 from relaytrain.models.family import BlockShape
 from relaytrain.planner.candidates import GiB
@@ -62,9 +57,12 @@ def test_gated_grouped_query_flops_are_the_hand_count():
     assert attention_flops(GATED, 16) == 4 * 16 * 64
     cfg = compose_config(TINY_LLAMA)
     assert block_shape(cfg.model) == GATED
-    assert block_forward_flops(cfg, 2) == 2 * 16 * (24576 + 4096)
-    assert attention_width(cfg.model) == 64
-    assert model_flops_per_token(1000, 3, attention_width(cfg.model), 16) == 6 * 1000 + 12 * 3 * 64 * 16
+    s, m = cfg.data.seq_len, cfg.model
+    assert s == 16 and 2 * model_work(m, s).block == 2 * 16 * (24576 + 4096)
+    assert query_width(block_shape(m)) == 64
+    # forward + backward (3x) of every block and the LM head (h x vocabulary on every token; no transform)
+    per_sample = m.num_layers * 16 * (24576 + 4096) + 2 * 32 * m.vocab_size * 16
+    assert model_flops_per_token(m, s) == 3 * per_sample / 16
 
 
 def test_gated_grouped_query_activation_bytes_are_the_hand_count():
@@ -134,7 +132,7 @@ def test_a_tiny_llama_is_planned_with_costs_and_host_memory(tmp_path, capsys):
     l2l = next(c for c in plan.candidates if c.shape.strategy == "l2l" and not c.shape.options)
     facts = ModelFacts.of(compose_config(TINY_LLAMA))
     eps = facts.params * 4 * (1 + 1 + 2)  # fp32 masters, gradients and AdamW's two moments
-    assert strategy_class("l2l").host_state_bytes(compose_config([*TINY_LLAMA, "strategy=l2l"]), facts) == eps
+    assert strategy_class("l2l").cost_model.host_state_bytes(compose_config([*TINY_LLAMA, "strategy=l2l"]), facts) == eps
     assert l2l.host_bytes >= eps
     assert main(["plan", *TINY_LLAMA, *ON_A100, "--out", str(tmp_path)]) == 0
     assert "host GB" in capsys.readouterr().out

@@ -88,11 +88,11 @@ def _bare(*overrides: str):
 
 def step_cost(shape: Shape, facts: ModelFacts, profile: Profile, cfg):
     """`shape`'s step by its strategy's cost model, on `cfg` with the shape's keys set."""
-    return strategy_class(shape.strategy).step_cost(candidate_config(cfg, shape), facts, profile)
+    return strategy_class(shape.strategy).cost_model.step_cost(candidate_config(cfg, shape), facts, profile)
 
 
 def closed_form_bytes(shape: Shape, facts: ModelFacts, cfg) -> int:
-    return strategy_class(shape.strategy).device_bytes(candidate_config(cfg, shape), facts)
+    return strategy_class(shape.strategy).cost_model.device_bytes(candidate_config(cfg, shape), facts)
 
 
 def test_l2l_without_prefetch_is_the_papers_equation_4_and_its_overhead_falls_with_u():
@@ -135,14 +135,14 @@ def test_deeper_pipelines_hold_less_per_stage_and_2bw_is_at_least_as_fast_as_flu
 
 
 def test_l2l_with_the_stash_on_the_host_is_predicted_exactly_as_its_preset():
-    """One rule decides where the stash lives (`L2L.stash_on_host`): the preset and the key are one
+    """One rule decides where the stash lives (`l2l_cost.stash_on_host`): the preset and the key are one
     run, predicted alike on a GPU profile, and the stash's transfers are what sets them apart."""
     spelled = [compose_config([*BERT_LARGE[:3], *keys]) for keys in (["strategy=l2l", "strategy.stash=host"],
                                                                       ["strategy=l2l_stash_cpu"],
                                                                       ["strategy=l2l"])]
     facts = ModelFacts.of(spelled[0])
     profile = from_v100(spelled[0], [spelled[0].strategy.microbatch_size])
-    l2l = strategy_class("l2l_stash_cpu")
+    l2l = strategy_class("l2l_stash_cpu").cost_model
     on_host, preset, on_device = (l2l.step_cost(cfg, facts, profile) for cfg in spelled)
     assert on_host == preset and on_host.step_s >= on_device.step_s  # prefetch may hide the stash
     assert on_host.parts["transfers"] > on_device.parts["transfers"]

@@ -9,15 +9,14 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from relaytrain.checkpoint import load_optimizer_state, optimizer_state
-from relaytrain.config import OPTIMIZER_CONFIGS
-from relaytrain.optim import build_optimizer
+from relaytrain.optim import build_optimizer, optimizer_schemas
 from relaytrain.precision import LossScaler
 from relaytrain.strategies.eps import EagerParamServer
 
 
 def optim_cfg(name="adamw", grad_clip=0.0, **overrides):
     extra = {"momentum": 0.9} if name == "sgd" else {}
-    cfg = OmegaConf.structured(OPTIMIZER_CONFIGS[name](grad_clip=grad_clip, lr=1e-2, **extra))
+    cfg = OmegaConf.structured(optimizer_schemas()[name](grad_clip=grad_clip, lr=1e-2, **extra))
     return OmegaConf.merge(cfg, overrides)
 
 

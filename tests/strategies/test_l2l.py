@@ -143,7 +143,7 @@ def test_dropout_gradients_equal_a_forward_without_recompute(family):
     for block in reference.blocks:
         hidden = [block(h, ctx) for h, ctx in zip(hidden, ctxs, strict=True)]
     for h, mb in zip(hidden, minibatch, strict=True):
-        (reference.head_loss(h, mb.labels, mb.draw) / items).backward()
+        reference.head_loss(h, mb).over(items).backward()
     with torch.no_grad():
         for p in reference.parameters():
             p -= p.grad
@@ -279,6 +279,6 @@ def test_the_host_stash_counts_in_the_host_estimate_on_a_gpu_machine():
     common = ["model.num_layers=6", "strategy.num_microbatches=3", "strategy.microbatch_size=4", "data.seq_len=16"]
     on_host, on_device = (l2l_cfg("bert", name, *common) for name in ("l2l_stash_cpu", "l2l"))
     params = 10**6
-    extra = (strategy_class("l2l_stash_cpu").estimate_host_bytes(on_host, params, "cuda")
-             - strategy_class("l2l").estimate_host_bytes(on_device, params, "cuda"))
+    extra = (strategy_class("l2l_stash_cpu").cost_model.estimate_host_bytes(on_host, params, "cuda")
+             - strategy_class("l2l").cost_model.estimate_host_bytes(on_device, params, "cuda"))
     assert extra == 6 * 3 * 4 * 16 * 32 * 4

@@ -1,6 +1,8 @@
 """What every cost model is made of, below the strategies that price themselves with it.
 
-- `formulas`: Shape, ModelFacts, StepCost and the formulas strategies share (a block's work,
-  activation bytes, transfers).
+- `model`: CostModel, the planner's questions, which each strategy's cost model answers.
+- `formulas`: Shape, ModelFacts, StepCost and the formulas strategies share (a part's work,
+  activation bytes, transfers, host memory).
+- `work`: the one count of a block's and the head's FLOPs (profile, layouts, model FLOP/s).
 - `profile`: one block timed on this machine, or a GPU spec-sheet profile (configs/profiles/).
 """

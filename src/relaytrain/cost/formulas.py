@@ -11,10 +11,10 @@ shared formulas:
 - one optimizer step over some blocks and the model's ends, from the profiled per-part steps;
 - what one block keeps for its backward (Korthikanti et al., 2022, widened to grouped-query
   attention, heads of any width and gated MLPs) and what an LM head's logits take;
-- the analytic work of each part, a block's from its widths (`metrics.block_matmul_flops`,
-  `metrics.attention_flops`);
-- the analytic work of each part (embeddings, a block, the head) that balanced pipeline
-  stages are cut by (`part_costs`).
+- the work of each part (embeddings, a block, the head) that balanced pipeline stages are cut
+  by (`part_costs`), a block's and the head's FLOPs as `cost.work` counts them;
+- the host memory a run's workers hold where the device is the host (`cpu_activation_bytes`),
+  and a replica's weights, gradients and optimizer state (`weights_grads_optimizer_bytes`).
 
 Every figure made from them is a prediction. On a CPU (the device is the host) nothing
 crosses a host<->device link, and work done "in the background" (an update on the host,
@@ -26,10 +26,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from relaytrain.cost.profile import PartTimes, Profile, Timings
-from relaytrain.metrics import attention_flops, block_shape, key_value_width, query_width
+from relaytrain.cost.work import PartWork, block_shape, key_value_width, model_work, query_width
 from relaytrain.models import adapter as adapters
-from relaytrain.models import part_parameters
+from relaytrain.models import part_parameters, trained_parameters
 from relaytrain.models.family import BlockShape
+from relaytrain.objectives import objective
 from relaytrain.optim import state_words
 
 FP32 = 4
@@ -100,6 +101,7 @@ class ModelFacts:
     state_words: int  # fp32 optimizer-state words per parameter
     logits_per_sample: int  # values the head's logits hold per sample (an LM: seq x vocabulary)
     shape: BlockShape  # one block's widths: query and key/value heads, head width, MLP width and kind
+    work: PartWork  # forward FLOPs of one sample through a block and through the head (`cost.work`)
     # Under adapters (adapter=lora): the (embeddings, block, head) parameters that train, and the
     # host bytes of a frozen base value where a param server keeps it (a bf16 checkpoint: 2).
     trained_parts: tuple[int, int, int] | None = None  # None: every parameter trains
@@ -115,7 +117,8 @@ class ModelFacts:
         half_base = precision.startswith("cmp") or m.checkpoint_dtype in ("bfloat16", "float16")
         return cls(m.num_layers, m.hidden_size, m.num_heads, cfg.data.seq_len, embed, block, head,
                    2 if precision.startswith("cmp") else FP32, FP32 if precision == "fp32" else 2,
-                   state_words(cfg.optim), logits_per_sample(cfg), block_shape(m), trained,
+                   state_words(cfg.optim), logits_per_sample(cfg), block_shape(m), model_work(m, cfg.data.seq_len),
+                   trained,
                    2 if adapter and half_base else FP32)
 
     @property
@@ -228,7 +231,7 @@ def stage_bytes(facts: ModelFacts, b: int, blocks: int, params: int, last: bool,
 def logits_per_sample(cfg) -> int:
     """Values the head's logits hold per sample: none to speak of for classification, seq x
     vocabulary for a language model."""
-    return 0 if str(cfg.model.task) == "classification" else cfg.data.seq_len * cfg.model.vocab_size
+    return 0 if objective(cfg.model.task).classifies else cfg.data.seq_len * cfg.model.vocab_size
 
 
 def logits_bytes(b: int, values_per_sample: int) -> int:
@@ -254,11 +257,9 @@ def part_costs(facts: ModelFacts, b: int, recompute: str = "none") -> PartCosts:
     """Forward + backward work of the embeddings, one block and the head for a micro-batch of
     b samples (T = b x seq tokens), from the model's shapes:
 
-    - a block: its matmuls, 2 T x block parameters, and attention's scores and weighted sum,
-      4 T x seq x the query width (`attention_flops`), forward; backward twice that;
-    - the head: an LM's vocabulary matmul, 2 T x hidden x vocabulary, plus its other weights
-      (BERT's transform) per token, x3 with backward, and the logits' memory traffic (logits,
-      softmax, gradient: `logits_bytes`); a classification head, its weights once per sample, x3;
+    - a block and the head: their FLOPs as `cost.work` counts them (`facts.work`), forward;
+      backward twice that; and an LM head's logits' memory traffic (logits, softmax, gradient:
+      `logits_bytes`);
     - the embeddings: no matmul, but backward writes a dense gradient as big as the table
       (zeroed, scattered into, accumulated: three passes) besides the lookups' own traffic.
 
@@ -269,12 +270,8 @@ def part_costs(facts: ModelFacts, b: int, recompute: str = "none") -> PartCosts:
     and again when a run resumes (an exact resume compares the checkpoint's blocks per stage),
     and timings differ from process to process and from run to run."""
     tokens = b * facts.seq_len
-    block = 2 * tokens * facts.block_params + tokens * attention_flops(facts.shape, facts.seq_len)
-    if facts.logits_per_sample:  # a language model: every token through the vocabulary
-        head = 2 * b * facts.logits_per_sample * facts.hidden + 2 * tokens * facts.head_params
-        head_bytes = logits_bytes(b, facts.logits_per_sample)
-    else:
-        head, head_bytes = 2 * b * facts.head_params, 0
+    block, head = b * facts.work.block, b * facts.work.head
+    head_bytes = logits_bytes(b, facts.logits_per_sample)
     embed_bytes = FP32 * (3 * facts.embed_params + 3 * tokens * facts.hidden)
     forward = PartCosts(0.0, float(block), head + BYTE_FLOPS * head_bytes / 3)
     costs = PartCosts(BYTE_FLOPS * embed_bytes, 3.0 * block, 3.0 * head + BYTE_FLOPS * head_bytes)
@@ -345,3 +342,23 @@ def powers_of_two_dividing(n: int) -> list[int]:
         sizes.append(b)
         b *= 2
     return sizes
+
+
+# --------------------------------------------------------------------------- host memory
+
+
+def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
+    """fp32 weights, and the gradients and optimizer state of what trains (under adapters: theirs)."""
+    trained = trained_parameters(cfg)
+    trained = num_params if trained is None else trained
+    return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
+
+
+def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries: int = 0) -> int:
+    """Activations in host memory when the device *is* the host: `live_blocks` blocks' worth of
+    one micro-batch, `stash_entries` block inputs, and the logits of an LM head."""
+    if device_type != "cpu":
+        return 0
+    m, b, s = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len
+    block = block_activation_bytes(b, s, block_shape(m), FP32)
+    return block * live_blocks + stash_entries * b * s * m.hidden_size * FP32 + logits_bytes(b, logits_per_sample(cfg))

@@ -11,7 +11,8 @@ Two kinds, never mixed, and a profile's `source` says which:
   linearly from the largest measured one (and listed as such). On a CPU the device *is* the
   host: nothing crosses between them, and worker processes share the cores.
 - **spec** (`from_spec`): a GPU you do not have, from a JSON file of spec-sheet figures
-  (configs/profiles/NAME.json). Times are the block's FLOPs over the peak rate times a stated
+  (configs/profiles/NAME.json). Times are the block's and the head's FLOPs (`cost.work`, the
+  count the layouts and a run's model FLOP/s use too) over the peak rate times a stated
   efficiency, bandwidths the links' peaks times a stated efficiency. Nothing from it is a
   measurement, and its `source` must say so.
 """
@@ -34,9 +35,11 @@ import torch.distributed as dist
 
 from relaytrain import metrics
 from relaytrain.checkpoint import unique_named_parameters
+from relaytrain.cost.work import model_work
 from relaytrain.errors import ConfigError
 from relaytrain.models import build_model, part_parameters
 from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.objectives import objective
 from relaytrain.optim import build_optimizer, state_words
 from relaytrain.precision import Precision
 from relaytrain.world import threads_per_process
@@ -206,7 +209,7 @@ def sample_microbatch(cfg, b: int, device: torch.device) -> MicroBatch:
     m, s = cfg.model, cfg.data.seq_len
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(5, m.vocab_size, (b, s), generator=generator)
-    labels = torch.randint(0, m.num_labels, (b,), generator=generator) if m.task == "classification" else ids.clone()
+    labels = torch.randint(0, m.num_labels, (b,), generator=generator) if objective(m.task).classifies else ids.clone()
     return MicroBatch(ids, labels).to(device)
 
 
@@ -224,7 +227,7 @@ def _time_parts(model: LayeredModel, cfg, b: int, precision: Precision, device: 
         return block(hidden.detach().requires_grad_(True), ctx)
 
     def head():
-        return model.head_loss(hidden.detach().requires_grad_(True), mb.labels)
+        return model.head_loss(hidden.detach().requires_grad_(True), mb).total
 
     return {name: _forward_backward(fn, precision, device) for name, fn in
             (("embed", embed), ("block", run_block), ("head", head))}
@@ -414,11 +417,12 @@ def from_spec(spec: dict, cfg, microbatch_sizes: list[int]) -> Profile:
     """The spec's predicted timings for `cfg`'s model: FLOPs over peak x efficiency."""
     rate = _sustained_flops(spec, cfg)
     link = spec["link_efficiency"] * 1e9
+    work = model_work(cfg.model, cfg.data.seq_len)  # a sample's forward FLOPs through a block and the head
     timings = Timings(
-        block={b: _spec_part(block_forward_flops(cfg, b), rate, spec, cfg, b, overhead=True) for b in microbatch_sizes},
+        block={b: _spec_part(b * work.block, rate, spec, cfg, b, overhead=True) for b in microbatch_sizes},
         embed={b: _spec_part(embed_bytes(cfg, b), spec["memory_bandwidth_gb_s"] * link, spec, cfg, b)
                for b in microbatch_sizes},
-        head={b: _spec_part(head_forward_flops(cfg, b), rate, spec, cfg, b) for b in microbatch_sizes},
+        head={b: _spec_part(b * work.head, rate, spec, cfg, b) for b in microbatch_sizes},
         optimizer_block_s=_block_parameters(cfg) * optimizer_bytes_per_param(cfg) / (spec["memory_bandwidth_gb_s"] * link),
         optimizer_ends_s=_ends_parameters(cfg) * optimizer_bytes_per_param(cfg) / (spec["memory_bandwidth_gb_s"] * link),
     )
@@ -451,24 +455,6 @@ def _spec_part(work: float, rate: float, spec: dict, cfg, b: int, overhead: bool
     filled = tokens / (tokens + spec["tokens_half_efficiency"])
     forward = work / (rate * filled) + (spec["kernel_overhead_s_per_block"] if overhead else 0.0)
     return PartTimes(forward, 2 * forward)
-
-
-def block_forward_flops(cfg, b: int) -> float:
-    """One block's forward FLOPs for b samples: its weight matmuls per token (24h^2 for BERT's
-    and GPT-2's; grouped-query projections and gated MLPs at their own widths) plus the
-    attention scores and their weighted sum (4 s x the query width per token)."""
-    shape, s = metrics.block_shape(cfg.model), cfg.data.seq_len
-    return b * s * (metrics.block_matmul_flops(shape) + metrics.attention_flops(shape, s))
-
-
-def head_forward_flops(cfg, b: int) -> float:
-    """Classification: the pooler and classifier on one token per sample; LM: the vocabulary
-    projection on every token (and BERT's transform)."""
-    m, s = cfg.model, cfg.data.seq_len
-    h = m.hidden_size
-    if m.task == "classification":
-        return b * 2 * (h * h + h * m.num_labels)
-    return b * s * 2 * (h * h + h * m.vocab_size)
 
 
 def embed_bytes(cfg, b: int) -> float:

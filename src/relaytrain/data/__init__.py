@@ -1,18 +1,21 @@
 """Data sources -> a `TokenDataset` -> a `MicroBatchLoader` of minibatches.
 
-`data.source` picks the source: `synthetic` (the embedded default), `jsonl` (a local file),
-`chat` (conversations or instructions in a local file, `data/chat.py`), `glue` / `wikitext`
-(the Hugging Face hub, or a local `datasets` directory via data.path).
+`data.source` picks the source, a class registered by name in `data/sources/` (`source(name)`):
+`synthetic` (the embedded default), `jsonl` (a local file), `chat` (conversations or
+instructions in a local file), `glue` / `wikitext` (the Hugging Face hub, or a local `datasets`
+directory via data.path). What a source shares with the others: `reading.py` (files, the hub),
+`samples.py` (a sample and its checks), `encode.py` (tokens to tensors), `labels.py` (what the
+model's task asks of the data), `tokenizer.py`.
 """
 
 from __future__ import annotations
 
 from relaytrain.data.dataset import MicroBatchLoader, TokenDataset, eval_batches, hold_out
-from relaytrain.data.synthetic import synthetic_dataset
+from relaytrain.data.sources import source
 from relaytrain.errors import ConfigError
 
 __all__ = ["MicroBatchLoader", "TokenDataset", "build_dataset", "build_datasets", "build_loader", "data_facts",
-           "eval_batches"]
+           "eval_batches", "load_source"]
 
 
 def build_datasets(cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
@@ -23,22 +26,18 @@ def build_datasets(cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset,
     `tokenizer_dir`: where a tokenizer trained here is saved (the run directory), so that a
     saved model ships with the tokenizer it was trained with.
     """
-    d, m = cfg.data, cfg.model
-    if d.source == "synthetic":
-        train, held_out = synthetic_dataset(m.task, d.num_samples, d.seq_len, m.vocab_size, m.num_labels, d.seed), None
-    elif d.source == "chat":
-        from relaytrain.data.chat import load_chat  # reads its file with the file sources' helpers
-
-        train, held_out = load_chat(cfg, tokenizer_dir)
-    else:
-        from relaytrain.data.sources import load_sources  # file and hub sources pull in `datasets`
-
-        train, held_out = load_sources(cfg, tokenizer_dir)
+    d = cfg.data
+    train, held_out = source(d.source).load(cfg, tokenizer_dir)
     if held_out is None and d.eval_fraction > 0:
         train, held_out = hold_out(train, d.eval_fraction, d.seed)
     if held_out is not None and len(held_out) == 0:
         raise ConfigError("the held-out set is empty; raise data.eval_fraction or give more held-out samples")
     return train, held_out
+
+
+def load_source(cfg, tokenizer_dir: str | None = None) -> TokenDataset:
+    """The training set exactly as the source reads it (nothing held out by data.eval_fraction)."""
+    return source(cfg.data.source).load(cfg, tokenizer_dir)[0]
 
 
 def build_dataset(cfg, tokenizer_dir: str | None = None) -> TokenDataset:

@@ -1,5 +1,5 @@
-"""Chat and instruction data (`data=chat`): conversations rendered with the tokenizer's chat
-template, the loss on the assistant's replies only.
+"""Chat and instruction data (`data=chat`, read by `data/sources/chat.py`): conversations
+rendered with the tokenizer's chat template, the loss on the assistant's replies only.
 
 Each line of the file (data.path; data.eval_path for held-out data) is one record, in either form:
 
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from relaytrain.data.dataset import TokenDataset
-from relaytrain.data.sources import IGNORE_INDEX, pad_rows, read_lines, special_ids
-from relaytrain.data.tokenizer import load_tokenizer
+from relaytrain.data.encode import pad_rows, special_ids
+from relaytrain.data.labels import IGNORE_INDEX
+from relaytrain.data.reading import read_lines
 from relaytrain.errors import ConfigError, first_line
-from relaytrain.models.family import family_spec
 
 ROLES = ("system", "user", "assistant")
 TOOL = "tool"  # accepted where the chat template renders it (checked per record)
@@ -49,29 +49,6 @@ class Record:
 
     where: str
     messages: list[dict]
-
-
-def load_chat(cfg, tokenizer_dir: str | None) -> tuple[TokenDataset, TokenDataset | None]:
-    """The training set of data.path and the held-out set of data.eval_path (None without one),
-    rendered with one tokenizer: the configured one, or ChatML trained on the training records."""
-    _check_model(cfg)
-    files = [("data.path", cfg.data.path)] + ([("data.eval_path", cfg.data.eval_path)] if cfg.data.eval_path else [])
-    groups = [(key, read_records(file, key)) for key, file in files]
-    corpus = (text for record in groups[0][1] for m in record.messages for text in (m["role"], m["content"]))
-    tokenizer = load_tokenizer(cfg, corpus, tokenizer_dir, chat=True)
-    check_generation_prompt(tokenizer, groups[0][1][0])
-    datasets = [encode_records(records, tokenizer, cfg.data.seq_len, cfg.data.pack, key) for key, records in groups]
-    return datasets[0], (datasets[1] if len(datasets) > 1 else None)
-
-
-def _check_model(cfg) -> None:
-    m = cfg.model
-    if str(m.task) != "causal_lm":
-        raise ConfigError(f"data=chat trains a causal LM on the assistant's replies, not model.task={m.task}; "
-                          f"use model.task=causal_lm with a model that has it (e.g. model=llama_tiny)")
-    if cfg.data.pack and not family_spec(m.family).layered.packs_records:
-        raise ConfigError(f"data.pack=true needs a model that keeps packed records apart by their positions, "
-                          f"which model.family={m.family} does not; drop data.pack")
 
 
 # --------------------------------------------------------------------------- reading

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from relaytrain.data import labels
 from relaytrain.data.dataset import TokenDataset
 
 FIRST_TOKEN = 5  # ids below this are left for special tokens ([PAD], [CLS], [SEP], [MASK], [UNK])
@@ -21,13 +22,14 @@ SIGNALS_PER_CLASS = 4
 MLM_MASK_RATE = 0.15
 
 
-def synthetic_dataset(task: str, num_samples: int, seq_len: int, vocab_size: int, num_labels: int, seed: int) -> TokenDataset:
+def synthetic_dataset(model, num_samples: int, seq_len: int, seed: int) -> TokenDataset:
+    """`num_samples` samples of `seq_len` tokens below model.vocab_size, labelled for model.task."""
     g = torch.Generator().manual_seed(seed)
-    window = min(vocab_size - FIRST_TOKEN, 4096)
-    if task == "classification":
-        return _classification(num_samples, seq_len, window, num_labels, g)
+    window = min(model.vocab_size - FIRST_TOKEN, 4096)
+    if labels.class_labels(model):
+        return _classification(num_samples, seq_len, window, model.num_labels, g)
     ids = _progressions(num_samples, seq_len, window, g)
-    if task == "causal_lm":
+    if labels.next_token_labels(model):
         return TokenDataset(ids, ids.clone())
     return _mask_tokens(ids, g)
 

@@ -6,25 +6,26 @@ import copy
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+import transformers
 
 from relaytrain.errors import ConfigError, first_line
 
 # The families register themselves when their modules are imported: every one is imported here.
 from relaytrain.models import adapter as adapters
-from relaytrain.models import bert, decoder, gpt2  # noqa: F401
+from relaytrain.models import bert, decoder, gpt2, quantize  # noqa: F401
 from relaytrain.models.family import Family, families, family_of, family_spec
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 from relaytrain.models.pretrained import load_hf_config
+from relaytrain.objectives import objective
 
 __all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "count_parameters", "families",
            "family_of", "family_spec", "hf_config", "part_parameters", "trained_parameters"]
 
-_AUTO_CLASS = {
-    "classification": AutoModelForSequenceClassification,
-    "masked_lm": AutoModelForMaskedLM,
-    "causal_lm": AutoModelForCausalLM,
-}
+
+
+def auto_class(m):
+    """transformers' auto class of the model whose head `model.task`'s objective trains."""
+    return getattr(transformers, objective(m.task).head)
 
 
 def hf_config(m):
@@ -45,12 +46,13 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     checkpoint's weights; a head the checkpoint lacks (another task, another number of labels)
     is initialised from `seed`, and unless `quiet` one line names the weights that are new.
     On the meta `device` (a dry run) the model is shapes only: no weights are read or made.
-    With an `adapter` config (adapter=lora) its adapters are injected and the rest is frozen;
+    With an `adapter` config (adapter=lora) its adapters are injected and the rest is frozen
+    (with `model.quantize=nf4` the blocks' linear weights first become NF4, `models.quantize`);
     `compact_base` then keeps the frozen base in the checkpoint's own half precision (a param
     server that keeps it on the host: half the bytes, every value as stored).
     """
     torch.manual_seed(seed)
-    auto = _AUTO_CLASS[str(m.task)]
+    auto = auto_class(m)
     if device is not None and device.type == "meta":
         from relaytrain.models import dry_attention  # registers the dry run's attention
 
@@ -65,7 +67,7 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
         if fresh and not quiet:
             shown = ", ".join(fresh[:4]) + (f" and {len(fresh) - 4} more" if len(fresh) > 4 else "")
             print(f"model.pretrained={m.pretrained}: a new {m.task} head"
-                  f"{f' with {m.num_labels} labels' if str(m.task) == 'classification' else ''}; "
+                  f"{f' with {m.num_labels} labels' if objective(m.task).classifies else ''}; "
                   f"freshly initialised: {shown}", flush=True)
     else:
         config = hf_config(m)
@@ -73,6 +75,8 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     hf_model.train()
     model = family_spec(m.family).layered(hf_model, str(m.task))
     if adapter is not None and adapters.enabled(adapter):
+        if str(getattr(m, "quantize", "none")) == quantize.NF4:  # the frozen base in 4 bits, before peft wraps it
+            quantize.quantize_blocks(model, bool(m.quantize_double), device)
         adapters.attach(model, adapter, m.checkpoint_dtype if m.pretrained else None, quiet=quiet)
     return model
 
@@ -84,7 +88,7 @@ def _load_pretrained(m, auto, dtype: torch.dtype = torch.float32) -> tuple:
     family = family_spec(m.family)
     family.set_dropout(config, m.dropout)
     attention = family.attention(config, m.attn_implementation)
-    if str(m.task) == "classification":
+    if objective(m.task).classifies:
         config.num_labels = m.num_labels
     local = Path(m.pretrained).expanduser()
     source = str(local) if local.exists() else m.pretrained
@@ -119,7 +123,7 @@ def _no_progress_bars():
 def count_parameters(m) -> int:
     """Parameters of the model the config describes, computed on the meta device (no memory)."""
     with torch.device("meta"):
-        hf_model = _AUTO_CLASS[str(m.task)].from_config(hf_config(m))
+        hf_model = auto_class(m).from_config(hf_config(m))
     unique = {id(p): p.numel() for p in hf_model.parameters()}
     return sum(unique.values())
 

@@ -9,6 +9,8 @@ from transformers.masking_utils import create_bidirectional_mask
 
 from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.objectives import objective
+from relaytrain.objectives.cross_entropy import Classification, MaskedLM
 
 
 class BertEmbed(nn.Module):
@@ -45,7 +47,7 @@ class LayeredBert(LayeredModel):
 
     def __init__(self, hf_model: nn.Module, task: str):
         bert = hf_model.bert
-        if task == "classification":
+        if objective(task).classifies:
             head = BertClassifierHead(bert.pooler, hf_model.dropout, hf_model.classifier)
         else:
             head = BertMLMHead(hf_model.cls)
@@ -55,11 +57,8 @@ class LayeredBert(LayeredModel):
         mask = create_bidirectional_mask(config=self.hf_config, inputs_embeds=hidden, attention_mask=mb.attention_mask)
         return {"attention_mask": mask}
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
-
     def tied_parameters(self) -> list[tuple[str, str]]:
-        if self.task == "classification":
+        if self.objective.classifies:
             return []
         return [("embed.embeddings.word_embeddings.weight", "head.cls.predictions.decoder.weight")]
 
@@ -90,7 +89,7 @@ def _facts(c) -> dict:
 
 
 register_family(Family(
-    name="bert", layered=LayeredBert, tasks=("classification", "masked_lm"), tokenizer="wordpiece",
+    name="bert", layered=LayeredBert, objectives=(Classification, MaskedLM), tokenizer="wordpiece",
     hf_config=_hf_config, facts=_facts, block_shape=BlockShape.multi_head,
     refuses=lambda c: None if c.model_type == "bert" else "not bert",
     dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),

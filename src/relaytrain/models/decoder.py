@@ -35,6 +35,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import NO_CACHE, Block, LayeredModel, MicroBatch
+from relaytrain.objectives.cross_entropy import CausalLM
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASKS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
@@ -125,13 +126,6 @@ class LayeredDecoder(LayeredModel):
             shared = self.rotary(hidden, positions)
             rope = dict.fromkeys(used, shared)
         return {"masks": masks, "rope": rope, "position_ids": positions}
-
-    # Tokens < n predict token n, as in Hugging Face's causal LM loss.
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)[:, :-1]
-
-    def targets(self, labels: torch.Tensor) -> torch.Tensor:
-        return labels[:, 1:]
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         if self._tied:
@@ -383,7 +377,7 @@ def _is_llama_layout(model: nn.Module) -> bool:
 
 
 SPEC = register_family(Family(
-    name="decoder", layered=LayeredDecoder, tasks=("causal_lm",), tokenizer="byte_bpe",
+    name="decoder", layered=LayeredDecoder, objectives=(CausalLM,), tokenizer="byte_bpe",
     hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses, attention=attention_for,
     dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout"),
     description="decoders of the Llama layout of a proven model type (Llama, Qwen2/3, Mistral, Gemma, Phi-3, "

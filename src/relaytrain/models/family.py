@@ -3,7 +3,7 @@ never branched on.
 
 A family is one module under `models/` that holds its layered class and registers a `Family`
 spec: how the `model` config keys become a Hugging Face config and how a checkpoint's config
-becomes `model` keys, which config attributes carry dropout, which heads (tasks) it has, what
+becomes `model` keys, which config attributes carry dropout, which objectives (heads) it has, what
 kind of tokenizer a run trains for it when none is given, and whether it takes a given
 checkpoint. Everything outside `models/` asks the spec (`family_spec(name)`,
 `family_of(hf_config)`); a name no family registered is one line naming those that exist.
@@ -44,7 +44,9 @@ class BlockShape:
 class Family:
     name: str
     layered: type  # the LayeredModel subclass: layered(hf_model, task)
-    tasks: tuple[str, ...]  # the heads it has; the first is what a bare body gets
+    # The objectives whose heads it has (`relaytrain.objectives` classes: an objective derived
+    # from one of them trains on the same head); the first is what a bare body gets.
+    objectives: tuple[type, ...]
     tokenizer: str  # what a run trains when no tokenizer is given: "wordpiece" or "byte_bpe"
     hf_config: Callable  # model keys -> Hugging Face config (no weights)
     facts: Callable  # a checkpoint's Hugging Face config -> model keys
@@ -56,6 +58,15 @@ class Family:
     # The attention kernel a checkpoint's config runs with when model.attn_implementation asks
     # for one (eager where the architecture has no sdpa kernel).
     attention: Callable = staticmethod(lambda hf_config, wanted: wanted)
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The names (`model.task`) of its objectives, the bare body's first."""
+        return tuple(cls.name for cls in self.objectives)
+
+    def trains(self, objective) -> bool:
+        """Whether it has the head `objective` (a `relaytrain.objectives` instance) trains."""
+        return isinstance(objective, self.objectives)
 
     def set_dropout(self, hf_config, p: float) -> None:
         """The run's dropout on every dropout attribute the config has (a checkpoint's included)."""

@@ -9,6 +9,7 @@ from transformers.masking_utils import create_causal_mask
 
 from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import NO_CACHE, LayeredModel, MicroBatch
+from relaytrain.objectives.cross_entropy import CausalLM
 
 
 class GPT2Embed(nn.Module):
@@ -51,13 +52,6 @@ class LayeredGPT2(LayeredModel):
         )
         return {"attention_mask": mask}
 
-    # Tokens < n predict token n, as in Hugging Face's causal LM loss.
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)[:, :-1]
-
-    def targets(self, labels: torch.Tensor) -> torch.Tensor:
-        return labels[:, 1:]
-
     def tied_parameters(self) -> list[tuple[str, str]]:
         return [("embed.wte.weight", "head.lm_head.weight")]
 
@@ -90,7 +84,7 @@ def _facts(c) -> dict:
 
 
 register_family(Family(
-    name="gpt2", layered=LayeredGPT2, tasks=("causal_lm",), tokenizer="byte_bpe",
+    name="gpt2", layered=LayeredGPT2, objectives=(CausalLM,), tokenizer="byte_bpe",
     hf_config=_hf_config, facts=_facts, block_shape=BlockShape.multi_head,
     refuses=lambda c: None if c.model_type == "gpt2" else "not gpt2",
     dropout_keys=("resid_pdrop", "embd_pdrop", "attn_pdrop"),

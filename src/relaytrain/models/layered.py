@@ -24,6 +24,8 @@ from transformers.masking_utils import create_causal_mask
 
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
+from relaytrain.objectives import objective
+from relaytrain.objectives.base import LossTerms
 
 # The mask builders' "no KV cache" argument: `cache=None` from transformers 5.24 on, where
 # `past_key_values` is deprecated; `past_key_values=None` before (the GPU images carry 5.17).
@@ -196,10 +198,10 @@ class Block(nn.Module):
 class LayeredModel(nn.Module, metaclass=ABCMeta):
     """A Hugging Face model seen as embed -> blocks -> head.
 
-    Subclasses (one per model family) provide the parts and two small functions:
-    `shared_context` (per-micro-batch inputs of the blocks) and `logits` (the head's output),
-    plus `targets` where the labels are not aligned with the logits as they come (GPT-2 predicts
-    the next token). The loss, its item count and the evaluation sums follow from those.
+    Subclasses (one per model family) provide the parts and `shared_context` (per-micro-batch
+    inputs of the blocks), and `logits` where the head's output is not simply `head(hidden)`.
+    The loss, its item count and the evaluation sums are the objective's (`model.task`:
+    `relaytrain.objectives`), from the logits and the micro-batch.
 
     Strategies run the parts through `embed_input`, `context` (which adds the draw key),
     `blocks[i]` and `head_loss`: each part's random draws are keyed by its micro-batch there.
@@ -221,6 +223,7 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         self.blocks = nn.ModuleList(self.block_class(layer, index) for index, layer in enumerate(blocks))
         self.head = head
         self.task = task
+        self.objective = objective(task)  # the loss, its items and the evaluation sums
 
     def rename_parameters(self) -> None:
         """Every parameter's Hugging Face name, fixed before any strategy splits the model (tied
@@ -236,13 +239,10 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
     def shared_context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
         """What every block of this micro-batch shares (the attention mask)."""
 
-    @abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's logits for the last block's output."""
-
-    def targets(self, labels: torch.Tensor) -> torch.Tensor:
-        """The labels aligned item by item with `logits` (-100: no item); GPT-2 shifts them."""
-        return labels
+        """The head's logits for the last block's output, every position (the objective aligns
+        them with the labels)."""
+        return self.head(hidden)
 
     # -- the parts as strategies run them: draws keyed by the micro-batch -----------------------
     def embed_input(self, input_ids: torch.Tensor, draw: Draw | None = None) -> torch.Tensor:
@@ -255,24 +255,25 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         micro-batch's draw key (`DRAW`)."""
         return {**self.shared_context(mb, hidden), DRAW: mb.draw}
 
-    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, draw: Draw | None = None) -> torch.Tensor:
-        """Summed loss of the micro-batch (fp32); the head's dropout (BERT's classifier has one)
-        drawn under `draw`."""
-        with keyed_draws(draw, HEAD_PART, hidden.device, self.head.training):
-            return sum_cross_entropy(self.logits(hidden), self.targets(labels))
+    def head_loss(self, hidden: torch.Tensor, mb: MicroBatch) -> LossTerms:
+        """The objective's loss terms for the micro-batch (sums, fp32; `LossTerms.over` divides by
+        the minibatch's items); the head's dropout (BERT's classifier has one) drawn under the
+        micro-batch's key."""
+        with keyed_draws(mb.draw, HEAD_PART, hidden.device, self.head.training):
+            return self.objective.loss(self.logits(hidden), mb)
 
-    def eval_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> EvalStats:
+    def eval_stats(self, hidden: torch.Tensor, mb: MicroBatch) -> EvalStats:
         """The evaluation sums of one micro-batch (loss, items, correct, confusion)."""
-        return EvalStats.of(self.logits(hidden), self.targets(labels), self.num_labels)
+        return self.objective.eval_stats(self.logits(hidden), mb)
 
-    def loss_items(self, labels: torch.Tensor) -> int:
+    def loss_items(self, mb: MicroBatch) -> int:
         """How many items `head_loss` sums over."""
-        return int((self.targets(labels) != -100).sum())
+        return self.objective.items(mb)
 
     @property
     def num_labels(self) -> int | None:
-        """Classes of a classification head; None for language models."""
-        return self.hf_config.num_labels if self.task == "classification" else None
+        """Classes of a classifier head; None for language models."""
+        return self.hf_config.num_labels if self.objective.classifies else None
 
     def hf_name(self, param: torch.Tensor) -> str:
         return self._hf_names[id(param)]
@@ -289,18 +290,11 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         ctx = self.context(mb, hidden)
         for block in self.blocks:
             hidden = block(hidden, ctx)
-        items = self.loss_items(mb.labels) if loss_items is None else loss_items
-        return self.head_loss(hidden, mb.labels, mb.draw) / items
+        items = self.loss_items(mb) if loss_items is None else loss_items
+        return self.head_loss(hidden, mb).over(items)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def sum_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over items, in fp32 like Hugging Face's losses; -100 is ignored."""
-    return nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
 
 
 @contextmanager

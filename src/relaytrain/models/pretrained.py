@@ -21,11 +21,10 @@ from omegaconf import OmegaConf
 
 from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.family import family_of, family_spec
+from relaytrain.models.quantize import stored_quantization
+from relaytrain.objectives import objective, objective_of_architecture
 
 FINE_TUNABLE = ("task", "num_labels", "dropout")
-# Architecture name endings -> the task their head does.
-HEAD_TASKS = (("ForSequenceClassification", "classification"), ("LMHeadModel", "causal_lm"),
-              ("ForCausalLM", "causal_lm"), ("ForMaskedLM", "masked_lm"), ("ForPreTraining", "masked_lm"))
 
 
 def load_hf_config(pretrained: str, trust_remote_code: bool = False):
@@ -70,11 +69,11 @@ def _remote_code(local: Path) -> str | None:
 
 
 def checkpoint_task(hf_config) -> str | None:
-    """The task of the checkpoint's head, None for a bare body (e.g. BertModel)."""
+    """The objective (its name) of the checkpoint's head, None for a bare body (e.g. BertModel)."""
     for arch in hf_config.architectures or []:
-        for ending, task in HEAD_TASKS:
-            if arch.endswith(ending):
-                return task
+        spec = objective_of_architecture(arch)
+        if spec is not None:
+            return spec.name
     return None
 
 
@@ -82,14 +81,14 @@ def facts(hf_config) -> dict:
     """What the checkpoint says, as `model` config keys."""
     family = family_of(hf_config)
     out = {"family": family.name, "vocab_size": hf_config.vocab_size, **family.facts(hf_config),
-           "checkpoint_dtype": _dtype_name(hf_config)}
+           "checkpoint_dtype": _dtype_name(hf_config), **stored_quantization(hf_config)}
     task = checkpoint_task(hf_config)
     if task is not None and task not in family.tasks:
         raise ConfigError(f"the checkpoint's head ({', '.join(hf_config.architectures)}) does {task}, which "
                           f"relaytrain's {family.name} family does not train; it trains {', '.join(family.tasks)}")
     if task is not None:
         out["task"] = task
-    if task == "classification":
+    if task is not None and objective(task).classifies:
         out["num_labels"] = hf_config.num_labels
     return out
 
@@ -127,9 +126,9 @@ def _name(pretrained: str) -> str:
 
 
 def _bare_body_task(m) -> str:
-    """A body without a head: the configured task where the family has it, else its first."""
-    tasks = family_spec(m.family).tasks
-    return str(m.task) if str(m.task) in tasks else tasks[0]
+    """A body without a head: the configured objective where the family has its head, else its first."""
+    family = family_spec(m.family)
+    return str(m.task) if family.trains(objective(m.task)) else family.tasks[0]
 
 
 def _dtype_name(hf_config) -> str:

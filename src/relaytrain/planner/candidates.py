@@ -2,25 +2,26 @@
 `relaytrain.planner.plan`, which profiles the machine and calls these).
 
 2. **Candidates**: every shape each strategy says trains the requested global batch B on the
-   workers given (`Strategy.shapes`: the baseline's micro-batch size b and count m = B / b,
+   workers given (`CostModel.shapes`, asked of each strategy's `cost_model`: the baseline's micro-batch size b and count m = B / b,
    with or without block recompute; L2L's b, inner loop u, replicas w and stash; a pipeline's
    width w x depth d = workers, b, m = B / (w b) and recompute none/block/stage). Micro-batch
    sizes are powers of two.
-3. **Time**: each candidate's step by its strategy's cost model (`Strategy.step_cost`, made of
+3. **Time**: each candidate's step by its strategy's cost model (`CostModel.step_cost`, made of
    the shared formulas in `relaytrain.cost.formulas`).
 4. **Host memory**: each candidate's host memory on one machine, estimated from its strategy's
-   host state (`Strategy.host_state_bytes`: an eager param server's, offloaded masters and
+   host state (`CostModel.host_state_bytes`: an eager param server's, offloaded masters and
    optimizer state, a stash on the host) and the fp32 model each worker builds there first,
    against `plan.host_memory_gb` (this machine's RAM for plan.device=this; unlimited for a
    profile unless given): a candidate over it does not fit, whatever its device memory.
 5. **Device memory**: each candidate's device memory from the meta-device dry run of the real
    strategy code (`relaytrain.planner.dryrun.simulate`), walking the candidates fastest first until
    the fastest that fits is found, then the fastest that fits of every other strategy and
-   variant. A closed-form MEMORY(.) (`Strategy.device_bytes`) prunes obviously hopeless ones
+   variant. A closed-form MEMORY(.) (`CostModel.device_bytes`) prunes obviously hopeless ones
    before they are simulated; a shape whose micro-batch did not fit is not simulated again with
    a larger one (memory only grows with b at a fixed batch).
 
-Nothing here knows a strategy by name: a registered strategy is asked through its class.
+Nothing here knows a strategy by name: a registered strategy is asked through its class and
+the cost model it names (`cost_model`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def enumerate_shapes(request: Request, num_layers: int) -> list[Shape]:
     shapes = []
     for name in request.strategies:
         cls = strategy_class(name)
-        offered = cls.shapes(request.workers, request.batch, num_layers)
+        offered = cls.cost_model.shapes(request.workers, request.batch, num_layers)
         preset = presets().get(name)
         shapes += offered if preset is None else _keeping(offered, preset.fixed, cls)
     return list(dict.fromkeys(shapes))  # a strategy and its preset offer some shapes twice
@@ -84,7 +85,7 @@ def enumerate_shapes(request: Request, num_layers: int) -> list[Shape]:
 def _keeping(shapes: list[Shape], fixed: dict, cls) -> list[Shape]:
     """The shapes whose options agree with a preset's fixed keys (among the keys shapes vary)."""
     varied = {key for shape in shapes for key, _ in shape.options}
-    wanted = dict(cls.shape_options(**{k: v for k, v in fixed.items() if k in varied}))
+    wanted = dict(cls.cost_model.shape_options(**{k: v for k, v in fixed.items() if k in varied}))
     return [shape for shape in shapes if {k: v for k, v in shape.options if k in varied} == wanted]
 
 
@@ -133,8 +134,8 @@ def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, req
     """A shape checked as `relaytrain train` would check it (on this machine's `device`: also
     whether it can start its workers and hold its host memory), then timed by its strategy's cost model."""
     cls = strategy_class(shape.strategy)
-    cfg = candidate_config(base, shape)
-    candidate = Candidate(shape, closed_form_bytes=cls.device_bytes(cfg, facts),
+    cfg, model = candidate_config(base, shape), cls.cost_model
+    candidate = Candidate(shape, closed_form_bytes=model.device_bytes(cfg, facts),
                           host_bytes=host_bytes(cls, cfg, facts, profile, shape))
     try:
         validate(cfg)
@@ -143,9 +144,9 @@ def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, req
     except ConfigError as err:
         candidate.fits, candidate.why_not = False, str(err)
         return candidate
-    candidate.cost = cls.step_cost(cfg, facts, profile)
+    candidate.cost = model.step_cost(cfg, facts, profile)
     if profile.device_type == "cpu":  # the host state is in the same memory the dry run counts
-        candidate.host_state_bytes = cls.host_state_bytes(cfg, facts)
+        candidate.host_state_bytes = model.host_state_bytes(cfg, facts)
     budget = request.host_memory_bytes
     if budget is not None and candidate.host_bytes > budget:
         candidate.fits, candidate.over_host = False, True
@@ -161,7 +162,7 @@ def host_bytes(cls, cfg, facts: ModelFacts, profile: Profile, shape: Shape) -> i
     plus the interpreter and libraries (`preflight.HEADROOM`). The workers of one machine: a
     profile's devices per node, or every worker on this machine's CPU."""
     per_machine = shape.workers if profile.device_type == "cpu" else min(shape.workers, profile.devices_per_node)
-    worker = max(facts.built_bytes(cls.compact_base), cls.host_state_bytes(cfg, facts)) + HEADROOM
+    worker = max(facts.built_bytes(cls.compact_base), cls.cost_model.host_state_bytes(cfg, facts)) + HEADROOM
     return int(per_machine * worker)
 
 

@@ -4,7 +4,7 @@ A prediction, labelled as one, by the planner's own cost model (`relaytrain.plan
 one block of the configured model is profiled briefly on this machine (forward, backward and
 an optimizer step at micro-batch sizes up to the configured one; larger sizes extrapolated
 once a block passes a fraction of a second), and the strategy's step is composed from it as
-`relaytrain plan` composes every candidate's (`Strategy.step_cost`). On a GPU the line adds
+`relaytrain plan` composes every candidate's (`CostModel.step_cost`). On a GPU the line adds
 the device memory of the meta-device dry run. It tells a user in one line whether to wait
 seconds or days, and `relaytrain plan` and `relaytrain train` never disagree about a config.
 The command (`relaytrain train`) makes it and hands it to the trainer, which only shows it.
@@ -18,7 +18,6 @@ import torch
 
 from relaytrain import metrics
 from relaytrain.errors import ConfigError
-from relaytrain.models import count_parameters
 from relaytrain.planner.plan import predict
 from relaytrain.units import duration
 
@@ -47,13 +46,13 @@ class Estimate:
 
 
 def step_flops(cfg, cls) -> float:
-    """Model FLOPs of a step: 6N per token plus attention, and one forward more (forward + 2 x
-    backward + forward: 4/3) where the strategy recomputes in backward."""
+    """Model FLOPs of a step (`metrics.model_flops_per_token`: every block and the head, forward
+    and backward), and one forward more (forward + 2 x backward + forward: 4/3) where the
+    strategy recomputes in backward."""
     m, s = cfg.model, cfg.strategy
     tokens = s.microbatch_size * s.num_microbatches * cls.replicas(cfg) * cfg.data.seq_len
-    per_token = metrics.model_flops_per_token(count_parameters(m), m.num_layers, metrics.attention_width(m),
-                                            cfg.data.seq_len)
-    return per_token * tokens * (4 / 3 if cls.recomputes(cfg) else 1.0)
+    per_token = metrics.model_flops_per_token(m, cfg.data.seq_len)
+    return per_token * tokens * (4 / 3 if cls.cost_model.recomputes(cfg) else 1.0)
 
 
 def estimate(cfg, cls) -> Estimate | None:

@@ -211,7 +211,7 @@ def predict(cfg) -> Prediction:
     # would pass PART_BUDGET_S and extrapolates from there, so a large model costs seconds, not minutes.
     sizes = sorted({*powers_of_two_dividing(s.microbatch_size), s.microbatch_size})
     profile = measure(cfg, sizes, [cls.processes(cfg)], device)
-    cost = cls.step_cost(cfg, ModelFacts.of(cfg), profile)
+    cost = cls.cost_model.step_cost(cfg, ModelFacts.of(cfg), profile)
     memory = simulate(cfg).peak_bytes if device.type == "cuda" else None
     batch = s.microbatch_size * s.num_microbatches * cls.replicas(cfg)
     return Prediction(cost.step_s, batch / cost.step_s, memory)

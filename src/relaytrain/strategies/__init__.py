@@ -3,8 +3,9 @@
 Each strategy is a class registered by name (`@register("l2l")`) in a module of this package;
 `strategy_class(name)` finds it. Modules are discovered, not listed: a new strategy is a new
 module (plus its config file and tests), and nothing here changes. Registering checks that
-the class answers the whole contract, the planner's questions included, so a strategy
-without a cost model fails at import instead of being left out of `relaytrain plan`.
+the class answers the whole contract and names a cost model that answers the planner's
+questions (`cost.model.CostModel`), so a strategy without one fails at import instead of
+being left out of `relaytrain plan`.
 
 A *preset* is a strategy with some of its keys fixed, made by a config file alone:
 `configs/strategy/l2l_stash_cpu.yaml` is `l2l` with `stash: host`. It runs the class it names
@@ -23,6 +24,7 @@ from importlib import resources
 import torch
 import yaml
 
+from relaytrain.cost.model import CostModel
 from relaytrain.errors import ConfigError
 from relaytrain.strategies.base import Capabilities, StepResult, Strategy
 from relaytrain.world import World
@@ -45,7 +47,8 @@ def register(name: str):
         unanswered = sorted(getattr(cls, "__abstractmethods__", ()))
         if unanswered:
             raise TypeError(f"strategy {name!r} ({cls.__qualname__}) does not answer {', '.join(unanswered)} of the "
-                            f"contract in strategies/base.py (the planner needs every strategy's cost and memory)")
+                            f"contract in strategies/base.py")
+        _check_cost_model(name, cls)
         schedule = getattr(cls, "schedule", None)  # a pipeline's program is named as the strategy that runs it
         if schedule is not None and schedule.name != name:
             raise TypeError(f"strategy {name!r} ({cls.__qualname__}) runs schedule {schedule.__qualname__}, "
@@ -55,6 +58,18 @@ def register(name: str):
         return cls
 
     return add
+
+
+def _check_cost_model(name: str, cls: type[Strategy]) -> None:
+    """A strategy names a cost model that answers the planner (bound to it by `Strategy`)."""
+    model = getattr(cls, "cost_model", None)
+    if isinstance(model, CostModel) and model.strategy is cls:
+        return
+    if isinstance(model, type) and issubclass(model, CostModel):
+        raise TypeError(f"strategy {name!r} ({cls.__qualname__}): its cost model {model.__qualname__} does not answer "
+                        f"{', '.join(sorted(model.__abstractmethods__))} (the planner needs every strategy's cost and memory)")
+    raise TypeError(f"strategy {name!r} ({cls.__qualname__}) names no cost model: set cost_model to a "
+                    f"cost.model.CostModel subclass (the planner needs every strategy's cost and memory)")
 
 
 def registry() -> dict[str, type[Strategy]]:

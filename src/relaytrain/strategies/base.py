@@ -3,8 +3,9 @@ the planner need to know about a way of training, in one class per strategy.
 
 A strategy owns *where the weights live* and *in what order work runs*. The class answers,
 before any process starts, what a run needs (`processes`, `replicas`, `check_config`,
-`estimate_host_bytes`, `state_layout`, `capabilities`) and what the planner asks (`shapes`,
-`step_cost`, `device_bytes`, `host_state_bytes`, `recomputes`); an instance, one per process,
+`state_layout`, `capabilities`) and, through the cost model it names (`cost_model`, a
+`cost.model.CostModel`), what the planner and the host-memory check ask (`shapes`, `step_cost`,
+`device_bytes`, `host_state_bytes`, `estimate_host_bytes`, `recomputes`); an instance, one per process,
 does the work (`step`, `evaluate`, `drain`) and hands over its state (`state_dict`,
 `load_state_dict`, `weights`) and figures (`report`, then the class's `combine_reports` over
 every process's report).
@@ -17,7 +18,6 @@ registering refuses a class that leaves a question of the contract unanswered.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,21 +27,10 @@ import torch
 
 from relaytrain import metrics
 from relaytrain.config import StrategyConfig
-from relaytrain.cost.formulas import (
-    FP32,
-    ModelFacts,
-    Shape,
-    StepCost,
-    block_activation_bytes,
-    logits_bytes,
-    logits_per_sample,
-)
-from relaytrain.cost.profile import Profile
+from relaytrain.cost.model import CostModel
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
-from relaytrain.models import trained_parameters
 from relaytrain.models.layered import LayeredModel, MicroBatch
-from relaytrain.optim import state_words
 from relaytrain.precision import Precision
 from relaytrain.world import World
 
@@ -77,6 +66,16 @@ class Strategy(ABC):
     # memory (a strategy that casts what it uploads: L2L); the others compute with the base as it is.
     compact_base: ClassVar[bool] = False
     on_progress: Callable[[str], None] | None = None  # set by the trainer on the reporter: progress inside a step
+    # The planner's answers (`cost.model.CostModel`): a class names its cost model's class once
+    # (`cost_model = L2LCost`) and gets an instance bound to itself (`__init_subclass__`).
+    cost_model: ClassVar[CostModel]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        model = getattr(cls, "cost_model", None)  # its own (a class), or its parent's (bound to the parent)
+        model = type(model) if isinstance(model, CostModel) else model
+        if isinstance(model, type) and issubclass(model, CostModel) and not model.__abstractmethods__:
+            cls.cost_model = model(cls)  # each class its own: a subclass inherits the model, bound to it
 
     # -- what it needs: class level, no process and no tensor --------------------------------
     @classmethod
@@ -104,11 +103,6 @@ class Strategy(ABC):
         GPUs skip this: it is about the machine, not the config)."""
 
     @classmethod
-    def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
-        """Host memory of the whole run (every process), an estimate that errs high."""
-        return weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live_blocks=cfg.model.num_layers)
-
-    @classmethod
     def state_layout(cls, cfg) -> dict:
         """How the run's state is split over processes: a checkpoint resumes exactly (RNG streams
         and all) only under the same strategy and state layout; otherwise by parameter name."""
@@ -131,45 +125,6 @@ class Strategy(ABC):
     def combine_reports(cls, cfg, reports: list[dict]) -> dict:
         """results.json's `strategy_report`, from every process's `report()` (rank order)."""
         return reports[0]
-
-    # -- what the planner asks: class level, no process and no tensor -----------------------------
-    # `cfg` is a whole config with the shape's keys set (`candidates.candidate_config`); `facts` the
-    # model's sizes; `profile` the machine. Every figure is a prediction.
-    @classmethod
-    @abstractmethod
-    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
-        """Every shape of this strategy that trains `batch` samples a step on at most `workers`
-        workers (devices) for a model of `num_layers` blocks: what the planner may try."""
-
-    @classmethod
-    @abstractmethod
-    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-        """The predicted step time on `profile`'s machine, composed from the shared formulas of
-        `relaytrain.cost.formulas` and the profile's per-part times."""
-
-    @classmethod
-    @abstractmethod
-    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """Closed-form device memory of the fullest worker (weights, gradients, optimizer state,
-        activations): prunes hopeless candidates before the dry run, and is shown beside it."""
-
-    @classmethod
-    def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """State one worker keeps in host memory apart from the device's (an eager param server's
-        masters and optimizer state); on a CPU it is the same memory the dry run counts."""
-        return 0
-
-    @classmethod
-    def recomputes(cls, cfg) -> bool:
-        """Whether backward recomputes the forward (a FLOP estimate counts it once more)."""
-        return False
-
-    @classmethod
-    def shape_options(cls, **keys) -> tuple[tuple[str, str], ...]:
-        """The strategy keys of a shape that differ from this strategy's defaults: what its
-        command must set beyond the micro-batches, replicas, stages and recompute."""
-        defaults = {f.name: f.default for f in dataclasses.fields(cls.Config)}
-        return tuple((key, str(value)) for key, value in keys.items() if str(value) != str(defaults.get(key)))
 
     # -- one process's work -------------------------------------------------------------------
     def __init__(self, model: LayeredModel, cfg, world: World):
@@ -289,7 +244,7 @@ def scalar(t: torch.Tensor) -> float | None:
 
 def minibatch_items(model: LayeredModel, minibatch: list[MicroBatch]) -> int:
     """Loss items of the whole minibatch: each micro-batch's summed loss is divided by this."""
-    return sum(model.loss_items(mb.labels) for mb in minibatch)
+    return sum(model.loss_items(mb) for mb in minibatch)
 
 
 def replica_rows(minibatch: list[MicroBatch], replica: int, replicas: int) -> list[MicroBatch]:
@@ -300,20 +255,3 @@ def replica_rows(minibatch: list[MicroBatch], replica: int, replicas: int) -> li
     size = minibatch[0].num_samples // replicas
     rows = slice(replica * size, (replica + 1) * size)
     return [mb.rows(rows, replica) for mb in minibatch]
-
-
-def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
-    """fp32 weights, and the gradients and optimizer state of what trains (under adapters: theirs)."""
-    trained = trained_parameters(cfg)
-    trained = num_params if trained is None else trained
-    return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
-
-
-def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries: int = 0) -> int:
-    """Activations in host memory when the device *is* the host: `live_blocks` blocks' worth of
-    one micro-batch, `stash_entries` block inputs, and the logits of an LM head."""
-    if device_type != "cpu":
-        return 0
-    m, b, s = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len
-    block = block_activation_bytes(b, s, metrics.block_shape(m), FP32)
-    return block * live_blocks + stash_entries * b * s * m.hidden_size * FP32 + logits_bytes(b, logits_per_sample(cfg))

@@ -32,15 +32,12 @@ from relaytrain.checkpoint import (
     unique_named_parameters,
 )
 from relaytrain.config import Recompute, StrategyConfig, WorkersConfig
-from relaytrain.cost.formulas import ModelFacts, Shape, StepCost
-from relaytrain.cost.profile import Profile
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
 from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler, Precision
 from relaytrain.strategies import register
-from relaytrain.strategies import whole_model_cost as cost
 from relaytrain.strategies.base import (
     ReplicatedStrategy,
     StepResult,
@@ -49,7 +46,7 @@ from relaytrain.strategies.base import (
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.whole_model_cost import BUCKET_BYTES
+from relaytrain.strategies.whole_model_cost import BUCKET_BYTES, BaselineCost, recomputes_blocks
 
 
 @dataclass
@@ -70,8 +67,8 @@ class MicrobatchLoss(nn.Module):
     def forward(self, mb: MicroBatch, items: int = 1, evaluate: bool = False) -> torch.Tensor:
         with self.precision.autocast_context(mb.input_ids.device):
             if evaluate:
-                return self.model.eval_stats(self.trunk(mb), mb.labels).sums
-            return self.model.head_loss(self.trunk(mb), mb.labels, mb.draw) / items
+                return self.model.eval_stats(self.trunk(mb), mb).sums
+            return self.model.head_loss(self.trunk(mb), mb).over(items)
 
     def trunk(self, mb: MicroBatch) -> torch.Tensor:
         """Embeddings and every block: the last block's output."""
@@ -108,6 +105,7 @@ def _sum_hook(group, bucket):  # no annotations: DDP checks them, and these woul
 @register("baseline")
 class Baseline(ReplicatedStrategy):
     Config = BaselineConfig
+    cost_model = BaselineCost  # what the planner asks: whole_model_cost.py's closed forms
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -117,33 +115,8 @@ class Baseline(ReplicatedStrategy):
                               "use strategy.recompute=block")
 
     @classmethod
-    def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
-        """`whole_model_cost.baseline_host_bytes`."""
-        return cost.baseline_host_bytes(cfg, num_params, device_type)
-
-    @classmethod
     def describe_process(cls, cfg, rank: int) -> str:
         return f"rank {rank} (replica {rank} of {cfg.strategy.replicas})"
-
-    # -- what the planner asks (the closed forms are whole_model_cost's) --------------------------
-    @classmethod
-    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
-        """Replicas, micro-batch sizes, block recompute or not (`whole_model_cost.baseline_shapes`)."""
-        return cost.baseline_shapes(cls, workers, batch)
-
-    @classmethod
-    def recomputes(cls, cfg) -> bool:
-        return cost.recomputes_blocks(cfg)
-
-    @classmethod
-    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-        """L2L paper, Algorithm 1, and the replicas' gradient sums (`whole_model_cost.baseline_step_cost`)."""
-        return cost.baseline_step_cost(cfg, facts, profile)
-
-    @classmethod
-    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """The whole model as one stage with one micro-batch in flight (`whole_model_cost.baseline_device_bytes`)."""
-        return cost.baseline_device_bytes(cfg, facts)
 
     # -- one worker -------------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
@@ -154,7 +127,7 @@ class Baseline(ReplicatedStrategy):
                                  cfg.precision.growth_interval)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.replica, self.num_replicas = world.rank, cfg.strategy.replicas
-        self.net = MicrobatchLoss(model, self.recomputes(cfg), self.precision)
+        self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision)
         # A dry run has no process group to sum over; with gradients as bucket views DDP adds no
         # device memory, so the dry run's figure holds for the real run.
         self.synced = world.distributed and not world.simulated

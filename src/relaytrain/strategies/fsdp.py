@@ -52,15 +52,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state, sharded_contents
 from relaytrain.config import Offload, Recompute, StrategyConfig, WorkersConfig
-from relaytrain.cost.formulas import ModelFacts, Shape, StepCost
-from relaytrain.cost.profile import Profile
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch
 from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler
 from relaytrain.strategies import register
-from relaytrain.strategies import whole_model_cost as cost
 from relaytrain.strategies.base import (
     ReplicatedStrategy,
     StepResult,
@@ -70,7 +67,7 @@ from relaytrain.strategies.base import (
     scalar,
 )
 from relaytrain.strategies.baseline import Baseline, MicrobatchLoss, evaluate_replicated
-from relaytrain.strategies.whole_model_cost import gathered_params
+from relaytrain.strategies.whole_model_cost import FsdpCost, gathered_params, recomputes_blocks
 
 
 @dataclass
@@ -86,6 +83,7 @@ class Fsdp(ReplicatedStrategy):
     """One worker of R, holding 1/R of every parameter, gradient and optimizer state."""
 
     Config = FsdpConfig
+    cost_model = FsdpCost  # what the planner asks: whole_model_cost.py's closed forms
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -100,42 +98,12 @@ class Fsdp(ReplicatedStrategy):
                               "CPU device they are there already: use strategy.offload=none")
 
     @classmethod
-    def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
-        """The whole model once, then the shards and activations (`whole_model_cost.fsdp_host_bytes`)."""
-        return cost.fsdp_host_bytes(cfg, num_params, device_type)
-
-    @classmethod
     def state_layout(cls, cfg) -> dict:
         return {"processes": cfg.strategy.replicas, "sharded": True}
 
     @classmethod
     def describe_process(cls, cfg, rank: int) -> str:
         return f"rank {rank} (shard {rank} of {cfg.strategy.replicas})"
-
-    # -- what the planner asks (the closed forms are whole_model_cost's) --------------------------
-    @classmethod
-    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
-        """Workers, micro-batch sizes, recompute, resharding, offload (`whole_model_cost.fsdp_shapes`)."""
-        return cost.fsdp_shapes(cls, workers, batch)
-
-    @classmethod
-    def recomputes(cls, cfg) -> bool:
-        return cost.recomputes_blocks(cfg)
-
-    @classmethod
-    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-        """The baseline's compute plus FSDP's gathers and reduce-scatters (`whole_model_cost.fsdp_step_cost`)."""
-        return cost.fsdp_step_cost(cfg, facts, profile)
-
-    @classmethod
-    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """1/R of the state, the gathered units, one micro-batch's activations (`whole_model_cost.fsdp_device_bytes`)."""
-        return cost.fsdp_device_bytes(cfg, facts)
-
-    @classmethod
-    def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """The offloaded shards, or none (`whole_model_cost.fsdp_host_state_bytes`)."""
-        return cost.fsdp_host_state_bytes(cfg, facts)
 
     # -- one worker -------------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
@@ -145,7 +113,7 @@ class Fsdp(ReplicatedStrategy):
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
         self.hf_names = {name: model.hf_name(p) for name, p in model.named_parameters()}  # before sharding
-        self.net = MicrobatchLoss(model, self.recomputes(cfg), self.precision)  # amp_*: autocast, as the baseline
+        self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision)  # amp_*: autocast, as the baseline
         self.sharded = not world.simulated
         self.own_group = False
         if self.sharded:

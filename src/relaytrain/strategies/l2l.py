@@ -48,13 +48,11 @@ from relaytrain.checkpoint import (
     unique_named_parameters,
 )
 from relaytrain.config import StrategyConfig, WorkersConfig
-from relaytrain.cost.formulas import ModelFacts, Shape, StepCost
-from relaytrain.cost.profile import Profile
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import Draw, LayeredModel, MicroBatch, eval_mode
+from relaytrain.objectives.base import LossTerms
 from relaytrain.precision import LossScaler
-from relaytrain.strategies import l2l_cost as cost
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
     Capabilities,
@@ -65,7 +63,7 @@ from relaytrain.strategies.base import (
     scalar,
 )
 from relaytrain.strategies.eps import EagerParamServer, Peers, Shipment
-from relaytrain.strategies.l2l_cost import EpsPlacement, Stash
+from relaytrain.strategies.l2l_cost import EpsPlacement, L2LCost, Stash, stash_on_host
 from relaytrain.strategies.relay import ActivationStash, WeightRelay
 from relaytrain.strategies.transfers import Transfers
 
@@ -88,8 +86,8 @@ class EmbedInput(nn.Module):
 
 
 class HeadLoss(nn.Module):
-    """The head as a part: `(hidden, labels, draw) -> summed loss` (the model's `head_loss`), or
-    the evaluation sums of the micro-batch with `evaluate=True`.
+    """The head as a part: `(hidden, micro-batch) -> summed loss` (the model's `head_loss`: the
+    objective's, under the micro-batch's draw key), or its evaluation sums with `evaluate=True`.
 
     `head` is registered so a functional call swaps the head's parameters for device copies;
     `head_loss` reaches the same module object through the model.
@@ -100,11 +98,10 @@ class HeadLoss(nn.Module):
         self.head = model.head
         object.__setattr__(self, "_model", model)  # not a child: its parameters are not the head's
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, draw: Draw | None = None,
-                evaluate: bool = False) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mb: MicroBatch, evaluate: bool = False) -> LossTerms | torch.Tensor:
         if evaluate:
-            return self._model.eval_stats(hidden, labels).sums
-        return self._model.head_loss(hidden, labels, draw)
+            return self._model.eval_stats(hidden, mb).sums
+        return self._model.head_loss(hidden, mb)
 
 
 # --------------------------------------------------------------------------- the strategy
@@ -125,13 +122,9 @@ class L2L(ReplicatedStrategy):
     so the model always holds the trained weights; `step` returns only after every update has landed."""
 
     Config = L2LConfig
+    cost_model = L2LCost  # what the planner asks: l2l_cost.py's closed forms
     capabilities = Capabilities(cross_precision=True)
     compact_base = True  # the relay casts an adapter's half-precision base to the compute dtype on upload
-
-    @classmethod
-    def stash_on_host(cls, cfg) -> bool:
-        """Where the block inputs wait (`l2l_cost.stash_on_host`, the one rule)."""
-        return cost.stash_on_host(cfg)
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -139,11 +132,6 @@ class L2L(ReplicatedStrategy):
         s = cfg.strategy
         if s.max_resident_blocks < 1:
             raise ConfigError(f"strategy.max_resident_blocks={s.max_resident_blocks} must be at least 1")
-
-    @classmethod
-    def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
-        """The server's state, transit copies, activations and stash (`l2l_cost.host_bytes`)."""
-        return cost.host_bytes(cfg, num_params, device_type)
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
@@ -163,40 +151,26 @@ class L2L(ReplicatedStrategy):
 
     @classmethod
     def combine_reports(cls, cfg, reports: list[dict]) -> dict:
-        """Worker 0's figures, each worker's gradient sums beside (`l2l_cost.combine_reports`)."""
-        return cost.combine_reports(cfg, reports)
-
-    # -- what the planner asks (the closed forms are l2l_cost's) ----------------------------------
-    @classmethod
-    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
-        """Replicas, micro-batch sizes, the stash's place (`l2l_cost.shapes`)."""
-        return cost.shapes(cls, workers, batch)
-
-    @classmethod
-    def recomputes(cls, cfg) -> bool:
-        return True  # every block is recomputed from its stashed input in backward
-
-    @classmethod
-    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-        """The paper's §2.2.1 step with measured parts, prefetch and the EPS (`l2l_cost.step_cost`)."""
-        return cost.step_cost(cfg, facts, profile)
-
-    @classmethod
-    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """Two resident parts, the stash, one block's activations (`l2l_cost.device_bytes`)."""
-        return cost.device_bytes(cfg, facts)
-
-    @classmethod
-    def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """The eager param server's state, and the stash on the host (`l2l_cost.host_state_bytes`)."""
-        return cost.host_state_bytes(cfg, facts)
+        """Worker 0's figures; with replicas, each worker's own and the mean gradient-sum time."""
+        summary = dict(reports[0])
+        if len(reports) > 1:
+            summary["per_worker"] = [r["replica"] for r in reports]
+            exposed = sum(r["replica"]["reduction_exposed_s"] for r in reports) / len(reports)
+            total = sum(r["replica"]["reduction_s"] for r in reports) / len(reports)
+            steps = max(summary["eps"]["steps"], 1)
+            summary["summary"] = {
+                **summary["summary"],
+                "replicas": f"{len(reports)}, EPS state {cfg.strategy.eps_state}",
+                "gradient sums s/step (exposed)": f"{total / steps:.3f} ({exposed / steps:.3f})",
+            }
+        return summary
 
     # -- one worker ---------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
         super().__init__(model, cfg, world)
         s = cfg.strategy
         self.replica, self.num_replicas = world.rank, s.replicas
-        self.stash_host = self.stash_on_host(cfg)
+        self.stash_host = stash_on_host(cfg)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
         peers = (Peers(world.rank, world.size, s.eps_state == EpsPlacement.sharded, world.timeout, dry=world.simulated)
@@ -272,7 +246,7 @@ class L2L(ReplicatedStrategy):
         for u, mb in enumerate(mbs):
             x, hidden[u] = hidden[u].requires_grad_(True), None
             with self._autocast():
-                loss = functional_call(module, weights, (x, mb.labels, mb.draw)) / items
+                loss = functional_call(module, weights, (x, mb)).over(items)
             self.scaler.scale_loss(loss).backward()
             grads.append(x.grad)
             loss_sum += loss.detach()
@@ -358,7 +332,7 @@ class L2L(ReplicatedStrategy):
                 weights, _ = self.relay.next_visit()
                 for mb, h in zip(mbs, hidden, strict=True):
                     with self._autocast():
-                        stats += EvalStats(functional_call(head, weights, (h, mb.labels), {"evaluate": True}).cpu())
+                        stats += EvalStats(functional_call(head, weights, (h, mb), {"evaluate": True}).cpu())
         self.relay.start_step()
         if self.peers is not None:
             dist.all_reduce(stats.sums, group=self.world.control)
@@ -398,11 +372,39 @@ class L2L(ReplicatedStrategy):
 
     # -- reporting and lifetime ---------------------------------------------------------------
     def report(self) -> dict:
-        """This worker's figures (`l2l_cost.report`)."""
-        return cost.report(self)
+        """This worker's measured figures: the relay's residency, the phases per step, transfer
+        waits, the server's rate and, with replicas, its gradient sums."""
+        phases = dict(self.timer.totals)
+        eps = self.eps.stats.as_dict()
+        steps = max(eps["steps"], 1)
+        measured = max(self.timer.counts.get("forward", 0), 1)  # the steps after warm-up
+        rate, stash = eps["parameters_per_s"], "host" if self.stash_host else "device"
+        summary = {
+            "resident blocks (peak / bound)": f"{self.relay.peak_resident} / {self.relay.capacity}",
+            "activation stash": stash,
+            **{f"{label} (mean s/step)": f"{phases.get(key, 0.0) / measured:.3f}"
+               for key, label in _PHASE_LABELS.items() if key in phases},
+            "transfer wait (mean s/step, within the phases)": f"{self.transfers.wait_s / steps:.3f}",
+            "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s ({eps['host_kernel']})",
+            "EPS updates": "deferred to end of backward (clipping / fp16 check)" if self.eps.defer else "eager",
+        }
+        figures = {"stash": stash, "max_resident_blocks": self.relay.capacity,
+                   "peak_resident_blocks": self.relay.peak_resident, "deferred_updates": self.eps.defer,
+                   "phase_times_s": phases, "transfer_wait_s": self.transfers.wait_s, "eps": eps,
+                   "loss_scale": self.scaler.scale, "summary": summary}
+        if self.peers is not None:
+            owned = sum(part.num_owned for part in self.eps.local_parts())
+            figures["replica"] = {"rank": self.replica, "owned_parameters": owned,
+                                  "reduction_s": self.peers.reduce_s, "reduction_exposed_s": self.peers.exposed_s,
+                                  "eps_busy_s": eps["busy_s"]}
+        return figures
 
     def close(self) -> None:
         self.eps.close()
+
+
+_PHASE_LABELS = {"forward": "forward", "recompute_backward": "recompute+backward",
+                 "transfer_wait": "transfer wait", "optimizer_exposed": "exposed optimizer"}
 
 
 def _check_keyed(minibatch: list[MicroBatch], dropout: float) -> None:

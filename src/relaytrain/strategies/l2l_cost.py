@@ -1,11 +1,11 @@
 """The closed-form cost of L2L (`strategies/l2l.py`): the paper's step model, §2.2.1, with the
 measured part times, the relay's prefetch, the stash's place and the eager param server.
 
-L2L's class answers the planner by delegating here (`L2L.step_cost` -> `step_cost`, ...): the
-relay and the server run in l2l.py and eps/, what they are predicted to cost is here, beside
+L2L's class names `L2LCost` as its cost model: the relay and the server run in l2l.py and eps/
+(which also report what a run measured), what they are predicted to cost is here, beside
 `paper_step_s` and `paper_transfer_overhead`, the paper's own equations that the planner's
-tests hold the model to. Every figure is a prediction (the shared formulas are
-`relaytrain.cost.formulas`'s) but those of `report` and `combine_reports`, a run's measured ones.
+tests hold the model to. Every figure is a prediction; the shared formulas are
+`relaytrain.cost.formulas`'s.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from relaytrain.cost.formulas import (
     StepCost,
     allreduce_s,
     both,
+    cpu_activation_bytes,
     optimizer_s,
     powers_of_two_dividing,
     upload_s,
 )
+from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile, Timings
 from relaytrain.models import trained_parameters
 from relaytrain.optim import state_words
-from relaytrain.strategies.base import Strategy, cpu_activation_bytes
 from relaytrain.strategies.whole_model_cost import WORKER_OVERHEAD_BYTES
 
 
@@ -50,79 +51,82 @@ def stash_on_host(cfg) -> bool:
     return cfg.strategy.stash == Stash.host
 
 
-def shapes(strategy: type[Strategy], workers: int, batch: int) -> list[Shape]:
-    """Any number of replicas w that divides the batch, each micro-batch size b of a worker's
-    share (the inner loop u = batch / (w b)), the stash on the device or on the host."""
-    return [Shape(strategy.name, b, batch // (w * b), w, 1, LOOPS_ALWAYS, strategy.shape_options(stash=stash))
-            for w in range(1, workers + 1) if batch % w == 0
-            for b in powers_of_two_dividing(batch // w) for stash in Stash]
+class L2LCost(CostModel):
+    """L2L's answers (`strategies/l2l.py`): the relay's step, its two resident parts and stash,
+    and the eager param server's host state."""
 
+    def recomputes(self, cfg) -> bool:
+        return True  # every block is recomputed from its stashed input in backward
 
-def step_cost(cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-    """L2L paper §2.2.1, equations 1-6: with C the forward of one block on one micro-batch and
-    X the transfer of one block, a minibatch of u micro-batches costs N (4uC + 2X): forward
-    uC + X, recompute and backward 3uC + X. Here the measured forward and backward replace C
-    and 2C, and with `strategy.prefetch` a transfer overlaps the compute of the part before
-    it, so each part costs the larger of the two rather than their sum. The stash on the host
-    adds, per block, every micro-batch's input down in forward and up in backward. The eager
-    param server updates each part on the host while the parts below compute (only what
-    outlasts the backward is exposed) and, with replicas, each part's gradients are summed
-    over them in the background the same way."""
-    s, n = cfg.strategy, facts.num_layers
-    b, u, overlap = s.microbatch_size, s.num_microbatches, bool(s.prefetch)
-    t = profile.for_workers(s.replicas, cfg.train.threads)
-    block, embed, head = (facts.part_times(t, part, b) for part in ("block", "embed", "head"))
-    x_block, x_embed, x_head = (upload_s(params * facts.weight_bytes, profile)
-                                for params in (facts.block_params, facts.embed_params, facts.head_params))
-    stash = u * upload_s(facts.boundary_bytes(b), profile) if stash_on_host(cfg) else 0.0
-    forward = (_relayed(u * embed.forward_s, x_embed, overlap)
-               + n * _relayed(u * block.forward_s, max(x_block, stash), overlap))
-    turnaround = _relayed(u * both(head), x_head, overlap)
-    backward = (n * _relayed(u * (block.forward_s + block.backward_s), x_block + stash, overlap)
-                + _relayed(u * both(embed), x_embed, overlap))
-    compute = u * (both(embed) + embed.forward_s + n * (2 * block.forward_s + block.backward_s) + both(head))
-    transfers = 2 * (n * x_block + x_embed) + x_head + 2 * n * stash
-    optimizer, sums = _eps_exposed(cfg, facts, profile, t, backward)
-    parts = {"compute": compute, "transfers": transfers, "optimizer (exposed)": optimizer}
-    if s.replicas > 1:
-        parts["gradient sums (exposed)"] = sums
-    notes = [] if profile.host_to_device_bytes_per_s else ["the device is the host: nothing crosses a link"]
-    return StepCost(forward + turnaround + backward + optimizer + sums, parts, notes)
+    def shapes(self, workers: int, batch: int, num_layers: int) -> list[Shape]:
+        """Any number of replicas w that divides the batch, each micro-batch size b of a worker's
+        share (the inner loop u = batch / (w b)), the stash on the device or on the host."""
+        return [Shape(self.strategy.name, b, batch // (w * b), w, 1, LOOPS_ALWAYS, self.shape_options(stash=stash))
+                for w in range(1, workers + 1) if batch % w == 0
+                for b in powers_of_two_dividing(batch // w) for stash in Stash]
 
+    def step_cost(self, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
+        """L2L paper §2.2.1, equations 1-6: with C the forward of one block on one micro-batch and
+        X the transfer of one block, a minibatch of u micro-batches costs N (4uC + 2X): forward
+        uC + X, recompute and backward 3uC + X. Here the measured forward and backward replace C
+        and 2C, and with `strategy.prefetch` a transfer overlaps the compute of the part before
+        it, so each part costs the larger of the two rather than their sum. The stash on the host
+        adds, per block, every micro-batch's input down in forward and up in backward. The eager
+        param server updates each part on the host while the parts below compute (only what
+        outlasts the backward is exposed) and, with replicas, each part's gradients are summed
+        over them in the background the same way."""
+        s, n = cfg.strategy, facts.num_layers
+        b, u, overlap = s.microbatch_size, s.num_microbatches, bool(s.prefetch)
+        t = profile.for_workers(s.replicas, cfg.train.threads)
+        block, embed, head = (facts.part_times(t, part, b) for part in ("block", "embed", "head"))
+        x_block, x_embed, x_head = (upload_s(params * facts.weight_bytes, profile)
+                                    for params in (facts.block_params, facts.embed_params, facts.head_params))
+        stash = u * upload_s(facts.boundary_bytes(b), profile) if stash_on_host(cfg) else 0.0
+        forward = (_relayed(u * embed.forward_s, x_embed, overlap)
+                   + n * _relayed(u * block.forward_s, max(x_block, stash), overlap))
+        turnaround = _relayed(u * both(head), x_head, overlap)
+        backward = (n * _relayed(u * (block.forward_s + block.backward_s), x_block + stash, overlap)
+                    + _relayed(u * both(embed), x_embed, overlap))
+        compute = u * (both(embed) + embed.forward_s + n * (2 * block.forward_s + block.backward_s) + both(head))
+        transfers = 2 * (n * x_block + x_embed) + x_head + 2 * n * stash
+        optimizer, sums = _eps_exposed(cfg, facts, profile, t, backward)
+        parts = {"compute": compute, "transfers": transfers, "optimizer (exposed)": optimizer}
+        if s.replicas > 1:
+            parts["gradient sums (exposed)"] = sums
+        notes = [] if profile.host_to_device_bytes_per_s else ["the device is the host: nothing crosses a link"]
+        return StepCost(forward + turnaround + backward + optimizer + sums, parts, notes)
 
-def device_bytes(cfg, facts: ModelFacts) -> int:
-    """Two resident parts, the gradients of the one computing (the prefetched one has none yet;
-    under adapters only the trained share), the stash (on the device: every block's input for
-    every micro-batch; on the host: the entries in transit), the gradients travelling down, and
-    the activations of the part computing: a block's, or at the turn-around the head's (never
-    both at once)."""
-    b, u = cfg.strategy.microbatch_size, cfg.strategy.num_microbatches
-    largest_part = max(facts.embed_params, facts.block_params, facts.head_params)
-    resident = largest_part * facts.weight_bytes * (2 + facts.trained_share)
-    entries = 2 if stash_on_host(cfg) else u * facts.num_layers
-    in_flight = (entries + u) * facts.boundary_bytes(b)
-    return int(resident + in_flight + max(facts.block_activation_bytes(b), facts.head_activation_bytes(b)))
+    def device_bytes(self, cfg, facts: ModelFacts) -> int:
+        """Two resident parts, the gradients of the one computing (the prefetched one has none yet;
+        under adapters only the trained share), the stash (on the device: every block's input for
+        every micro-batch; on the host: the entries in transit), the gradients travelling down, and
+        the activations of the part computing: a block's, or at the turn-around the head's (never
+        both at once)."""
+        b, u = cfg.strategy.microbatch_size, cfg.strategy.num_microbatches
+        largest_part = max(facts.embed_params, facts.block_params, facts.head_params)
+        resident = largest_part * facts.weight_bytes * (2 + facts.trained_share)
+        entries = 2 if stash_on_host(cfg) else u * facts.num_layers
+        in_flight = (entries + u) * facts.boundary_bytes(b)
+        return int(resident + in_flight + max(facts.block_activation_bytes(b), facts.head_activation_bytes(b)))
 
+    def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
+        """The eager param server's state, and the stash where it waits on the host."""
+        stash = host_stash_bytes(cfg, facts.activation_bytes) if stash_on_host(cfg) else 0
+        return int(eps_state_bytes(cfg, facts.params, facts.trained_params, facts.frozen_bytes) + stash)
 
-def host_state_bytes(cfg, facts: ModelFacts) -> int:
-    """The eager param server's state, and the stash where it waits on the host."""
-    stash = host_stash_bytes(cfg, facts.activation_bytes) if stash_on_host(cfg) else 0
-    return int(eps_state_bytes(cfg, facts.params, facts.trained_params, facts.frozen_bytes) + stash)
-
-
-def host_bytes(cfg, num_params: int, device_type: str) -> int:
-    """Host memory of the whole run, an estimate: on each replica the eager param server's
-    state, transit copies of what crosses, one block's activations and every stashed input
-    (on the host with `stash=host`), and the interpreter of each worker apart from the first."""
-    s, m = cfg.strategy, cfg.model
-    trained = trained_parameters(cfg)  # under adapters; the frozen base counted at fp32 (errs high)
-    per_worker = eps_state_bytes(cfg, num_params, trained) + num_params * FP32  # + transit copies of what crosses
-    per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
-    if device_type != "cpu" and stash_on_host(cfg):  # the stash waits in host memory
-        per_worker += host_stash_bytes(cfg, 2 if str(cfg.precision.name).startswith("cmp") else FP32)
-    if s.replicas > 1:
-        per_worker += WORKER_OVERHEAD_BYTES
-    return int(s.replicas * per_worker)
+    def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
+        """Host memory of the whole run, an estimate: on each replica the eager param server's
+        state, transit copies of what crosses, one block's activations and every stashed input
+        (on the host with `stash=host`), and the interpreter of each worker apart from the first."""
+        s, m = cfg.strategy, cfg.model
+        trained = trained_parameters(cfg)  # under adapters; the frozen base counted at fp32 (errs high)
+        per_worker = eps_state_bytes(cfg, num_params, trained) + num_params * FP32  # + transit copies of what crosses
+        per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
+        if device_type != "cpu" and stash_on_host(cfg):  # the stash waits in host memory
+            per_worker += host_stash_bytes(cfg, 2 if str(cfg.precision.name).startswith("cmp") else FP32)
+        if s.replicas > 1:
+            per_worker += WORKER_OVERHEAD_BYTES
+        return int(s.replicas * per_worker)
 
 
 def eps_state_bytes(cfg, num_params: int, trained: int | None = None, frozen_bytes: int = FP32) -> float:
@@ -192,61 +196,3 @@ def paper_transfer_overhead(u: int, c: float, x: float) -> float:
     1 when nothing computes, X / (2C + X) without inner looping (u = 1), and falling to 0 as
     u grows: the inner loop amortises each block's transfer over u micro-batches."""
     return 2 * x / (4 * u * c + 2 * x)
-
-
-# --------------------------------------------------------------------------- measured figures
-
-_PHASE_LABELS = {"forward": "forward", "recompute_backward": "recompute+backward",
-                 "transfer_wait": "transfer wait", "optimizer_exposed": "exposed optimizer"}
-
-
-def report(l2l: Strategy) -> dict:
-    """A worker's measured figures (`l2l` is the running `L2L`): the relay's residency, the
-    phases per step, transfer waits, the server's rate and, with replicas, its gradient sums."""
-    phases = dict(l2l.timer.totals)
-    eps = l2l.eps.stats.as_dict()
-    steps = max(eps["steps"], 1)
-    measured = max(l2l.timer.counts.get("forward", 0), 1)  # the steps after warm-up
-    rate = eps["parameters_per_s"]
-    summary = {
-        "resident blocks (peak / bound)": f"{l2l.relay.peak_resident} / {l2l.relay.capacity}",
-        "activation stash": "host" if l2l.stash_host else "device",
-        **{f"{label} (mean s/step)": f"{phases.get(key, 0.0) / measured:.3f}"
-           for key, label in _PHASE_LABELS.items() if key in phases},
-        "transfer wait (mean s/step, within the phases)": f"{l2l.transfers.wait_s / steps:.3f}",
-        "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s ({eps['host_kernel']})",
-        "EPS updates": "deferred to end of backward (clipping / fp16 check)" if l2l.eps.defer else "eager",
-    }
-    figures = {
-        "stash": "host" if l2l.stash_host else "device",
-        "max_resident_blocks": l2l.relay.capacity,
-        "peak_resident_blocks": l2l.relay.peak_resident,
-        "deferred_updates": l2l.eps.defer,
-        "phase_times_s": phases,
-        "transfer_wait_s": l2l.transfers.wait_s,
-        "eps": eps,
-        "loss_scale": l2l.scaler.scale,
-        "summary": summary,
-    }
-    if l2l.peers is not None:
-        owned = sum(part.num_owned for part in l2l.eps.local_parts())
-        figures["replica"] = {"rank": l2l.replica, "owned_parameters": owned,
-                              "reduction_s": l2l.peers.reduce_s, "reduction_exposed_s": l2l.peers.exposed_s,
-                              "eps_busy_s": eps["busy_s"]}
-    return figures
-
-
-def combine_reports(cfg, reports: list[dict]) -> dict:
-    """Worker 0's figures; with replicas, each worker's own and the mean gradient-sum time."""
-    summary = dict(reports[0])
-    if len(reports) > 1:
-        summary["per_worker"] = [r["replica"] for r in reports]
-        exposed = sum(r["replica"]["reduction_exposed_s"] for r in reports) / len(reports)
-        total = sum(r["replica"]["reduction_s"] for r in reports) / len(reports)
-        steps = max(summary["eps"]["steps"], 1)
-        summary["summary"] = {
-            **summary["summary"],
-            "replicas": f"{len(reports)}, EPS state {cfg.strategy.eps_state}",
-            "gradient sums s/step (exposed)": f"{total / steps:.3f} ({exposed / steps:.3f})",
-        }
-    return summary

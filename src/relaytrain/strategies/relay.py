@@ -72,7 +72,9 @@ class WeightRelay:
         self.cursor += 1
         resident, part = self.resident[index], self.parts[index]
         self.transfers.acquire(resident.transfer)
-        frozen = [t if t.dtype == self.dtype else t.to(self.dtype) for t in resident.frozen]  # a bf16-stored base
+        # A bf16-stored base computes in the relay's dtype; an NF4 weight's uint8 storage travels
+        # and stays as it is (its layer dequantizes it in the input's dtype).
+        frozen = [t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t for t in resident.frozen]
         weights = (dict(zip(part.names, resident.leaves, strict=True)) | dict(zip(part.frozen_names, frozen, strict=True))
                    | self.buffers[index])
         return weights, resident.leaves

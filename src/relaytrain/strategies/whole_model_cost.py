@@ -4,8 +4,8 @@ baseline (plain data parallelism, DDP) and FSDP.
 Each worker computes every part on its share of every micro-batch (`whole_model_compute`); the
 two differ in what a worker holds and what crosses between workers: the baseline keeps the whole
 model and all-reduces its gradients once a step, FSDP keeps 1/R of everything and gathers the
-units before they compute. The strategy classes answer the planner by delegating here
-(`Baseline.step_cost` -> `baseline_step_cost`, ...), so the runtime and the prediction each have
+units before they compute. Each is a cost model of its own (`BaselineCost`, `FsdpCost`), which
+its strategy class names (`cost_model = BaselineCost`): the runtime and the prediction each have
 their own file. Every figure is a prediction; the shared formulas are `relaytrain.cost.formulas`'s.
 """
 
@@ -19,14 +19,16 @@ from relaytrain.cost.formulas import (
     StepCost,
     allreduce_s,
     both,
+    cpu_activation_bytes,
     optimizer_s,
     powers_of_two_dividing,
     stage_bytes,
     upload_s,
+    weights_grads_optimizer_bytes,
 )
+from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile
 from relaytrain.optim import state_words
-from relaytrain.strategies.base import Strategy, cpu_activation_bytes, weights_grads_optimizer_bytes
 
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each worker process
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket: one all-reduce message each
@@ -58,127 +60,134 @@ def _extra_workers_bytes(replicas: int) -> int:
 # --------------------------------------------------------------------------- the baseline
 
 
-def baseline_shapes(strategy: type[Strategy], workers: int, batch: int) -> list[Shape]:
-    """Any number of replicas w that divides the batch (one worker each), every micro-batch size
-    b of a worker's share (m = batch / (w b)), with and without block recompute."""
-    return [Shape(strategy.name, b, batch // (w * b), w, 1, str(recompute))
-            for w in range(1, workers + 1) if batch % w == 0
-            for b in powers_of_two_dividing(batch // w) for recompute in (Recompute.none, Recompute.block)]
+class BaselineCost(CostModel):
+    """The baseline's answers (`strategies/baseline.py`): Algorithm 1 on every replica."""
 
+    def shapes(self, workers: int, batch: int, num_layers: int) -> list[Shape]:
+        """Any number of replicas w that divides the batch (one worker each), every micro-batch size
+        b of a worker's share (m = batch / (w b)), with and without block recompute."""
+        return [Shape(self.strategy.name, b, batch // (w * b), w, 1, str(recompute))
+                for w in range(1, workers + 1) if batch % w == 0
+                for b in powers_of_two_dividing(batch // w) for recompute in (Recompute.none, Recompute.block)]
 
-def baseline_step_cost(cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-    """L2L paper, Algorithm 1: per micro-batch, the embeddings, every block and the head
-    forward and backward (block recompute: one more forward per block); then one optimizer
-    step over the whole model. With replicas, the all-reduce of every gradient, in buckets
-    during the last micro-batch's backward: what outlasts that backward is exposed (on a
-    CPU all of it: the cores that compute also sum)."""
-    s, n = cfg.strategy, facts.num_layers
-    compute, t, (embed, block, head), recompute = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg))
-    optimizer = optimizer_s(t, facts, n, embed=True, head=True)
-    parts = {"compute": compute, "optimizer": optimizer}
-    if s.replicas > 1:
-        nbytes = facts.trained_params * FP32  # the gradients: of what trains
-        sums = allreduce_s(nbytes, s.replicas, profile, messages=-(-nbytes // BUCKET_BYTES))
-        last_backward = embed.backward_s + n * (block.backward_s + recompute) + head.backward_s
-        parts["gradient sums (exposed)"] = sums if profile.device_type == "cpu" else max(
-            allreduce_s(min(nbytes, BUCKET_BYTES), s.replicas, profile), sums - last_backward)
-    return StepCost(sum(parts.values()), parts)
+    def recomputes(self, cfg) -> bool:
+        return recomputes_blocks(cfg)
 
+    def step_cost(self, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
+        """L2L paper, Algorithm 1: per micro-batch, the embeddings, every block and the head
+        forward and backward (block recompute: one more forward per block); then one optimizer
+        step over the whole model. With replicas, the all-reduce of every gradient, in buckets
+        during the last micro-batch's backward: what outlasts that backward is exposed (on a
+        CPU all of it: the cores that compute also sum)."""
+        s, n = cfg.strategy, facts.num_layers
+        compute, t, (embed, block, head), recompute = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg))
+        optimizer = optimizer_s(t, facts, n, embed=True, head=True)
+        parts = {"compute": compute, "optimizer": optimizer}
+        if s.replicas > 1:
+            nbytes = facts.trained_params * FP32  # the gradients: of what trains
+            sums = allreduce_s(nbytes, s.replicas, profile, messages=-(-nbytes // BUCKET_BYTES))
+            last_backward = embed.backward_s + n * (block.backward_s + recompute) + head.backward_s
+            parts["gradient sums (exposed)"] = sums if profile.device_type == "cpu" else max(
+                allreduce_s(min(nbytes, BUCKET_BYTES), s.replicas, profile), sums - last_backward)
+        return StepCost(sum(parts.values()), parts)
 
-def baseline_device_bytes(cfg, facts: ModelFacts) -> int:
-    """The whole model as one stage with one micro-batch in flight."""
-    return stage_bytes(facts, cfg.strategy.microbatch_size, facts.num_layers, facts.params, last=True,
-                       in_flight=1, versions=1, recompute=str(cfg.strategy.recompute))
+    def device_bytes(self, cfg, facts: ModelFacts) -> int:
+        """The whole model as one stage with one micro-batch in flight."""
+        return stage_bytes(facts, cfg.strategy.microbatch_size, facts.num_layers, facts.params, last=True,
+                           in_flight=1, versions=1, recompute=str(cfg.strategy.recompute))
 
-
-def baseline_host_bytes(cfg, num_params: int, device_type: str) -> int:
-    """Every replica's weights, gradients and optimizer state, and one micro-batch at a time:
-    every block's activations, or (recompute) one block's and every block's input."""
-    live, stash = (1, cfg.model.num_layers) if recomputes_blocks(cfg) else (cfg.model.num_layers, 0)
-    per_worker = weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live, stash)
-    return cfg.strategy.replicas * per_worker + _extra_workers_bytes(cfg.strategy.replicas)
+    def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
+        """Every replica's weights, gradients and optimizer state, and one micro-batch at a time:
+        every block's activations, or (recompute) one block's and every block's input."""
+        live, stash = (1, cfg.model.num_layers) if recomputes_blocks(cfg) else (cfg.model.num_layers, 0)
+        per_worker = weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live, stash)
+        return cfg.strategy.replicas * per_worker + _extra_workers_bytes(cfg.strategy.replicas)
 
 
 # --------------------------------------------------------------------------- FSDP
 
 
-def fsdp_shapes(strategy: type[Strategy], workers: int, batch: int) -> list[Shape]:
-    """Any number of workers w that divides the batch (2 or more: one worker shards nothing),
-    every micro-batch size of a worker's share, with and without block recompute, resharding
-    after forward or not, the shards on the device or the host."""
-    return [Shape(strategy.name, b, batch // (w * b), w, 1, str(recompute),
-                  strategy.shape_options(reshard_after_forward=reshard, offload=offload))
-            for w in range(2, workers + 1) if batch % w == 0
-            for b in powers_of_two_dividing(batch // w)
-            for recompute in (Recompute.none, Recompute.block)
-            for reshard in (True, False) for offload in Offload]
+class FsdpCost(CostModel):
+    """FSDP's answers (`strategies/fsdp.py`): the baseline's compute on 1/R of the state, and the
+    gathers and reduce-scatters that sharding adds."""
 
+    def shapes(self, workers: int, batch: int, num_layers: int) -> list[Shape]:
+        """Any number of workers w that divides the batch (2 or more: one worker shards nothing),
+        every micro-batch size of a worker's share, with and without block recompute, resharding
+        after forward or not, the shards on the device or the host."""
+        return [Shape(self.strategy.name, b, batch // (w * b), w, 1, str(recompute),
+                      self.shape_options(reshard_after_forward=reshard, offload=offload))
+                for w in range(2, workers + 1) if batch % w == 0
+                for b in powers_of_two_dividing(batch // w)
+                for recompute in (Recompute.none, Recompute.block)
+                for reshard in (True, False) for offload in Offload]
 
-def fsdp_step_cost(cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-    """The baseline's compute on each worker's share, plus FSDP's traffic: every micro-batch
-    all-gathers every parameter for its forward and (resharding) again for its backward, or
-    without resharding once a step, and each step reduce-scatters the gradients once. On a GPU the gathers overlap the compute of
-    the unit before them (prefetch): what outlasts the compute is exposed, and one unit's
-    gather at least; on a CPU the cores that compute also move the bytes: all of it counts.
-    Offload adds each gather's upload of the shards and the optimizer step on the host."""
-    s, n = cfg.strategy, facts.num_layers
-    w = s.replicas
-    compute, t, _, _ = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg))
-    # A ring all-gather or reduce-scatter moves half an all-reduce's bytes (NCCL). gloo's
-    # all-gather takes its all-reduce's time, measured, and its reduce-scatter runs as one
-    # (ReduceScatterByAllReduce): on a CPU each costs a whole all-reduce.
-    share = 1.0 if profile.device_type == "cpu" else 0.5
-    gather = allreduce_s(facts.params * facts.weight_bytes, w, profile, messages=n + 1) * share
-    gathers = 2 * s.num_microbatches if s.reshard_after_forward else 1
-    traffic = gathers * gather + allreduce_s(facts.trained_params * FP32, w, profile, messages=n + 1) * share
-    offloaded = s.offload == Offload.host
-    if offloaded:
-        traffic += gathers * upload_s(facts.params * FP32 / w, profile)
-    if profile.device_type == "cpu":
-        exposed = traffic
-    else:
-        exposed = max(traffic - compute, gather / (n + 1))
-    optimizer = (facts.trained_params * profile.host_optimizer_s_per_param if offloaded
-                 else optimizer_s(t, facts, n, embed=True, head=True)) / w
-    parts = {"compute": compute, "gathers and reduce-scatters (exposed)": exposed, "optimizer": optimizer}
-    return StepCost(sum(parts.values()), parts)
+    def recomputes(self, cfg) -> bool:
+        return recomputes_blocks(cfg)
 
+    def step_cost(self, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
+        """The baseline's compute on each worker's share, plus FSDP's traffic: every micro-batch
+        all-gathers every parameter for its forward and (resharding) again for its backward, or
+        without resharding once a step, and each step reduce-scatters the gradients once. On a GPU
+        the gathers overlap the compute of the unit before them (prefetch): what outlasts the
+        compute is exposed, and one unit's gather at least; on a CPU the cores that compute also
+        move the bytes: all of it counts. Offload adds each gather's upload of the shards and the
+        optimizer step on the host."""
+        s, n = cfg.strategy, facts.num_layers
+        w = s.replicas
+        compute, t, _, _ = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg))
+        # A ring all-gather or reduce-scatter moves half an all-reduce's bytes (NCCL). gloo's
+        # all-gather takes its all-reduce's time, measured, and its reduce-scatter runs as one
+        # (ReduceScatterByAllReduce): on a CPU each costs a whole all-reduce.
+        share = 1.0 if profile.device_type == "cpu" else 0.5
+        gather = allreduce_s(facts.params * facts.weight_bytes, w, profile, messages=n + 1) * share
+        gathers = 2 * s.num_microbatches if s.reshard_after_forward else 1
+        traffic = gathers * gather + allreduce_s(facts.trained_params * FP32, w, profile, messages=n + 1) * share
+        offloaded = s.offload == Offload.host
+        if offloaded:
+            traffic += gathers * upload_s(facts.params * FP32 / w, profile)
+        if profile.device_type == "cpu":
+            exposed = traffic
+        else:
+            exposed = max(traffic - compute, gather / (n + 1))
+        optimizer = (facts.trained_params * profile.host_optimizer_s_per_param if offloaded
+                     else optimizer_s(t, facts, n, embed=True, head=True)) / w
+        parts = {"compute": compute, "gathers and reduce-scatters (exposed)": exposed, "optimizer": optimizer}
+        return StepCost(sum(parts.values()), parts)
 
-def fsdp_device_bytes(cfg, facts: ModelFacts) -> int:
-    """1/R of the weights, gradients and optimizer state (none with offload), the units
-    gathered at once (the root's embeddings and head and the blocks around the one computing;
-    without resharding every block, from its forward to its backward), and one micro-batch's
-    activations as the baseline keeps them."""
-    s = cfg.strategy
-    activations = stage_bytes(facts, s.microbatch_size, facts.num_layers, 0, last=True, in_flight=1,
-                              versions=0, recompute=str(s.recompute))
-    shards = 0 if s.offload == Offload.host else _sharded_state_bytes(facts) / s.replicas
-    return int(shards + gathered_params(cfg, facts.embed_params + facts.head_params, facts.block_params,
-                                        facts.num_layers) * facts.weight_bytes + activations)
+    def device_bytes(self, cfg, facts: ModelFacts) -> int:
+        """1/R of the weights, gradients and optimizer state (none with offload), the units
+        gathered at once (the root's embeddings and head and the blocks around the one computing;
+        without resharding every block, from its forward to its backward), and one micro-batch's
+        activations as the baseline keeps them."""
+        s = cfg.strategy
+        activations = stage_bytes(facts, s.microbatch_size, facts.num_layers, 0, last=True, in_flight=1,
+                                  versions=0, recompute=str(s.recompute))
+        shards = 0 if s.offload == Offload.host else _sharded_state_bytes(facts) / s.replicas
+        return int(shards + gathered_params(cfg, facts.embed_params + facts.head_params, facts.block_params,
+                                            facts.num_layers) * facts.weight_bytes + activations)
 
+    def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
+        """With `strategy.offload=host` (CPUOffloadPolicy), a worker's 1/R of the fp32 weights,
+        gradients and optimizer state; otherwise none apart from the device's."""
+        if cfg.strategy.offload != Offload.host:
+            return 0
+        return int(_sharded_state_bytes(facts) / cfg.strategy.replicas)
 
-def fsdp_host_state_bytes(cfg, facts: ModelFacts) -> int:
-    """With `strategy.offload=host` (CPUOffloadPolicy), a worker's 1/R of the fp32 weights,
-    gradients and optimizer state; otherwise none apart from the device's."""
-    if cfg.strategy.offload != Offload.host:
-        return 0
-    return int(_sharded_state_bytes(facts) / cfg.strategy.replicas)
+    def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
+        """Every worker builds the whole model once before sharding it; then it keeps its shards
+        (on the host when the device is the host, or with offload) and one micro-batch's activations."""
+        s, m = cfg.strategy, cfg.model
+        live, stash = (1, m.num_layers) if recomputes_blocks(cfg) else (m.num_layers, 0)
+        shards = num_params * FP32 * (2 + state_words(cfg.optim)) / s.replicas
+        on_host = shards if device_type == "cpu" or s.offload == Offload.host else 0
+        per_worker = num_params * FP32 + on_host + cpu_activation_bytes(cfg, device_type, live, stash)
+        return int(s.replicas * per_worker + _extra_workers_bytes(s.replicas))
 
 
 def _sharded_state_bytes(facts: ModelFacts) -> int:
     """What FSDP shards: every fp32 weight, and the gradients and optimizer state of what trains."""
     return (facts.params + facts.trained_params * (1 + facts.state_words)) * FP32
-
-
-def fsdp_host_bytes(cfg, num_params: int, device_type: str) -> int:
-    """Every worker builds the whole model once before sharding it; then it keeps its shards
-    (on the host when the device is the host, or with offload) and one micro-batch's activations."""
-    s, m = cfg.strategy, cfg.model
-    live, stash = (1, m.num_layers) if recomputes_blocks(cfg) else (m.num_layers, 0)
-    shards = num_params * FP32 * (2 + state_words(cfg.optim)) / s.replicas
-    on_host = shards if device_type == "cpu" or s.offload == Offload.host else 0
-    per_worker = num_params * FP32 + on_host + cpu_activation_bytes(cfg, device_type, live, stash)
-    return int(s.replicas * per_worker + _extra_workers_bytes(s.replicas))
 
 
 def gathered_params(cfg, ends: int, block: int, num_layers: int) -> int:

@@ -132,6 +132,6 @@ def test_the_schedule_view_draws_chunks(capsys):
 
 def test_the_planner_tries_two_and_four_chunks():
     cls = strategy_class("pipe_interleaved")
-    variants = {shape.options for shape in cls.shapes(workers=2, batch=16, num_layers=8)}
+    variants = {shape.options for shape in cls.cost_model.shapes(workers=2, batch=16, num_layers=8)}
     assert variants == {(), (("chunks", "4"),)}  # 2 is the default: its command does not repeat it
-    assert {shape.options for shape in cls.shapes(workers=2, batch=16, num_layers=4)} == {()}
+    assert {shape.options for shape in cls.cost_model.shapes(workers=2, batch=16, num_layers=4)} == {()}

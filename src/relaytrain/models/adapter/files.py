@@ -21,7 +21,6 @@ from relaytrain.models.adapter.layers import ADAPTER, quiet_peft, trains
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what PeftModel adds before the base model's names in its files
-TASK_TYPES = {"causal_lm": "CAUSAL_LM", "classification": "SEQ_CLS"}  # peft's, for AutoPeftModel*
 
 
 def read_adapter_weights(directory: str) -> dict[str, torch.Tensor]:
@@ -55,7 +54,7 @@ def save_adapter(model, out: Path, base: str | None, dtype: torch.dtype) -> None
 
     config = model.adapter
     config.base_model_name_or_path = base
-    config.task_type = TASK_TYPES.get(model.task)
+    config.task_type = model.objective.peft_task_type
     config.inference_mode = True
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 from relaytrain.errors import ConfigError
 from relaytrain.strategies import register
+from relaytrain.strategies.pipeline.cost import InterleavedCost
 from relaytrain.strategies.pipeline.runtime import PipelineConfig, PipelineStrategy
 from relaytrain.strategies.pipeline.schedule import InterleavedSchedule
-
-PLANNED_CHUNKS = (2, 4)  # the chunks per stage the planner tries
 
 
 @dataclass
@@ -27,6 +26,7 @@ class InterleavedConfig(PipelineConfig):
 class Interleaved(PipelineStrategy):
     Config = InterleavedConfig
     schedule = InterleavedSchedule
+    cost_model = InterleavedCost  # also tries two and four chunks a stage
 
     @classmethod
     def chunks(cls, cfg) -> int:
@@ -37,8 +37,3 @@ class Interleaved(PipelineStrategy):
         if cfg.strategy.chunks < 1:
             raise ConfigError(f"strategy.chunks={cfg.strategy.chunks} must be at least 1 (1: plain 1F1B, as pipe_flush)")
         super().check_config(cfg)
-
-    @classmethod
-    def chunk_choices(cls, stages: int, num_layers: int) -> list[int]:
-        """Two and four chunks a stage, where every chunk still gets a block."""
-        return [v for v in PLANNED_CHUNKS if stages * v <= num_layers]

@@ -30,9 +30,7 @@ from typing import ClassVar
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain.config import Recompute
-from relaytrain.cost.formulas import ModelFacts, Shape, StepCost, part_costs
-from relaytrain.cost.profile import Profile
+from relaytrain.cost.formulas import ModelFacts, part_costs
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch, eval_mode
@@ -44,9 +42,10 @@ from relaytrain.strategies.base import (
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.pipeline import cost
+from relaytrain.strategies.pipeline import report
 from relaytrain.strategies.pipeline.comms import Comms, Mailbox, Outbox, Topology, Watcher
 from relaytrain.strategies.pipeline.config import Execution, Offload, PipelineConfig, check_layout
+from relaytrain.strategies.pipeline.cost import PipelineCost
 from relaytrain.strategies.pipeline.executor import MessageDrivenExecutor, StaticExecutor
 from relaytrain.strategies.pipeline.handlers import HANDLERS, apply_ready_updates
 from relaytrain.strategies.pipeline.inflight import InFlight
@@ -79,6 +78,7 @@ class PipelineStrategy(Strategy):
     the strategy can honour follows from it."""
 
     Config = PipelineConfig
+    cost_model = PipelineCost  # what the planner asks: pipeline/cost.py's closed forms, under this schedule
     capabilities = Capabilities(grad_clip=False, fp16=False)
     schedule: ClassVar[type[Schedule]]  # the program each stage runs, and its rules
 
@@ -130,11 +130,6 @@ class PipelineStrategy(Strategy):
             raise ConfigError(f"{ENV} slows stage {jitter.stage}, but the pipeline has stages 0 to {s.stages - 1}")
 
     @classmethod
-    def estimate_host_bytes(cls, cfg, num_params: int, device_type: str) -> int:
-        """Weight versions, state and the first stage's activations per replica (`cost.host_bytes`)."""
-        return cost.host_bytes(cls, cfg, num_params, device_type)
-
-    @classmethod
     def state_layout(cls, cfg) -> dict:
         """Blocks per model chunk (per stage, without interleaving) and the replicas."""
         return {"stages": [len(r) for r in cls.model_chunks(cfg)], "replicas": cfg.strategy.replicas}
@@ -184,38 +179,8 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def combine_reports(cls, cfg, reports: list[dict]) -> dict:
-        """Per-stage figures, the bubble measured beside predicted (`cost.combine_reports`)."""
-        return cost.combine_reports(cls, cfg, reports)
-
-    # -- what the planner asks (the closed forms are pipeline/cost.py's) --------------------------
-    @classmethod
-    def shapes(cls, workers: int, batch: int, num_layers: int) -> list[Shape]:
-        """Depths, replicas, micro-batch sizes, chunks and recompute the schedule allows (`cost.shapes`)."""
-        return cost.shapes(cls, workers, batch, num_layers)
-
-    @classmethod
-    def chunk_choices(cls, stages: int, num_layers: int) -> list[int]:
-        """The model chunks per stage the planner tries on `stages` stages (one: no interleaving)."""
-        return [1]
-
-    @classmethod
-    def recomputes(cls, cfg) -> bool:
-        return cfg.strategy.recompute != Recompute.none
-
-    @classmethod
-    def step_cost(cls, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
-        """PipeDream-2BW's THROUGHPUT(.) under this schedule (`cost.step_cost`)."""
-        return cost.step_cost(cls, cfg, facts, profile)
-
-    @classmethod
-    def device_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """The fullest stage's MEMORY(.) (`cost.device_bytes`)."""
-        return cost.device_bytes(cls, cfg, facts)
-
-    @classmethod
-    def host_state_bytes(cls, cfg, facts: ModelFacts) -> int:
-        """The fullest stage's host masters and optimizer state with offload, else none (`cost.host_state_bytes`)."""
-        return cost.host_state_bytes(cls, cfg, facts)
+        """Per-stage figures, the bubble measured beside predicted (`report.combine_reports`)."""
+        return report.combine_reports(cls, cfg, reports)
 
     # -- one stage -----------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
@@ -328,7 +293,7 @@ class PipelineStrategy(Strategy):
                         hidden = None if module.embeds(chunk) else self.comms.recv(self._buffer(), self.comms.prev)
                         out = module.trunk(mb, hidden, chunk)
                         if module.computes_loss(chunk):
-                            stats += model.eval_stats(out, mb.labels)
+                            stats += model.eval_stats(out, mb)
                         else:
                             self.comms.send(out.float().contiguous(), self.comms.next).wait(self.comms.timeout)
         if self.last and self.comms.replica_group is not None:
@@ -364,7 +329,30 @@ class PipelineStrategy(Strategy):
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:
-        return {"stage_figures": cost.stage_report(self)}
+        """This stage's measured figures, for `combine_reports`: throughput and bubble over its
+        steps, waits, memory, the executor's own."""
+        phases = dict(self.timer.totals)
+        busy = phases.get("forward", 0.0) + phases.get("backward", 0.0)
+        wall, steps = phases.get("step", 0.0), self.timer.counts.get("step", 0)
+        s = self.cfg.strategy
+        figures = {
+            "rank": self.world.rank, "stage": self.stage, "replica": self.replica,
+            "blocks": len(self.versions.buffers[0].model.blocks),
+            "parameters": sum(p.numel() for p in self.versions.params[0]),
+            "samples_per_s": s.microbatch_size * s.num_microbatches * steps / wall if wall > 0 else 0.0,
+            "bubble_fraction": 1.0 - busy / wall if wall > 0 else 0.0,
+            "phases_s": phases, "drain_s": self.drain_s, "steps": steps,
+            "message_wait_s": phases.get("message_wait", 0.0),  # blocked on an activation or gradient
+            "exposed_update_s": phases.get("optimizer", 0.0) + phases.get("update_wait", 0.0),
+            "device_peak_bytes": report.device_peak(self.device),
+            "host_offload_bytes": self.versions.host_bytes(),
+            **self.executor.report(),  # message-driven: units run, and how many out of the static order
+        }
+        if s.offload == Offload.host:
+            figures["eps"] = self.versions.report()
+        if self.jitter is not None:
+            figures["injected_delay"] = self.jitter.report()
+        return {"stage_figures": figures}
 
     def close(self) -> None:
         self.watcher.close()

@@ -135,7 +135,7 @@ class StageModule(nn.Module):
 
     def _forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int) -> torch.Tensor:
         hidden = self.trunk(mb, hidden, chunk)
-        return self.model.head_loss(hidden, mb.labels, mb.draw) / loss_items if self.computes_loss(chunk) else hidden
+        return self.model.head_loss(hidden, mb).over(loss_items) if self.computes_loss(chunk) else hidden
 
     def trunk(self, mb: MicroBatch, hidden: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
         """The chunk's embeddings (the model's first chunk) and blocks: the hidden state it passes on."""

@@ -1,0 +1,116 @@
+"""The work of one block and of the head: the one count of FLOPs that the spec-sheet profile
+times (`profile.from_spec`), the pipelines' balanced layout cuts by (`formulas.part_costs`) and
+a run reports its model FLOP/s with (`metrics.model_flops_per_token`).
+
+A part's forward FLOPs are its weight matmuls, 2 per weight per position they are applied to,
+and in a block attention's scores and weighted sum. Biases, norms, activations and softmax are
+not counted (the usual model-FLOPs convention); neither are the embeddings, a lookup (what
+they cost is memory traffic: `formulas.part_costs`, `profile.embed_bytes`).
+
+- a block (`block_forward_flops`), from its widths (`BlockShape`, as its family reports them):
+  the query, key, value and output projections and the MLP's 2 or 3 matrices, and attention;
+- the head (`head_weights`): the weights of every matrix it multiplies by, read off the model's
+  own head, tied ones included. So BERT's MLM head counts its transform (h x h) and the
+  vocabulary projection; GPT-2's and the decoders' LM heads only the projection (they have no
+  transform); a classification head its pooler (BERT: h x h) and its classifier (h x labels).
+  An LM head runs on every token, a classification head on one position a sample.
+
+Backward costs twice the forward (the input's and the weights' gradients).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from relaytrain.models import build_model, family_spec
+from relaytrain.models.family import BlockShape
+from relaytrain.objectives import objective
+
+BACKWARD_FACTOR = 2  # backward: the input's gradient and the weights', each a forward's worth
+
+
+@dataclass(frozen=True)
+class PartWork:
+    """Forward FLOPs of one sample through one block and through the head."""
+
+    block: int
+    head: int
+
+    def training_flops_per_token(self, num_layers: int, seq_len: int) -> float:
+        """Forward and backward FLOPs of the model's math per token, without recompute: the
+        usual "model FLOPs" (recomputation is work a strategy chose, not work the model needs)."""
+        return (1 + BACKWARD_FACTOR) * (num_layers * self.block + self.head) / seq_len
+
+
+def model_work(m, seq_len: int) -> PartWork:
+    """The work of one sample of `seq_len` tokens through one block and the head of the model the
+    `model` config describes."""
+    positions = 1 if objective(m.task).classifies else seq_len
+    return PartWork(seq_len * block_forward_flops(block_shape(m), seq_len), 2 * head_weights(m) * positions)
+
+
+# --------------------------------------------------------------------------- a block
+
+
+def block_shape(m) -> BlockShape:
+    """One block's widths, as the model's family reports them for the `model` keys."""
+    return family_spec(m.family).block_shape(m)
+
+
+def query_width(shape: BlockShape) -> int:
+    """Width of the queries (and of the attention's output): heads x head width."""
+    return shape.num_heads * shape.head_dim
+
+
+def key_value_width(shape: BlockShape) -> int:
+    """Width of the keys, and of the values: grouped-query attention has fewer heads for them."""
+    return shape.num_kv_heads * shape.head_dim
+
+
+def mlp_projections(shape: BlockShape) -> int:
+    """Weight matrices of the MLP: up and down, and a gate beside up in a gated MLP (SwiGLU, GeGLU)."""
+    return 3 if shape.gated_mlp else 2
+
+
+def block_matmul_flops(shape: BlockShape) -> int:
+    """Forward FLOPs of one block's weight matmuls per token: 2 x (the query, key, value and
+    output projections, h x q + 2 h x kv + q x h, and the MLP's 2 or 3 matrices of h x i): 24 h^2
+    for BERT's and GPT-2's (q = kv = h, i = 4 h)."""
+    h, q, kv = shape.hidden, query_width(shape), key_value_width(shape)
+    return 2 * (h * q + 2 * h * kv + q * h + mlp_projections(shape) * h * shape.intermediate)
+
+
+def attention_flops(shape: BlockShape, seq_len: int) -> int:
+    """Forward FLOPs of one block's attention per token, scores and their weighted sum over the
+    values: 2 x 2 s q (every query head scores all s positions, grouped or not; causal
+    masking is not subtracted, as in the usual model-FLOPs count)."""
+    return 4 * seq_len * query_width(shape)
+
+
+def block_forward_flops(shape: BlockShape, seq_len: int) -> int:
+    """Forward FLOPs of one block per token: its matmuls and its attention."""
+    return block_matmul_flops(shape) + attention_flops(shape, seq_len)
+
+
+# --------------------------------------------------------------------------- the head
+
+_head_weights: dict[str, int] = {}  # the planner asks for the same model many times
+
+
+def head_weights(m) -> int:
+    """Weights of the matrices the head multiplies by (every `nn.Linear` of the model's own head,
+    a tied one included), from the model built with one block on the meta device."""
+    key = OmegaConf.to_yaml(m) if OmegaConf.is_config(m) else repr(m)
+    if key not in _head_weights:
+        one_block = copy.deepcopy(m)
+        one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
+        with torch.device("meta"):
+            model = build_model(one_block, quiet=True)
+        _head_weights[key] = sum(layer.in_features * layer.out_features for layer in model.head.modules()
+                                 if isinstance(layer, nn.Linear))
+    return _head_weights[key]

@@ -1,0 +1,149 @@
+"""Data sources: where a run's samples come from (`data=<name>`, the key data.source).
+
+Each source is a class registered by name (`@register_source("jsonl")`) in a module of this
+package; `source(name)` finds it. Modules are discovered, not listed: a new source is a new
+module (plus its config file and tests), and nothing here changes. A source answers two
+questions: `check(cfg)`, its rules for the data keys (which it needs, which it refuses), run
+with every config check before any work; and `load(cfg, tokenizer_dir)`, the training set and
+the held-out set it names itself.
+
+Most rules follow from where a source's samples come from (`Origin`): a local file needs
+data.path and may name a held-out file (data.eval_path), a Hugging Face dataset may name a
+local copy (data.path) and a held-out split (data.eval_split); only a source that `packs` takes
+data.pack. So the messages name the sources that do take a key, read off the registry.
+"""
+
+from __future__ import annotations
+
+import abc
+import difflib
+import importlib
+import pkgutil
+from enum import Enum
+from pathlib import Path
+
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.errors import ConfigError
+
+__all__ = ["DataSource", "Origin", "held_out_options", "register_source", "source", "source_names", "sources"]
+
+
+class Origin(Enum):
+    """Where a source's samples come from, which decides most of its rules."""
+
+    generated = "generated"  # made here from data.seed: no file, no network
+    file = "file"  # a local JSONL file (data.path); held out: a second file (data.eval_path)
+    hub = "hub"  # a Hugging Face dataset, or its local copy (data.path); held out: its own split (data.eval_split)
+
+
+class DataSource(abc.ABC):
+    """One kind of data. Class level only: a source is asked, never instantiated."""
+
+    name: str  # set by register_source
+    origin: Origin
+    packs: bool = False  # data.pack: short records packed into rows of data.seq_len
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+        """The training set cfg.data describes, tokenized for cfg.model, and the held-out set the
+        source itself names (None without one). `tokenizer_dir`: where a tokenizer used for text is
+        saved (`<tokenizer_dir>/tokenizer`), so that a saved model ships with it."""
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Its rules for cfg.data (ConfigError, one line); a source with more extends it."""
+        cls._check_path(cfg.data)
+        cls._check_pack(cfg.data)
+        cls._check_held_out(cfg.data)
+
+    @classmethod
+    def benchmark_task(cls, cfg) -> str | None:
+        """The benchmark task whose own metric evaluation reports beside loss and accuracy
+        (`evaluation.metric_names`); None for data that is no benchmark."""
+        return None
+
+    @classmethod
+    def _check_path(cls, d) -> None:
+        if cls.origin is Origin.file:
+            if not d.path:
+                raise ConfigError(f"data={cls.name} needs a file: set data.path=/path/to/train.jsonl")
+            if not Path(d.path).expanduser().is_file():
+                raise ConfigError(f"data.path={d.path} does not exist; point data.path at a JSONL file")
+        if cls.origin is Origin.hub and d.path and not Path(d.path).expanduser().exists():
+            raise ConfigError(f"data.path={d.path} does not exist; give a `datasets` directory or drop data.path")
+
+    @classmethod
+    def _check_pack(cls, d) -> None:
+        if d.pack and not cls.packs:
+            packing = [name for name, s in sources().items() if s.packs]
+            raise ConfigError(f"data.pack=true packs {' or '.join(packing)} records into rows; data={cls.name} has "
+                              f"none: drop data.pack or use {' or '.join(f'data={name}' for name in packing)}")
+
+    @classmethod
+    def _check_held_out(cls, d) -> None:
+        if d.eval_path and cls.origin is not Origin.file:
+            instead = "data.eval_split (e.g. validation) or " if cls.origin is Origin.hub else ""
+            raise ConfigError(f"data.eval_path is a jsonl file for data={' or '.join(source_names(Origin.file))}; "
+                              f"for data={cls.name} use {instead}data.eval_fraction")
+        if d.eval_path and not Path(d.eval_path).expanduser().is_file():
+            raise ConfigError(f"data.eval_path={d.eval_path} does not exist; point it at a JSONL file of held-out "
+                              f"samples")
+        if d.eval_split and cls.origin is not Origin.hub:
+            instead = " or data.eval_path" if cls.origin is Origin.file else ""
+            raise ConfigError(f"data.eval_split names a split of a hub dataset ({', '.join(source_names(Origin.hub))}); "
+                              f"for data={cls.name} use data.eval_fraction{instead}")
+
+
+_REGISTRY: dict[str, type[DataSource]] = {}
+_discovered = False
+
+
+def register_source(name: str):
+    """Class decorator: make a DataSource subclass available as `data=<name>`."""
+
+    def add(cls: type[DataSource]) -> type[DataSource]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"data source {name!r} is registered twice ({_REGISTRY[name].__qualname__}, "
+                             f"{cls.__qualname__})")
+        unanswered = sorted(getattr(cls, "__abstractmethods__", ()))
+        if unanswered or not isinstance(getattr(cls, "origin", None), Origin):
+            raise TypeError(f"data source {name!r} ({cls.__qualname__}) must say its origin and answer "
+                            f"{', '.join(unanswered) or 'load'} (data/sources/__init__.py)")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def sources() -> dict[str, type[DataSource]]:
+    """Every registered source by name (importing the package's modules the first time)."""
+    global _discovered
+    if not _discovered:
+        for module in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
+            importlib.import_module(module.name)
+        _discovered = True
+    return dict(sorted(_REGISTRY.items()))
+
+
+def source_names(origin: Origin | None = None) -> list[str]:
+    """The registered names (of the sources with `origin`, when given), sorted."""
+    return [name for name, s in sources().items() if origin is None or s.origin is origin]
+
+
+def source(name) -> type[DataSource]:
+    """The source `data.source=name` reads; one line naming those there are when there is none."""
+    known = sources()
+    name = str(name)
+    if name in known:
+        return known[name]
+    hint = difflib.get_close_matches(name, list(known), n=1)
+    fix = f"did you mean data={hint[0]}? " if hint else ""
+    raise ConfigError(f"data.source={name} is not a data source; {fix}choose one of: {', '.join(known)}")
+
+
+def held_out_options() -> str:
+    """The keys that give held-out data, and the sources that take each (for messages)."""
+    return (f"data.eval_fraction (e.g. 0.1), data.eval_path ({', '.join(source_names(Origin.file))}) or "
+            f"data.eval_split ({', '.join(source_names(Origin.hub))})")

@@ -1,0 +1,18 @@
+"""`data=synthetic`, the embedded default: generated from data.seed (`data/synthetic.py`), needs
+no file, tokenizer or network; held out: a share of it (data.eval_fraction)."""
+
+from __future__ import annotations
+
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.sources import DataSource, Origin, register_source
+from relaytrain.data.synthetic import synthetic_dataset
+
+
+@register_source("synthetic")
+class SyntheticSource(DataSource):
+    origin = Origin.generated
+
+    @classmethod
+    def load(cls, cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+        d = cfg.data
+        return synthetic_dataset(cfg.model, d.num_samples, d.seq_len, d.seed), None

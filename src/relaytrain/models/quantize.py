@@ -1,0 +1,198 @@
+"""`model.quantize=nf4`: the blocks' linear weights held as NormalFloat-4 under an adapter (QLoRA).
+
+The QLoRA paper's format, through bitsandbytes (`quantize_4bit` to make it, its
+`dequantize_4bit` op to read it): 16 code values, one absmax scale per block of 64 weights;
+with `model.quantize_double` the scales are quantized again (8 bits, blocks of 256, an fp32
+offset), as bitsandbytes' `compress_statistics`. Embeddings, norms and the LM head stay as
+they are, as bitsandbytes leaves them.
+
+Each quantized layer is an `NF4Linear`: one frozen uint8 parameter, `nf4`, holds everything
+(the packed codes, then the scales' bytes), so every strategy carries it as an opaque frozen
+tensor: the EPS keeps it once on the host, the relay uploads its 4-bit bytes as they are (a
+cast applies to floating tensors only), FSDP2 shards it, pipelines share it between weight
+versions, and the fingerprint hashes its bytes. The forward dequantizes it on whatever device
+it is on, in the dtype of its input, just before the matmul: no dense copy outlives the call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from relaytrain.errors import ConfigError
+from relaytrain.models.adapter.layers import is_conv1d
+
+NF4 = "nf4"
+BLOCK = 64  # weights per absmax scale (the QLoRA paper's)
+NESTED_BLOCK = 256  # scales per second-level scale under double quantization (bitsandbytes')
+ALIGN = 16  # every stretch of the storage starts here, so a view as fp32 is aligned
+
+
+def bitsandbytes():
+    """bitsandbytes, imported quietly (on a CPU it warns that an optional kernel package is absent)."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    import bitsandbytes as bnb
+
+    return bnb
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each piece of one quantized weight lies in its uint8 storage (fixed by its shape)."""
+
+    shape: tuple[int, int]  # (out_features, in_features), the weight's shape as nn.Linear holds it
+    double: bool
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.shape[0] * self.shape[1] // BLOCK)
+
+    def pieces(self) -> list[tuple[str, torch.dtype, int]]:
+        """(name, dtype, count) in storage order."""
+        codes = [("codes", torch.uint8, -(-self.shape[0] * self.shape[1] // 2))]  # two 4-bit codes a byte
+        if not self.double:
+            return codes + [("absmax", torch.float32, self.blocks)]
+        return codes + [("absmax", torch.uint8, self.blocks), ("offset", torch.float32, 1),
+                        ("absmax2", torch.float32, -(-self.blocks // NESTED_BLOCK)), ("code2", torch.float32, 256)]
+
+    def spans(self) -> dict[str, tuple[int, int, torch.dtype]]:
+        """name -> (first byte, byte count, dtype)."""
+        spans, start = {}, 0
+        for name, dtype, count in self.pieces():
+            spans[name] = (start, count * dtype.itemsize, dtype)
+            start += -(-count * dtype.itemsize // ALIGN) * ALIGN
+        return spans
+
+    @property
+    def nbytes(self) -> int:
+        start, size, _ = list(self.spans().values())[-1]
+        return start + size
+
+    def unpack(self, storage: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: storage[start:start + size].view(dtype) for name, (start, size, dtype) in self.spans().items()}
+
+
+@torch.no_grad()
+def pack(weight: torch.Tensor, layout: Layout, device: torch.device | None = None) -> torch.Tensor:
+    """`weight` (fp32 values) quantized by bitsandbytes, on `device` where given (a GPU makes it
+    fast), into one uint8 tensor on the host."""
+    bnb = bitsandbytes()
+    codes, state = bnb.functional.quantize_4bit(weight.to(device or weight.device, torch.float32).contiguous(),
+                                                blocksize=BLOCK, quant_type=NF4, compress_statistics=layout.double)
+    return packed(codes, state, layout)
+
+
+@torch.no_grad()
+def packed(codes: torch.Tensor, state, layout: Layout) -> torch.Tensor:
+    """bitsandbytes' packed codes and QuantState in one uint8 tensor on the host (Layout's order)."""
+    pieces = {"codes": codes, "absmax": state.absmax}
+    if layout.double:
+        pieces |= {"offset": state.offset, "absmax2": state.state2.absmax, "code2": state.state2.code}
+    storage = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for name, view in layout.unpack(storage).items():
+        view.copy_(pieces[name].reshape(-1).to(view.dtype))
+    return storage
+
+
+def dequantize(storage: torch.Tensor, layout: Layout, dtype: torch.dtype) -> torch.Tensor:
+    """The weight, (out, in) in `dtype`, on `storage`'s device, through bitsandbytes' ops."""
+    piece = layout.unpack(storage)
+    absmax = piece["absmax"]
+    if layout.double:
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, piece["absmax2"], piece["code2"], NESTED_BLOCK,
+                                                             torch.float32) + piece["offset"]
+    return torch.ops.bitsandbytes.dequantize_4bit(piece["codes"], absmax, BLOCK, NF4, list(layout.shape), dtype)
+
+
+class NF4Linear(nn.Linear):
+    """A frozen linear layer whose weight is NF4 (`nf4`: uint8, see Layout); its bias as it was.
+
+    An nn.Linear to peft (which wraps it in a lora.Linear) and to every check of layer types;
+    `weight` is a read-only view dequantized on request, in the dtype the layer was loaded in.
+    """
+
+    def __init__(self, storage: torch.Tensor, layout: Layout, bias: nn.Parameter | None, dtype: torch.dtype):
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate the dense weight this layer replaces
+        self.out_features, self.in_features = layout.shape
+        self.layout, self.loaded_dtype = layout, dtype
+        self.nf4 = nn.Parameter(storage, requires_grad=False)
+        self.register_parameter("bias", bias)
+
+    @classmethod
+    def of(cls, layer: nn.Module, double: bool, device: torch.device | None = None) -> NF4Linear:
+        """`layer` (nn.Linear, or GPT-2's Conv1D, whose weight is stored transposed) quantized."""
+        weight = layer.weight.detach()
+        weight = weight.t() if is_conv1d(layer) else weight
+        layout = Layout(tuple(weight.shape), double)
+        if weight.device.type == "meta":  # a dry run: the storage's size, no values
+            storage = torch.empty(layout.nbytes, dtype=torch.uint8, device="meta")
+        else:
+            storage = pack(weight, layout, device)
+        return cls(storage, layout, layer.bias, weight.dtype)
+
+    @classmethod
+    def stored(cls, layer: nn.Module, name: str) -> NF4Linear:
+        """A bitsandbytes Linear4bit of a checkpoint saved quantized, its NF4 bytes as they are."""
+        state = layer.weight.quant_state
+        nested = bool(state.nested)
+        if state.quant_type != NF4 or state.blocksize != BLOCK or (nested and state.state2.blocksize != NESTED_BLOCK):
+            raise ConfigError(f"{name} is stored as bitsandbytes {state.quant_type} in blocks of {state.blocksize}; "
+                              f"relaytrain trains over nf4 in blocks of {BLOCK}: give the bf16/fp32 checkpoint "
+                              f"with model.quantize=nf4")
+        layout = Layout(tuple(state.shape), nested)
+        return cls(packed(layer.weight.data, state, layout), layout, layer.bias, state.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if self.nf4.device.type == "meta":
+            return torch.empty(self.layout.shape, dtype=self.loaded_dtype, device="meta")
+        return dequantize(self.nf4, self.layout, self.loaded_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize(self.nf4, self.layout, x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, nf4{', double' if self.layout.double else ''}"
+
+
+def quantize_blocks(model, double: bool, device: torch.device | None = None) -> None:
+    """Every linear layer of `model`'s blocks replaced by its NF4Linear (in place: the blocks
+    hold the Hugging Face layers themselves); recorded as `model.quantized`."""
+    work = device if device is not None and device.type == "cuda" else None
+    names = {id(module): name for name, module in model.hf_model.named_modules()}
+    for block in model.blocks:
+        for parent in list(block.layer.modules()):
+            for attribute, child in list(parent.named_children()):
+                if stored_4bit(child):  # a checkpoint saved quantized: its bytes, not quantized again
+                    setattr(parent, attribute, NF4Linear.stored(child, names[id(child)]))
+                elif isinstance(child, nn.Linear) or is_conv1d(child):
+                    setattr(parent, attribute, NF4Linear.of(child, double, work))
+    left = [name for name, module in model.hf_model.named_modules() if stored_4bit(module)]
+    if left:
+        raise ConfigError(f"{left[0]} is stored in 4 bits outside the blocks; relaytrain keeps embeddings and the "
+                          f"head as they are: give the bf16/fp32 checkpoint with model.quantize=nf4")
+    object.__setattr__(model, "quantized", NF4 + ("-double" if double else ""))
+
+
+def stored_4bit(module: nn.Module) -> bool:
+    """bitsandbytes' Linear4bit, as transformers loads a checkpoint saved in 4 bits."""
+    return type(module).__name__ == "Linear4bit"
+
+
+def stored_quantization(hf_config) -> dict:
+    """The `model.quantize` keys of a checkpoint saved quantized (a quantization_config of
+    bitsandbytes 4-bit NF4: its bytes are used as stored); one line for any other quantization."""
+    stored = getattr(hf_config, "quantization_config", None)
+    if stored is None:
+        return {}
+    stored = stored if isinstance(stored, dict) else stored.to_dict()
+    method, kind = stored.get("quant_method", "?"), stored.get("bnb_4bit_quant_type", "fp4")
+    if method == "bitsandbytes" and stored.get("load_in_4bit") and kind == NF4:
+        return {"quantize": NF4, "quantize_double": bool(stored.get("bnb_4bit_use_double_quant"))}
+    what = f"bitsandbytes {'4-bit ' + kind if stored.get('load_in_4bit') else '8-bit'}" if method == "bitsandbytes" else method
+    raise ConfigError(f"the checkpoint is saved quantized ({what}); relaytrain trains over bitsandbytes 4-bit nf4 "
+                      f"checkpoints, or quantizes a bf16/fp32 one itself: give that with model.quantize=nf4")

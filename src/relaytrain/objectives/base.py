@@ -1,0 +1,65 @@
+"""What an objective is: the head's output and the micro-batch in, the loss as a sum out.
+
+"Losses are sums" (docs/design.md): an objective returns a micro-batch's loss summed over its
+items (`LossTerms.total`, fp32) and counts those items (`Objective.items`); a strategy divides
+every micro-batch's sum by the item count of the whole minibatch (`LossTerms.over`), which makes
+the accumulation over micro-batches, replicas and pipeline stages exactly the minibatch's mean.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from relaytrain.evaluation import EvalStats
+
+
+class Batch(Protocol):
+    """What an objective reads of a micro-batch (`models.layered.MicroBatch`, which the models
+    layer defines above this one)."""
+
+    input_ids: torch.Tensor  # [batch, seq]
+    labels: torch.Tensor  # [batch] for a classifier, [batch, seq] per token (-100: no item)
+    attention_mask: torch.Tensor | None  # [batch, seq], 1 = real token
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """A micro-batch's loss: `total`, summed over its items in fp32."""
+
+    total: torch.Tensor
+
+    def over(self, minibatch_items: int) -> torch.Tensor:
+        """Its share of the minibatch's mean loss: the sum over the whole minibatch's item count."""
+        return self.total / minibatch_items
+
+
+class Objective(ABC):
+    """One objective: the loss, its items, the evaluation sums, and the answers the rest of the
+    program asks for instead of comparing names. Stateless: one instance serves every model."""
+
+    name: ClassVar[str] = ""  # the registered name (model.task); "" for a user's: its import path
+    # One label per sequence, a class out of model.num_labels (a classifier head); else one per token.
+    classifies: ClassVar[bool] = False
+    predicts_next_token: ClassVar[bool] = False  # a causal LM: generation, chat data, perplexity
+    masks_tokens: ClassVar[bool] = False  # the labels are masked-out input tokens: the data masks them
+    metric: ClassVar[str] = "accuracy"  # the evaluation's figure beside the loss: accuracy or perplexity
+    head: ClassVar[str] = ""  # transformers' auto class of the model the objective trains the head of
+    architectures: ClassVar[tuple[str, ...]] = ()  # checkpoint architecture name endings with that head
+    peft_task_type: ClassVar[str | None] = None  # peft's task type for the head (adapter_config.json)
+
+    @abstractmethod
+    def loss(self, logits: torch.Tensor, mb: Batch) -> LossTerms:
+        """The micro-batch's loss terms from the head's output."""
+
+    @abstractmethod
+    def items(self, mb: Batch) -> int:
+        """How many items `loss` sums over (a strategy sums this over the minibatch)."""
+
+    @abstractmethod
+    def eval_stats(self, logits: torch.Tensor, mb: Batch) -> EvalStats:
+        """The evaluation sums of the micro-batch (loss, items, correct, confusion)."""
