@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import pkgutil
 from typing import TYPE_CHECKING
 
+from relaytrain.discovery import import_modules_of
 from relaytrain.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 DEFAULT = "classification"  # model.task when a config names none
 
 _OBJECTIVES: dict[str, Objective] = {}
-_discovered = False
 
 
 def origin(cls: type) -> str:
@@ -49,14 +48,14 @@ def register_objective(cls: type) -> type:
 
 def objectives() -> dict[str, Objective]:
     """Every registered objective by name."""
-    _discover()
+    import_modules_of(__name__)
     return dict(_OBJECTIVES)
 
 
 def objective(name) -> Objective:
     """The objective `model.task` names (an import path is imported first), or one line naming
     those there are."""
-    _discover()
+    import_modules_of(__name__)
     name = str(name)
     if name not in _OBJECTIVES and ":" in name:
         _import(name)
@@ -93,10 +92,3 @@ def _import(path: str) -> None:
         _OBJECTIVES.setdefault(path, next(spec for spec in _OBJECTIVES.values() if type(spec) is cls))
 
 
-def _discover() -> None:
-    """Import the package's modules once: each registers the objectives it defines."""
-    global _discovered
-    if not _discovered:
-        _discovered = True
-        for module in pkgutil.iter_modules(__path__, prefix=f"{__name__}."):
-            importlib.import_module(module.name)

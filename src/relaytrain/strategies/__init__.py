@@ -16,8 +16,6 @@ and refuses an override of a key it fixes.
 from __future__ import annotations
 
 import difflib
-import importlib
-import pkgutil
 from dataclasses import dataclass
 from importlib import resources
 
@@ -25,6 +23,7 @@ import torch
 import yaml
 
 from relaytrain.cost.model import CostModel
+from relaytrain.discovery import import_modules_of
 from relaytrain.errors import ConfigError
 from relaytrain.strategies.base import Capabilities, StepResult, Strategy
 from relaytrain.world import World
@@ -35,7 +34,6 @@ __all__ = ["Capabilities", "Preset", "StepResult", "Strategy", "build_strategy",
 SCHEMA_SUFFIX = "_schema"  # a strategy's typed config group in Hydra's ConfigStore: <name>_schema
 
 _REGISTRY: dict[str, type[Strategy]] = {}
-_discovered = False
 
 
 def register(name: str):
@@ -74,11 +72,7 @@ def _check_cost_model(name: str, cls: type[Strategy]) -> None:
 
 def registry() -> dict[str, type[Strategy]]:
     """Every registered strategy by name (importing the package's modules the first time)."""
-    global _discovered
-    if not _discovered:
-        for module in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
-            importlib.import_module(module.name)
-        _discovered = True
+    import_modules_of(__name__)
     return dict(sorted(_REGISTRY.items()))
 
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import abc
 import difflib
-import importlib
-import pkgutil
 from enum import Enum
 from pathlib import Path
 
 from relaytrain.data.dataset import TokenDataset
+from relaytrain.discovery import import_modules_of
 from relaytrain.errors import ConfigError
 
 __all__ = ["DataSource", "Origin", "held_out_options", "register_source", "source", "source_names", "sources"]
@@ -96,7 +95,6 @@ class DataSource(abc.ABC):
 
 
 _REGISTRY: dict[str, type[DataSource]] = {}
-_discovered = False
 
 
 def register_source(name: str):
@@ -119,11 +117,7 @@ def register_source(name: str):
 
 def sources() -> dict[str, type[DataSource]]:
     """Every registered source by name (importing the package's modules the first time)."""
-    global _discovered
-    if not _discovered:
-        for module in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
-            importlib.import_module(module.name)
-        _discovered = True
+    import_modules_of(__name__)
     return dict(sorted(_REGISTRY.items()))
 
 
