@@ -217,15 +217,20 @@ def _hf_config(m):
         sizes["tie_word_embeddings"] = m.tie_embeddings
     if str(m.model_type) not in PROVEN:
         raise ConfigError(f"model.model_type={m.model_type}: {_unproven(m.model_type)}")
+    sizes.update(_special_ids_past(str(m.model_type), m.vocab_size))
     config = AutoConfig.for_model(str(m.model_type), **sizes)
     config = _with_published_settings(config, m, sizes)
-    # A fresh config keeps its architecture's default special ids (Phi-3's pad id is 32000),
-    # which a smaller vocabulary lacks: the embedding's padding row must be one of its rows.
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= m.vocab_size:
-            setattr(config, key, None)
     SPEC.set_dropout(config, m.dropout)
     return config
+
+
+def _special_ids_past(model_type: str, vocab_size: int) -> dict:
+    """The architecture's default special ids that a `vocab_size` vocabulary lacks (Phi-3's pad id
+    is 32000, OLMo's eos 50279), as None: the embedding's padding row must be one of its rows, and
+    transformers warns of an id past the vocabulary when the config is built."""
+    defaults = AutoConfig.for_model(model_type)
+    return {key: None for key in ("pad_token_id", "bos_token_id", "eos_token_id")
+            if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= vocab_size}
 
 
 def _with_published_settings(config, m, sizes: dict):
