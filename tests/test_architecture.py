@@ -132,3 +132,80 @@ def test_only_data_names_data_sources():
     name outside `data/`. The one word shared by chance is `relaytrain generate`'s own `chat` key."""
     quoted = quoted_outside(set(source_names()), "data")
     assert [q for q in quoted if not (q.startswith("generate.py:") and q.endswith("'chat'"))] == []
+
+
+# --------------------------------------------------------------------------- the config's walk
+
+MAX_STAYS, MAX_CLIMBS = 40, 8  # docs/design.md, "Resolve once"
+
+
+def is_whole_config(value) -> bool:
+    """The run's whole config (a root DictConfig with a strategy), not one of its sections."""
+    from omegaconf import DictConfig
+
+    return isinstance(value, DictConfig) and value._get_parent() is None and "strategy" in value
+
+
+def walk_of_the_config(cfg, run_dir) -> list[tuple[str, str, bool]]:
+    """Every relaytrain function that receives the whole config during `train.run(cfg)`, first
+    call first, as (module, function, climb): a climb is a call back into a module that an
+    outer holder of the config, below the caller, is in (a callback up the chain)."""
+    import sys
+
+    from relaytrain import train
+
+    walk: dict[tuple[str, str], bool] = {}
+
+    def holds_config(frame) -> bool:
+        code = frame.f_code
+        return frame.f_globals.get("__name__", "").startswith("relaytrain") and any(
+            is_whole_config(frame.f_locals.get(arg)) for arg in code.co_varnames[:code.co_argcount])
+
+    def on_call(frame, event, _):  # a global trace function: called on Python calls only, no line tracing
+        if not holds_config(frame):
+            return None
+        holders, outer = [], frame.f_back
+        while outer is not None:
+            if holds_config(outer):
+                holders.append(outer.f_globals["__name__"])
+            outer = outer.f_back
+        module = frame.f_globals["__name__"]
+        climb = bool(holders) and module != holders[0] and module in holders[1:]
+        walk.setdefault((module, frame.f_code.co_qualname), climb)
+        return None
+
+    sys.settrace(on_call)
+    try:
+        train.run(cfg, run_dir, quiet=True)
+    finally:
+        sys.settrace(None)
+    return [(module, function, climb) for (module, function), climb in walk.items()]
+
+
+def test_the_config_is_resolved_once_and_walks_a_short_way(tmp_path):
+    """A decoder fine-tuned with LoRA under l2l (the richest one-process path): the names are
+    looked up once (run_spec.describe_run) and the whole config visits few functions."""
+    from relaytrain.compose import compose_config
+
+    cfg = compose_config(["strategy=l2l", "model=llama_tiny", "adapter=lora", "train.steps=1", "train.device=cpu"])
+    walk = walk_of_the_config(cfg, tmp_path)
+    assert ("relaytrain.run_spec", "describe_run", False) in walk
+    stays = [f"{module}.{function}" for module, function, _ in walk]
+    climbs = [f"{module}.{function}" for module, function, climb in walk if climb]
+    assert len(stays) <= MAX_STAYS, f"{len(stays)} functions receive the whole config: {stays}"
+    assert len(climbs) <= MAX_CLIMBS, f"{len(climbs)} calls climb back up: {climbs}"
+    assert not any("registry" in s or s.endswith((".strategy_class", ".family_spec", ".source")) for s in stays)
+
+
+def test_no_file_over_500_lines_and_no_class_over_300():
+    """Schedules as data aside (strategies/pipeline/schedule.py: tables of the published schedules)."""
+    data_files = {"relaytrain.strategies.pipeline.schedule"}
+    long_files, long_classes = [], []
+    for name, path in modules().items():
+        text = path.read_text()
+        if name not in data_files and len(text.splitlines()) > 500:
+            long_files.append(f"{name}: {len(text.splitlines())}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                long_classes.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1}")
+    assert not long_files and not long_classes, long_files + long_classes

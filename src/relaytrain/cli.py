@@ -260,7 +260,7 @@ def _run_hydra(args: list[str]) -> int:
         overrides = list(hydra_cfg.overrides.task)
         run_dir = hydra_cfg.runtime.output_dir
         try:
-            finished = finished_results(cfg, Path(run_dir)) is not None  # nothing to estimate
+            finished = finished_results(cfg.train, Path(run_dir)) is not None  # nothing to estimate
             device = pick_device(cfg.train.device)  # this job's, decided once
             run(cfg, run_dir, overrides, table=not in_sweep,
                 estimate=None if finished else _estimate(cfg, overrides, device), device=device)

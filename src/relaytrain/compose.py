@@ -75,14 +75,15 @@ def validate(cfg) -> None:
     """Every check a config must pass before any work; ConfigError on the first problem."""
     cls = strategy_class(cfg.strategy.name)
     check_shared(cfg)
-    check_preset(cfg)
-    _check_capabilities(cfg, cls)
+    check_preset(cfg.strategy)
+    _check_capabilities(cls, cfg.strategy.name, cfg.precision.name, cfg.optim)
     cls.check_config(cfg)
 
 
-def _check_capabilities(cfg, cls) -> None:
-    """What the precision and optimizer ask of a strategy, against what the strategy can do."""
-    can, precision, name = cls.capabilities, cfg.precision.name, cfg.strategy.name
+def _check_capabilities(cls, name, precision, optim) -> None:
+    """What the precision and optimizer keys ask of strategy=`name` (a preset's name, or its
+    class's), against what its class can do."""
+    can = cls.capabilities
     if precision.value.startswith("cmp") and not can.cross_precision:
         able = " or ".join(f"strategy={n}" for n, c in registry().items() if c.capabilities.cross_precision)
         raise ConfigError(
@@ -94,9 +95,9 @@ def _check_capabilities(cfg, cls) -> None:
             f"precision={precision} needs one loss-scale decision across every weight, which strategy={name} "
             f"does not make; use precision=amp_bf16 or fp32"
         )
-    if cfg.optim.grad_clip > 0 and not can.grad_clip:
+    if optim.grad_clip > 0 and not can.grad_clip:
         raise ConfigError(
-            f"optim.grad_clip={cfg.optim.grad_clip}: global-norm clipping across stages would stall "
+            f"optim.grad_clip={optim.grad_clip}: global-norm clipping across stages would stall "
             f"strategy={name} at every update; set optim.grad_clip=0"
         )
 

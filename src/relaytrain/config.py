@@ -275,22 +275,23 @@ _FIELD_LINE = re.compile(r"^    (\w+): [^#]*?#\s*(.+)$")
 # --------------------------------------------------------------------------- checks
 
 
-def positive(cfg, section: str, *keys: str) -> None:
+def positive(node, section: str, *keys: str) -> None:
+    """Each of `keys` of the `section` node `node` is set and above zero."""
     for key in keys:
-        value = getattr(getattr(cfg, section), key)
+        value = getattr(node, key)
         if value is None or value <= 0:
             raise ConfigError(f"{section}.{key}={value} must be positive")
 
 
 def check_shared(cfg) -> None:
     """The checks involving several keys that every strategy shares; ConfigError on the first problem."""
-    positive(cfg, "model", "num_layers", "hidden_size", "num_heads", "intermediate_size", "max_seq_len", "vocab_size")
-    positive(cfg, "data", "seq_len")
-    positive(cfg, "strategy", "microbatch_size", "num_microbatches")
-    positive(cfg, "train", "steps")
-    positive(cfg, "optim", "lr")
+    positive(cfg.model, "model", "num_layers", "hidden_size", "num_heads", "intermediate_size", "max_seq_len", "vocab_size")
+    positive(cfg.data, "data", "seq_len")
+    positive(cfg.strategy, "strategy", "microbatch_size", "num_microbatches")
+    positive(cfg.train, "train", "steps")
+    positive(cfg.optim, "optim", "lr")
     _check_model(cfg.model, cfg.data)
-    _check_adapter(cfg)
+    _check_adapter(cfg.model, cfg.adapter)
     _check_data(cfg)
     _check_eval(cfg)
     _check_train(cfg)
@@ -330,21 +331,15 @@ def _check_model(m, d) -> None:
         family_spec(m.family).hf_config(m)
 
 
-def _check_adapter(cfg) -> None:
-    import torch
+def _check_adapter(m, a) -> None:
+    from relaytrain.models import adapter, check_adapter
 
-    from relaytrain.models import adapter, build_model
-
-    a = cfg.adapter
     stray = adapter.set_without_adapter(a, AdapterConfig())
     if stray:
         raise ConfigError(f"{' and '.join(stray)} set, but adapter=none trains every weight in full; "
                           f"add adapter=lora, or drop the adapter.* keys")
-    named = adapter.enabled(a) and not a.pretrained and adapter.ALL_LINEAR not in a.target_modules
-    # The target modules are checked against the model's shapes (the meta device: no weights).
-    shapes = build_model(cfg.model, quiet=True, device=torch.device("meta")) if named else None
-    adapter.check(a, cfg.model, shapes, defaults=AdapterConfig())
-    _check_quantize(cfg.model, a)
+    check_adapter(m, a, defaults=AdapterConfig())  # the model's rules, and its adapters' (models/)
+    _check_quantize(m, a)
 
 
 def _check_quantize(m, a) -> None:

@@ -3,7 +3,9 @@
 `launch(entry, cfg, ...)` runs `entry(cfg, world, payload)` in every process of the run and
 returns what the reporting process returned:
 - one process (baseline, l2l): here, in this process;
-- several (pipelines, l2l with replicas) on one machine: spawned workers, watched from here;
+- several (pipelines, l2l with replicas) on one machine: workers forked from a server that
+  imported the training code once (`worker_start`; RELAYTRAIN_WORKER_START=spawn starts each in
+  a fresh interpreter instead), watched from here;
 - under `torchrun` (RANK and WORLD_SIZE set): this process *is* one worker.
 
 A failure anywhere ends the whole run quickly: the launcher watches its workers and kills
@@ -58,6 +60,7 @@ from relaytrain.world import (
 )
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+START_METHOD = "RELAYTRAIN_WORKER_START"  # forkserver (the default where there is one) or spawn
 
 
 class WorkerFailed(ConfigError):
@@ -254,11 +257,13 @@ def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payloa
         old.unlink()
     config = OmegaConf.to_container(cfg, resolve=True)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    context = mp.get_context("spawn")
+    context = _worker_context()
     shared = _Shared.create(context, processes)
+    environment = dict(os.environ)  # a forked worker's own is the fork server's, from when it started
     procs = [
         context.Process(target=_spawned_worker,
-                        args=(entry, rank, processes, config, payload, str(run_dir), init_method, shared, device),
+                        args=(entry, rank, processes, config, payload, str(run_dir), init_method, shared, device,
+                              environment),
                         name=f"relaytrain-rank{rank}")
         for rank in range(processes)
     ]
@@ -280,6 +285,21 @@ def _spawn_and_watch(entry, cfg, processes: int, describe, run_dir: Path, payloa
         raise Interrupted(shared.stopped_by.value, shared.stopped_at.value, latest_checkpoint())
     path = run_dir / "results.json"
     return json.loads(path.read_text())
+
+
+def _worker_context():
+    """How workers start: forked from a server that imported the training code once (milliseconds
+    a worker instead of the seconds a fresh interpreter spends importing torch and transformers),
+    or spawned where the platform has no fork server or RELAYTRAIN_WORKER_START=spawn asks."""
+    method = os.environ.get(START_METHOD) or "forkserver"
+    if method not in ("forkserver", "spawn"):
+        raise ConfigError(f"{START_METHOD}={method!r}: use forkserver or spawn")
+    if method not in mp.get_all_start_methods():
+        method = "spawn"
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(["relaytrain.worker_start"])  # read when the server starts
+    return context
 
 
 def _step_time_hint(run_dir: Path) -> str:
@@ -401,13 +421,26 @@ def _die_with_launcher() -> None:
     if not sys.platform.startswith("linux"):
         return
     PR_SET_PDEATHSIG = 1
+    parent = os.getppid()  # the launcher, or the fork server, which ends when the launcher does
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     launcher = mp.parent_process()
-    if launcher is not None and os.getppid() != launcher.pid:  # it died before prctl took effect
-        os._exit(1)
+    if os.getppid() != parent or launcher is not None and not _pid_alive(launcher.pid):
+        os._exit(1)  # it died before prctl took effect
 
 
-def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, shared, device) -> None:
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's: not ours, but not gone
+        return True
+    return True
+
+
+def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, shared, device, environment) -> None:
+    os.environ.clear()  # the launcher's environment as it is now (fault injection, jitter, ...)
+    os.environ.update(environment)
     # Stop requests come through `shared` (a Ctrl-C to the process group must not kill a worker
     # mid-step); SIG_IGN is inherited already, set here for a launcher outside the main thread.
     for sig in STOP_SIGNALS:

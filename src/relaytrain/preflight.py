@@ -26,7 +26,7 @@ WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time ou
 
 def check_can_start(cfg, cls, device: torch.device) -> None:
     """Refuse, in one line, a run this machine cannot start or hold on its decided `device`."""
-    check_machine(cfg, cls.processes(cfg), device)
+    check_machine(cfg.strategy, cls.processes(cfg), device)
     cls.check_device(cfg, device)
     if cfg.train.compile:
         from relaytrain import compile as compiling
@@ -35,23 +35,23 @@ def check_can_start(cfg, cls, device: torch.device) -> None:
     # A dry run plans for the machine the real run will have, not this one: it allocates no
     # such memory, and reports the estimate (results.json's memory.host_estimate_bytes).
     if cfg.train.check_memory and device.type != "meta":
-        check_host_memory(cfg, cls, device)
+        check_host_memory(estimate_host_bytes(cfg, cls, device))
 
 
-def check_machine(cfg, processes: int, device: torch.device) -> None:
-    """Refuse a run whose workers this machine cannot start."""
-    backend = str(getattr(cfg.strategy, "backend", "auto"))
+def check_machine(s, processes: int, device: torch.device) -> None:
+    """Refuse a run whose workers this machine cannot start (`s`: the strategy keys)."""
+    backend = str(getattr(s, "backend", "auto"))
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError("strategy.backend=nccl needs CUDA devices; use strategy.backend=gloo or auto")
     if processes == 1 or under_torchrun():
         return
     if device.type == "cuda" and processes > torch.cuda.device_count():
-        raise ConfigError(f"strategy={cfg.strategy.name} runs {processes} workers, one GPU each, and "
+        raise ConfigError(f"strategy={s.name} runs {processes} workers, one GPU each, and "
                           f"{torch.cuda.device_count()} are visible; lower strategy.stages or strategy.replicas, "
                           f"or run under torchrun on more machines")
     cpus = os.cpu_count() or 1
     if device.type == "cpu" and processes > WORKERS_PER_CPU * cpus:
-        raise ConfigError(f"strategy={cfg.strategy.name} runs {processes} workers on {cpus} CPU cores, more than "
+        raise ConfigError(f"strategy={s.name} runs {processes} workers on {cpus} CPU cores, more than "
                           f"{WORKERS_PER_CPU} per core; lower strategy.stages or strategy.replicas")
 
 
@@ -59,8 +59,8 @@ def estimate_host_bytes(cfg, cls, device: torch.device) -> int:
     return int(cls.cost_model.estimate_host_bytes(cfg, count_parameters(cfg.model), device.type) + HEADROOM)
 
 
-def check_host_memory(cfg, cls, device: torch.device) -> int:
-    need = estimate_host_bytes(cfg, cls, device)
+def check_host_memory(need: int) -> int:
+    """Refuse a run whose estimated host memory (`need` bytes) this machine does not have free."""
     available = psutil.virtual_memory().available
     if need > available:
         raise ConfigError(

@@ -32,10 +32,10 @@ def process_report(strategy, world, host: metrics.HostMemory, device_memory: dic
     }
 
 
-def assemble_results(cfg, cls, history: dict, measured: list[float], reports: list[dict], world, overrides) -> dict:
-    s, d, m = cfg.strategy, cfg.data, cfg.model
-    replicas = cls.replicas(cfg)
-    samples = s.microbatch_size * s.num_microbatches * replicas
+def assemble_results(cfg, spec, history: dict, measured: list[float], reports: list[dict], world, overrides) -> dict:
+    """results.json of a run that `spec` (run_spec.RunSpec) describes."""
+    s, d, m, cls = cfg.strategy, cfg.data, cfg.model, spec.strategy
+    samples = spec.minibatch_samples
     params = count_parameters(m)
     measured = measured or history["step_times"]
     flops_per_token = metrics.model_flops_per_token(m, d.seq_len)
@@ -53,8 +53,8 @@ def assemble_results(cfg, cls, history: dict, measured: list[float], reports: li
         "adapter": adapter_facts(cfg),
         "device": str(world.device),
         "precision": str(cfg.precision.name),
-        "processes": cls.processes(cfg),
-        "replicas": replicas,
+        "processes": spec.processes,
+        "replicas": spec.replicas,
         "steps": len(history["losses"]),
         "measured_steps": len(measured),
         "microbatch_size": s.microbatch_size,
@@ -83,7 +83,7 @@ def adapter_facts(cfg) -> dict | None:
     if not adapters.enabled(a):
         return None
     return {"name": str(a.name), "r": a.r, "alpha": a.alpha, "pretrained": a.pretrained,
-            "trained_parameters": trained_parameters(cfg)}
+            "trained_parameters": trained_parameters(cfg.model, cfg.adapter)}
 
 
 def memory(cls, cfg, reports: list[dict]) -> dict:

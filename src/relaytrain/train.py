@@ -23,7 +23,6 @@ from relaytrain import checkpoint, elastic, failpoints, metrics, runlog
 from relaytrain import compile as compiling
 from relaytrain.compose import validate
 from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
-from relaytrain.data.sources import source
 from relaytrain.display import StepProgress, print_one_line, print_results_table
 from relaytrain.errors import Aborted, Interrupted, TrainingDiverged, first_line
 from relaytrain.evaluation import better
@@ -37,8 +36,7 @@ from relaytrain.objectives import objective
 from relaytrain.optim import lr_at
 from relaytrain.preflight import check_can_start
 from relaytrain.results import assemble_results, process_report, write_results
-from relaytrain.strategies import strategy_class
-from relaytrain.strategies.base import Strategy
+from relaytrain.run_spec import RunSpec, describe_run
 from relaytrain.units import duration
 from relaytrain.world import StopVotes, World, pick_device, under_torchrun
 
@@ -49,7 +47,7 @@ EMPTY_SHARE = {"weights": {}, "optimizer": {}, "scaler": None, "extra": None}
 class Job:
     """What every process of a run gets from the launcher, besides the config."""
 
-    strategy: type[Strategy]  # the run's strategy class, decided once (by name, before any worker)
+    spec: RunSpec  # the run's strategy, family, objective and source, resolved once before any worker
     run_dir: Path
     dataset: TokenDataset
     eval_dataset: TokenDataset | None = None
@@ -69,7 +67,7 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     (None: decided here from train.device); every check and worker is handed this decision."""
     run_dir = Path(run_dir)
     logs = not under_torchrun() or int(os.environ["RANK"]) == 0
-    done = finished_results(cfg, run_dir)
+    done = finished_results(cfg.train, run_dir)
     if done is not None:
         if logs:
             print(f"this run already finished its {cfg.train.steps} steps ({run_dir / 'results.json'}); "
@@ -98,15 +96,15 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     return results
 
 
-def finished_results(cfg, run_dir: Path) -> dict | None:
-    """With `train.resume=auto`, a run directory whose run already finished `train.steps`: its
-    results, so a relaunched sweep completes only what is missing. None otherwise (asking for
-    more steps continues from the final checkpoint)."""
-    if cfg.train.resume != "auto":
+def finished_results(t, run_dir: Path) -> dict | None:
+    """With `train.resume=auto` (`t`: the train keys), a run directory whose run already finished
+    `train.steps`: its results, so a relaunched sweep completes only what is missing. None
+    otherwise (asking for more steps continues from the final checkpoint)."""
+    if t.resume != "auto":
         return None
     status = runlog.read_status(run_dir) or {}
     results = Path(run_dir) / "results.json"
-    if status.get("status") != runlog.FINISHED or status.get("step") != cfg.train.steps or not results.is_file():
+    if status.get("status") != runlog.FINISHED or status.get("step") != t.steps or not results.is_file():
         return None
     return json.loads(results.read_text())
 
@@ -115,7 +113,8 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, esti
          device: torch.device) -> dict | None:
     cfg = elastic.prepare(resolve_pretrained(cfg, explicit_overrides(overrides)), device)
     validate(cfg)
-    cls = strategy_class(cfg.strategy.name)
+    spec = describe_run(cfg)
+    cls = spec.strategy
     check_can_start(cfg, cls, device)
     resume = _find_resume(cfg, cls, run_dir)
     if logs:
@@ -123,9 +122,9 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, esti
         runlog.write_status(run_dir, runlog.RUNNING, strategy=str(cfg.strategy.name), step=0)
     # Once, before any worker: data errors end here.
     dataset, eval_dataset = build_datasets(cfg, tokenizer_dir=str(run_dir))
-    build_loader(cfg, dataset, cls.replicas(cfg))  # refuses a dataset smaller than one minibatch
-    job = Job(cls, run_dir, dataset, eval_dataset, resume, overrides, estimate_s, quiet)
-    return launch(train_process, cfg, cls.processes(cfg), lambda rank: cls.describe_process(cfg, rank),
+    build_loader(cfg, dataset, spec.replicas)  # refuses a dataset smaller than one minibatch
+    job = Job(spec, run_dir, dataset, eval_dataset, resume, overrides, estimate_s, quiet)
+    return launch(train_process, cfg, spec.processes, lambda rank: cls.describe_process(cfg, rank),
                   run_dir, job, lambda: checkpoint.latest(run_dir), device)
 
 
@@ -148,7 +147,7 @@ def _find_resume(cfg, cls, run_dir: Path) -> Path | None:
 
 def train_process(cfg, world: World, job: Job) -> dict | None:
     """One process of the run: build, train, report. Returns the results on the reporter."""
-    cls = job.strategy
+    cls = job.spec.strategy
     host = metrics.HostMemory()
     host.reset_peak()
     metrics.reset_device_peak(world.device)
@@ -162,7 +161,7 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
         with tracker or nullcontext():
             if tracker is not None:
                 tracker.register(t for held in strategy.memory_holders().values() for t in held)
-            return Trainer(cfg, cls, strategy, world, job, host, tracker, compiled).run()
+            return Trainer(cfg, strategy, world, job, host, tracker, compiled).run()
     finally:
         strategy.close()
         if compiled is not None:
@@ -178,14 +177,16 @@ class Trainer:
     stream, RNG streams and LR schedule exactly where the checkpoint left them.
     """
 
-    def __init__(self, cfg, cls, strategy, world: World, job: Job, host: metrics.HostMemory,
+    def __init__(self, cfg, strategy, world: World, job: Job, host: metrics.HostMemory,
                  tracker: DeviceMemory | None = None, compiled: compiling.CompileStats | None = None):
-        self.cfg, self.cls, self.strategy, self.world, self.job, self.host = cfg, cls, strategy, world, job, host
+        self.cfg, self.strategy, self.world, self.job, self.host = cfg, strategy, world, job, host
+        self.spec = spec = job.spec
+        self.cls = spec.strategy
         self.tracker = tracker  # a dry run's device memory
         self.compiled = compiled  # train.compile: this process's compile times
-        self.reporter = world.rank == cls.reporter(cfg)
-        self.loader = build_loader(cfg, job.dataset, cls.replicas(cfg))
-        self.votes = StopVotes(world, cls.stop_lag)
+        self.reporter = world.rank == spec.reporter
+        self.loader = build_loader(cfg, job.dataset, spec.replicas)
+        self.votes = StopVotes(world, spec.strategy.stop_lag)
         self.directory = checkpoint.checkpoint_dir(job.run_dir)
         self.history: dict = {"losses": [], "step_times": [], "skipped": 0, "eval": []}
         self.first = 0
@@ -195,8 +196,8 @@ class Trainer:
         self.lr = lr_at(0, cfg.optim, cfg.train.steps)  # the learning rate the last step ran with
         s = cfg.strategy
         self.eval_batches = None if job.eval_dataset is None else eval_batches(
-            job.eval_dataset, s.microbatch_size * cls.replicas(cfg), s.num_microbatches, cfg.eval.max_batches)
-        self.glue_task = source(cfg.data.source).benchmark_task(cfg)
+            job.eval_dataset, s.microbatch_size * spec.replicas, s.num_microbatches, cfg.eval.max_batches)
+        self.glue_task = spec.benchmark_task
         self.progress: StepProgress | None = None
 
     def run(self) -> dict | None:
@@ -241,7 +242,7 @@ class Trainer:
         if self.log is None:
             return
         elapsed = self.history["step_times"][-1]
-        samples = self.cfg.strategy.microbatch_size * self.cfg.strategy.num_microbatches * self.cls.replicas(self.cfg)
+        samples = self.spec.minibatch_samples
         evaluated = self.history["eval"][-1] if self.history["eval"] and self.history["eval"][-1]["step"] == step else {}
         self.log.write({
             "step": step, "loss": self.history["losses"][-1],
@@ -381,11 +382,11 @@ class Trainer:
         device = self.strategy.simulated_memory(self.tracker) if self.tracker else metrics.device_memory(self.world.device)
         report = process_report(self.strategy, self.world, self.host, device)
         report["compile"] = None if self.compiled is None else self.compiled.report()
-        reports = self.world.gather(report, self.cls.reporter(self.cfg))
+        reports = self.world.gather(report, self.spec.reporter)
         if not self.reporter:
             return None
         measured = self.history["step_times"][self.first + self.cfg.train.untimed_steps:]
-        results = assemble_results(self.cfg, self.cls, self.history, measured, reports, self.world, self.job.overrides)
+        results = assemble_results(self.cfg, self.spec, self.history, measured, reports, self.world, self.job.overrides)
         results.update(elastic.results_entry(self.job.run_dir))
         results.update(compiling.results_entry([r["compile"] for r in reports]))
         results.update(data_facts(self.job.dataset, self.job.eval_dataset))  # e.g. chat records cut or dropped

@@ -349,7 +349,7 @@ def powers_of_two_dividing(n: int) -> list[int]:
 
 def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
     """fp32 weights, and the gradients and optimizer state of what trains (under adapters: theirs)."""
-    trained = trained_parameters(cfg)
+    trained = trained_parameters(cfg.model, cfg.adapter)
     trained = num_params if trained is None else trained
     return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
 

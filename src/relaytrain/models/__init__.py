@@ -19,7 +19,7 @@ from relaytrain.models.pretrained import load_hf_config
 from relaytrain.objectives import objective
 
 __all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "count_parameters", "families",
-           "family_of", "family_spec", "hf_config", "part_parameters", "trained_parameters"]
+           "check_adapter", "family_of", "family_spec", "hf_config", "part_parameters", "trained_parameters"]
 
 
 
@@ -147,10 +147,19 @@ def part_parameters(m, adapter=None, trained: bool = False) -> tuple[int, int, i
     return count(model.embed), count(model.blocks[0]), count(model.head)
 
 
-def trained_parameters(cfg) -> int | None:
-    """How many parameters train under the run's adapter (adapter=lora: the adapters'); None
-    when every parameter trains."""
-    if adapters.enabled(cfg.adapter):
-        embed, block, head = part_parameters(cfg.model, cfg.adapter, trained=True)
-        return embed + cfg.model.num_layers * block + head
+def trained_parameters(m, a) -> int | None:
+    """How many parameters of the model `m` describes train under the adapter `a` (adapter=lora:
+    the adapters'); None when every parameter trains."""
+    if adapters.enabled(a):
+        embed, block, head = part_parameters(m, a, trained=True)
+        return embed + m.num_layers * block + head
     return None
+
+
+def check_adapter(m, a, defaults) -> None:
+    """The adapter keys `a` on their own and against the model `m` describes: named target
+    modules against its layers, built on the meta device (shapes, no weights). `defaults`: an
+    AdapterConfig, to tell the keys a run sets. ConfigError, one line, on the first problem."""
+    named = adapters.enabled(a) and not a.pretrained and adapters.ALL_LINEAR not in a.target_modules
+    shapes = build_model(m, quiet=True, device=torch.device("meta")) if named else None
+    adapters.check(a, m, shapes, defaults=defaults)

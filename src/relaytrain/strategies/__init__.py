@@ -121,13 +121,13 @@ def strategy_class(name) -> type[Strategy]:
     raise ConfigError(f"strategy={name} is not a known strategy; {fix}choose one of: {', '.join(choices())}")
 
 
-def check_preset(cfg) -> None:
-    """A preset's fixed keys keep their values (one line naming the strategy that has the key)."""
-    preset = presets().get(str(cfg.strategy.name))
+def check_preset(s) -> None:
+    """A preset's fixed strategy keys (`s`) keep their values (one line naming the strategy that has the key)."""
+    preset = presets().get(str(s.name))
     if preset is None:
         return
     for key, value in preset.fixed.items():
-        if str(cfg.strategy[key]) != str(value):
+        if str(s[key]) != str(value):
             raise ConfigError(f"strategy.{key} is not a key of strategy={preset.name}; only strategy={preset.strategy} "
                               f"has it (see relaytrain train --help)")
 

@@ -119,7 +119,7 @@ class L2LCost(CostModel):
         state, transit copies of what crosses, one block's activations and every stashed input
         (on the host with `stash=host`), and the interpreter of each worker apart from the first."""
         s, m = cfg.strategy, cfg.model
-        trained = trained_parameters(cfg)  # under adapters; the frozen base counted at fp32 (errs high)
+        trained = trained_parameters(cfg.model, cfg.adapter)  # under adapters; the frozen base counted at fp32 (errs high)
         per_worker = eps_state_bytes(cfg, num_params, trained) + num_params * FP32  # + transit copies of what crosses
         per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
         if device_type != "cpu" and stash_on_host(cfg):  # the stash waits in host memory
