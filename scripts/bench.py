@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (a clean allocator and thread pool),
 then one summary table. Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn,compile,lora] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn,compile,lora,qlora,data_cache,long_context] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ BENCHMARKS = {
     "axonn": HERE / "bench_axonn.py",
     "compile": HERE / "bench_compile.py",
     "lora": HERE / "bench_lora.py",
+    "qlora": HERE / "bench_qlora.py",
+    "data_cache": HERE / "bench_data_cache.py",
+    "long_context": HERE / "bench_long_context.py",
 }
 # The comparisons each script reports as a median over its rounds (scripts/benchlib.py), in
 # the order of the summary table, with what each compares.
@@ -44,6 +47,8 @@ COMPARED = {
     "eps_exposed_share": "EPS work exposed after overlap with backward",
     "lora_l2l_host_bytes_ratio": "l2l host memory, adapter=lora / full fine-tuning (bf16 Llama layout)",
     "lora_l2l_vs_full_l2l": "l2l samples/s, adapter=lora / full fine-tuning (the same model and batch)",
+    "qlora_l2l_host_bytes_ratio": "l2l host bytes of the base, adapter=qlora (NF4) / adapter=lora (bf16)",
+    "qlora_l2l_vs_lora_l2l": "l2l samples/s, adapter=qlora (NF4 base) / adapter=lora (bf16 base)",
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
     "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d, 8 blocks) / bubble formula",
     "interleaved_vs_flush": "pipe_interleaved (d = 2, v = 2, m = 4) / pipe_flush (d = 2, m = 4)",
@@ -59,6 +64,8 @@ COMPARED = {
     "offload_exposed_pipe_flush": "pipe_flush offload=host: exposed update / step, worst stage",
     "l2l_replicas_scaling": "l2l, 2 replicas / (2 x one worker)",
     "plan_worst_error": "plan: worst |predicted / measured step - 1| of a round",
+    "chunked_loss_vs_full": "baseline samples/s, loss in chunks of tokens / whole-sequence logits (128 k vocabulary, 2 x 1,024 tokens)",
+    "data_cache_prepare_ratio": "prepare_s, second identical start / first (tokenize cache, 100 k chat records)",
 }
 def run(name: str, script: Path, workdir: Path) -> dict:
     out = workdir / f"{name}.json"

@@ -267,9 +267,10 @@ def planner(args) -> str:
     return _plans(PLANNER_REQUESTS, PLANNER_WHY, "request (batch: the model's usual)", "the papers")
 
 
-# Today's decoders: fp32 weights and AdamW (a dry run cannot simulate autocast), 2048 tokens a sample,
-# a global batch of 32 samples (65,536 tokens).
-DECODER = ["data.seq_len=2048", "optim=adamw", "precision=fp32", "plan.batch_size=32"]
+# Today's decoders: AdamW, 2048 tokens a sample, a global batch of 32 samples (65,536 tokens), in
+# the planner's precision for a decoder on a GPU (cmp_bf16, amp_bf16 where a strategy has no eager
+# param server) and again in fp32 beside it.
+DECODER = ["data.seq_len=2048", "optim=adamw", "plan.batch_size=32"]
 RTX4090, H100 = "plan.device=rtx4090_24gb", "plan.device=h100_80gb"
 DECODER_REQUESTS = {
     **{f"{label}, {where}": ([f"model={model}", *DECODER, *request], "")
@@ -287,7 +288,9 @@ def decoders(args) -> str:
     """`relaytrain plan` for Llama-3-8B and Qwen3-8B on one 24 GB card, one 80 GB card and eight,
     and Llama-3-70B on one 80 GB card with the host memory it needs: the choice, and every
     strategy's fastest that fits (or why none does)."""
-    return _plans(DECODER_REQUESTS, list(DECODER_REQUESTS), "request (seq 2048, batch 32, fp32, AdamW)", None)
+    bf16 = _plans(DECODER_REQUESTS, list(DECODER_REQUESTS), "request (seq 2048, batch 32, bf16, AdamW)", None)
+    fp32 = {name: ([*overrides, "precision=fp32"], paper) for name, (overrides, paper) in DECODER_REQUESTS.items()}
+    return "\n\n".join([bf16, _plans(fp32, [], "request (seq 2048, batch 32, fp32, AdamW)", None)])
 
 
 def _plans(requests: dict, explained: list[str], request_header: str, papers: str | None) -> str:

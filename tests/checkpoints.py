@@ -58,7 +58,7 @@ def tiny_decoder(directory: Path, model_type: str = "llama", *, layers: int = 3,
     sizes = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128,
                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                 **ARCHITECTURES[model_type])
+                 **ARCHITECTURES.get(model_type, {}))
     if model_type == "phi3":  # Phi-3's heads are hidden / heads wide, always
         sizes.pop("head_dim")
     sizes.update(overrides)
@@ -68,3 +68,25 @@ def tiny_decoder(directory: Path, model_type: str = "llama", *, layers: int = 3,
     if tokenizer:
         tok.save_pretrained(directory)
     return Path(directory)
+
+
+# Tiny mixtures of experts (4 experts, top 2, every layer routed), the balancing loss on
+# (`output_router_logits`) with a coefficient far from the published ~1e-3, so that a wrong aux
+# gradient shows; Qwen2-MoE with its shared expert, Qwen3-MoE with one dense layer
+# (`mlp_only_layers`): L counts the routed layers only.
+MOE_ARCHITECTURES = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "norm_topk_prob": True,
+                  "mlp_only_layers": [1]},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                  "shared_expert_intermediate_size": 40},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+}
+MOE_BALANCING = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+
+
+def tiny_moe(directory: Path, model_type: str = "qwen3_moe", *, layers: int = 3, **overrides) -> Path:
+    """A random mixture-of-experts checkpoint of `model_type` (see `tiny_decoder`), its router's
+    balancing loss on."""
+    sizes = {**MOE_ARCHITECTURES[model_type], **MOE_BALANCING, **overrides}
+    return tiny_decoder(directory, model_type, layers=layers, **sizes)

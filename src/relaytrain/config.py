@@ -109,6 +109,7 @@ class ModelConfig:
     vocab_size: int = 30522  # embedding table rows: token ids must be below it
     num_labels: int = 2  # classification only
     task: str = DEFAULT_OBJECTIVE  # the objective: classification, masked_lm (BERT), causal_lm (GPT-2, decoders), or package.module:Class of your own
+    loss_chunk_tokens: str = "auto"  # causal_lm: tokens per chunk of the LM head and its loss (logits recomputed in backward); auto: chunked where it saves memory; 0: the whole sequence's logits at once
     dropout: float = 0.1  # hidden and attention dropout; its masks are the same whichever strategy runs
     pretrained: str | None = None  # local Hugging Face directory, or a hub id when online
     trust_remote_code: bool = False  # let a checkpoint that ships its own modelling code run it
@@ -128,6 +129,13 @@ class ModelConfig:
     # model.pretrained and an adapter (a quantized weight cannot train).
     quantize: Quantize = Quantize.none  # nf4: the frozen base's block linear weights as NormalFloat-4 (bitsandbytes; scales over blocks of 64)
     quantize_double: bool = False  # nf4: quantize the scales too (8 bits, blocks of 256): 4.13 bits a weight, not 4.5
+    # mixtures of experts (decoders of model_type qwen3_moe, qwen2_moe, mixtral, olmoe; models/moe.py). 0: dense
+    num_experts: int = 0  # experts of each routed layer
+    experts_per_token: int = 0  # experts each token is routed to (top-k)
+    expert_intermediate_size: int | None = None  # one expert's MLP width (default: intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert's MLP width (0: none)
+    output_router_logits: bool | None = None  # the router's balancing loss in the loss (default: the checkpoint's, else off)
+    router_aux_loss_coef: float | None = None  # its coefficient (default: the checkpoint's, else the architecture's)
 
 
 @dataclass
@@ -142,14 +150,25 @@ class AdapterConfig:
     use_dora: bool = False  # lora: DoRA (peft's use_dora): a trained magnitude per output of each adapted layer
     lora_bias: bool = False  # lora: a trained bias on each adapter's lora_B (peft's lora_bias)
     modules_to_save: list[str] = field(default_factory=list)  # lora: modules trained in full beside the adapters (e.g. lm_head)
+    target_parameters: list[str] = field(default_factory=list)  # lora: parameters to adapt by name ending, e.g. a mixture's fused experts mlp.experts.gate_up_proj, mlp.experts.down_proj (peft's target_parameters)
+
+
+@dataclass
+class MixConfig:
+    """One part of a mixture (data.mix): records in any form data.path takes, and its weight."""
+
+    path: str = MISSING
+    weight: float = 1.0  # its share of the drawn records, relative to the others'
+    name: str | None = None  # a hub dataset's config
+    split: str = "train"  # a hub dataset's or `datasets` directory's split
 
 
 @dataclass
 class DataConfig:
     source: str = MISSING  # where samples come from: a source registered in data/sources/ (set by the data= group)
-    path: str | None = None  # jsonl or chat file, or a local `datasets` directory for glue/wikitext
+    path: str | None = None  # records: a jsonl/json, parquet, arrow or csv file, a glob, a `datasets` directory, or a hub id
     name: str | None = None  # hub dataset config, e.g. "sst2" or "wikitext-2-raw-v1"
-    split: str = "train"  # glue / wikitext: the split to train on
+    split: str = "train"  # a hub dataset's or `datasets` directory's split to train on
     text_field: str = "text"  # jsonl/hub: the text column(s), comma-separated for pairs
     label_field: str = "label"  # jsonl/hub: the label column (classification)
     seq_len: int = 128  # tokens per sample (longer ones are cut, shorter ones padded)
@@ -162,6 +181,13 @@ class DataConfig:
     eval_path: str | None = None  # jsonl / chat: a file of held-out samples, in the training file's format
     eval_split: str | None = None  # glue / wikitext: the dataset's own split, e.g. validation
     eval_fraction: float = 0.0  # any source without the above: this share of the data, held out
+    roles: Any = None  # chat: a mapping of other `from`/role names to roles, e.g. {bot: assistant} (ShareGPT: human, gpt, system, tool)
+    mix: list[MixConfig] = field(default_factory=list)  # jsonl / chat: several record sets drawn by weight, instead of data.path
+    cache: bool = True  # keep the tokenized set under data.cache_dir and reuse it while nothing it depends on changes
+    cache_dir: str | None = None  # where; default: $XDG_CACHE_HOME/relaytrain/data (~/.cache/relaytrain/data)
+    num_proc: int = 0  # chat: processes that render records (0: one per core, up to 8, for large sets)
+    streaming: bool = False  # jsonl: read and tokenize records as they are trained on, never all in memory
+    shuffle_buffer: int = 10_000  # streaming with data.shuffle: records held in the seeded shuffle buffer
 
 
 @dataclass
@@ -300,6 +326,7 @@ def check_shared(cfg) -> None:
 def _check_model(m, d) -> None:
     from relaytrain.models.family import family_spec
     from relaytrain.objectives import objective
+    from relaytrain.objectives.chunked import chunk_setting
 
     family = family_spec(m.family)  # one line naming the families when there is no such family
     wanted = objective(m.task)  # one line naming the objectives when there is no such objective
@@ -324,6 +351,7 @@ def _check_model(m, d) -> None:
         raise ConfigError(f"model.num_labels={m.num_labels} must be at least 2 for classification")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    chunk_setting(m.loss_chunk_tokens)  # auto, 0 or a number of tokens: else one line
     if m.rope_scaling is not None and not (isinstance(m.rope_scaling, Mapping) and "rope_type" in m.rope_scaling):
         raise ConfigError(f"model.rope_scaling={m.rope_scaling} must be a mapping with a rope_type, as config.json's "
                           f"rope_scaling is (e.g. {{rope_type: llama3, factor: 8.0, ...}}), or null for none")
@@ -440,9 +468,6 @@ def _check_dry_run(cfg) -> None:
                                   ("log.tensorboard=true", cfg.log.tensorboard)) if on]
     if valued:
         raise ConfigError(f"train.device=meta is a dry run (shapes, no values): drop {', '.join(valued)}")
-    if str(cfg.precision.name).startswith("amp"):
-        raise ConfigError(f"train.device=meta cannot simulate precision={cfg.precision.name}: autocast has no meta "
-                          f"device; use precision=fp32 or a cmp_* precision")
 
 
 def _a_divisor(n: int, near: int) -> int:

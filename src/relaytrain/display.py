@@ -112,6 +112,20 @@ def compile_rows(compiled: dict | None) -> list[tuple[str, str]]:
                                         f"{compiled['graphs']} graph(s), {compiled['compiles']} compile(s)")]
 
 
+def data_rows(data: dict | None) -> list[tuple[str, str]]:
+    """What preparing the data took: records, tokens, what was cut or dropped, and whether the
+    tokenize cache had it (with a mixture, each part's drawn records)."""
+    if not data or "cache" not in data:
+        return []
+    if data.get("streaming"):
+        return [("data", f"{data['source']}: streamed, read and tokenized as it trains; cache off")]
+    line = (f"{data['source']}: {data['records']} records, {si(data['tokens']).replace('.00', '')} tokens, "
+            f"{data['truncated']} truncated, {data['dropped']} dropped; cache {data['cache']}, "
+            f"prepared in {duration(data['prepare_s'])}")
+    parts = [f"{Path(part['path']).name} {part['drawn']} of {part['records']}" for part in data.get("mix", [])]
+    return [("data", line), *([("  mixture (drawn of held)", ", ".join(parts))] if parts else [])]
+
+
 def adapter_rows(adapter: dict | None) -> list[tuple[str, str]]:
     """What trained under adapters: their kind and rank, and the parameters that train."""
     if not adapter:
@@ -130,6 +144,7 @@ def print_results_table(results: dict, path: Path) -> None:
         *adapter_rows(results.get("adapter")),
         ("device", results["device"]),
         ("precision", results["precision"]),
+        *data_rows(results.get("data")),
         ("steps", f"{results['steps']} (throughput over the last {results['measured_steps']})"),
         ("loss first → last", f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "n/a"),
         *([("evaluation (held out)", f"after step {results['eval'][-1]['step']}: {format_eval(results['eval'][-1])}")]

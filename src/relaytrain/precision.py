@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from relaytrain import meta_autocast
+
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -47,8 +49,12 @@ class Precision:
         return self.half if self.cross else torch.float32
 
     def autocast_context(self, device: torch.device):
+        """torch.autocast on `device`; on the meta device (a dry run, which stands for a GPU) the
+        GPU's casting rule applied by hand, since torch.autocast has none there (`meta_autocast`)."""
         if not self.autocast:
             return contextlib.nullcontext()
+        if device.type == "meta":
+            return meta_autocast.autocast(self.half)
         return torch.autocast(device_type=device.type, dtype=self.half)
 
 

@@ -246,6 +246,7 @@ class Trainer:
         evaluated = self.history["eval"][-1] if self.history["eval"] and self.history["eval"][-1]["step"] == step else {}
         self.log.write({
             "step": step, "loss": self.history["losses"][-1],
+            **{name: values[-1] for name, values in self.history.get("loss_terms", {}).items()},
             "lr": self.lr,
             "step_time_s": elapsed, "samples_per_s": samples / elapsed,
             "tokens_per_s": samples * self.cfg.data.seq_len / elapsed,
@@ -309,8 +310,11 @@ class Trainer:
             self.compiled.step_done()
         self.applied += not result.skipped  # a skipped step consumes no warm-up (as HF and accelerate)
         self.votes.after(step)
+        terms = self.strategy.model.loss_terms()  # beside the loss: a mixture's router term (taken on every process)
         if not self.reporter:
             return
+        for name, value in terms.items():
+            self.history.setdefault("loss_terms", {}).setdefault(name, []).append(value)
         if failpoints.reach("loss", step + 1, self.world.rank) == "nan":
             result.loss = math.nan
         self.history["step_times"].append(elapsed)

@@ -129,7 +129,7 @@ GOOD = '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "
 
 @pytest.mark.parametrize("bad, message", [
     ('{"messages": [{"role": "user", "content": "Hi"}', "malformed JSON"),
-    ('{"text": "a plain text record"}', "neither a 'messages' list nor an alpaca 'instruction'/'output' record"),
+    ('{"text": "a plain text record"}', "neither a 'messages' list, a ShareGPT 'conversations' list nor an alpaca"),
     ('{"messages": [{"role": "user", "content": "Hi"}]}', "no assistant turn"),
     ('{"instruction": "Say hi."}', "alpaca 'output' must be non-empty text; add the reply as 'output'"),
     ('{"messages": [{"role": "human", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}',
@@ -152,7 +152,7 @@ def test_a_bad_held_out_record_names_the_held_out_file(checkpoints, tmp_path, ca
 
 
 def test_missing_file_templateless_tokenizer_and_unpackable_models_are_one_line(checkpoints, tmp_path, capsys):
-    assert "data=chat needs a file: set data.path=" in cli_error(["model=llama_tiny", "data=chat"], capsys)
+    assert "data=chat needs a file or dataset of records: set data.path=" in cli_error(["model=llama_tiny", "data=chat"], capsys)
     path = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 8)
     base = ["data=chat", f"data.path={path}", "data.seq_len=32", f"hydra.run.dir={tmp_path / 'run'}"]
     line = cli_error([f"model.pretrained={checkpoints / 'plain'}", *base], capsys)
@@ -245,7 +245,9 @@ def test_long_records_are_cut_when_a_reply_token_survives_and_dropped_otherwise(
         {"instruction": "a long question " * 20, "output": "Yes."},  # the reply starts past seq_len
     ])
     train, _ = build_datasets(chat_cfg(checkpoints / "llama", path, "data.seq_len=32"))
-    assert train.facts == {"records": 2, "truncated": 1, "dropped": 1, "rows": 2, "packed": False}
+    facts = {key: train.facts[key] for key in ("records", "truncated", "dropped", "rows", "packed")}
+    assert facts == {"records": 2, "truncated": 1, "dropped": 1, "rows": 2, "packed": False}
+    assert train.facts["tokens"] == int(train.attention_mask.sum())
     assert label_text(train, 0) == "Yo." + END
     assert bool(train.attention_mask[1].all()) and label_text(train, 1).startswith("a long reply")
 

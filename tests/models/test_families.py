@@ -187,14 +187,15 @@ def test_an_encoder_decoder_checkpoint_is_refused_naming_it(tmp_path, capsys):
     assert "'t5'" in line and "encoder-decoder" in line and "Llama" in line
 
 
-@pytest.mark.parametrize("model_type,experts", [("mixtral", {"num_local_experts": 4}),
-                                                ("qwen3_moe", {"num_experts": 4})])
-def test_a_mixture_of_experts_checkpoint_is_refused_naming_it(tmp_path, capsys, model_type, experts):
+# Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE train (tests/models/test_moe.py); the other mixtures are refused.
+@pytest.mark.parametrize("model_type,experts", [("gpt_oss", {"num_local_experts": 4}),
+                                                ("deepseek_v3", {"n_routed_experts": 4})])
+def test_a_mixture_of_experts_checkpoint_not_proven_is_refused_naming_it(tmp_path, capsys, model_type, experts):
     config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=16, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, **experts)
     config.save_pretrained(tmp_path)  # the config alone decides; no weights are read before refusing
     line = refused(capsys, tmp_path)
-    assert f"'{model_type}'" in line and "mixture-of-experts" in line
+    assert f"'{model_type}'" in line and "mixture-of-experts" in line and "qwen3_moe" in line
 
 
 def test_a_checkpoint_with_its_own_code_is_refused_unless_trusted(tmp_path, capsys):

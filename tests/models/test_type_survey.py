@@ -32,13 +32,15 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention
 # The extra steps' scalars at values far from the identity, and a window of 4 tokens switched on
 # from the second layer (Qwen2/3: `use_sliding_window`, `max_window_layers`).
 EXTRA = dict(embedding_multiplier=12.0, logits_scaling=8.0, logit_scale=0.0625, final_logit_softcapping=3.0,
-             sliding_window=4, use_sliding_window=True, max_window_layers=1)
+             sliding_window=4, use_sliding_window=True, max_window_layers=1,
+             output_router_logits=True, router_aux_loss_coef=0.5)  # a mixture's balancing loss, a third of its loss
 # Types whose heads are not hidden / heads wide cannot take head_dim.
 NO_HEAD_DIM = {"phi3"}
 # A slice of the proven types covering every kind of step: plain, the window on every layer
-# (Mistral), by layer type (Qwen2, Gemma 2/3), each extra scalar and NanoChat's initial norm.
+# (Mistral), by layer type (Qwen2, Gemma 2/3), each extra scalar and NanoChat's initial norm; a
+# mixture of experts with its balancing loss (Qwen3-MoE; Mixtral with a window).
 DEFAULT_SLICE = {"llama", "mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "granite", "cohere", "cohere2",
-                 "nanochat", "hyperclovax", "stablelm"}
+                 "nanochat", "hyperclovax", "stablelm", "qwen3_moe", "mixtral"}
 PROVEN_HERE = sorted(set(PROVEN) & set(CONFIG_MAPPING))
 
 
@@ -108,6 +110,7 @@ def test_a_proven_type_trains_what_hugging_face_computes(model_type):
     reference = AutoModelForCausalLM.from_config(config, attn_implementation=DECODER.attention(config, "sdpa"))
     reference.train()
     model = DECODER.layered(reference, "causal_lm")
+    assert model.routing is None or (model.routing.balances and model.routing.coef == 0.5), model_type
     ids, mask, labels = padded_batch(rows=2, length=12, vocab=VOCAB)
     assert_layered_equals_hf(model, reference, ids, mask, labels, what=model_type)
 

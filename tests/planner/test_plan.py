@@ -135,7 +135,7 @@ def test_deeper_pipelines_hold_less_per_stage_and_2bw_is_at_least_as_fast_as_flu
 
 
 def test_l2l_with_the_stash_on_the_host_is_predicted_exactly_as_its_preset():
-    """One rule decides where the stash lives (`l2l_cost.stash_on_host`): the preset and the key are one
+    """One rule decides where the stash lives (`stash.stash_on_host`): the preset and the key are one
     run, predicted alike on a GPU profile, and the stash's transfers are what sets them apart."""
     spelled = [compose_config([*BERT_LARGE[:3], *keys]) for keys in (["strategy=l2l", "strategy.stash=host"],
                                                                       ["strategy=l2l_stash_cpu"],

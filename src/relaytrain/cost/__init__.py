@@ -5,4 +5,5 @@
   activation bytes, transfers, host memory).
 - `work`: the one count of a block's and the head's FLOPs (profile, layouts, model FLOP/s).
 - `profile`: one block timed on this machine, or a GPU spec-sheet profile (configs/profiles/).
+- `quantized`: what a 4-bit (NF4) base weighs: each part's quantized weights as values and bytes.
 """

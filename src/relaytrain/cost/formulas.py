@@ -26,11 +26,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from relaytrain.cost.profile import PartTimes, Profile, Timings
+from relaytrain.cost.quantized import QuantizedPart, quantized_parts
 from relaytrain.cost.work import PartWork, block_shape, key_value_width, model_work, query_width
 from relaytrain.models import adapter as adapters
 from relaytrain.models import part_parameters, trained_parameters
 from relaytrain.models.family import BlockShape
 from relaytrain.objectives import objective
+from relaytrain.objectives.chunked import LOGIT_COPIES, Chunking
 from relaytrain.optim import state_words
 
 FP32 = 4
@@ -106,6 +108,11 @@ class ModelFacts:
     # host bytes of a frozen base value where a param server keeps it (a bf16 checkpoint: 2).
     trained_parts: tuple[int, int, int] | None = None  # None: every parameter trains
     frozen_bytes: int = FP32
+    fused_attention: bool = True  # the attention kernel keeps no s x s scores (sdpa); eager keeps them
+    loss_chunks: Chunking | None = None  # how the head's loss is cut into chunks of tokens (None: never)
+    # model.quantize=nf4: each part's weights held in 4 bits (`cost.quantized`); the part counts
+    # above are dense values all the same
+    quantized: tuple[QuantizedPart, QuantizedPart, QuantizedPart] | None = None
 
     @classmethod
     def of(cls, cfg) -> ModelFacts:
@@ -114,12 +121,15 @@ class ModelFacts:
         precision = str(cfg.precision.name)
         m = cfg.model
         trained = part_parameters(m, adapter, trained=True) if adapter else None
+        quantized = quantized_parts(m, adapter)
+        if quantized is not None:  # part_parameters counts a 4-bit weight's storage bytes
+            embed, block, head = (n - q.counted + q.values for n, q in zip((embed, block, head), quantized, strict=True))
         half_base = precision.startswith("cmp") or m.checkpoint_dtype in ("bfloat16", "float16")
         return cls(m.num_layers, m.hidden_size, m.num_heads, cfg.data.seq_len, embed, block, head,
                    2 if precision.startswith("cmp") else FP32, FP32 if precision == "fp32" else 2,
                    state_words(cfg.optim), logits_per_sample(cfg), block_shape(m), model_work(m, cfg.data.seq_len),
                    trained,
-                   2 if adapter and half_base else FP32)
+                   2 if adapter and half_base else FP32, fused_attention(m), loss_chunking(m), quantized=quantized)
 
     @property
     def params(self) -> int:
@@ -135,9 +145,60 @@ class ModelFacts:
 
     def built_bytes(self, compact_base: bool) -> int:
         """The model as built on the host: fp32, but an adapter's frozen base in `frozen_bytes` a
-        value where the strategy keeps it compact (`Strategy.compact_base`)."""
+        value where the strategy keeps it compact (`Strategy.compact_base`), and 4-bit weights in
+        their storage's bytes."""
+        return self.trained_params * FP32 + self.whole(
+            lambda part: self.frozen_part_bytes(part, self.frozen_bytes if compact_base else FP32))
+
+    # ---- what each part weighs (embed, block, head: 0, 1, 2), 4-bit weights at their bytes
+
+    def whole(self, of_part) -> int:
+        """A per-part figure summed over the model: the embeddings, every block, the head."""
+        return of_part(0) + self.num_layers * of_part(1) + of_part(2)
+
+    def _part(self, part: int) -> tuple[int, int, QuantizedPart]:
+        """(parameters, trained parameters, quantized weights) of part `part`."""
+        params = (self.embed_params, self.block_params, self.head_params)[part]
+        trained = params if self.trained_parts is None else self.trained_parts[part]
+        return params, trained, QuantizedPart() if self.quantized is None else self.quantized[part]
+
+    def frozen_part_bytes(self, part: int, value_bytes: int) -> int:
+        """A part's frozen base: `value_bytes` a floating value, its 4-bit weights as stored."""
+        params, trained, quantized = self._part(part)
+        return (params - trained - quantized.values) * value_bytes + quantized.nbytes
+
+    def upload_bytes(self, part: int) -> int:
+        """What crosses to the device for a part: what trains in the compute dtype, the frozen base
+        as the host keeps it (`frozen_bytes`; 4 bits as stored, dequantized on the device)."""
+        return self.trained_part_bytes(part) + self.frozen_part_bytes(part, self.frozen_bytes)
+
+    def trained_part_bytes(self, part: int) -> int:
+        """What trains in a part, in the compute dtype (its weights on the device, or their gradients)."""
+        return self._part(part)[1] * self.weight_bytes
+
+    def device_part_bytes(self, part: int) -> int:
+        """A part's weights on the device: every floating value in the compute dtype (a half-stored
+        base is cast there), 4-bit weights as stored."""
+        params, _, quantized = self._part(part)
+        return (params - quantized.values) * self.weight_bytes + quantized.nbytes
+
+    @property
+    def frozen_host_bytes(self) -> int:
+        """The whole frozen base as a param server keeps it on the host."""
+        return self.whole(lambda part: self.frozen_part_bytes(part, self.frozen_bytes))
+
+    @property
+    def frozen_device_value_bytes(self) -> float:
+        """Bytes a frozen value takes on a device that holds the base as built (fp32, 4-bit weights
+        as stored): 4 but under model.quantize=nf4."""
         frozen = self.params - self.trained_params
-        return self.trained_params * FP32 + frozen * (self.frozen_bytes if compact_base else FP32)
+        return self.whole(lambda part: self.frozen_part_bytes(part, FP32)) / frozen if frozen else float(FP32)
+
+    @property
+    def hidden_value_bytes(self) -> int:
+        """A value of the hidden state between blocks: the weights' dtype (under amp_* autocast
+        leaves the residual adds and norms in fp32; under cmp_* all is half)."""
+        return self.weight_bytes
 
     def part_times(self, t: Timings, part: str, b: int) -> PartTimes:
         """The profiled times of `part` ("block", "embed", "head") at micro-batch size `b`. Under
@@ -156,13 +217,18 @@ class ModelFacts:
 
     def boundary_bytes(self, b: int) -> int:
         """A block's input (or output) for b samples: what a stash entry holds and a stage sends."""
-        return b * self.seq_len * self.hidden * self.activation_bytes
+        return b * self.seq_len * self.hidden * self.hidden_value_bytes
 
     def block_activation_bytes(self, b: int) -> int:
-        return block_activation_bytes(b, self.seq_len, self.shape, self.activation_bytes)
+        return block_activation_bytes(b, self.seq_len, self.shape, self.activation_bytes, self.fused_attention)
 
     def head_activation_bytes(self, b: int) -> int:
-        return logits_bytes(b, self.logits_per_sample)
+        """The head and its loss at their peak for b samples: the whole sequence's logits, or one
+        chunk's with the head's input and a second gradient of its trained weights."""
+        vocab = self.logits_per_sample // self.seq_len
+        trained_head = vocab * self.hidden if self.trained_parts is None else self.trained_parts[2]  # the LM head's weight
+        return head_bytes(b, self.seq_len, self.logits_per_sample, self.loss_chunks, trained_head,
+                          self.hidden * self.activation_bytes)
 
     def stage_params(self, blocks: int, embed: bool, head: bool) -> int:
         """Parameters of a stage (or a whole model) holding `blocks` blocks and maybe the ends."""
@@ -185,47 +251,63 @@ class StepCost:
 # --------------------------------------------------------------------------- memory
 
 
-def block_activation_values(seq_len: int, shape: BlockShape) -> float:
+def block_activation_values(seq_len: int, shape: BlockShape, fused: bool = False) -> float:
     """Values one block keeps for backward per token (Korthikanti et al., 2022, Table 2, whose
     34 sbh + 5 as^2b bytes at 2 bytes a value are 17 h + 2.5 a s values for q = kv = h, i = 4h):
 
     - attention: its input (the projections'), the queries (q), keys and values (kv each), the
-      output projection's input (q) and a dropout mask (h / 2); the scores, their softmax and
-      its dropout, 2.5 a s (what a kernel that keeps the s x s probabilities holds: an over-count
-      where a fused kernel keeps only its output and log-sum-exp);
+      output projection's input (q) and a dropout mask (h / 2); then by kernel: eager keeps the
+      scores' softmax and its dropout, 2.5 a s (the s x s probabilities of every head); a fused
+      kernel (`fused`: sdpa's flash or memory-efficient one) only its log-sum-exp, a values
+      (its dropout mask is drawn again from a seed in the backward). A padding mask adds its
+      s x s bias to the fused kernel's inputs; unpadded rows (synthetic data, packed records
+      of equal length) have none;
     - the MLP: its input, and a dropout mask (h / 2); plain, the activation's input and output
       (2 i); gated, the gate's and up projection's outputs, the activation's output and its
       product with up, which feeds the down projection (4 i: each product's backward needs
       both factors, and the activation's backward its input);
     - the two norms' inputs (2 h)."""
     h, q, kv, i = shape.hidden, query_width(shape), key_value_width(shape), shape.intermediate
-    attention = h + q + 2 * kv + q + h / 2 + 2.5 * shape.num_heads * seq_len
+    scores = shape.num_heads if fused else 2.5 * shape.num_heads * seq_len
+    attention = h + q + 2 * kv + q + h / 2 + scores
     mlp = h + (4 if shape.gated_mlp else 2) * i + h / 2
     return attention + mlp + 2 * h
 
 
-def block_activation_bytes(b: int, seq_len: int, shape: BlockShape, dtype_bytes: int) -> int:
+def block_activation_bytes(b: int, seq_len: int, shape: BlockShape, dtype_bytes: int, fused: bool = False) -> int:
     """Activations one block keeps for backward, for b samples (`block_activation_values`)."""
-    return int(dtype_bytes * b * seq_len * block_activation_values(seq_len, shape))
+    return int(dtype_bytes * b * seq_len * block_activation_values(seq_len, shape, fused))
+
+
+def fused_attention(m) -> bool:
+    """Whether the model's blocks run a fused attention kernel: `model.attn_implementation` where
+    the architecture has it (Gemma 2 has no sdpa kernel: eager, `Family.attention`)."""
+    from relaytrain.models import hf_config
+
+    return str(hf_config(m)._attn_implementation) != "eager"
 
 
 def stage_bytes(facts: ModelFacts, b: int, blocks: int, params: int, last: bool, in_flight: int, versions: int,
-                recompute: str) -> int:
+                recompute: str, stashed_inputs: int | None = None) -> int:
     """MEMORY(.) of PipeDream-2BW §4.2.2 for one stage (the baseline is one stage): `versions`
     copies of its `params` weights, their gradients and optimizer state (under adapters: of the
     share that trains; the frozen base once), and the activations of
     `in_flight` micro-batches of b samples: all of them without recompute; with block recompute
-    each block's input plus one block's activations while recomputing; with stage recompute the
-    stage's input plus one micro-batch's worth while recomputing."""
-    per_microbatch = blocks * facts.block_activation_bytes(b) + (facts.head_activation_bytes(b) if last else 0)
+    each block's input (`stashed_inputs` of them where a host stash keeps the rest: those in
+    transit) plus one block's activations while recomputing, or the head's at the turn;
+    with stage recompute the stage's input plus one micro-batch's worth while recomputing."""
+    head = facts.head_activation_bytes(b) if last else 0
+    per_microbatch = blocks * facts.block_activation_bytes(b) + head
     if recompute == "none":
         activations = in_flight * per_microbatch
     elif recompute == "block":
-        activations = in_flight * blocks * facts.boundary_bytes(b) + facts.block_activation_bytes(b)
+        inputs = in_flight * blocks if stashed_inputs is None else stashed_inputs
+        activations = inputs * facts.boundary_bytes(b) + max(facts.block_activation_bytes(b), head)
     else:
         activations = in_flight * facts.boundary_bytes(b) + per_microbatch
     trained = params * facts.trained_share  # versions, gradients and optimizer state; the frozen rest once
-    return int((params - trained) * FP32 + trained * FP32 * (versions + 1 + facts.state_words) + activations)
+    frozen = (params - trained) * facts.frozen_device_value_bytes
+    return int(frozen + trained * FP32 * (versions + 1 + facts.state_words) + activations)
 
 
 def logits_per_sample(cfg) -> int:
@@ -235,7 +317,30 @@ def logits_per_sample(cfg) -> int:
 
 
 def logits_bytes(b: int, values_per_sample: int) -> int:
-    return b * values_per_sample * FP32 * 3  # logits, their softmax and gradient in fp32
+    return b * values_per_sample * FP32 * LOGIT_COPIES  # logits, their softmax and gradient in fp32
+
+
+def loss_chunking(m) -> Chunking | None:
+    """How a run of the `model` section `m` cuts its head's loss into chunks of tokens
+    (`model.loss_chunk_tokens`); None where its objective never does (a classifier, masked LM, a
+    loss of the user's own)."""
+    if not objective(m.task).cuts_head_into_chunks:
+        return None
+    return Chunking(m.loss_chunk_tokens, m.vocab_size)
+
+
+def head_bytes(b: int, seq_len: int, logits_per_sample: int, chunking: Chunking | None, trained_head: int,
+               input_bytes_per_token: int) -> int:
+    """The head and its loss at their peak for b samples of seq_len tokens: the whole sequence's
+    logits (three fp32 copies), or, where `chunking` cuts them (`Chunking.tokens`, the run's own
+    rule), one chunk's, the head's input kept for the recompute and a second fp32 gradient of the
+    head's `trained_head` trained weights while the chunks' gradients are summed."""
+    tokens = b * (seq_len - 1)
+    chunk = chunking.tokens(tokens, trained_head) if chunking is not None and logits_per_sample else 0
+    if not chunk:
+        return logits_bytes(b, logits_per_sample)
+    vocab = logits_per_sample // seq_len
+    return LOGIT_COPIES * FP32 * chunk * vocab + FP32 * trained_head + tokens * input_bytes_per_token
 
 
 # --------------------------------------------------------------------------- work per part
@@ -360,5 +465,6 @@ def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries:
     if device_type != "cpu":
         return 0
     m, b, s = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len
-    block = block_activation_bytes(b, s, block_shape(m), FP32)
-    return block * live_blocks + stash_entries * b * s * m.hidden_size * FP32 + logits_bytes(b, logits_per_sample(cfg))
+    block = block_activation_bytes(b, s, block_shape(m), FP32, fused_attention(m))
+    head = head_bytes(b, s, logits_per_sample(cfg), loss_chunking(m), m.vocab_size * m.hidden_size, m.hidden_size * FP32)
+    return block * live_blocks + stash_entries * b * s * m.hidden_size * FP32 + head

@@ -8,7 +8,9 @@ not counted (the usual model-FLOPs convention); neither are the embeddings, a lo
 they cost is memory traffic: `formulas.part_costs`, `profile.embed_bytes`).
 
 - a block (`block_forward_flops`), from its widths (`BlockShape`, as its family reports them):
-  the query, key, value and output projections and the MLP's 2 or 3 matrices, and attention;
+  the query, key, value and output projections and the MLP's 2 or 3 matrices, and attention; a
+  mixture of experts counts the experts a token is routed to (and a shared one) and its router,
+  never the idle experts (the active parameters; memory and transfers count them all);
 - the head (`head_weights`): the weights of every matrix it multiplies by, read off the model's
   own head, tied ones included. So BERT's MLM head counts its transform (h x h) and the
   vocabulary projection; GPT-2's and the decoders' LM heads only the projection (they have no
@@ -82,7 +84,7 @@ def block_matmul_flops(shape: BlockShape) -> int:
     output projections, h x q + 2 h x kv + q x h, and the MLP's 2 or 3 matrices of h x i): 24 h^2
     for BERT's and GPT-2's (q = kv = h, i = 4 h)."""
     h, q, kv = shape.hidden, query_width(shape), key_value_width(shape)
-    return 2 * (h * q + 2 * h * kv + q * h + mlp_projections(shape) * h * shape.intermediate)
+    return 2 * (h * q + 2 * h * kv + q * h + mlp_projections(shape) * h * shape.intermediate + h * shape.router_outputs)
 
 
 def attention_flops(shape: BlockShape, seq_len: int) -> int:

@@ -1,12 +1,19 @@
 """Chat and instruction data (`data=chat`, read by `data/sources/chat.py`): conversations
 rendered with the tokenizer's chat template, the loss on the assistant's replies only.
 
-Each line of the file (data.path; data.eval_path for held-out data) is one record, in either form:
+Records come from data.path (data.eval_path held out; the parts of data.mix) in any form
+`reading.py` reads, one conversation a record, in any of the common shapes:
 
-- messages: `{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}, ...]}`
+- messages (OpenAI): `{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}`
   with roles system, user and assistant ("tool" too, where the template renders it);
+- ShareGPT: `{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}]}`, `from`
+  being human, gpt, system or tool (or user, assistant); data.roles maps other names
+  (`data.roles={bot: assistant}`), in either shape;
 - alpaca: `{"instruction": "...", "input": "...", "output": "..."}` (input optional), read as a
-  user turn "instruction\\n\\ninput" and an assistant turn "output".
+  user turn "instruction\n\ninput" and an assistant turn "output".
+
+A top-level `system` text (as LLaMA-Factory's ShareGPT and alpaca files have) opens the
+conversation as a system turn.
 
 Labels are the token ids of the replies and -100 everywhere else (the model shifts them). A
 reply is located by rendering the conversation prefix by prefix: the template up to the turn
@@ -21,12 +28,15 @@ is also where a saved model's generation stops.
 A record longer than data.seq_len is cut from the right and kept when a reply token survives,
 else dropped; both are counted in the dataset's `facts` (results.json's `data`). With
 data.pack=true, records are packed into rows of data.seq_len in file order, with position ids
-that restart at each record so that no record attends to another (see `pack_rows`).
+that restart at each record so that no record attends to another (see `pack_rows`). Rendering
+many records uses several processes (data.num_proc).
 """
 
 from __future__ import annotations
 
-import json
+import multiprocessing
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,47 +44,54 @@ import torch
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.encode import pad_rows, special_ids
 from relaytrain.data.labels import IGNORE_INDEX
-from relaytrain.data.reading import read_lines
+from relaytrain.data.reading import Records, Where
 from relaytrain.errors import ConfigError, first_line
 
 ROLES = ("system", "user", "assistant")
 TOOL = "tool"  # accepted where the chat template renders it (checked per record)
 REPLY = "assistant"
+# ShareGPT's `from` names (and the roles themselves); data.roles adds others.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": TOOL, "user": "user",
+                  "assistant": REPLY}
 EXAMPLE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+PARALLEL_FROM = 20_000  # records from which data.num_proc=0 renders in several processes
+MAX_AUTO_PROCESSES = 8
 
 
 @dataclass
 class Record:
-    """One conversation, ending with an assistant turn; `where` ("PATH line N") for errors."""
+    """One conversation, ending with an assistant turn; `where` ("PATH line N", "PATH row N") for errors."""
 
-    where: str
+    where: Where | str
     messages: list[dict]
 
 
 # --------------------------------------------------------------------------- reading
 
 
-def read_records(file: str | None, key: str) -> list[Record]:
-    """Every non-blank line of `file` as a checked `Record`."""
-    records = [parse_record(line, where) for where, line in read_lines(file, key, "chat")]
-    if not records:
-        raise ConfigError(f"{key}={file} holds no records (the file is empty or blank); "
-                          f"write one JSON object per line, e.g. {EXAMPLE}")
-    return records
+def read_conversations(records: Records, key: str, roles: Mapping[str, str] | None = None) -> list[Record]:
+    """Every row of `records` as a checked `Record`; `roles`: data.roles."""
+    conversations = [parse_record(record, where, roles or {}) for where, record in records.rows()]
+    if not conversations:
+        raise ConfigError(f"{key}={records.location} holds no records; write one conversation a record, "
+                          f"e.g. {EXAMPLE}")
+    return conversations
 
 
-def parse_record(line: str, where: str) -> Record:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); write one JSON object per line") from e
-    if isinstance(record, dict) and "messages" in record:
-        messages = _messages(record["messages"], where)
-    elif isinstance(record, dict) and ("instruction" in record or "output" in record):
+def parse_record(record, where, roles: Mapping[str, str]) -> Record:
+    """One record of any known shape as a conversation (`where` names it in every error)."""
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got a {type(record).__name__}; write e.g. {EXAMPLE}")
+    if _given(record, "messages"):
+        messages = _turns(record["messages"], where, "messages", roles)
+    elif _given(record, "conversations"):
+        messages = _turns(record["conversations"], where, "conversations", roles)
+    elif _given(record, "instruction") or _given(record, "output"):
         messages = _alpaca(record, where)
     else:
-        raise ConfigError(f"{where}: neither a 'messages' list nor an alpaca 'instruction'/'output' record; "
-                          f"write e.g. {EXAMPLE}")
+        raise ConfigError(f"{where}: neither a 'messages' list, a ShareGPT 'conversations' list nor an alpaca "
+                          f"'instruction'/'output' record; write e.g. {EXAMPLE}")
+    messages = _with_system(record, messages, where)
     if not any(m["role"] == REPLY for m in messages):
         raise ConfigError(f"{where}: no assistant turn, so nothing to learn from; add the reply as "
                           f'{{"role": "assistant", "content": "..."}}')
@@ -84,26 +101,59 @@ def parse_record(line: str, where: str) -> Record:
     return Record(where, messages)
 
 
-def _messages(value, where: str) -> list[dict]:
+def _given(record: dict, field: str) -> bool:
+    """Present and not null: columnar files give every record every column, null where it had none."""
+    return record.get(field) is not None
+
+
+def _turns(value, where, field: str, roles: Mapping[str, str]) -> list[dict]:
+    """A list of turns, each {"role", "content"} (OpenAI) or {"from", "value"} (ShareGPT)."""
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"{where}: 'messages' must be a non-empty list of turns, e.g. {EXAMPLE}")
+        raise ConfigError(f"{where}: {field!r} must be a non-empty list of turns, e.g. {EXAMPLE}")
     turns = []
     for number, turn in enumerate(value, start=1):
-        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
+        if not isinstance(turn, dict):
             raise ConfigError(f"{where}: message {number} is not a {{\"role\": ..., \"content\": ...}} object")
-        role = turn["role"]
-        if role not in (*ROLES, TOOL):
-            raise ConfigError(f"{where}: message {number} has unknown role {role!r}; use system, user or "
-                              f"assistant (or tool, where the chat template renders it)")
-        if not isinstance(turn.get("content"), str):
-            raise ConfigError(f"{where}: message {number} ({role}) needs its 'content' as text")
-        turns.append({"role": role, "content": turn["content"]})
+        if isinstance(turn.get("role"), str):
+            role = _role(turn["role"], roles, {r: r for r in (*ROLES, TOOL)}, where, number)
+            content = turn.get("content")
+        elif isinstance(turn.get("from"), str):
+            role = _role(turn["from"], roles, SHAREGPT_ROLES, where, number)
+            content = turn.get("value")
+        else:
+            raise ConfigError(f"{where}: message {number} has neither a 'role' nor a ShareGPT 'from'; write "
+                              f'{{"role": ..., "content": ...}} or {{"from": ..., "value": ...}}')
+        if not isinstance(content, str):
+            raise ConfigError(f"{where}: message {number} ({role}) needs its 'content' (ShareGPT: 'value') as text")
+        turns.append({"role": role, "content": content})
     return turns
 
 
-def _alpaca(record: dict, where: str) -> list[dict]:
+def _role(name: str, roles: Mapping[str, str], known: Mapping[str, str], where, number: int) -> str:
+    if name in roles:
+        return roles[name]
+    if name in known:
+        return known[name]
+    if known is SHAREGPT_ROLES:
+        raise ConfigError(f"{where}: message {number} is from {name!r}, which names no role; map it with "
+                          f"data.roles={{{name}: assistant}} (or user, system, tool), or use human, gpt, system, tool")
+    raise ConfigError(f"{where}: message {number} has unknown role {name!r}; use system, user or "
+                      f"assistant (or tool, where the chat template renders it), or map it with data.roles")
+
+
+def _with_system(record: dict, messages: list[dict], where) -> list[dict]:
+    system = record.get("system")
+    if system is None or system == "" or messages[0]["role"] == "system":
+        return messages
+    if not isinstance(system, str):
+        raise ConfigError(f"{where}: 'system' must be text")
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _alpaca(record: dict, where) -> list[dict]:
     def text(field: str, required: bool) -> str:
-        value = record.get(field, "")
+        value = record.get(field)
+        value = "" if value is None else value
         if not isinstance(value, str) or (required and not value.strip()):
             need = "non-empty text" if required else "text"
             hint = "; add the reply as 'output'" if field == "output" else ""
@@ -215,11 +265,12 @@ def _check_tools_rendered(messages: list[dict], text: str, where: str) -> None:
 # --------------------------------------------------------------------------- rows
 
 
-def encode_records(records: list[Record], tokenizer, seq_len: int, pack: bool, key: str) -> TokenDataset:
-    """The records as rows of seq_len (packed or one per row), long ones cut or dropped and counted."""
+def encode_records(records: list[Record], tokenizer, seq_len: int, pack: bool, key: str,
+                   num_proc: int = 1) -> TokenDataset:
+    """The records as rows of seq_len (packed or one per row), long ones cut or dropped and counted;
+    rendered in `num_proc` processes (0: by the records' number and the cores)."""
     kept, truncated, dropped = [], 0, 0
-    for record in records:
-        ids, labels = render(tokenizer, record)
+    for ids, labels in render_all(tokenizer, records, processes(num_proc, len(records))):
         if len(ids) > seq_len:
             ids, labels = ids[:seq_len], labels[:seq_len]
             if all(label == IGNORE_INDEX for label in labels):
@@ -232,9 +283,47 @@ def encode_records(records: list[Record], tokenizer, seq_len: int, pack: bool, k
                           f"{dropped} were dropped; raise data.seq_len")
     pad = special_ids(tokenizer).pad
     dataset = pack_rows(kept, seq_len, pad) if pack else _one_per_row(kept, seq_len, pad)
-    dataset.facts = {"records": len(kept), "truncated": truncated, "dropped": dropped, "rows": len(dataset),
-                     "packed": pack}
+    dataset.facts = {"records": len(kept), "tokens": sum(len(ids) for ids, _ in kept), "truncated": truncated,
+                     "dropped": dropped, "rows": len(dataset), "packed": pack}
     return dataset
+
+
+def processes(num_proc: int, records: int) -> int:
+    """data.num_proc, or for 0 one process a core (up to MAX_AUTO_PROCESSES) once there are
+    enough records to repay starting them."""
+    if num_proc > 0:
+        return num_proc
+    if records < PARALLEL_FROM:
+        return 1
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_AUTO_PROCESSES))
+
+
+def render_all(tokenizer, records: list[Record], workers: int) -> list[tuple[list[int], list[int]]]:
+    """Every record rendered, in order: here, or in `workers` forked processes, each a contiguous
+    share (a fork shares the tokenizer and records without pickling them; the first bad record of
+    a share raises there and again here, as the same one line)."""
+    if workers <= 1 or len(records) < 2 * workers:
+        return [render(tokenizer, record) for record in records]
+    global _SHARED  # what the forked workers read: set before the fork, cleared after
+    _SHARED = (tokenizer, records)
+    bounds = [len(records) * k // workers for k in range(workers + 1)]
+    # The Rust tokenizer's own thread pool must not be running across a fork (it would deadlock the
+    # child; tokenizers then warns and turns it off): the workers are the parallelism here.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            shares = pool.map(_render_share, list(zip(bounds[:-1], bounds[1:], strict=True)))
+    finally:
+        _SHARED = None
+    return [rendered for share in shares for rendered in share]
+
+
+_SHARED = None
+
+
+def _render_share(bounds: tuple[int, int]) -> list[tuple[list[int], list[int]]]:
+    tokenizer, records = _SHARED
+    return [render(tokenizer, record) for record in records[bounds[0]: bounds[1]]]
 
 
 def _one_per_row(records: list[tuple[list[int], list[int]]], seq_len: int, pad: int) -> TokenDataset:

@@ -43,18 +43,43 @@ def encode_samples(cfg, groups: list[list[Sample]], tokenizer_dir: str | None) -
 
 
 def _encode(cfg, samples: list[Sample], tokenizer) -> TokenDataset:
+    return encode_rows(cfg, samples, tokenizer)
+
+
+def encode_rows(cfg, samples: list[Sample], tokenizer, always_mask: bool = False) -> TokenDataset:
+    """The samples as padded rows with labels, one a row, and the facts of encoding them;
+    `always_mask`: an attention mask even where nothing is padded (a stream's minibatch, whose
+    neighbours may be)."""
+    seq_len = cfg.data.seq_len
     texts = [s.text for s in samples if s.input_ids is None]
-    encoded = iter(_tokenize(tokenizer, texts, cfg.data.seq_len) if texts else [])
-    rows = [s.input_ids[: cfg.data.seq_len] if s.input_ids is not None else next(encoded) for s in samples]
+    encoded = _tokenize(tokenizer, texts, seq_len) if texts else []
+    rows_of_text = iter(encoded)
+    rows = [s.input_ids[:seq_len] if s.input_ids is not None else next(rows_of_text) for s in samples]
     specials = special_ids(tokenizer)
-    ids, attention = pad_rows(rows, cfg.data.seq_len, specials.pad)
+    ids, attention = pad_rows(rows, seq_len, specials.pad)
+    if always_mask and attention is None:
+        attention = torch.ones_like(ids)
     class_ids = [s.label for s in samples] if labels.class_labels(cfg.model) else None
-    return with_labels(cfg, ids, attention, specials, class_ids)
+    dataset = with_labels(cfg, ids, attention, specials, class_ids)
+    cut = sum(len(s.input_ids) > seq_len for s in samples if s.input_ids is not None)
+    dataset.facts = {"records": len(samples), "tokens": sum(len(row) for row in rows),
+                     "truncated": cut + _cut_texts(tokenizer, texts, encoded, seq_len), "dropped": 0}
+    return dataset
 
 
 def _tokenize(tokenizer, texts: list[tuple[str, ...]], seq_len: int) -> list[list[int]]:
     columns = [list(column) for column in zip(*texts, strict=True)]
     return tokenizer(*columns, truncation=True, max_length=seq_len)["input_ids"]
+
+
+def _cut_texts(tokenizer, texts: list[tuple[str, ...]], encoded: list[list[int]], seq_len: int) -> int:
+    """How many texts truncation cut: only those that filled seq_len can have been, so only they
+    are encoded again whole."""
+    full = [text for text, ids in zip(texts, encoded, strict=True) if len(ids) == seq_len]
+    if not full:
+        return 0
+    columns = [list(column) for column in zip(*full, strict=True)]
+    return sum(len(ids) > seq_len for ids in tokenizer(*columns, truncation=False, verbose=False)["input_ids"])
 
 
 def special_ids(tokenizer) -> SpecialIds:

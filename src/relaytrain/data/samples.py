@@ -1,11 +1,14 @@
 """One sample before tokenization, and the checks every sample-per-row source (jsonl, glue) runs
-on what it reads: each failure a one-line `ConfigError` that says where and what to fix."""
+on what it reads: each failure a one-line `ConfigError` that says where and what to fix. A jsonl
+record becomes a sample here (`parse_sample`), read whole or streamed."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from relaytrain.data import labels
+from relaytrain.data.reading import Where
 from relaytrain.errors import ConfigError
 
 MISSING = object()  # a record without the field (None may be a value)
@@ -15,7 +18,7 @@ MISSING = object()  # a record without the field (None may be a value)
 class Sample:
     """One sample before tokenization; `where` locates it for error messages."""
 
-    where: str
+    where: Where | str
     text: tuple[str, ...] | None = None  # one text, or a pair
     input_ids: list[int] | None = None
     label: int | None = None
@@ -75,3 +78,33 @@ def short(value) -> str:
     """`value` as JSON, cut to 40 characters: enough to recognise it in a one-line error."""
     text = json.dumps(value, default=str)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def parse_sample(cfg, record, where) -> Sample:
+    """One record (jsonl's: text or input_ids, and a label for classification) as a checked `Sample`."""
+    if not isinstance(record, dict):
+        raise ConfigError(
+            f"{where}: expected a JSON object, got a {type(record).__name__}; "
+            f'write one object per line, e.g. {{"text": "...", "label": 0}}'
+        )
+    sample = Sample(where)
+    if record.get("input_ids") is not None:  # pre-tokenized wins over text: it is what the user asked the model to see
+        sample.input_ids = checked_token_ids(record["input_ids"], where, cfg.model.vocab_size)
+    else:
+        sample.text = _record_text(record, where, cfg.data.text_field)
+    if labels.class_labels(cfg.model):
+        value = record.get(cfg.data.label_field)
+        sample.label = checked_label(MISSING if value is None else value, where, cfg.data.label_field,
+                                     cfg.model.num_labels)
+    return sample
+
+
+def _record_text(record: dict, where, text_field: str) -> tuple[str, ...]:
+    fields = text_fields(text_field)
+    for field in fields:
+        if record.get(field) is None:
+            raise ConfigError(
+                f"{where}: no {field!r} text (data.text_field={text_field}) and no 'input_ids'; "
+                f"add the field, or set data.text_field to the key that holds the text"
+            )
+    return tuple(checked_text(record[field], where, field) for field in fields)

@@ -17,6 +17,7 @@ be reloaded with the tokenizer it was trained with.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -60,18 +61,10 @@ def load_tokenizer(
 def find_tokenizer(cfg, chat: bool = False) -> PreTrainedTokenizerFast | None:
     """The configured tokenizer (model.pretrained's, else data.tokenizer; for `chat` data.tokenizer
     first, and it must have a chat template), or None when there is none."""
-    pretrained, configured = cfg.model.pretrained, cfg.data.tokenizer
-    if pretrained and may_hold_tokenizer(pretrained) and not (chat and configured):
-        key, location = "model.pretrained", pretrained
-    elif configured:
-        key, location = "data.tokenizer", configured
-        if not Path(configured).expanduser().is_dir():
-            raise ConfigError(
-                f"data.tokenizer={configured} is not a directory; give a tokenizer saved with "
-                f"save_pretrained, or drop data.tokenizer to train one"
-            )
-    else:
+    configured = tokenizer_location(cfg, chat)
+    if configured is None:
         return None
+    key, location = configured
     tokenizer = _from_pretrained(location, key)
     check_vocab_size(tokenizer, cfg.model.vocab_size, f"the tokenizer of {key}={location}")
     if chat and not tokenizer.chat_template:
@@ -80,6 +73,43 @@ def find_tokenizer(cfg, chat: bool = False) -> PreTrainedTokenizerFast | None:
             f"set data.tokenizer=DIR to a tokenizer directory that has one (chat_template)"
         )
     return tokenizer
+
+
+def tokenizer_location(cfg, chat: bool = False) -> tuple[str, str] | None:
+    """Which configured tokenizer a run uses, as (its key, its location), without loading it;
+    None when one is trained here (see the module's docstring for the order)."""
+    pretrained, configured = cfg.model.pretrained, cfg.data.tokenizer
+    if pretrained and may_hold_tokenizer(pretrained) and not (chat and configured):
+        return "model.pretrained", pretrained
+    if configured:
+        if not Path(configured).expanduser().is_dir():
+            raise ConfigError(
+                f"data.tokenizer={configured} is not a directory; give a tokenizer saved with "
+                f"save_pretrained, or drop data.tokenizer to train one"
+            )
+        return "data.tokenizer", configured
+    return None
+
+
+def tokenizer_identity(cfg, chat: bool = False) -> dict:
+    """What decides the tokenizer a run uses, for the tokenize cache's key: a local tokenizer's
+    files (vocabulary, merges, special tokens and chat template all live in them), a hub id as
+    named, or what a tokenizer trained here is made from (the corpus is the data, keyed apart)."""
+    configured = tokenizer_location(cfg, chat)
+    if configured is None:
+        m = cfg.model
+        return {"trained": family_spec(m.family).tokenizer, "vocab_size": m.vocab_size,
+                "max_seq_len": m.max_seq_len, "chat": chat}
+    key, location = configured
+    path = Path(location).expanduser()
+    if not path.is_dir():
+        return {key: location}
+    digest = hashlib.blake2b(digest_size=16)
+    for file in sorted(path.iterdir()):
+        if file.is_file() and (file.name.startswith(("tokenizer", "special_tokens", "added_tokens", "chat_template",
+                                                      "vocab", "merges", "spiece")) or file.suffix == ".model"):
+            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    return {key: digest.hexdigest()}
 
 
 def check_vocab_size(tokenizer: PreTrainedTokenizerFast, vocab_size: int, what: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -12,11 +13,12 @@ from relaytrain.errors import ConfigError, first_line
 
 # The families register themselves when their modules are imported: every one is imported here.
 from relaytrain.models import adapter as adapters
-from relaytrain.models import bert, decoder, gpt2, quantize  # noqa: F401
+from relaytrain.models import bert, decoder, gpt2, moe, quantize  # noqa: F401
 from relaytrain.models.family import Family, families, family_of, family_spec
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 from relaytrain.models.pretrained import load_hf_config
 from relaytrain.objectives import objective
+from relaytrain.objectives.chunked import AUTO
 
 __all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "count_parameters", "families",
            "check_adapter", "family_of", "family_spec", "hf_config", "part_parameters", "trained_parameters"]
@@ -58,8 +60,10 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
 
         config = hf_config(m)
         attention = config._attn_implementation
+        experts = {"experts_implementation": moe.DRY_EXPERTS} if moe.expert_count(config) else {}  # grouped_mm's footprint
         with torch.device("meta"):
-            hf_model = auto.from_config(config, attn_implementation=dry_attention.NAME if attention == "sdpa" else attention)
+            hf_model = auto.from_config(config, attn_implementation=dry_attention.NAME if attention == "sdpa" else attention,
+                                        **experts)
     elif m.pretrained:
         adapted = adapter is not None and adapters.enabled(adapter)
         half = m.checkpoint_dtype in ("bfloat16", "float16") and adapted and compact_base
@@ -74,6 +78,7 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
         hf_model = auto.from_config(config, attn_implementation=config._attn_implementation)
     hf_model.train()
     model = family_spec(m.family).layered(hf_model, str(m.task))
+    model.loss_chunks = dataclasses.replace(model.loss_chunks, setting=getattr(m, "loss_chunk_tokens", AUTO))
     if adapter is not None and adapters.enabled(adapter):
         if str(getattr(m, "quantize", "none")) == quantize.NF4:  # the frozen base in 4 bits, before peft wraps it
             quantize.quantize_blocks(model, bool(m.quantize_double), device)
@@ -87,6 +92,7 @@ def _load_pretrained(m, auto, dtype: torch.dtype = torch.float32) -> tuple:
     config = load_hf_config(m.pretrained, m.trust_remote_code)
     family = family_spec(m.family)
     family.set_dropout(config, m.dropout)
+    family.run_settings(config, m)
     attention = family.attention(config, m.attn_implementation)
     if objective(m.task).classifies:
         config.num_labels = m.num_labels
@@ -160,6 +166,7 @@ def check_adapter(m, a, defaults) -> None:
     """The adapter keys `a` on their own and against the model `m` describes: named target
     modules against its layers, built on the meta device (shapes, no weights). `defaults`: an
     AdapterConfig, to tell the keys a run sets. ConfigError, one line, on the first problem."""
-    named = adapters.enabled(a) and not a.pretrained and adapters.ALL_LINEAR not in a.target_modules
+    named = adapters.enabled(a) and not a.pretrained and (adapters.ALL_LINEAR not in a.target_modules
+                                                          or bool(a.target_parameters))  # a mixture's fused experts
     shapes = build_model(m, quiet=True, device=torch.device("meta")) if named else None
     adapters.check(a, m, shapes, defaults=defaults)

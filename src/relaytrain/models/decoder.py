@@ -22,6 +22,7 @@ embeddings are one parameter, as GPT-2's are.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass
@@ -35,12 +36,27 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import NO_CACHE, Block, LayeredModel, MicroBatch
+from relaytrain.models.moe import (
+    PROVEN_MOE,
+    ROUTER,
+    Routing,
+    Tallies,
+    anchored,
+    balanced,
+    captured_router,
+    expert_count,
+    moe_facts,
+    moe_sizes,
+    router_path,
+    run_settings,
+    tally_key,
+    whole_microbatch,
+)
+from relaytrain.objectives.base import LossTerms
 from relaytrain.objectives.cross_entropy import CausalLM
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASKS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
-# Config attributes that count a mixture-of-experts layer's experts, in the families that have them.
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 class DecoderEmbed(nn.Module):
@@ -82,9 +98,21 @@ class DecoderHead(nn.Module):
 
 class DecoderBlock(Block):
     """A decoder layer: it takes the mask and the rotary cos/sin of its own layer type (under the
-    micro-batch's draw key, as every block: `Block.forward`)."""
+    micro-batch's draw key, as every block: `Block.forward`). A routed layer (mixture of experts)
+    records its router's choices in the micro-batch's tally and carries its share of the
+    balancing loss in its backward (`models/moe.py`)."""
 
     layer_type: str = FULL
+    router_path: str | None = None  # a routed layer's router module, by name inside the layer
+
+    def forward(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
+        tally = ctx.get(ROUTER)
+        if self.router_path is None or tally is None or not self.training:
+            return super().forward(hidden, ctx)
+        with captured_router(self.layer.get_submodule(self.router_path)) as seen:
+            out = super().forward(hidden, ctx)
+        tally.record(self.index, seen[-1])
+        return balanced(out, seen[-1], tally)
 
     def run_layer(self, hidden: torch.Tensor, ctx: dict):
         return self.layer(hidden, attention_mask=ctx["masks"][self.layer_type],
@@ -106,6 +134,13 @@ class LayeredDecoder(LayeredModel):
         super().__init__(hf_model, embed, list(body.layers), head, task)
         for block, layer_type in zip(self.blocks, layer_types(config), strict=True):
             block.layer_type = layer_type
+        # Mixture of experts: the routing the blocks record and the head's balancing term reads;
+        # decided while every block is here (a pipeline stage drops some).
+        self.routing = Routing.of(hf_model)
+        self._tallies = Tallies()
+        self._aux_sums = [0.0, 0]  # the head's aux terms (coef * aux * items) and items since `loss_terms`
+        for block in self.blocks if self.routing is not None else ():
+            block.router_path = router_path(block.layer, self.routing.router_class)
         self.rotary = body.rotary_emb  # buffers only: no parameter, nothing to train or save
         # Decided while every part is here: a pipeline stage drops the parts it does not hold.
         self._tied = hf_model.lm_head.weight is body.embed_tokens.weight
@@ -125,7 +160,34 @@ class LayeredDecoder(LayeredModel):
         else:
             shared = self.rotary(hidden, positions)
             rope = dict.fromkeys(used, shared)
-        return {"masks": masks, "rope": rope, "position_ids": positions}
+        ctx = {"masks": masks, "rope": rope, "position_ids": positions}
+        if self.routing is not None and self.routing.balances:
+            ctx[ROUTER] = self.routing.tally(mb.attention_mask)
+            self._tallies.put(tally_key(mb), ctx[ROUTER])
+        return ctx
+
+    def head_loss(self, hidden: torch.Tensor, mb: MicroBatch) -> LossTerms:
+        """The objective's loss, plus, for a mixture of experts that balances its routers, the
+        micro-batch's aux term `coef * aux * items` (Hugging Face's `router_aux_loss_coef * aux`
+        as a sum over the loss's items; `models/moe.py`)."""
+        terms = super().head_loss(hidden, mb)
+        tally = self._tallies.get(tally_key(mb)) if self.routing is not None and self.head.training else None
+        if tally is None:
+            return terms
+        dry = hidden.device.type == "meta"  # a dry run: no values to count or report, the same tensors
+        items = 1 if dry else self.loss_items(mb)
+        aux = anchored(hidden, tally, items)
+        if not dry:
+            self._aux_sums[0] += float(aux.detach())
+            self._aux_sums[1] += items
+        return dataclasses.replace(terms, total=terms.total + aux)
+
+    def loss_terms(self) -> dict[str, float]:
+        """The router's term (`coef * aux`, token-weighted over the micro-batches this process ran)."""
+        if self.routing is None or not self.routing.balances:
+            return {}
+        (total, items), self._aux_sums = self._aux_sums, [0.0, 0]
+        return {"router_aux": total / items} if items else {}
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         if self._tied:
@@ -199,6 +261,7 @@ PROVEN: dict[str, Steps] = {
     "exaone4": LLAMA, "ernie4_5": LLAMA, "hunyuan_v1_dense": LLAMA, "bitnet": LLAMA, "diffllama": LLAMA,
     "cwm": LLAMA, "jais2": LLAMA, "iquestcoder": LLAMA, "internlm3": LLAMA, "exaone": LLAMA,
     "nemotron": LLAMA, "ministral3": LLAMA,
+    **dict.fromkeys(PROVEN_MOE, LLAMA),  # mixtures of experts: Hugging Face's layers, the balancing term in moe.py
 }
 
 
@@ -218,9 +281,11 @@ def _hf_config(m):
     if str(m.model_type) not in PROVEN:
         raise ConfigError(f"model.model_type={m.model_type}: {_unproven(m.model_type)}")
     sizes.update(_special_ids_past(str(m.model_type), m.vocab_size))
+    sizes.update(moe_sizes(m))
     config = AutoConfig.for_model(str(m.model_type), **sizes)
     config = _with_published_settings(config, m, sizes)
     SPEC.set_dropout(config, m.dropout)
+    run_settings(config, m)
     return config
 
 
@@ -323,12 +388,18 @@ def _facts(c) -> dict:
         "rope_theta": None if per_layer_type else rope.get("rope_theta"),
         "rope_scaling": None if per_layer_type or scaling.get("rope_type", "default") == "default" else scaling,
         "norm_eps": None if norm_eps is None else getattr(c, norm_eps, None),
+        **moe_facts(c),
     }
 
 
 def _block_shape(m) -> BlockShape:
+    """A block's widths; a mixture's MLP as one token's work: its top-k experts and shared expert."""
+    mlp, router = m.intermediate_size, 0
+    if m.num_experts:
+        mlp = m.experts_per_token * (m.expert_intermediate_size or m.intermediate_size) + m.shared_expert_intermediate_size
+        router = m.num_experts + (1 if m.shared_expert_intermediate_size else 0)  # Qwen2-MoE's shared-expert gate
     return BlockShape(m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads,
-                      m.head_dim or m.hidden_size // m.num_heads, m.intermediate_size, gated_mlp=True)
+                      m.head_dim or m.hidden_size // m.num_heads, mlp, gated_mlp=True, router_outputs=router)
 
 
 def _refuses(c) -> str | None:
@@ -338,9 +409,10 @@ def _refuses(c) -> str | None:
     model_type = _attribute(c, "model_type")
     if _attribute(c, "is_encoder_decoder"):
         return "an encoder-decoder model; decoders of the Llama layout are trained"
-    experts = next((count for key in EXPERT_KEYS if isinstance(count := _attribute(c, key), int) and count), 0)
-    if experts:
-        return f"a mixture-of-experts model ({experts} experts a layer), which the blocks cannot carry yet"
+    experts = expert_count(c)
+    if experts and model_type not in PROVEN_MOE:
+        return (f"a mixture-of-experts model ({experts} experts a layer) of a type not proven to train as Hugging "
+                f"Face computes it; the proven ones: {', '.join(PROVEN_MOE)}")
     if model_type not in PROVEN:
         return _unproven(model_type)
     unknown = sorted(set(layer_types(c)) - set(MASKS))
@@ -385,6 +457,7 @@ SPEC = register_family(Family(
     name="decoder", layered=LayeredDecoder, objectives=(CausalLM,), tokenizer="byte_bpe",
     hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses, attention=attention_for,
     dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout"),
+    run_settings=run_settings, whole_microbatch=whole_microbatch,
     description="decoders of the Llama layout of a proven model type (Llama, Qwen2/3, Mistral, Gemma, Phi-3, "
-                "Granite, Cohere, OLMo, ...; causal LM)",
+                "Granite, Cohere, OLMo, ...; mixtures of experts: Qwen2/3-MoE, Mixtral, OLMoE; causal LM)",
 ))

@@ -21,6 +21,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from relaytrain import meta_autocast
+
 NAME = "relaytrain_dry_run"
 
 
@@ -37,6 +39,8 @@ def efficient_attention(module, query, key, value, attention_mask, dropout: floa
         if bias.dtype == torch.bool:
             bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill(~bias, float("-inf"))
         bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    # Under amp_* autocast casts sdpa's operands; torch.ops is past any mode that could see this call.
+    query, key, value, bias = meta_autocast.operands("scaled_dot_product_attention", query, key, value, bias)
     out = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, bias, True, dropout_p=dropout, is_causal=causal, scale=scaling)[0]
     return out.transpose(1, 2).contiguous(), None

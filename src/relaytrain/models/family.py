@@ -31,6 +31,10 @@ class BlockShape:
     head_dim: int
     intermediate: int
     gated_mlp: bool  # SwiGLU/GeGLU: gate and up projections, their product feeds the down projection
+    # A mixture of experts: `intermediate` is what one token's MLP work spans (its top-k experts'
+    # widths and a shared expert's), and the router scores this many outputs per token (its
+    # experts, and Qwen2-MoE's shared-expert gate); 0: a dense block.
+    router_outputs: int = 0
 
     @classmethod
     def multi_head(cls, m) -> BlockShape:
@@ -58,6 +62,12 @@ class Family:
     # The attention kernel a checkpoint's config runs with when model.attn_implementation asks
     # for one (eager where the architecture has no sdpa kernel).
     attention: Callable = staticmethod(lambda hf_config, wanted: wanted)
+    # The `model` keys a checkpoint's config takes from the run beside dropout (a mixture's
+    # balancing loss: `output_router_logits`, `router_aux_loss_coef`), set in place.
+    run_settings: Callable = staticmethod(lambda hf_config, m: None)
+    # Why a micro-batch of the model `m` describes needs every block in one process (a mixture's
+    # balancing loss is a product over all its layers), or None: a pipeline may split it.
+    whole_microbatch: Callable = staticmethod(lambda m: None)
 
     @property
     def tasks(self) -> tuple[str, ...]:

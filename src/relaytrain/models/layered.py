@@ -26,6 +26,7 @@ from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.objectives import objective
 from relaytrain.objectives.base import LossTerms
+from relaytrain.objectives.chunked import Chunking
 
 # The mask builders' "no KV cache" argument: `cache=None` from transformers 5.24 on, where
 # `past_key_values` is deprecated; `past_key_values=None` before (the GPU images carry 5.17).
@@ -199,9 +200,10 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
     """A Hugging Face model seen as embed -> blocks -> head.
 
     Subclasses (one per model family) provide the parts and `shared_context` (per-micro-batch
-    inputs of the blocks), and `logits` where the head's output is not simply `head(hidden)`.
-    The loss, its item count and the evaluation sums are the objective's (`model.task`:
-    `relaytrain.objectives`), from the logits and the micro-batch.
+    inputs of the blocks); the head computes token by token (`head(hidden)`: the logits). The
+    loss, its item count and the evaluation sums are the objective's (`model.task`:
+    `relaytrain.objectives`), from the head, the last block's output and the micro-batch: a
+    causal LM's cuts the head's work into chunks of tokens (`loss_chunks`).
 
     Strategies run the parts through `embed_input`, `context` (which adds the draw key),
     `blocks[i]` and `head_loss`: each part's random draws are keyed by its micro-batch there.
@@ -224,6 +226,9 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         self.head = head
         self.task = task
         self.objective = objective(task)  # the loss, its items and the evaluation sums
+        # How a causal LM's head and loss are cut into chunks of tokens (model.loss_chunk_tokens,
+        # set by `build_model`; auto where it saves memory).
+        self.loss_chunks = Chunking(vocab=getattr(self.hf_config, "vocab_size", 0) or 0)
 
     def rename_parameters(self) -> None:
         """Every parameter's Hugging Face name, fixed before any strategy splits the model (tied
@@ -238,11 +243,6 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
     @abstractmethod
     def shared_context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
         """What every block of this micro-batch shares (the attention mask)."""
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's logits for the last block's output, every position (the objective aligns
-        them with the labels)."""
-        return self.head(hidden)
 
     # -- the parts as strategies run them: draws keyed by the micro-batch -----------------------
     def embed_input(self, input_ids: torch.Tensor, draw: Draw | None = None) -> torch.Tensor:
@@ -260,11 +260,11 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         the minibatch's items); the head's dropout (BERT's classifier has one) drawn under the
         micro-batch's key."""
         with keyed_draws(mb.draw, HEAD_PART, hidden.device, self.head.training):
-            return self.objective.loss(self.logits(hidden), mb)
+            return self.objective.head_loss(self.head, hidden, mb, self.loss_chunks)
 
     def eval_stats(self, hidden: torch.Tensor, mb: MicroBatch) -> EvalStats:
         """The evaluation sums of one micro-batch (loss, items, correct, confusion)."""
-        return self.objective.eval_stats(self.logits(hidden), mb)
+        return self.objective.head_eval_stats(self.head, hidden, mb, self.loss_chunks)
 
     def loss_items(self, mb: MicroBatch) -> int:
         """How many items `head_loss` sums over."""
@@ -281,6 +281,12 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
     def tied_parameters(self) -> list[tuple[str, str]]:
         """Pairs of (embed parameter name, head parameter name) that are one tensor."""
         return []
+
+    def loss_terms(self) -> dict[str, float]:
+        """The terms this process's training micro-batches added to the objective's loss since the
+        last call, each as its share of the mean loss over those micro-batches' items (a mixture's
+        router term: `router_aux`); the trainer reports them beside the loss after every step."""
+        return {}
 
     # -- whole-model helpers ------------------------------------------------------------
     def forward(self, mb: MicroBatch, loss_items: int | None = None) -> torch.Tensor:

@@ -24,7 +24,8 @@ from relaytrain.models.family import family_of, family_spec
 from relaytrain.models.quantize import stored_quantization
 from relaytrain.objectives import objective, objective_of_architecture
 
-FINE_TUNABLE = ("task", "num_labels", "dropout")
+# ... and the router's balancing loss of a mixture of experts (`models/moe.py`): on or off, its coefficient.
+FINE_TUNABLE = ("task", "num_labels", "dropout", "output_router_logits", "router_aux_loss_coef")
 
 
 def load_hf_config(pretrained: str, trust_remote_code: bool = False):

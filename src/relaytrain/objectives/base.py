@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
+from torch import nn
+
+from relaytrain.objectives.chunked import Chunking
 
 if TYPE_CHECKING:
     from relaytrain.evaluation import EvalStats
@@ -63,3 +66,18 @@ class Objective(ABC):
     @abstractmethod
     def eval_stats(self, logits: torch.Tensor, mb: Batch) -> EvalStats:
         """The evaluation sums of the micro-batch (loss, items, correct, confusion)."""
+
+    @property
+    def cuts_head_into_chunks(self) -> bool:
+        """Whether `head_loss` runs the head over chunks of tokens where that saves memory (the
+        cost model counts what it holds the same way)."""
+        return False
+
+    def head_loss(self, head: nn.Module, hidden: torch.Tensor, mb: Batch, chunking: Chunking) -> LossTerms:
+        """The loss of the head's output on the last block's `hidden`: the whole output at once
+        (a causal LM's cross-entropy cuts it into chunks of tokens, `chunking`)."""
+        return self.loss(head(hidden), mb)
+
+    def head_eval_stats(self, head: nn.Module, hidden: torch.Tensor, mb: Batch, chunking: Chunking) -> EvalStats:
+        """`eval_stats` of the head's output on `hidden` (by chunks where `head_loss` cuts them)."""
+        return self.eval_stats(head(hidden), mb)

@@ -2,7 +2,9 @@
 
 Classification has one label per sequence, masked LM one per masked token; a causal LM predicts
 token n from the tokens before it, so its logits drop the last position and its labels the first
-(Hugging Face's shift, here and nowhere else). Label -100 marks no item.
+(Hugging Face's shift, here and nowhere else). Label -100 marks no item. A causal LM's head
+and loss run over chunks of tokens where the whole sequence's logits would take more memory
+(`objectives/chunked.py`, `model.loss_chunk_tokens`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 from relaytrain.evaluation import IGNORE_INDEX, EvalStats
 from relaytrain.objectives import register_objective
 from relaytrain.objectives.base import Batch, LossTerms, Objective
+from relaytrain.objectives.chunked import Chunking, chunked_head_loss, chunks_of
 
 
 def sum_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -76,3 +79,38 @@ class CausalLM(CrossEntropy):
 
     def targets(self, labels: torch.Tensor) -> torch.Tensor:
         return labels[:, 1:]
+
+    def head_loss(self, head: nn.Module, hidden: torch.Tensor, mb: Batch, chunking: Chunking) -> LossTerms:
+        chunk = self.chunk_tokens(head, hidden, chunking)
+        if not chunk:
+            return super().head_loss(head, hidden, mb, chunking)
+        x, y = self._predicting(hidden, mb)
+        return LossTerms(chunked_head_loss(head, x, y, chunk, sum_cross_entropy))
+
+    def head_eval_stats(self, head: nn.Module, hidden: torch.Tensor, mb: Batch, chunking: Chunking) -> EvalStats:
+        chunk = self.chunk_tokens(head, hidden, chunking)
+        if not chunk:
+            return super().head_eval_stats(head, hidden, mb, chunking)
+        stats = EvalStats.zeros()
+        for x, y in chunks_of(chunk, *self._predicting(hidden, mb)):
+            stats += EvalStats.of(head(x), y)
+        return stats
+
+    @property
+    def cuts_head_into_chunks(self) -> bool:
+        """This cross-entropy only: an objective deriving from it with a loss of its own (a
+        per-sequence one) gets the whole logits it was written for."""
+        cls = type(self)
+        return cls.loss is CrossEntropy.loss and cls.predictions is CausalLM.predictions and cls.targets is CausalLM.targets
+
+    def chunk_tokens(self, head: nn.Module, hidden: torch.Tensor, chunking: Chunking) -> int:
+        """Tokens per chunk of the head and its loss for this micro-batch (0: the whole at once)."""
+        if not self.cuts_head_into_chunks:
+            return 0
+        trained = sum(p.numel() for p in head.parameters() if p.requires_grad)
+        return chunking.tokens(hidden.shape[0] * (hidden.shape[1] - 1), trained)
+
+    def _predicting(self, hidden: torch.Tensor, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states that predict a token and its labels, flattened: [tokens, width], [tokens]."""
+        x = self.predictions(hidden)
+        return x.reshape(-1, x.shape[-1]), self.targets(mb.labels).reshape(-1)

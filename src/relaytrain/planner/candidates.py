@@ -95,6 +95,7 @@ class Candidate:
     whether it fits (None: not decided, the planner stopped before simulating it)."""
 
     shape: Shape
+    precision: str = "fp32"  # as this candidate's strategy runs the plan's (`plan.precision_for`)
     cost: StepCost | None = None
     closed_form_bytes: int = 0
     simulated_bytes: int | None = None  # the fullest process's peak from the dry run
@@ -118,6 +119,7 @@ class Candidate:
         return {
             "strategy": s.strategy, "microbatch_size": s.microbatch_size, "num_microbatches": s.num_microbatches,
             "replicas": s.replicas, "stages": s.stages, "recompute": s.recompute, "workers": s.workers,
+            "precision": self.precision,
             "predicted": None if self.cost is None else {"step_time_s": self.cost.step_s,
                                                           "samples_per_s": self.samples_per_s,
                                                           "parts_s": self.cost.parts, "notes": self.cost.notes},
@@ -135,7 +137,7 @@ def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, req
     whether it can start its workers and hold its host memory), then timed by its strategy's cost model."""
     cls = strategy_class(shape.strategy)
     cfg, model = candidate_config(base, shape), cls.cost_model
-    candidate = Candidate(shape, closed_form_bytes=model.device_bytes(cfg, facts),
+    candidate = Candidate(shape, str(cfg.precision.name), closed_form_bytes=model.device_bytes(cfg, facts),
                           host_bytes=host_bytes(cls, cfg, facts, profile, shape))
     try:
         validate(cfg)

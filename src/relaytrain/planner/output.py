@@ -29,6 +29,7 @@ def print_plan(plan: Plan, path: Path) -> None:
     console = Console() if Console().is_terminal else Console(width=WIDE)
     r, p = plan.request, plan.profile
     console.print(f"profile: {p.device}; {p.source.split(': ')[0]} (details in plan.json)", highlight=False)
+    console.print(precision_line(plan), highlight=False)
     if plan.ignored_overrides:
         console.print(f"ignored (the planner decides these): {' '.join(plan.ignored_overrides)}", highlight=False)
     best = plan.best
@@ -59,6 +60,19 @@ def print_plan(plan: Plan, path: Path) -> None:
                   f"(simulated)", highlight=False)
     console.print(f"run it: {plan.command(best)}", highlight=False, soft_wrap=True)
     console.print(f"wrote {path}", highlight=False)
+
+
+def precision_line(plan: Plan) -> str:
+    """Which precision the plan prices, why where the planner chose it, and which strategies run
+    it as what (cmp_* where a strategy has an eager param server, amp_* where not)."""
+    by_precision: dict[str, list[str]] = {}
+    for c in plan.candidates:
+        names = by_precision.setdefault(c.precision, [])
+        if c.shape.strategy not in names:
+            names.append(c.shape.strategy)
+    runs = "; ".join(f"{', '.join(names)} in {name}" for name, names in by_precision.items())
+    said = plan.precision.note or f"precision={plan.precision.name}"
+    return f"{said}: {runs} (compute at the profile's rate for that dtype, masters and optimizer in fp32)"
 
 
 def _rows_to_show(plan: Plan) -> list[Candidate]:

@@ -27,7 +27,9 @@ from relaytrain.compose import compose
 from relaytrain.cost.formulas import ModelFacts, powers_of_two_dividing
 from relaytrain.cost.profile import Profile, from_spec, load_spec, measure
 from relaytrain.errors import ConfigError
+from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models.pretrained import explicit_overrides, resolve
+from relaytrain.objectives import objective
 from relaytrain.planner.candidates import (
     MAX_SIMULATIONS,
     Candidate,
@@ -44,6 +46,8 @@ from relaytrain.world import pick_device
 PLANNER_KEYS = ("strategy", "plan", "hydra")  # override sections the planner decides or consumes
 IGNORED_KEYS = ("strategy", "hydra")  # of those, the ones a user's value is dropped from
 RUN_DIR_KEY = "hydra.run.dir"  # but this one: where plan.json goes
+PRECISION_KEY = "precision"  # the plan's precision: each candidate's command carries its own
+DECODER_ON_A_GPU = "cmp_bf16"  # a decoder's precision on a GPU profile unless given
 
 
 # --------------------------------------------------------------------------- the request
@@ -109,8 +113,41 @@ def out_dir(overrides: list[str], out: str | None) -> Path:
 
 
 def passthrough(overrides: list[str]) -> list[str]:
-    """The overrides a planned `relaytrain train` command keeps: not strategy.*, plan.* or hydra.*."""
-    return [o for o in overrides if _section(o) not in PLANNER_KEYS]
+    """The overrides a planned `relaytrain train` command keeps: not strategy.*, plan.* or hydra.*,
+    nor the precision (each candidate's command names its own, `precision_for`)."""
+    return [o for o in overrides if _section(o) not in PLANNER_KEYS and _key(o) != PRECISION_KEY]
+
+
+# --------------------------------------------------------------------------- the precision
+
+
+@dataclass(frozen=True)
+class PlanPrecision:
+    """The precision a plan prices (compute at its dtype's rate, what crosses at its bytes), and
+    why, where the planner chose it rather than the user."""
+
+    name: str
+    note: str | None = None
+
+
+def plan_precision(cfg, overrides: list[str], spec: dict | None) -> PlanPrecision:
+    """`precision=` as given; else, for a causal LM on a GPU profile with bf16 tensor cores,
+    cmp_bf16 (what decoders are fine-tuned in); else the config's (fp32)."""
+    given = [o.split("=", 1)[1] for o in overrides if _key(o) == PRECISION_KEY]
+    if given:
+        return PlanPrecision(given[-1])
+    if spec is not None and objective(cfg.model.task).predicts_next_token and spec["peak_tflops"].get("bf16"):
+        return PlanPrecision(DECODER_ON_A_GPU, f"precision={DECODER_ON_A_GPU}, the default for a decoder on a GPU "
+                                               f"profile (give precision=fp32 or another to plan in it)")
+    return PlanPrecision(str(cfg.precision.name))
+
+
+def precision_for(cls, precision: str) -> str:
+    """The plan's precision as strategy `cls` runs it: cross mixed precision (cmp_*) needs an eager
+    param server, so a strategy without one computes in the same half dtype under autocast (amp_*)."""
+    if precision.startswith("cmp") and not cls.capabilities.cross_precision:
+        return "amp_" + precision.split("_", 1)[1]
+    return precision
 
 
 # --------------------------------------------------------------------------- the plan
@@ -123,6 +160,7 @@ class Plan:
     candidates: list[Candidate]
     kept_overrides: list[str]  # the user's overrides a planned command keeps
     ignored_overrides: list[str]
+    precision: PlanPrecision = PlanPrecision("fp32")
 
     @property
     def best(self) -> Candidate | None:
@@ -130,15 +168,17 @@ class Plan:
         return min(fitting, key=lambda c: c.cost.step_s) if fitting else None
 
     def command(self, candidate: Candidate) -> str:
-        return shlex.join(["relaytrain", "train", *self.kept_overrides, *candidate.shape.overrides()])
+        return shlex.join(["relaytrain", "train", *self.kept_overrides, f"{PRECISION_KEY}={candidate.precision}",
+                           *candidate.shape.overrides()])
 
     def to_json(self) -> dict:
         best = self.best
         return {
             "request": self.request.to_json(),
+            "precision": {"name": self.precision.name, "note": self.precision.note},
             "best": None if best is None else {
                 "command": self.command(best),
-                "strategy": best.shape.strategy, "shape": best.shape.describe(),
+                "strategy": best.shape.strategy, "shape": best.shape.describe(), "precision": best.precision,
                 "predicted": {"step_time_s": best.cost.step_s, "samples_per_s": best.samples_per_s,
                               "device_memory_gb": best.memory_bytes / GiB},
             },
@@ -153,26 +193,48 @@ def make_plan(overrides: list[str], max_simulations: int = MAX_SIMULATIONS) -> P
     """Plan for these `relaytrain plan` overrides: profile, candidates, times, dry-run memory."""
     cfg = resolve(compose(overrides), explicit_overrides(overrides))
     spec = None if str(cfg.plan.device) == "this" else load_spec(str(cfg.plan.device))
+    precision = plan_precision(cfg, overrides, spec)
+    if precision.name != str(cfg.precision.name):  # the profile times the plan's precision
+        cfg = resolve(compose([*overrides, f"{PRECISION_KEY}={precision.name}"]), explicit_overrides(overrides))
     device = None if spec else _this_device(cfg)  # decided once: profiled, and every candidate checked on it
     request = read_request(cfg, overrides, int(spec["memory_gb"] * GiB) if spec else _device_memory(device))
     kept = passthrough(overrides)
     shapes = enumerate_shapes(request, cfg.model.num_layers)
-    bases = {name: resolve(compose([*kept, f"strategy={name}"]), explicit_overrides(kept))
+    bases = {name: resolve(compose([*kept, f"strategy={name}",
+                                    f"{PRECISION_KEY}={precision_for(strategy_class(name), precision.name)}"]),
+                           explicit_overrides(kept))
              for name in dict.fromkeys(shape.strategy for shape in shapes)}
     if not shapes:
         raise ConfigError(f"no shape of {', '.join(request.strategies)} trains a batch of {request.batch} on "
                           f"{request.workers} worker(s); a pipeline needs plan.workers >= 2 (and some schedules a batch "
                           f"of at least their depth): raise plan.workers or plan.batch_size")
     sizes = sorted({s.microbatch_size for s in shapes})
-    profile = from_spec(spec, cfg, sizes) if spec else measure(cfg, sizes, sorted({s.workers for s in shapes}),
-                                                                 device)
-    facts = ModelFacts.of(cfg)
-    candidates = [check_candidate(shape, bases[shape.strategy], facts, profile, request, device) for shape in shapes]
+    profile = from_spec(spec, cfg, sizes) if spec else measure_as_run(cfg, sizes, sorted({s.workers for s in shapes}),
+                                                                        device)
+    facts = _facts_by_precision(bases)
+    candidates = [check_candidate(shape, base, facts[str(base.precision.name)], profile, request, device)
+                  for shape in shapes for base in [bases[shape.strategy]]]
     candidates.sort(key=lambda c: (c.cost is None, c.cost.step_s if c.cost else 0.0))
     ignored = [o for o in overrides if _section(o) in IGNORED_KEYS and _key(o) != RUN_DIR_KEY]
-    plan = Plan(request, profile, candidates, kept, ignored)
+    plan = Plan(request, profile, candidates, kept, ignored, precision)
     decide_memory(candidates, bases, request, profile, max_simulations)
     return plan
+
+
+def measure_as_run(cfg, sizes: list[int], workers: list[int], device) -> Profile:
+    """This machine's profile, timed as a run's workers compute: with glibc keeping freed memory
+    (`launch.keep_freed_host_memory`, which every worker sets before its first step), so the
+    profile's repetitions reuse their buffers as a run's micro-batches do instead of handing
+    them back and faulting them in again."""
+    keep_freed_host_memory()  # for this process, as for a worker: the planner's is about to end or to run
+    return measure(cfg, sizes, workers, device)
+
+
+def _facts_by_precision(bases: dict) -> dict[str, ModelFacts]:
+    """The model's facts under each precision the strategies run the plan's in (weights' and
+    activations' bytes differ between cmp_* and amp_*)."""
+    first = {str(base.precision.name): base for base in bases.values()}
+    return {name: ModelFacts.of(base) for name, base in first.items()}
 
 
 def _this_device(cfg):
@@ -210,7 +272,7 @@ def predict(cfg) -> Prediction:
     # Every power of two up to b: the profile stops timing where a block's forward and backward
     # would pass PART_BUDGET_S and extrapolates from there, so a large model costs seconds, not minutes.
     sizes = sorted({*powers_of_two_dividing(s.microbatch_size), s.microbatch_size})
-    profile = measure(cfg, sizes, [cls.processes(cfg)], device)
+    profile = measure_as_run(cfg, sizes, [cls.processes(cfg)], device)
     cost = cls.cost_model.step_cost(cfg, ModelFacts.of(cfg), profile)
     memory = simulate(cfg).peak_bytes if device.type == "cuda" else None
     batch = s.microbatch_size * s.num_microbatches * cls.replicas(cfg)

@@ -3,7 +3,9 @@
 All weights on the device; for each micro-batch, forward and backward through the whole
 model; gradients accumulate over the micro-batches; one optimizer step per minibatch.
 `strategy.recompute=block` checkpoints each block (its activations are recomputed in
-backward), the fair in-memory comparison for L2L, which always recomputes.
+backward), the fair in-memory comparison for L2L, which always recomputes; with
+`strategy.stash=host` each block's input then waits for its recompute in host memory, as L2L's
+stash can (`strategies/stash.py`).
 
 With `strategy.replicas=R`, R workers each run this on their share of every micro-batch, the
 model wrapped in torch's `DistributedDataParallel`: gradients are summed over the workers in
@@ -25,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from relaytrain import meta_autocast
 from relaytrain.checkpoint import (
     load_model_state,
     model_state,
@@ -46,6 +49,8 @@ from relaytrain.strategies.base import (
     replica_rows,
     scalar,
 )
+from relaytrain.strategies.stash import HostStash, Stash, stash_on_host
+from relaytrain.strategies.transfers import Transfers
 from relaytrain.strategies.whole_model_cost import BUCKET_BYTES, BaselineCost, recomputes_blocks
 
 
@@ -53,16 +58,26 @@ from relaytrain.strategies.whole_model_cost import BUCKET_BYTES, BaselineCost, r
 class BaselineConfig(WorkersConfig, StrategyConfig):
     name: str = "baseline"
     recompute: Recompute = Recompute.none  # none, or block: keep each block's input, recompute it in backward
+    stash: Stash = Stash.device  # with recompute=block, where each block's input waits for its recompute: device, or host (out after its forward, back prefetched before its backward)
+
+
+def check_stash(cfg) -> None:
+    """The host stash holds the inputs a block recompute starts from: without recompute there are none."""
+    if stash_on_host(cfg.strategy) and not recomputes_blocks(cfg):
+        raise ConfigError(f"strategy.stash=host keeps each block's input on the host until its recompute, and "
+                          f"strategy.recompute={cfg.strategy.recompute} recomputes none; add strategy.recompute=block")
 
 
 class MicrobatchLoss(nn.Module):
     """The whole model as one module whose forward is a micro-batch's loss over the minibatch's
     items (or, `evaluate`, its evaluation sums): what `DistributedDataParallel` and FSDP wrap
-    (they act on what a forward of the module uses)."""
+    (they act on what a forward of the module uses). With `transfers`, each recomputed block's
+    input waits on the host (`HostStash`)."""
 
-    def __init__(self, model: LayeredModel, recompute: bool, precision: Precision):
+    def __init__(self, model: LayeredModel, recompute: bool, precision: Precision, transfers: Transfers | None = None):
         super().__init__()
         self.model, self.recompute, self.precision = model, recompute, precision
+        self.transfers = transfers
 
     def forward(self, mb: MicroBatch, items: int = 1, evaluate: bool = False) -> torch.Tensor:
         with self.precision.autocast_context(mb.input_ids.device):
@@ -74,12 +89,24 @@ class MicrobatchLoss(nn.Module):
         """Embeddings and every block: the last block's output."""
         hidden = self.model.embed_input(mb.input_ids, mb.draw)
         ctx = self.model.context(mb, hidden)
-        for block in self.model.blocks:
-            if self.recompute and torch.is_grad_enabled():
-                hidden = checkpoint(block, hidden, ctx, use_reentrant=False)
+        recompute = self.recompute and torch.is_grad_enabled()
+        # A dry run's autocast (the meta device has no torch.autocast) is entered again around the
+        # recompute; torch restores a real device's itself.
+        context_fn = meta_autocast.recompute_contexts
+        stash = HostStash(self.transfers, context_fn) if recompute and self.transfers is not None else None
+        for index, block in enumerate(self.model.blocks):
+            if stash is not None:
+                hidden = stash.checkpoint(block, index, hidden, ctx)
+            elif recompute:
+                hidden = checkpoint(block, hidden, ctx, use_reentrant=False, context_fn=context_fn)
             else:
                 hidden = block(hidden, ctx)
         return hidden
+
+
+def host_stash_transfers(cfg, device: torch.device) -> Transfers | None:
+    """The copy streams of a host stash (`strategy.stash=host`); None: the inputs stay on the device."""
+    return Transfers(device) if stash_on_host(cfg.strategy) else None
 
 
 def evaluate_replicated(net: MicrobatchLoss, batches: list[list[MicroBatch]], replica: int, replicas: int,
@@ -113,6 +140,7 @@ class Baseline(ReplicatedStrategy):
         if cfg.strategy.recompute == Recompute.stage:
             raise ConfigError("strategy.recompute=stage is for pipelines (the baseline is one stage); "
                               "use strategy.recompute=block")
+        check_stash(cfg)
 
     @classmethod
     def describe_process(cls, cfg, rank: int) -> str:
@@ -127,7 +155,7 @@ class Baseline(ReplicatedStrategy):
                                  cfg.precision.growth_interval)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.replica, self.num_replicas = world.rank, cfg.strategy.replicas
-        self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision)
+        self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision, host_stash_transfers(cfg, self.device))
         # A dry run has no process group to sum over; with gradients as bucket views DDP adds no
         # device memory, so the dry run's figure holds for the real run.
         self.synced = world.distributed and not world.simulated
@@ -162,7 +190,8 @@ class Baseline(ReplicatedStrategy):
                                    self.world.control if self.synced else None)
 
     def memory_holders(self) -> dict[str, list]:
-        return {"weights": self.params, "gradients": [p.grad for p in self.params],
+        # Every weight: an adapter's frozen base (4-bit or not) is on the device as well as what trains.
+        return {"weights": list(self.net.model.parameters()), "gradients": [p.grad for p in self.params],
                 "optimizer state": optimizer_tensors([self.optimizer])}
 
     def report(self) -> dict:

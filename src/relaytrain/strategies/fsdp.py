@@ -26,6 +26,9 @@ under the baseline: fp32 parameters (gathered and reduced in fp32) and the forwa
 arithmetic under the same flag, so it is not used. `strategy.offload=host` is its `CPUOffloadPolicy` (the shards and the optimizer in host
 memory), refused on a CPU device, where it would change nothing.
 
+With `strategy.recompute=block`, `strategy.stash=host` keeps each block's input in host memory
+until its recompute, as the baseline's does (`strategies/stash.py`).
+
 Checkpoints are `torch.distributed.checkpoint` directories keyed by Hugging Face name (the
 checkpoint layer writes them beside the parts): a run resumes exactly on the same number of
 workers and by name on any other (DCP reshards), from a baseline's checkpoint, and the
@@ -66,7 +69,14 @@ from relaytrain.strategies.base import (
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.baseline import Baseline, MicrobatchLoss, evaluate_replicated
+from relaytrain.strategies.baseline import (
+    Baseline,
+    MicrobatchLoss,
+    check_stash,
+    evaluate_replicated,
+    host_stash_transfers,
+)
+from relaytrain.strategies.stash import Stash
 from relaytrain.strategies.whole_model_cost import FsdpCost, gathered_params, recomputes_blocks
 
 
@@ -76,6 +86,7 @@ class FsdpConfig(WorkersConfig, StrategyConfig):
     reshard_after_forward: bool = True  # true: ZeRO-3, parameters gathered again for backward; false: kept from forward to backward
     offload: Offload = Offload.none  # host: parameter, gradient and optimizer shards in host memory (needs a CUDA device)
     recompute: Recompute = Recompute.none  # none, or block: keep each block's input, recompute it in backward
+    stash: Stash = Stash.device  # with recompute=block, where each block's input waits for its recompute: device, or host (out after its forward, back prefetched before its backward)
 
 
 @register("fsdp")
@@ -90,6 +101,7 @@ class Fsdp(ReplicatedStrategy):
         super().check_config(cfg)
         if cfg.strategy.recompute == Recompute.stage:
             raise ConfigError("strategy.recompute=stage is for pipelines; use strategy.recompute=block")
+        check_stash(cfg)
 
     @classmethod
     def check_device(cls, cfg, device: torch.device) -> None:
@@ -113,7 +125,8 @@ class Fsdp(ReplicatedStrategy):
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
         self.hf_names = {name: model.hf_name(p) for name, p in model.named_parameters()}  # before sharding
-        self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision)  # amp_*: autocast, as the baseline
+        self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision,  # amp_*: autocast, as the baseline
+                                  host_stash_transfers(cfg, self.device))
         self.sharded = not world.simulated
         self.own_group = False
         if self.sharded:

@@ -170,7 +170,7 @@ class L2L(ReplicatedStrategy):
         super().__init__(model, cfg, world)
         s = cfg.strategy
         self.replica, self.num_replicas = world.rank, s.replicas
-        self.stash_host = stash_on_host(cfg)
+        self.stash_host = stash_on_host(cfg.strategy)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
         peers = (Peers(world.rank, world.size, s.eps_state == EpsPlacement.sharded, world.timeout, dry=world.simulated)

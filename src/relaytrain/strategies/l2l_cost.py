@@ -28,15 +28,8 @@ from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile, Timings
 from relaytrain.models import trained_parameters
 from relaytrain.optim import state_words
+from relaytrain.strategies.stash import Stash, stash_on_host  # noqa: F401 - the stash's one rule, l2l.py's too
 from relaytrain.strategies.whole_model_cost import WORKER_OVERHEAD_BYTES
-
-
-class Stash(Choice):
-    """Where each block's input waits for the backward (`strategy.stash`); `host` is host memory,
-    as in `strategy.offload=host` (`config.Offload`)."""
-
-    device = "device"
-    host = "host"
 
 
 class EpsPlacement(Choice):
@@ -44,11 +37,6 @@ class EpsPlacement(Choice):
 
     replicated = "replicated"  # every replica keeps all gradients and optimizer state and steps every part
     sharded = "sharded"  # each part's gradients and optimizer state live on one owner replica (ZeRO-style)
-
-
-def stash_on_host(cfg) -> bool:
-    """Where the block inputs wait: the one rule the run, its estimates and its cost model read."""
-    return cfg.strategy.stash == Stash.host
 
 
 class L2LCost(CostModel):
@@ -79,9 +67,8 @@ class L2LCost(CostModel):
         b, u, overlap = s.microbatch_size, s.num_microbatches, bool(s.prefetch)
         t = profile.for_workers(s.replicas, cfg.train.threads)
         block, embed, head = (facts.part_times(t, part, b) for part in ("block", "embed", "head"))
-        x_block, x_embed, x_head = (upload_s(params * facts.weight_bytes, profile)
-                                    for params in (facts.block_params, facts.embed_params, facts.head_params))
-        stash = u * upload_s(facts.boundary_bytes(b), profile) if stash_on_host(cfg) else 0.0
+        x_embed, x_block, x_head = (upload_s(facts.upload_bytes(part), profile) for part in range(3))
+        stash = u * upload_s(facts.boundary_bytes(b), profile) if stash_on_host(cfg.strategy) else 0.0
         forward = (_relayed(u * embed.forward_s, x_embed, overlap)
                    + n * _relayed(u * block.forward_s, max(x_block, stash), overlap))
         turnaround = _relayed(u * both(head), x_head, overlap)
@@ -103,16 +90,16 @@ class L2LCost(CostModel):
         the activations of the part computing: a block's, or at the turn-around the head's (never
         both at once)."""
         b, u = cfg.strategy.microbatch_size, cfg.strategy.num_microbatches
-        largest_part = max(facts.embed_params, facts.block_params, facts.head_params)
-        resident = largest_part * facts.weight_bytes * (2 + facts.trained_share)
-        entries = 2 if stash_on_host(cfg) else u * facts.num_layers
+        resident = max(2 * facts.device_part_bytes(part) + facts.trained_part_bytes(part) for part in range(3))
+        entries = 2 if stash_on_host(cfg.strategy) else u * facts.num_layers
         in_flight = (entries + u) * facts.boundary_bytes(b)
         return int(resident + in_flight + max(facts.block_activation_bytes(b), facts.head_activation_bytes(b)))
 
     def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
         """The eager param server's state, and the stash where it waits on the host."""
-        stash = host_stash_bytes(cfg, facts.activation_bytes) if stash_on_host(cfg) else 0
-        return int(eps_state_bytes(cfg, facts.params, facts.trained_params, facts.frozen_bytes) + stash)
+        stash = host_stash_bytes(cfg, facts.hidden_value_bytes) if stash_on_host(cfg.strategy) else 0
+        trained = eps_state_bytes(cfg, facts.trained_params, facts.trained_params)  # masters, gradients, state
+        return int(trained + facts.frozen_host_bytes + stash)
 
     def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
         """Host memory of the whole run, an estimate: on each replica the eager param server's
@@ -122,7 +109,7 @@ class L2LCost(CostModel):
         trained = trained_parameters(cfg.model, cfg.adapter)  # under adapters; the frozen base counted at fp32 (errs high)
         per_worker = eps_state_bytes(cfg, num_params, trained) + num_params * FP32  # + transit copies of what crosses
         per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
-        if device_type != "cpu" and stash_on_host(cfg):  # the stash waits in host memory
+        if device_type != "cpu" and stash_on_host(cfg.strategy):  # the stash waits in host memory
             per_worker += host_stash_bytes(cfg, 2 if str(cfg.precision.name).startswith("cmp") else FP32)
         if s.replicas > 1:
             per_worker += WORKER_OVERHEAD_BYTES

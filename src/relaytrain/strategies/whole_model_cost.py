@@ -27,12 +27,16 @@ from relaytrain.cost.formulas import (
     weights_grads_optimizer_bytes,
 )
 from relaytrain.cost.model import CostModel
-from relaytrain.cost.profile import Profile
+from relaytrain.cost.profile import PartTimes, Profile
 from relaytrain.optim import state_words
+from relaytrain.strategies.stash import Stash, stash_on_host
 
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each worker process
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket: one all-reduce message each
 GATHERED_BLOCKS = 2  # FSDP: a block computing and the next one prefetched, gathered at once
+IN_TRANSIT = 2  # a host stash's entries on the device at once: the one computing and the one prefetched
+# What the planner tries of recompute and the stash: the host stash needs block recompute.
+RECOMPUTE_AND_STASH = ((Recompute.none, Stash.device), (Recompute.block, Stash.device), (Recompute.block, Stash.host))
 
 
 def recomputes_blocks(cfg) -> bool:
@@ -52,6 +56,27 @@ def whole_model_compute(cfg, facts: ModelFacts, profile: Profile, recomputes: bo
     return compute, t, (embed, block, head), recompute
 
 
+def stashed_inputs(cfg) -> int | None:
+    """Block inputs on the device with block recompute: those in transit with a host stash (None:
+    every block's)."""
+    return IN_TRANSIT if stash_on_host(cfg.strategy) else None
+
+
+def host_stash_bytes(cfg, facts: ModelFacts) -> int:
+    """A host stash's entries waiting in host memory: every block's input of one micro-batch."""
+    return facts.num_layers * facts.boundary_bytes(cfg.strategy.microbatch_size) if stash_on_host(cfg.strategy) else 0
+
+
+def host_stash_s(cfg, facts: ModelFacts, profile: Profile, block: PartTimes) -> float:
+    """The host stash's copies a step leaves exposed: each block's input goes down while the block
+    above it computes forward, and comes up while the block above recomputes and backpropagates
+    (prefetch); what a copy outlasts is exposed. On a CPU nothing crosses."""
+    s = cfg.strategy
+    x = upload_s(facts.boundary_bytes(s.microbatch_size), profile)
+    hidden_behind = max(0.0, x - block.forward_s) + max(0.0, x - 2 * block.forward_s - block.backward_s)
+    return s.num_microbatches * facts.num_layers * hidden_behind
+
+
 def _extra_workers_bytes(replicas: int) -> int:
     """The interpreters of a data-parallel run's workers: none apart from the run's own with one."""
     return replicas * WORKER_OVERHEAD_BYTES if replicas > 1 else 0
@@ -65,10 +90,11 @@ class BaselineCost(CostModel):
 
     def shapes(self, workers: int, batch: int, num_layers: int) -> list[Shape]:
         """Any number of replicas w that divides the batch (one worker each), every micro-batch size
-        b of a worker's share (m = batch / (w b)), with and without block recompute."""
-        return [Shape(self.strategy.name, b, batch // (w * b), w, 1, str(recompute))
+        b of a worker's share (m = batch / (w b)), with and without block recompute, the
+        recomputed blocks' inputs on the device or the host."""
+        return [Shape(self.strategy.name, b, batch // (w * b), w, 1, str(recompute), self.shape_options(stash=stash))
                 for w in range(1, workers + 1) if batch % w == 0
-                for b in powers_of_two_dividing(batch // w) for recompute in (Recompute.none, Recompute.block)]
+                for b in powers_of_two_dividing(batch // w) for recompute, stash in RECOMPUTE_AND_STASH]
 
     def recomputes(self, cfg) -> bool:
         return recomputes_blocks(cfg)
@@ -83,6 +109,8 @@ class BaselineCost(CostModel):
         compute, t, (embed, block, head), recompute = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg))
         optimizer = optimizer_s(t, facts, n, embed=True, head=True)
         parts = {"compute": compute, "optimizer": optimizer}
+        if stash_on_host(cfg.strategy):
+            parts["stash transfers (exposed)"] = host_stash_s(cfg, facts, profile, block)
         if s.replicas > 1:
             nbytes = facts.trained_params * FP32  # the gradients: of what trains
             sums = allreduce_s(nbytes, s.replicas, profile, messages=-(-nbytes // BUCKET_BYTES))
@@ -92,15 +120,23 @@ class BaselineCost(CostModel):
         return StepCost(sum(parts.values()), parts)
 
     def device_bytes(self, cfg, facts: ModelFacts) -> int:
-        """The whole model as one stage with one micro-batch in flight."""
+        """The whole model as one stage with one micro-batch in flight (a host stash: the block
+        inputs in transit)."""
         return stage_bytes(facts, cfg.strategy.microbatch_size, facts.num_layers, facts.params, last=True,
-                           in_flight=1, versions=1, recompute=str(cfg.strategy.recompute))
+                           in_flight=1, versions=1, recompute=str(cfg.strategy.recompute),
+                           stashed_inputs=stashed_inputs(cfg))
+
+    def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
+        """A host stash's block inputs (`strategy.stash=host`); otherwise nothing apart from the device's."""
+        return host_stash_bytes(cfg, facts)
 
     def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
         """Every replica's weights, gradients and optimizer state, and one micro-batch at a time:
-        every block's activations, or (recompute) one block's and every block's input."""
+        every block's activations, or (recompute) one block's and every block's input (on the
+        host with a host stash, wherever the device is)."""
         live, stash = (1, cfg.model.num_layers) if recomputes_blocks(cfg) else (cfg.model.num_layers, 0)
         per_worker = weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live, stash)
+        per_worker += _host_stash_estimate(cfg, device_type)
         return cfg.strategy.replicas * per_worker + _extra_workers_bytes(cfg.strategy.replicas)
 
 
@@ -113,13 +149,13 @@ class FsdpCost(CostModel):
 
     def shapes(self, workers: int, batch: int, num_layers: int) -> list[Shape]:
         """Any number of workers w that divides the batch (2 or more: one worker shards nothing),
-        every micro-batch size of a worker's share, with and without block recompute, resharding
-        after forward or not, the shards on the device or the host."""
+        every micro-batch size of a worker's share, with and without block recompute (its inputs on
+        the device or the host), resharding after forward or not, the shards on the device or the host."""
         return [Shape(self.strategy.name, b, batch // (w * b), w, 1, str(recompute),
-                      self.shape_options(reshard_after_forward=reshard, offload=offload))
+                      self.shape_options(reshard_after_forward=reshard, offload=offload, stash=stash))
                 for w in range(2, workers + 1) if batch % w == 0
                 for b in powers_of_two_dividing(batch // w)
-                for recompute in (Recompute.none, Recompute.block)
+                for recompute, stash in RECOMPUTE_AND_STASH
                 for reshard in (True, False) for offload in Offload]
 
     def recomputes(self, cfg) -> bool:
@@ -135,7 +171,7 @@ class FsdpCost(CostModel):
         optimizer step on the host."""
         s, n = cfg.strategy, facts.num_layers
         w = s.replicas
-        compute, t, _, _ = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg))
+        compute, t, (_, block, _), _ = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg))
         # A ring all-gather or reduce-scatter moves half an all-reduce's bytes (NCCL). gloo's
         # all-gather takes its all-reduce's time, measured, and its reduce-scatter runs as one
         # (ReduceScatterByAllReduce): on a CPU each costs a whole all-reduce.
@@ -153,6 +189,8 @@ class FsdpCost(CostModel):
         optimizer = (facts.trained_params * profile.host_optimizer_s_per_param if offloaded
                      else optimizer_s(t, facts, n, embed=True, head=True)) / w
         parts = {"compute": compute, "gathers and reduce-scatters (exposed)": exposed, "optimizer": optimizer}
+        if stash_on_host(cfg.strategy):
+            parts["stash transfers (exposed)"] = host_stash_s(cfg, facts, profile, block)
         return StepCost(sum(parts.values()), parts)
 
     def device_bytes(self, cfg, facts: ModelFacts) -> int:
@@ -162,17 +200,18 @@ class FsdpCost(CostModel):
         activations as the baseline keeps them."""
         s = cfg.strategy
         activations = stage_bytes(facts, s.microbatch_size, facts.num_layers, 0, last=True, in_flight=1,
-                                  versions=0, recompute=str(s.recompute))
+                                  versions=0, recompute=str(s.recompute), stashed_inputs=stashed_inputs(cfg))
         shards = 0 if s.offload == Offload.host else _sharded_state_bytes(facts) / s.replicas
         return int(shards + gathered_params(cfg, facts.embed_params + facts.head_params, facts.block_params,
                                             facts.num_layers) * facts.weight_bytes + activations)
 
     def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
         """With `strategy.offload=host` (CPUOffloadPolicy), a worker's 1/R of the fp32 weights,
-        gradients and optimizer state; otherwise none apart from the device's."""
+        gradients and optimizer state; with a host stash, its block inputs."""
+        stash = host_stash_bytes(cfg, facts)
         if cfg.strategy.offload != Offload.host:
-            return 0
-        return int(_sharded_state_bytes(facts) / cfg.strategy.replicas)
+            return stash
+        return int(_sharded_state_bytes(facts) / cfg.strategy.replicas) + stash
 
     def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
         """Every worker builds the whole model once before sharding it; then it keeps its shards
@@ -182,7 +221,16 @@ class FsdpCost(CostModel):
         shards = num_params * FP32 * (2 + state_words(cfg.optim)) / s.replicas
         on_host = shards if device_type == "cpu" or s.offload == Offload.host else 0
         per_worker = num_params * FP32 + on_host + cpu_activation_bytes(cfg, device_type, live, stash)
+        per_worker += _host_stash_estimate(cfg, device_type)
         return int(s.replicas * per_worker + _extra_workers_bytes(s.replicas))
+
+
+def _host_stash_estimate(cfg, device_type: str) -> int:
+    """A host stash's inputs in host memory beside a device (on a CPU `cpu_activation_bytes` counts them)."""
+    if device_type == "cpu" or not stash_on_host(cfg.strategy):
+        return 0
+    m = cfg.model
+    return m.num_layers * cfg.strategy.microbatch_size * cfg.data.seq_len * m.hidden_size * FP32
 
 
 def _sharded_state_bytes(facts: ModelFacts) -> int:

@@ -7,10 +7,12 @@ questions: `check(cfg)`, its rules for the data keys (which it needs, which it r
 with every config check before any work; and `load(cfg, tokenizer_dir)`, the training set and
 the held-out set it names itself.
 
-Most rules follow from where a source's samples come from (`Origin`): a local file needs
-data.path and may name a held-out file (data.eval_path), a Hugging Face dataset may name a
-local copy (data.path) and a held-out split (data.eval_split); only a source that `packs` takes
-data.pack. So the messages name the sources that do take a key, read off the registry.
+Most rules follow from where a source's samples come from (`Origin`): a record source needs
+data.path (or a mixture, data.mix) and may name held-out records (data.eval_path); a Hugging Face
+dataset may name a local copy (data.path) and a held-out split (data.eval_split); only a source
+that `packs` takes data.pack. So the messages name the sources that do take a key, read off the
+registry. What a source reads (`inputs`) is also what the tokenize cache fingerprints
+(`data/cache.py`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 import abc
 import difflib
 from enum import Enum
-from pathlib import Path
 
 from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.mixture import check_mix
+from relaytrain.data.reading import Input, check_location, locate
+from relaytrain.data.stream import check_streaming
 from relaytrain.discovery import import_modules_of
 from relaytrain.errors import ConfigError
 
@@ -31,7 +35,7 @@ class Origin(Enum):
     """Where a source's samples come from, which decides most of its rules."""
 
     generated = "generated"  # made here from data.seed: no file, no network
-    file = "file"  # a local JSONL file (data.path); held out: a second file (data.eval_path)
+    file = "file"  # records at data.path, in any form reading.py takes (or data.mix); held out: data.eval_path
     hub = "hub"  # a Hugging Face dataset, or its local copy (data.path); held out: its own split (data.eval_split)
 
 
@@ -41,6 +45,8 @@ class DataSource(abc.ABC):
     name: str  # set by register_source
     origin: Origin
     packs: bool = False  # data.pack: short records packed into rows of data.seq_len
+    chat_template: bool = False  # renders records with the tokenizer's chat template (which tokenizer it picks)
+    streams: bool = False  # data.streaming: it answers `stream(cfg, tokenizer_dir)` (see data/stream.py)
 
     @classmethod
     @abc.abstractmethod
@@ -52,9 +58,32 @@ class DataSource(abc.ABC):
     @classmethod
     def check(cls, cfg) -> None:
         """Its rules for cfg.data (ConfigError, one line); a source with more extends it."""
+        if cfg.data.streaming:
+            if not cls.streams:
+                streaming = [name for name, s in sources().items() if s.streams]
+                raise ConfigError(f"data.streaming=true streams data={' or '.join(streaming)} records; data={cls.name} "
+                                  f"reads its whole set (tokenized once, then cached): drop data.streaming")
+            check_streaming(cfg)
         cls._check_path(cfg.data)
         cls._check_pack(cfg.data)
         cls._check_held_out(cfg.data)
+
+    @classmethod
+    def inputs(cls, cfg) -> list[Input]:
+        """What it reads: the content the tokenize cache fingerprints. Generated data reads
+        nothing, so it is never cached."""
+        d = cfg.data
+        if cls.origin is Origin.generated:
+            return []
+        if cls.origin is Origin.hub:
+            splits = [split for split in (d.split, d.eval_split) if split]
+            if d.path:
+                return [Input(d.path, "data.path", split, d.name) for split in splits]
+            return [Input(cls.hub_dataset, "data.name", split, d.name, hub=True) for split in splits]
+        parts = [Input(p.path, f"data.mix[{i}].path", p.split, p.name) for i, p in enumerate(d.mix)]
+        held_out = [Input(d.eval_path, "data.eval_path", d.split, d.name)] if d.eval_path else []
+        held_out += [Input(d.path, "data.path", d.eval_split, d.name)] if d.eval_split else []
+        return (parts or [Input(d.path, "data.path", d.split, d.name)]) + held_out
 
     @classmethod
     def benchmark_task(cls, cfg) -> str | None:
@@ -64,13 +93,21 @@ class DataSource(abc.ABC):
 
     @classmethod
     def _check_path(cls, d) -> None:
-        if cls.origin is Origin.file:
+        if d.mix and cls.origin is not Origin.file:
+            raise ConfigError(f"data.mix mixes record sets for data={' or '.join(source_names(Origin.file))}; "
+                              f"data={cls.name} reads one dataset: drop data.mix")
+        if cls.origin is Origin.file and d.mix:
+            check_mix(d)
+            for i, part in enumerate(d.mix):
+                check_location(part.path, f"data.mix[{i}].path")
+        elif cls.origin is Origin.file:
             if not d.path:
-                raise ConfigError(f"data={cls.name} needs a file: set data.path=/path/to/train.jsonl")
-            if not Path(d.path).expanduser().is_file():
-                raise ConfigError(f"data.path={d.path} does not exist; point data.path at a JSONL file")
-        if cls.origin is Origin.hub and d.path and not Path(d.path).expanduser().exists():
-            raise ConfigError(f"data.path={d.path} does not exist; give a `datasets` directory or drop data.path")
+                raise ConfigError(f"data={cls.name} needs a file or dataset of records: set data.path=/path/to/train.jsonl "
+                                  f"(or a parquet, arrow or csv file, a glob, a `datasets` directory, a hub id), or "
+                                  f"data.mix")
+            check_location(d.path, "data.path")
+        if cls.origin is Origin.hub and d.path:
+            check_location(d.path, "data.path")
 
     @classmethod
     def _check_pack(cls, d) -> None:
@@ -83,15 +120,17 @@ class DataSource(abc.ABC):
     def _check_held_out(cls, d) -> None:
         if d.eval_path and cls.origin is not Origin.file:
             instead = "data.eval_split (e.g. validation) or " if cls.origin is Origin.hub else ""
-            raise ConfigError(f"data.eval_path is a jsonl file for data={' or '.join(source_names(Origin.file))}; "
-                              f"for data={cls.name} use {instead}data.eval_fraction")
-        if d.eval_path and not Path(d.eval_path).expanduser().is_file():
-            raise ConfigError(f"data.eval_path={d.eval_path} does not exist; point it at a JSONL file of held-out "
-                              f"samples")
-        if d.eval_split and cls.origin is not Origin.hub:
-            instead = " or data.eval_path" if cls.origin is Origin.file else ""
-            raise ConfigError(f"data.eval_split names a split of a hub dataset ({', '.join(source_names(Origin.hub))}); "
-                              f"for data={cls.name} use data.eval_fraction{instead}")
+            raise ConfigError(f"data.eval_path is a jsonl file for data={' or '.join(source_names(Origin.file))} (or "
+                              f"any form data.path takes); for data={cls.name} use {instead}data.eval_fraction")
+        if d.eval_path:
+            check_location(d.eval_path, "data.eval_path", "/path/to/eval.jsonl")
+        if d.eval_split and cls.origin is Origin.generated:
+            raise ConfigError(f"data.eval_split names a split of a hub dataset or `datasets` directory; "
+                              f"data={cls.name} has none: use data.eval_fraction")
+        if d.eval_split and cls.origin is Origin.file and (d.mix or locate(d.path, "data.path").kind == "files"):
+            raise ConfigError(f"data.eval_split picks a split of a `datasets` directory or hub dataset, and "
+                              f"{'data.mix' if d.mix else f'data.path={d.path}'} is files; use data.eval_path or "
+                              f"data.eval_fraction")
 
 
 _REGISTRY: dict[str, type[DataSource]] = {}

@@ -1,81 +1,68 @@
-"""`data=jsonl`: a local file, one JSON object per line, holding text (`data.text_field`, "a,b"
-for a text pair) or pre-tokenized `input_ids`, plus `data.label_field` for classification;
-held-out samples in a second such file (data.eval_path)."""
+"""`data=jsonl`: records holding text (`data.text_field`, "a,b" for a text pair) or pre-tokenized
+`input_ids`, plus `data.label_field` for classification, at data.path in any form `reading.py`
+takes (JSON lines, JSON, parquet, arrow, csv, text, a glob, a `datasets` directory, a hub id) or
+mixed from several (data.mix); held-out records at data.eval_path (or data.eval_split of a
+`datasets` directory or hub dataset)."""
 
 from __future__ import annotations
 
-import json
-
-from relaytrain.data import labels
 from relaytrain.data.dataset import TokenDataset
-from relaytrain.data.encode import encode_samples
-from relaytrain.data.reading import read_lines
-from relaytrain.data.samples import (
-    MISSING,
-    Sample,
-    checked_label,
-    checked_text,
-    checked_token_ids,
-    text_fields,
-)
+from relaytrain.data.encode import encode_rows, encode_samples
+from relaytrain.data.mixture import training_records
+from relaytrain.data.reading import read_records
+from relaytrain.data.samples import Sample, parse_sample
 from relaytrain.data.sources import DataSource, Origin, register_source
+from relaytrain.data.stream import StreamedSet, streamed_facts
+from relaytrain.data.tokenizer import load_tokenizer
 from relaytrain.errors import ConfigError
 
 
 @register_source("jsonl")
 class JsonlSource(DataSource):
     origin = Origin.file
+    streams = True
+
+    @classmethod
+    def stream(cls, cfg, tokenizer_dir: str | None = None) -> tuple[StreamedSet, TokenDataset | None]:
+        """data.streaming: the training records as a stream (`data/stream.py`), the held-out ones
+        (data.eval_path) in memory, both with the configured tokenizer, saved with the run."""
+        d = cfg.data
+        tokenizer = load_tokenizer(cfg, iter(()), tokenizer_dir)
+        held_out = None
+        if d.eval_path or d.eval_split:
+            location, key, split = (d.eval_path, "data.eval_path", d.split) if d.eval_path else (
+                d.path, "data.path", d.eval_split)
+            held_out = encode_rows(cfg, read_samples(cfg, location, key, split, d.name), tokenizer)
+        return StreamedSet(cfg, streamed_facts(cls.name)), held_out
 
     @classmethod
     def load(cls, cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
-        groups = [read_jsonl(cfg)]
-        if cfg.data.eval_path:
-            groups.append(read_jsonl(cfg, cfg.data.eval_path, "data.eval_path"))
+        d = cfg.data
+
+        def read(location: str, key: str, split: str, name: str | None) -> list[Sample]:
+            return read_samples(cfg, location, key, split, name)
+
+        train, mix = training_records(cfg, read)
+        groups = [train]
+        if d.eval_path:
+            groups.append(read(d.eval_path, "data.eval_path", d.split, d.name))
+        elif d.eval_split:
+            groups.append(read(d.path, "data.path", d.eval_split, d.name))
         datasets = encode_samples(cfg, groups, tokenizer_dir)
+        if mix:
+            datasets[0].facts["mix"] = mix
         return datasets[0], (datasets[1] if len(datasets) > 1 else None)
 
 
-def read_jsonl(cfg, file: str | None = None, key: str = "data.path") -> list[Sample]:
-    """Every non-blank line of `file` (default data.path) as a checked `Sample`."""
-    file = file if file is not None else cfg.data.path
-    samples = [_parse_line(cfg, line, where) for where, line in read_lines(file, key, cfg.data.source)]
+def read_samples(cfg, location: str, key: str = "data.path", split: str = "train",
+                 name: str | None = None) -> list[Sample]:
+    """Every record at `location` as a checked `Sample`."""
+    records = read_records(location, key, split, name, "data.eval_split" if split == cfg.data.eval_split else
+                           "data.split")
+    samples = [parse_sample(cfg, record, where) for where, record in records.rows()]
     if not samples:
         raise ConfigError(
-            f"{key}={file} holds no samples (the file is empty or blank); write one JSON object per line, "
+            f"{key}={location} holds no samples (it is empty or blank); write one record per line, "
             f'e.g. {{"{cfg.data.text_field.split(",")[0]}": "...", "{cfg.data.label_field}": 0}}'
         )
     return samples
-
-
-def _parse_line(cfg, line: str, where: str) -> Sample:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"{where}: malformed JSON ({e.msg} at column {e.colno}); write one JSON object per line"
-        ) from e
-    if not isinstance(record, dict):
-        raise ConfigError(
-            f"{where}: expected a JSON object, got a {type(record).__name__}; "
-            f'write one object per line, e.g. {{"text": "...", "label": 0}}'
-        )
-    sample = Sample(where)
-    if "input_ids" in record:  # pre-tokenized wins over text: it is what the user asked the model to see
-        sample.input_ids = checked_token_ids(record["input_ids"], where, cfg.model.vocab_size)
-    else:
-        sample.text = _record_text(record, where, cfg.data.text_field)
-    if labels.class_labels(cfg.model):
-        value = record.get(cfg.data.label_field, MISSING)
-        sample.label = checked_label(value, where, cfg.data.label_field, cfg.model.num_labels)
-    return sample
-
-
-def _record_text(record: dict, where: str, text_field: str) -> tuple[str, ...]:
-    fields = text_fields(text_field)
-    for field in fields:
-        if field not in record:
-            raise ConfigError(
-                f"{where}: no {field!r} text (data.text_field={text_field}) and no 'input_ids'; "
-                f"add the field, or set data.text_field to the key that holds the text"
-            )
-    return tuple(checked_text(record[field], where, field) for field in fields)

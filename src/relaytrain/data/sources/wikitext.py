@@ -42,11 +42,13 @@ class WikitextSource(DataSource):
         tokenizer = load_tokenizer(cfg, lines[0], tokenizer_dir)  # trained on the training text only
         specials = special_ids(tokenizer)
         wrap = _cls_sep(tokenizer) if labels.masked_token_labels(cfg.model) else None
-        datasets = [
-            with_labels(cfg, chunk_blocks(_token_stream(tokenizer, text), d.seq_len, wrap, f"{origin} split={split}"),
-                        None, specials, None)
-            for text, split in zip(lines, splits, strict=True)
-        ]
+        datasets = []
+        for text, split in zip(lines, splits, strict=True):
+            blocks = chunk_blocks(_token_stream(tokenizer, text), d.seq_len, wrap, f"{origin} split={split}")
+            dataset = with_labels(cfg, blocks, None, specials, None)
+            # Lines run on into each other: none is cut or dropped, only the last partial block is.
+            dataset.facts = {"records": len(text), "tokens": blocks.numel(), "truncated": 0, "dropped": 0}
+            datasets.append(dataset)
         return datasets[0], (datasets[1] if len(datasets) > 1 else None)
 
     @classmethod

@@ -67,7 +67,8 @@ def peft_config(model, a, quiet: bool = True):
         conv1d = any(is_conv1d(module) for module in targets.values())  # GPT-2 stores (in, out)
         config = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, bias="none", fan_in_fan_out=conv1d,
                             target_modules=short_names(model, targets), use_dora=bool(a.use_dora),
-                            lora_bias=bool(a.lora_bias), modules_to_save=list(a.modules_to_save) or None)
+                            lora_bias=bool(a.lora_bias), modules_to_save=list(a.modules_to_save) or None,
+                            target_parameters=list(a.target_parameters) or None)  # a mixture's fused experts
     if model.objective.classifies:
         head = [n for n in CLASSIFIER_NAMES if hasattr(model.hf_model, n)]
         config.modules_to_save = sorted(set(config.modules_to_save or []) | set(head))

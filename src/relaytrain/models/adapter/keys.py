@@ -12,7 +12,7 @@ from relaytrain.models.adapter.layers import ALL_LINEAR, target_names
 CONFIG_FILE = "adapter_config.json"
 # Our key -> peft's LoraConfig field: what a continued adapter fixes and a run may not contradict.
 SAVED_KEYS = {"r": "r", "alpha": "lora_alpha", "target_modules": "target_modules", "use_dora": "use_dora",
-              "lora_bias": "lora_bias", "modules_to_save": "modules_to_save"}
+              "lora_bias": "lora_bias", "modules_to_save": "modules_to_save", "target_parameters": "target_parameters"}
 
 
 def enabled(a) -> bool:
@@ -46,6 +46,19 @@ def check(a, m, shapes=None, defaults=None) -> None:
         _check_continued(a, defaults)
     elif shapes is not None and ALL_LINEAR not in a.target_modules:
         target_names(shapes, list(a.target_modules))
+    if shapes is not None and a.target_parameters and not a.pretrained:
+        _check_target_parameters(shapes, list(a.target_parameters))
+
+
+def _check_target_parameters(model, wanted: list[str]) -> None:
+    """Each of `adapter.target_parameters` ends the name of a parameter of the blocks (peft adapts
+    a mixture's fused 3-D expert tensors so), or one line naming the blocks' expert parameters."""
+    names = [name for block in model.blocks for name, _ in block.layer.named_parameters()]
+    missing = [w for w in wanted if not any(name == w or name.endswith("." + w) for name in names)]
+    if missing:
+        fused = sorted({name for name in names if "experts" in name}) or sorted(set(names))[:6]
+        raise ConfigError(f"adapter.target_parameters={wanted}: {', '.join(missing)} names no parameter of the "
+                          f"blocks; they have e.g. {', '.join(fused)}")
 
 
 def saved_config(directory: str) -> dict:
@@ -78,7 +91,7 @@ def _plain(value):
 
 
 def _agree(key: str, ours, theirs) -> bool:
-    if key in ("target_modules", "modules_to_save"):  # lists of names, in any order (or peft's one string)
+    if key in ("target_modules", "modules_to_save", "target_parameters"):  # lists of names, in any order (or peft's one string)
         return _names(ours) == _names(theirs)
     return ours == theirs or (theirs is None and not ours)
 

@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from relaytrain.cost.formulas import ModelFacts, part_costs
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
+from relaytrain.models.family import family_spec
 from relaytrain.models.layered import MicroBatch, eval_mode
 from relaytrain.strategies.base import (
     Capabilities,
@@ -120,6 +121,9 @@ class PipelineStrategy(Strategy):
             raise ConfigError(f"{what} exceeds model.num_layers={m.num_layers}; every "
                               f"{'chunk' if v > 1 else 'stage'} needs a block")
         check_layout(s.layout, parts, m.num_layers, chunked=v > 1)
+        split = family_spec(m.family).whole_microbatch(m)  # a model whose loss spans every block (issue 38)
+        if split:
+            raise ConfigError(f"strategy={s.name}: {split}")
         cls.schedule.check_shape(s.stages, s.num_microbatches, cfg.train.steps, v)
         check_schedule(cls.schedule.build(s.stages, s.num_microbatches, min(cfg.train.steps, 3), chunks=v))
         if s.execution == Execution.message_driven and not cls.schedule.reorderable:

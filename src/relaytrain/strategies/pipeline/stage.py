@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from relaytrain import meta_autocast
 from relaytrain.models.layered import LayeredModel, MicroBatch
 
 
@@ -130,7 +131,8 @@ class StageModule(nn.Module):
 
     def forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int = 0) -> torch.Tensor:
         if self.recompute == "stage" and torch.is_grad_enabled():
-            return checkpoint(self._forward, mb, hidden, loss_items, chunk, use_reentrant=False)
+            return checkpoint(self._forward, mb, hidden, loss_items, chunk, use_reentrant=False,
+                              context_fn=meta_autocast.recompute_contexts)
         return self._forward(mb, hidden, loss_items, chunk)
 
     def _forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int) -> torch.Tensor:
@@ -145,7 +147,7 @@ class StageModule(nn.Module):
         ctx = m.context(mb, hidden)
         for block in (m.blocks[i] for i in self.chunks[chunk]):
             if self.recompute == "block" and torch.is_grad_enabled():
-                hidden = checkpoint(block, hidden, ctx, use_reentrant=False)
+                hidden = checkpoint(block, hidden, ctx, use_reentrant=False, context_fn=meta_autocast.recompute_contexts)
             else:
                 hidden = block(hidden, ctx)
         return hidden

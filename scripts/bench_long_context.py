@@ -1,0 +1,87 @@
+"""The causal-LM loss over chunks of tokens against the whole sequence's logits: throughput.
+
+A decoder of the Llama layout with a 128 k vocabulary (Llama 3's) trains under the baseline twice
+per round, each in its own process (a clean allocator): `model.loss_chunk_tokens=auto` (at 2 x 1,024
+tokens a micro-batch the loss runs in chunks of 523 tokens, each chunk's logits recomputed in the
+backward) and `model.loss_chunk_tokens=0` (the whole sequence's logits at once), same model, data
+and minibatch. The price of chunking is the head's second forward; what it buys is the logits'
+memory (docs/design.md, "Adding an objective"). Headline:
+
+- `chunked_loss_vs_full`: samples/s chunked / whole-sequence, median over rounds (target >= 0.97).
+
+    .venv/bin/python scripts/bench_long_context.py --json bench_long_context.json [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchlib import OtherLoad, headline
+
+RUN = ["model=llama_tiny", "model.num_layers=2", "model.hidden_size=256", "model.intermediate_size=688",
+       "model.num_heads=4", "model.num_kv_heads=2", "model.vocab_size=128256", "model.max_seq_len=1024",
+       "data.seq_len=1024", "data.num_samples=64", "strategy=baseline", "strategy.microbatch_size=2",
+       "strategy.num_microbatches=2", "model.dropout=0.0", "train.check_memory=false"]
+SETTINGS = {"chunked": "auto", "whole": "0"}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="steps per run; the first two are untimed")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--child", nargs=2, metavar=("SETTING", "RUN_DIR"), help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def child(setting: str, run_dir: str, steps: int) -> None:
+    """One run in this process; its throughput and device (or host) peak into RUN_DIR/bench.json."""
+    from relaytrain.compose import compose_config
+    from relaytrain.train import run
+
+    cfg = compose_config([*RUN, f"model.loss_chunk_tokens={setting}", f"train.steps={steps}",
+                          "train.untimed_steps=2"])
+    results = run(cfg, Path(run_dir), table=False)
+    out = {"samples_per_s": results["throughput"]["samples_per_s"],
+           "host_peak_rss_bytes": results["memory"].get("host_peak_rss_bytes")}
+    Path(run_dir, "bench.json").write_text(json.dumps(out))
+
+
+def one_run(name: str, workdir: Path, steps: int) -> dict:
+    run_dir = workdir / f"{name}-{len(list(workdir.iterdir()))}"
+    subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", SETTINGS[name], str(run_dir)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.loads((run_dir / "bench.json").read_text())
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        child(*args.child, args.steps)
+        return
+    with tempfile.TemporaryDirectory() as tmp, OtherLoad() as load:
+        workdir = Path(tmp)
+        rounds = []
+        for r in range(args.rounds):  # alternate which runs first: a warmer machine favours neither
+            order = ("chunked", "whole") if r % 2 == 0 else ("whole", "chunked")
+            rounds.append({name: one_run(name, workdir, args.steps) for name in order})
+    speed = [r["chunked"]["samples_per_s"] / r["whole"]["samples_per_s"] for r in rounds]
+    results = {
+        "command": f"python scripts/bench_long_context.py --rounds {args.rounds} --steps {args.steps}",
+        "run": RUN, "settings": SETTINGS, "rounds": rounds, "other_load_cores": load.cores,
+        "headlines": {"chunked_loss_vs_full": headline(speed, 0.97)},
+    }
+    h = results["headlines"]["chunked_loss_vs_full"]
+    print(f"chunked_loss_vs_full: median {h['median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in h['rounds'])}); "
+          f"other processes kept {load.cores:.2f} cores busy")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

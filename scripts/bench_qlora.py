@@ -1,0 +1,133 @@
+"""QLoRA under L2L against LoRA under L2L: the base's host memory and throughput.
+
+A bf16 checkpoint of the Llama layout (made here by save_pretrained, as users' checkpoints are)
+is fine-tuned under `strategy=l2l` twice per round, in separate processes: `adapter=qlora`
+(LoRA over the blocks' linear weights quantized to NF4 at load) and `adapter=lora` (the same
+LoRA over the bf16 base), same model, minibatch and optimizer. Each process trains (results.json:
+samples/s over the steps after the first) and then builds the L2L strategy of the same config and
+measures the frozen base its eager param server holds on the host: the bytes of every storage
+of its parts' frozen tensors (NF4 codes and scales, the bf16 embeddings, norms and head), and
+the resident set the build added (after `malloc_trim`, so what loading freed is not counted);
+beside them the planner's closed form (`ModelFacts.frozen_host_bytes`). Headlines:
+
+- `qlora_l2l_host_bytes_ratio`: the base's host bytes, NF4 / bf16, median over rounds (target <= 0.35);
+- `qlora_l2l_vs_lora_l2l`: samples/s, NF4 base / bf16 base, median over rounds (target >= 0.8).
+
+    .venv/bin/python scripts/bench_qlora.py --json bench_qlora.json [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_lora import RUN, SIZES, make_checkpoint
+from benchlib import OtherLoad, headline
+
+ADAPTERS = ("qlora", "lora")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is untimed")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--child", nargs=3, metavar=("CHECKPOINT", "ADAPTER", "RUN_DIR"), help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def resident_bytes() -> int:
+    """This process's resident set, after handing glibc's freed pages back to the kernel."""
+    import psutil
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss
+
+
+def base_on_the_host(cfg) -> tuple[int, int]:
+    """The frozen base the L2L strategy's eager param server holds (bytes of its storages), and the
+    resident set building the strategy added."""
+    from relaytrain.models import build_model
+    from relaytrain.strategies import build_strategy, strategy_class
+
+    before = resident_bytes()
+    model = build_model(cfg.model, adapter=cfg.adapter, quiet=True, compact_base=strategy_class("l2l").compact_base)
+    strategy = build_strategy(model, cfg)
+    try:
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+                    for part in strategy.eps.parts for t in part.frozen}
+        del model
+        return sum(storages.values()), resident_bytes() - before
+    finally:
+        strategy.close()
+
+
+def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
+    """One run in this process, then the base its strategy holds."""
+    from relaytrain.compose import compose_config
+    from relaytrain.cost.formulas import ModelFacts
+    from relaytrain.models.pretrained import resolve
+    from relaytrain.train import run
+
+    given = [f"model.pretrained={checkpoint}", f"adapter={adapter}", *RUN, f"train.steps={steps}",
+             "train.untimed_steps=1"]
+    cfg = resolve(compose_config(given), given)
+    results = run(cfg, Path(run_dir), table=False)
+    base_bytes, built_rss = base_on_the_host(cfg)
+    out = {"samples_per_s": results["throughput"]["samples_per_s"], "base_bytes": base_bytes,
+           "built_rss_bytes": built_rss, "closed_form_base_bytes": ModelFacts.of(cfg).frozen_host_bytes,
+           "peak_rss_bytes": results["memory"]["host_peak_rss_bytes"]}
+    Path(run_dir, "bench.json").write_text(json.dumps(out))
+
+
+def one_run(checkpoint: Path, adapter: str, workdir: Path, steps: int) -> dict:
+    run_dir = workdir / f"{adapter}-{len(list(workdir.iterdir()))}"
+    subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", str(checkpoint), adapter,
+                    str(run_dir)], check=True, stdout=subprocess.DEVNULL)
+    return json.loads((run_dir / "bench.json").read_text())
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        child(*args.child, args.steps)
+        return
+    with tempfile.TemporaryDirectory() as tmp, OtherLoad() as load:
+        workdir = Path(tmp)
+        checkpoint = make_checkpoint(workdir / "checkpoint")
+        runs = workdir / "runs"
+        runs.mkdir()
+        rounds = []
+        for r in range(args.rounds):  # alternate which runs first: a warmer machine favours neither
+            order = ADAPTERS if r % 2 == 0 else ADAPTERS[::-1]
+            rounds.append({adapter: one_run(checkpoint, adapter, runs, args.steps) for adapter in order})
+    memory = [r["qlora"]["base_bytes"] / r["lora"]["base_bytes"] for r in rounds]
+    speed = [r["qlora"]["samples_per_s"] / r["lora"]["samples_per_s"] for r in rounds]
+    closed = rounds[0]["qlora"]["closed_form_base_bytes"] / rounds[0]["lora"]["closed_form_base_bytes"]
+    results = {
+        "command": "python scripts/bench_qlora.py " + f"--rounds {args.rounds} --steps {args.steps}",
+        "model": {**SIZES, "checkpoint_dtype": "bfloat16"}, "run": RUN, "rounds": rounds,
+        "closed_form_ratio": closed, "other_load_cores": load.cores,
+        "headlines": {"qlora_l2l_host_bytes_ratio": headline(memory, 0.35, lower_is_better=True),
+                      "qlora_l2l_vs_lora_l2l": headline(speed, 0.8)},
+    }
+    for name, h in results["headlines"].items():
+        print(f"{name}: median {h['median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in h['rounds'])})")
+    first = rounds[0]
+    for adapter in ADAPTERS:
+        f = first[adapter]
+        print(f"  {adapter}: base {f['base_bytes'] / 2**20:.1f} MiB held ({f['built_rss_bytes'] / 2**20:.0f} MiB of "
+              f"resident set built), {f['closed_form_base_bytes'] / 2**20:.1f} MiB closed form; "
+              f"{f['samples_per_s']:.2f} samples/s")
+    print(f"  closed-form ratio {closed:.3f}; other processes kept {load.cores:.2f} cores busy")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

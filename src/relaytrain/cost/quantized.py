@@ -1,0 +1,50 @@
+"""What a 4-bit base (`model.quantize=nf4`, adapter=qlora) weighs, for the cost models.
+
+The blocks' linear weights are held as NF4 (`models.quantize`): packed 4-bit codes and their
+absmax scales (or, doubly quantized, 8-bit scales and their own), about 4.5 bits a weight
+(4.13 doubly). A part's parameter count in `models.part_parameters` counts that storage's bytes
+(a uint8 tensor); the cost models need both what the weights are (values, for the FLOPs and
+the trained share) and what they weigh (bytes, for what the host holds and the relay uploads).
+Both are read off the quantized layers of a one-block model on the meta device, as built.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from relaytrain.models import build_model
+from relaytrain.models.quantize import NF4Linear
+
+
+@dataclass(frozen=True)
+class QuantizedPart:
+    """The weights of one part (embeddings, a block, the head) held in 4 bits."""
+
+    values: int = 0  # weights stored quantized, counted as dense values
+    nbytes: int = 0  # the bytes that store them (codes and scales)
+
+    @property
+    def counted(self) -> int:
+        """What `models.part_parameters` counts for them: their uint8 storage, a byte a parameter."""
+        return self.nbytes
+
+
+def quantized_parts(m, adapter) -> tuple[QuantizedPart, QuantizedPart, QuantizedPart] | None:
+    """Each part's quantized weights under `m.quantize=nf4` (None: nothing is quantized), from a
+    one-block model built on the meta device as a run builds it (the adapter injected after)."""
+    if adapter is None or str(getattr(m, "quantize", "none")) == "none":
+        return None
+    one_block = copy.deepcopy(m)
+    one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
+    with torch.device("meta"):
+        model = build_model(one_block, quiet=True, adapter=adapter)
+    return tuple(_quantized_in(part) for part in (model.embed, model.blocks[0], model.head))
+
+
+def _quantized_in(module: torch.nn.Module) -> QuantizedPart:
+    layers = [layer for layer in module.modules() if isinstance(layer, NF4Linear)]
+    return QuantizedPart(sum(layer.in_features * layer.out_features for layer in layers),
+                         sum(layer.nf4.numel() for layer in layers))

@@ -1,0 +1,151 @@
+"""The tokenize cache: a source's tokenized sets kept on disk, reused while nothing they depend on
+changes, so a large set is tokenized once (not at every start, nor by every process of a run).
+
+An entry lives in `data.cache_dir` (default: `$XDG_CACHE_HOME/relaytrain/data`, i.e.
+`~/.cache/relaytrain/data`) under a key hashed from everything the rows depend on (`cache_key`):
+the content of every input (`reading.fingerprint`: the files' bytes, the hub's fingerprint), the
+tokenizer (its files, chat template included, or what a tokenizer trained here is made from), the
+data keys that shape rows (data.seq_len, data.pack, fields, roles, mixture weights, ...), what the
+model's task asks of the labels, and `FORMAT`, raised whenever the code makes rows differently.
+Keys that only order or split the rows afterwards (data.shuffle, data.eval_fraction) are not in it.
+
+An entry holds the training and held-out sets as tensors (ids in int32), their facts, and the
+tokenizer the source used, so a hit also gives the run the tokenizer a saved model ships with.
+It is written to a staging directory and renamed into place whole; a file lock on the key makes
+every other process of the run (torchrun starts each with the same config) wait for the first to
+prepare it and then read it, so a set is tokenized once. Set data.cache=false to tokenize afresh
+and keep nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.reading import fingerprint
+from relaytrain.data.tokenizer import tokenizer_identity
+from relaytrain.errors import ConfigError
+from relaytrain.files import write_json
+
+FORMAT = 1  # raise when rows are made differently from the same inputs: old entries then miss
+# Data keys that do not change the tokenized rows: how they are ordered, held out or cached.
+NOT_IN_KEY = ("shuffle", "shuffle_buffer", "eval_fraction", "cache", "cache_dir", "num_proc", "streaming", "seed")
+FIELDS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def default_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "relaytrain" / "data"
+
+
+def cache_dir(d) -> Path:
+    return Path(d.cache_dir).expanduser() if d.cache_dir else default_dir()
+
+
+def cache_key(cfg, source) -> dict:
+    """Everything the tokenized sets depend on, as a JSON-able dict (hashed into the entry's name)."""
+    from omegaconf import OmegaConf
+
+    from relaytrain.data import labels
+
+    data = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in NOT_IN_KEY}
+    m = cfg.model
+    if labels.masked_token_labels(m):
+        data["seed"] = cfg.data.seed  # which tokens are masked
+    return {
+        "format": FORMAT,
+        "inputs": [fingerprint(given) for given in source.inputs(cfg)],
+        "tokenizer": tokenizer_identity(cfg, chat=source.chat_template),
+        "data": data,
+        "labels": {"classes": labels.class_labels(m), "next_token": labels.next_token_labels(m),
+                   "masked": labels.masked_token_labels(m), "num_labels": m.num_labels, "vocab_size": m.vocab_size,
+                   "family": str(m.family), "max_seq_len": m.max_seq_len},
+    }
+
+
+def entry_name(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def prepared(cfg, source, tokenizer_dir: str | None, load) -> tuple[TokenDataset, TokenDataset | None, str]:
+    """The source's training and held-out sets, and "hit", "miss" or "off": read from the cache,
+    or `load(tokenizer_dir)` and kept there. The tokenizer the source used is copied to
+    `<tokenizer_dir>/tokenizer` either way."""
+    if not cfg.data.cache or not source.inputs(cfg):
+        train, held_out = load(tokenizer_dir)
+        return train, held_out, "off"
+    key = cache_key(cfg, source)
+    root = cache_dir(cfg.data)
+    entry = root / entry_name(key)
+    try:
+        (root / "locks").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"data.cache_dir={root} cannot be created ({e.strerror}); set data.cache_dir to a "
+                          f"writable directory, or data.cache=false") from e
+    with _locked(root / "locks" / entry.name):
+        if (entry / "data.pt").is_file():
+            status = "hit"
+        else:
+            _write_entry(entry, key, load)
+            status = "miss"
+        train, held_out = _read_entry(entry)
+    if tokenizer_dir and (entry / "tokenizer").is_dir():
+        shutil.copytree(entry / "tokenizer", Path(tokenizer_dir) / "tokenizer", dirs_exist_ok=True)
+    return train, held_out, status
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Held by one process at a time; the kernel lets go when its holder ends, however it ends."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_entry(entry: Path, key: dict, load) -> None:
+    # Under the key's lock nobody else writes this entry: staging left beside it was a crashed writer's.
+    for leftover in entry.parent.glob(f"{entry.name}.staging-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    shutil.rmtree(entry, ignore_errors=True)  # an entry left without its data by a crash
+    staging = entry.with_name(f"{entry.name}.staging-{os.getpid()}")
+    staging.mkdir()
+    try:
+        train, held_out = load(str(staging))
+        try:
+            torch.save({"train": _stored(train), "held_out": None if held_out is None else _stored(held_out)},
+                       staging / "data.pt")
+            write_json(staging / "key.json", key)  # what the entry was made from, for a curious user
+            os.replace(staging, entry)
+        except OSError as e:
+            raise ConfigError(f"the tokenize cache cannot be written in {entry.parent} ({e.strerror or e}); free "
+                              f"space there, set data.cache_dir to another directory, or data.cache=false") from e
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _stored(dataset: TokenDataset) -> dict:
+    """Tensors at half the width (token ids and -100 fit int32), and the facts."""
+    tensors = {name: None if getattr(dataset, name) is None else getattr(dataset, name).to(torch.int32)
+               for name in FIELDS}
+    return {**tensors, "facts": dataset.facts}
+
+
+def _read_entry(entry: Path) -> tuple[TokenDataset, TokenDataset | None]:
+    stored = torch.load(entry / "data.pt", weights_only=True)
+    return _dataset(stored["train"]), None if stored["held_out"] is None else _dataset(stored["held_out"])
+
+
+def _dataset(stored: dict) -> TokenDataset:
+    return TokenDataset(*(None if stored[name] is None else stored[name].long() for name in FIELDS),
+                        facts=stored["facts"])

@@ -1,0 +1,62 @@
+"""A source's training records: data.path's, or a mixture of several record sets (data.mix).
+
+A mixture draws as many records as its parts hold together, each part its weight's share
+(largest remainders, so the counts add up), with a generator seeded by data.seed: a part drawn
+less than it holds gives a random subset, one drawn more repeats itself whole and then a random
+subset. The drawn records are then interleaved in a seeded order, so packed rows and the first
+steps see every part. Which part gave how many is the mixture's `facts` (results.json's
+`data.mix`). Each part is read on its own (`read`), so each may have its own shape and form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from relaytrain.errors import ConfigError
+
+# read(location, key, split, name) -> the checked records at that location
+Read = Callable[[str, str, str, "str | None"], list]
+
+
+def training_records(cfg, read: Read) -> tuple[list, list[dict] | None]:
+    """The training records and, for a mixture, what each part gave (None without one)."""
+    d = cfg.data
+    if not d.mix:
+        return read(d.path, "data.path", d.split, d.name), None
+    parts = [read(part.path, f"data.mix[{i}].path", part.split, part.name) for i, part in enumerate(d.mix)]
+    counts = shares([float(part.weight) for part in d.mix], sum(len(records) for records in parts))
+    generator = torch.Generator().manual_seed(d.seed + 104_729)
+    drawn = [item for records, count in zip(parts, counts, strict=True) for item in _draw(records, count, generator)]
+    order = torch.randperm(len(drawn), generator=generator).tolist()
+    facts = [{"path": part.path, "weight": float(part.weight), "records": len(records), "drawn": count}
+             for part, records, count in zip(d.mix, parts, counts, strict=True)]
+    return [drawn[i] for i in order], facts
+
+
+def shares(weights: list[float], total: int) -> list[int]:
+    """`total` split in proportion to `weights` (largest remainders: the counts add up to it)."""
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def _draw(records: list, count: int, generator: torch.Generator) -> list:
+    whole, rest = divmod(count, len(records))
+    subset = torch.randperm(len(records), generator=generator)[:rest].sort().values.tolist()
+    return records * whole + [records[i] for i in subset]
+
+
+def check_mix(d) -> None:
+    """data.mix's own rules (its parts' locations are checked by the source)."""
+    if d.path:
+        raise ConfigError("data.path and data.mix both name the training records; keep data.mix (each part's "
+                          "path and weight) or data.path")
+    for i, part in enumerate(d.mix):
+        if not float(part.weight) > 0:
+            raise ConfigError(f"data.mix[{i}].weight={part.weight} must be positive (a part's share of the drawn "
+                              f"records); drop the part instead of weighting it 0")

@@ -1,0 +1,151 @@
+"""Streamed training data (`data.streaming=true`): records read and tokenized as they are trained
+on, never all in memory, for corpora larger than it.
+
+A streamed set (`StreamedSet`) is no rows but how to read them: every process opens the records
+itself (`datasets` in streaming mode: JSON lines, parquet, csv, text files, a glob, a hub id)
+and `StreamLoader` serves the minibatches the in-memory loader would: minibatch p is rows
+[p R, (p + 1) R) of the epoch (R = micro-batch rows x micro-batches), a record a row; an epoch
+ends where fewer than R records are left (they are dropped, as the in-memory loader drops the
+rows past its last whole minibatch), and the next starts again from the first record. In order
+(data.shuffle=false) a streamed run therefore trains on exactly the in-memory run's rows; with
+data.shuffle=true the records of each epoch pass through a shuffle buffer (data.shuffle_buffer
+records) drawn from (data.seed, epoch), so the order is random beyond the buffer's reach only.
+Each replica takes its share of every micro-batch's rows, as from the in-memory loader.
+
+Where to continue is the step, which the checkpoint holds already: a resumed run at step p skips
+the first p whole minibatches of records (over as many passes as they span; the buffer's draws
+are replayed; skipped records are read, not tokenized) and continues with the record after the
+last one trained, so a run stopped and resumed equals the uninterrupted one. Skipping reads the
+records before it again: a resume late in a long stream takes the time of reading (not
+tokenizing) that far.
+
+Every row is tokenized by the configured tokenizer (model.pretrained's or data.tokenizer): one
+trained here would need the whole corpus first. A bad record is one line naming its file and row
+when the stream reaches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+
+import torch
+
+from relaytrain.data import labels
+from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.encode import encode_rows
+from relaytrain.data.reading import Where, stream_rows
+from relaytrain.data.samples import parse_sample
+from relaytrain.data.tokenizer import find_tokenizer
+from relaytrain.errors import ConfigError
+from relaytrain.models.layered import Draw, MicroBatch
+
+
+@dataclass
+class StreamedSet:
+    """A training set read as it is trained on: the config says where and how (picklable: every
+    process of a run opens the stream itself). `facts` as a TokenDataset's."""
+
+    cfg: object
+    facts: dict = field(default_factory=dict)
+
+
+def check_streaming(cfg) -> None:
+    """What a stream cannot do, refused before any work (one line each)."""
+    from relaytrain.data.tokenizer import tokenizer_location
+
+    d = cfg.data
+    refused = [(d.mix, "data.mix (a mixture draws from every part's whole set)"),
+               (d.eval_fraction > 0, "data.eval_fraction (it holds out a share of the whole set; give data.eval_path)"),
+               (labels.masked_token_labels(cfg.model), f"model.task={cfg.model.task} (its masks are drawn over the "
+                                                        f"whole set; stream causal_lm or classification)")]
+    for on, what in refused:
+        if on:
+            raise ConfigError(f"data.streaming=true cannot take {what}; drop data.streaming or it")
+    if tokenizer_location(cfg) is None:
+        raise ConfigError("data.streaming=true tokenizes as it reads, so it needs a tokenizer made beforehand: set "
+                          "model.pretrained or data.tokenizer=DIR")
+    if d.shuffle_buffer < 1:
+        raise ConfigError(f"data.shuffle_buffer={d.shuffle_buffer} must be positive (records held to shuffle a stream)")
+
+
+class StreamLoader:
+    """The streamed twin of `MicroBatchLoader`: `minibatch(position)` for positions in order (a
+    jump, as at a resume, reopens the stream there)."""
+
+    def __init__(self, streamed: StreamedSet, microbatch_size: int, num_microbatches: int, shuffle: bool, seed: int,
+                 dropout_seed: int = 0):
+        self.cfg = streamed.cfg
+        self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
+        self.shuffle, self.seed, self.dropout_seed = shuffle, seed, dropout_seed
+        self.rows = microbatch_size * num_microbatches
+        self._groups: Iterator[list] | None = None
+        self._next = 0  # the position the open stream serves next
+        self._tokenizer = None
+        self._check_one_minibatch()
+
+    def _check_one_minibatch(self) -> None:
+        """A stream too short for one minibatch, found by reading that many records (no more)
+        before any step, as the in-memory loader finds it by counting."""
+        d = self.cfg.data
+        held = sum(1 for _ in islice(stream_rows(d.path, "data.path", d.split, d.name), self.rows))
+        if held < self.rows:
+            raise ConfigError(f"the streamed data.path={d.path} holds {held} records, fewer than one minibatch "
+                              f"(strategy.microbatch_size x strategy.num_microbatches = {self.rows}); use more data "
+                              f"or a smaller batch")
+
+    def minibatch(self, position: int) -> list[MicroBatch]:
+        if self._groups is None or position != self._next:
+            self._groups = islice(self._all_groups(), position, None)  # skipped groups are read, not tokenized
+        group = next(self._groups)
+        self._next = position + 1
+        batch = self._encode(group)
+        return [dataclasses.replace(batch.take(torch.arange(k * self.microbatch_size, (k + 1) * self.microbatch_size)),
+                                    draw=Draw(self.dropout_seed, position, k))
+                for k in range(self.num_microbatches)]
+
+    def _all_groups(self) -> Iterator[list]:
+        """Every epoch's whole minibatches of raw records, epoch after epoch."""
+        epoch = 0
+        while True:
+            served = 0
+            records = self._records(epoch)
+            while len(group := list(islice(records, self.rows))) == self.rows:
+                served += 1
+                yield group
+            if not served:  # checked at the start: only a file shortened while training gets here
+                raise ConfigError(f"the streamed data.path={self.cfg.data.path} ended before one minibatch")
+            epoch += 1
+
+    def _records(self, epoch: int) -> Iterator[tuple[Where, dict]]:
+        d = self.cfg.data
+        records = stream_rows(d.path, "data.path", d.split, d.name)
+        if not self.shuffle:
+            return records
+        return _buffer_shuffled(records, d.shuffle_buffer, random.Random(self.seed * 1_000_003 + epoch))
+
+    def _encode(self, group: list[tuple[Where, dict]]) -> TokenDataset:
+        if self._tokenizer is None:
+            self._tokenizer = find_tokenizer(self.cfg)
+        samples = [parse_sample(self.cfg, record, where) for where, record in group]
+        return encode_rows(self.cfg, samples, self._tokenizer, always_mask=True)
+
+
+def _buffer_shuffled(records: Iterator, size: int, rng: random.Random) -> Iterator:
+    """`records` through a buffer of `size`: each record out is drawn from the buffer and
+    replaced by the next one in; the rest, shuffled, at the end."""
+    buffer = list(islice(records, size))
+    for record in records:
+        slot = rng.randrange(len(buffer))
+        yield buffer[slot]
+        buffer[slot] = record
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def streamed_facts(source_name: str) -> dict:
+    """What is known before reading: the source, and that it streams (nothing is counted ahead)."""
+    return {"source": source_name, "streaming": True}

@@ -1,0 +1,339 @@
+"""Mixture-of-experts decoders: the router's load-balancing loss, exact block by block.
+
+Hugging Face's sparse-MLP decoders (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral,
+OLMoE) are decoders of the Llama layout whose MLP is a router and fused 3-D expert tensors
+(`experts.gate_up_proj`, `experts.down_proj`); the blocks run Hugging Face's own layers, so the
+experts compute as transformers computes them. What the layered model adds is the router's
+balancing term, which Hugging Face computes over every layer at once
+(`load_balancing_loss_func`, added to the loss as `router_aux_loss_coef * aux` when the
+config's `output_router_logits` is on):
+
+    aux = E * sum_e f_e * P_e,  f_e = C_e / (L * T),  P_e = S_e / (L * T)
+
+with E experts, L routed layers, T the micro-batch's tokens (its attention mask's ones), C_e the
+top-k assignments to expert e summed over the layers (no gradient) and S_e the router
+probabilities of expert e summed over the layers' tokens. Only P carries a gradient, and P is a
+sum over the layers, so with f known the term is a sum of one local term per layer:
+
+    aux = sum_l (E / (L * T)) * sum_e f_e * S^l_e
+
+f is known once the micro-batch's forward has passed every layer, before any backward: each
+routed block records its counts in the micro-batch's `RouterTally` (one per micro-batch, in the
+blocks' shared context, so a recompute records the same again), and its output passes through
+`_Balance`, whose backward adds the gradient of its own local term to the router logits. The
+head adds the term's value to the micro-batch's loss through `_Anchor`, whose backward tells the
+tally how the loss is scaled (the minibatch's items, an fp16 loss scale): so the strategies
+that run the blocks of a micro-batch in one process (the baseline, replicas, FSDP, L2L with its
+block-by-block backward and its recompute) train Hugging Face's exact gradient without a change.
+
+A micro-batch's loss is its token-summed cross-entropy plus `coef * aux * items` (its items:
+the cross-entropy's), divided like every loss by the minibatch's items: the token-weighted mean
+over micro-batches (and replicas' shares) of Hugging Face's own loss of each, which is the plain
+mean over micro-batches when they hold equal items (Megatron's convention; Hugging Face's
+Trainer sums the aux term over accumulation steps instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from relaytrain.errors import ConfigError
+
+ROUTER = "router"  # the shared-context entry holding the micro-batch's RouterTally
+# The sparse-MLP types whose whole forward the layered decoder computes as Hugging Face does
+# (tests/models/test_moe.py): router logits at output 0 of the router module their model class
+# records (`_can_record_outputs["router_logits"]`), Hugging Face's `load_balancing_loss_func`.
+PROVEN_MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def expert_count(config) -> int:
+    """Experts per routed layer (0: a dense model)."""
+    for key in EXPERT_KEYS:
+        try:
+            count = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 - a config that will not say has none
+            count = None
+        if isinstance(count, int) and count:
+            return count
+    return 0
+
+
+# --------------------------------------------------------------------------- the routing
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """What a model's routed layers share: experts, top-k, the balancing term's coefficient, how
+    many layers route (L), and which module is each layer's router."""
+
+    experts: int
+    top_k: int
+    coef: float
+    layers: int
+    router_class: type
+    balances: bool  # output_router_logits: the aux term is in the loss
+
+    @classmethod
+    def of(cls, hf_model: nn.Module) -> Routing | None:
+        """The routing of a Hugging Face MoE causal LM (None for a dense one)."""
+        config = hf_model.config
+        if not expert_count(config):
+            return None
+        recorder = type(hf_model)._can_record_outputs["router_logits"]
+        router_class = recorder.target_class
+        layers = sum(1 for layer in hf_model.model.layers if router_path(layer, router_class) is not None)
+        return cls(experts=expert_count(config), top_k=config.num_experts_per_tok,
+                   coef=float(config.router_aux_loss_coef), layers=layers, router_class=router_class,
+                   balances=bool(config.output_router_logits))
+
+    def tally(self, mask: torch.Tensor | None) -> RouterTally:
+        return RouterTally(self, None if mask is None else mask.reshape(-1).float())
+
+
+def router_path(layer: nn.Module, router_class: type) -> str | None:
+    """The name of `layer`'s router module (None: a dense layer, e.g. Qwen's `mlp_only_layers`)."""
+    return next((name for name, module in layer.named_modules() if isinstance(module, router_class)), None)
+
+
+class RouterTally:
+    """One micro-batch's routing over the model's routed layers: each layer's top-k assignments
+    (C^l, masked like Hugging Face's) and probability sums (S^l, values only), and, once the head's
+    backward has run, the factor its loss was scaled by."""
+
+    def __init__(self, routing: Routing, mask: torch.Tensor | None):
+        self.routing, self.mask = routing, mask
+        self.counts: dict[int, torch.Tensor] = {}
+        self.prob_sums: dict[int, torch.Tensor] = {}
+        self.loss_scale: torch.Tensor | None = None  # d(loss) / d(aux), set by `_Anchor` in the head's backward
+
+    def record(self, block: int, logits: torch.Tensor) -> None:
+        """Block `block`'s router logits [tokens, experts]: its counts and probability sums, as
+        `load_balancing_loss_func` makes them (set, not added: a recompute records the same)."""
+        r = self.routing
+        with torch.no_grad():
+            probs = torch.softmax(logits.detach(), dim=-1)
+            _, chosen = torch.topk(probs, r.top_k, dim=-1)
+            weight = torch.ones(chosen.shape[0], device=logits.device) if self.mask is None else self.mask.to(logits.device)
+            counts = torch.zeros(r.experts, dtype=torch.float32, device=logits.device)
+            counts.scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(r.top_k))
+            self.counts[block] = counts
+            self.prob_sums[block] = (probs.float() * weight.unsqueeze(-1)).sum(dim=0)
+
+    def tokens(self, device: torch.device) -> torch.Tensor:
+        """T: the micro-batch's tokens the term averages over (its mask's ones)."""
+        if self.mask is None:  # every row counts: each assigned top_k times
+            return next(iter(self.counts.values())).sum() / self.routing.top_k
+        return self.mask.to(device).sum()
+
+    def fractions(self) -> torch.Tensor:
+        """f: every layer's top-k assignments over L * T (a constant: no gradient)."""
+        self._check_complete()
+        counts = torch.stack(list(self.counts.values())).sum(dim=0)
+        return counts / (self.routing.layers * self.tokens(counts.device))
+
+    def aux(self) -> torch.Tensor:
+        """Hugging Face's load-balancing loss of the micro-batch (its value)."""
+        f = self.fractions()
+        probs = torch.stack(list(self.prob_sums.values())).sum(dim=0) / (self.routing.layers * self.tokens(f.device))
+        return self.routing.experts * (f * probs).sum()
+
+    def local_grad(self, logits: torch.Tensor) -> torch.Tensor:
+        """d(loss)/d(logits) through this layer's share of aux, (E / (L T)) sum_e f_e S^l_e, times
+        d(loss)/d(aux): softmax's Jacobian against the constant weights f, per token
+        p * (f - p . f), masked tokens none."""
+        r = self.routing
+        if self.loss_scale is None:  # the head's term was not backpropagated (no loss through it)
+            return torch.zeros_like(logits)
+        f = self.fractions().to(logits.device)
+        probs = torch.softmax(logits.detach().float(), dim=-1)
+        grad = probs * (f - (probs * f).sum(dim=-1, keepdim=True))
+        if self.mask is not None:
+            grad = grad * self.mask.to(logits.device).unsqueeze(-1)
+        scale = self.loss_scale.to(logits.device) * r.experts / (r.layers * self.tokens(logits.device))
+        return (grad * scale).to(logits.dtype)
+
+    def _check_complete(self) -> None:
+        if len(self.counts) != self.routing.layers:
+            raise ConfigError(f"the router's balancing loss needs every routed layer of a micro-batch in one process "
+                              f"({len(self.counts)} of {self.routing.layers} ran here); a strategy that splits the "
+                              f"blocks over processes cannot train it exactly")
+
+
+
+class _Balance(torch.autograd.Function):
+    """The block's output unchanged; backward adds the gradient of the block's share of the aux
+    term to its router logits (with the micro-batch's fractions, known by then)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, logits: torch.Tensor, tally: RouterTally) -> torch.Tensor:
+        ctx.save_for_backward(logits)
+        ctx.tally = tally
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        grad_logits = ctx.tally.local_grad(logits) if ctx.needs_input_grad[1] else None
+        return grad_out, grad_logits, None
+
+
+class _Anchor(torch.autograd.Function):
+    """The aux term's value in the loss, hung on the head's input so that the head's backward reaches
+    it: its backward hands the tally the loss's scale and sends nothing on (f carries none)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, weight: float, tally: RouterTally) -> torch.Tensor:
+        ctx.tally, ctx.weight = tally, weight
+        return aux * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.tally.loss_scale = grad.detach().float() * ctx.weight
+        return None, None, None, None
+
+
+def balanced(out: torch.Tensor, logits: torch.Tensor, tally: RouterTally) -> torch.Tensor:
+    """A routed block's output, its backward carrying the block's share of the aux term."""
+    if not torch.is_grad_enabled() or not (out.requires_grad or logits.requires_grad):
+        return out
+    return _Balance.apply(out, logits, tally)
+
+
+def anchored(hidden: torch.Tensor, tally: RouterTally, items: int) -> torch.Tensor:
+    """`coef * aux * items`, the micro-batch's aux term as a sum over its items (the loss's
+    convention), its backward reporting the scale the loss is taken at: hung on the head's input
+    `hidden`, whose gradient every block's backward waits for."""
+    aux, weight = tally.aux().to(torch.float32), tally.routing.coef * items
+    if not torch.is_grad_enabled() or not hidden.requires_grad:
+        return aux * weight
+    return _Anchor.apply(hidden, aux, weight, tally)
+
+
+@contextmanager
+def captured_router(router: nn.Module):
+    """The router's logits (output 0, as Hugging Face's OutputRecorder takes them) while the block runs."""
+    seen: list[torch.Tensor] = []
+    handle = router.register_forward_hook(lambda module, args, output: seen.append(output[0]))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+class Tallies:
+    """The micro-batches' tallies by key, held weakly: each lives as long as its micro-batch's
+    shared context or the autograd graph that reads it."""
+
+    def __init__(self):
+        self._by_key: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def put(self, key, tally: RouterTally) -> None:
+        self._by_key[key] = tally
+
+    def get(self, key) -> RouterTally | None:
+        return self._by_key.get(key)
+
+
+def tally_key(mb) -> object:
+    """A micro-batch's identity from its forward to its head: its draw key, else (a micro-batch
+    made by hand) its token tensor's."""
+    return mb.draw if mb.draw is not None else ("ids", id(mb.input_ids))
+
+
+# --------------------------------------------------------------------------- the model keys
+
+# Each proven type's config attributes for the expert count and one expert's MLP width.
+EXPERT_ATTRIBUTES = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
+                     "qwen2_moe": ("num_experts", "moe_intermediate_size"),
+                     "mixtral": ("num_local_experts", "intermediate_size"),
+                     "olmoe": ("num_experts", "intermediate_size")}
+
+
+def moe_sizes(m) -> dict:
+    """A fresh config's mixture attributes from the `model` keys (empty for a dense model), or one
+    line where the keys and the model type disagree."""
+    model_type = str(m.model_type)
+    if model_type not in EXPERT_ATTRIBUTES:
+        if m.num_experts:
+            raise ConfigError(f"model.num_experts={m.num_experts}: a {model_type} model has no experts; the mixtures "
+                              f"are model_type={', '.join(EXPERT_ATTRIBUTES)}")
+        return {}
+    if m.num_experts < 2 or not 0 < m.experts_per_token <= m.num_experts:
+        raise ConfigError(f"model.num_experts={m.num_experts} / model.experts_per_token={m.experts_per_token}: a "
+                          f"{model_type} model routes each token to 1..num_experts of at least 2 experts")
+    count, width = EXPERT_ATTRIBUTES[model_type]
+    sizes = {count: m.num_experts, "num_experts_per_tok": m.experts_per_token,
+             width: m.expert_intermediate_size or m.intermediate_size}
+    if m.shared_expert_intermediate_size:
+        if model_type != "qwen2_moe":
+            raise ConfigError(f"model.shared_expert_intermediate_size={m.shared_expert_intermediate_size}: a "
+                              f"{model_type} model has no shared expert (qwen2_moe has)")
+        sizes["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size
+    return sizes
+
+
+def moe_facts(c) -> dict:
+    """A checkpoint's mixture as `model` keys (a dense one: no experts, whatever `model=` group the
+    run started from)."""
+    experts = expert_count(c)
+    if not experts:
+        return {"num_experts": 0, "experts_per_token": 0, "expert_intermediate_size": None,
+                "shared_expert_intermediate_size": 0}
+    width = EXPERT_ATTRIBUTES.get(c.model_type, (None, "intermediate_size"))[1]
+    return {"num_experts": experts, "experts_per_token": c.num_experts_per_tok,
+            "expert_intermediate_size": getattr(c, width), "output_router_logits": bool(c.output_router_logits),
+            "shared_expert_intermediate_size": int(getattr(c, "shared_expert_intermediate_size", 0) or 0),
+            "router_aux_loss_coef": float(c.router_aux_loss_coef)}
+
+
+def run_settings(hf_config, m) -> None:
+    """`model.output_router_logits` and `model.router_aux_loss_coef` on a mixture's config (None
+    keeps the checkpoint's); saved with the model, so Hugging Face continues with the same loss."""
+    if not expert_count(hf_config):
+        return
+    if m.output_router_logits is not None:
+        hf_config.output_router_logits = bool(m.output_router_logits)
+    if m.router_aux_loss_coef is not None:
+        hf_config.router_aux_loss_coef = float(m.router_aux_loss_coef)
+
+
+def whole_microbatch(m) -> str | None:
+    """Why a micro-batch of this model needs every block in one process, or None."""
+    if m.num_experts and m.output_router_logits:
+        return ("the router's balancing loss (model.output_router_logits=true) multiplies means over every routed "
+                "layer of a micro-batch, which a pipeline's stages hold apart; train it under baseline, fsdp or l2l, "
+                "or set model.output_router_logits=false")
+    return None
+
+
+# --------------------------------------------------------------------------- a dry run's experts
+
+DRY_EXPERTS = "relaytrain_dry_run"
+
+
+def dry_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """The fused experts on the meta device, with grouped_mm's footprint: torch's meta kernel of
+    grouped_mm takes bf16 alone, so a dry run in another dtype multiplies the rows of every
+    (token, expert) pair, gathered as grouped_mm gathers them, by one expert's matrices (a view:
+    no copy), keeping the same tensors for backward; the weights' gradients are the fused tensors'
+    whole size, as a GPU's."""
+    tokens, k = top_k_index.shape
+    rows = hidden_states.repeat_interleave(k, dim=0)  # (tokens * k, hidden)
+    up = self._apply_gate(rows @ self.gate_up_proj[0].transpose(0, 1))
+    out = (up @ self.down_proj[0].transpose(0, 1)) * top_k_weights.reshape(-1, 1)
+    return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def register_dry_experts() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(DRY_EXPERTS, dry_experts)
+
+
+register_dry_experts()

@@ -1,0 +1,147 @@
+"""A causal LM's head and cross-entropy over chunks of tokens: the whole sequence's logits never exist.
+
+At 8,192 tokens a 128 k vocabulary makes 4 GiB of fp32 logits per sequence, and their softmax
+and gradient as much again each: more than a 7 B model's block. So the head (the final norm,
+the LM head, a family's scalars and soft-capping: whatever `head(hidden)` computes, token by
+token) and the loss run over `chunk` tokens at a time (`ChunkedHeadLoss`). The forward keeps
+no chunk's logits, only the head's input; the backward computes each chunk's logits again and
+backpropagates them at once, so one chunk's logits, softmax and gradient are alive at a time.
+The sum is the whole sequence's to float noise (the order of a sum of chunks), loss and every
+gradient.
+
+Its price is a second forward of the head per token and, where the head's weights train, a
+second weight-sized gradient while the chunks' gradients are summed. `model.loss_chunk_tokens`:
+`auto` chunks where that saves memory (`Chunking.tokens`), `0` never, a number always in chunks
+of that many tokens. The dry run and the planner's closed form count what the run holds.
+
+The head is run through `functional_call` on the tensors the forward saw (the parameters and
+buffers it read, saved for the backward), not on whatever the module holds when the backward
+runs: L2L's relay swaps device copies into the head only while its forward runs, and FSDP
+holds the gathered parameters only inside the root's forward and backward. The head must draw
+nothing at random (a causal LM's head has no dropout): its recompute draws nothing again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from relaytrain import meta_autocast
+from relaytrain.errors import ConfigError
+
+AUTO = "auto"
+LOSS_CHUNK_BYTES = 2**28  # auto: one chunk's fp32 logits take at most this (256 MiB)
+LOGIT_COPIES = 3  # fp32 values a token's logits hold at the loss's peak: the logits, their softmax, the gradient
+FP32 = 4
+
+
+def chunk_setting(value) -> int | None:
+    """`model.loss_chunk_tokens` read: None for auto, 0 for the whole sequence at once, else a
+    chunk's tokens; anything else is one line."""
+    text = str(value).strip().lower()
+    if text == AUTO:
+        return None
+    if not text.isdigit():
+        raise ConfigError(f"model.loss_chunk_tokens={value} must be auto, 0 (the whole sequence's logits at once) "
+                          f"or a number of tokens per chunk of the LM head and its loss")
+    return int(text)
+
+
+def auto_chunk_tokens(vocab: int) -> int:
+    """Tokens of one chunk under auto: as many as keep its fp32 logits within `LOSS_CHUNK_BYTES`."""
+    return max(1, LOSS_CHUNK_BYTES // (FP32 * max(vocab, 1)))
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a model's causal-LM loss is cut: `model.loss_chunk_tokens` and the vocabulary."""
+
+    setting: str | int = AUTO
+    vocab: int = 0
+
+    def tokens(self, tokens: int, trained_head_values: int) -> int:
+        """Tokens per chunk for a micro-batch predicting `tokens` tokens (0: the whole at once).
+        Auto chunks where the whole sequence's logits (three copies at the peak) outweigh one
+        chunk's plus the second gradient of the head's `trained_head_values` weights."""
+        wanted = chunk_setting(self.setting)
+        if wanted is None:
+            chunk = auto_chunk_tokens(self.vocab)
+            whole = LOGIT_COPIES * tokens * self.vocab
+            return chunk if whole > LOGIT_COPIES * chunk * self.vocab + trained_head_values else 0
+        return wanted if 0 < wanted < tokens else 0
+
+
+def chunked_head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int,
+                      loss_of_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The summed loss of `head` over `hidden` [tokens, width] against `labels` [tokens], `chunk`
+    tokens at a time, the logits recomputed in the backward."""
+    names, tensors = zip(*[*head.named_parameters(), *head.named_buffers()], strict=True)
+
+    def run(weights, x, y):
+        return loss_of_logits(functional_call(head, dict(zip(names, weights, strict=True)), (x,)), y)
+
+    return ChunkedHeadLoss.apply(run, chunk, hidden, labels, *tensors)
+
+
+def chunks_of(chunk: int, *tensors: torch.Tensor):
+    """The tensors cut along their first dimension into pieces of `chunk`, piece by piece."""
+    return zip(*(t.split(chunk) for t in tensors), strict=True)
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """`run(weights, x, labels)` (a chunk's summed loss) over every chunk: forward without keeping
+    any chunk's logits; backward recomputing each chunk's and backpropagating it before the next."""
+
+    @staticmethod
+    def forward(ctx, run, chunk: int, hidden: torch.Tensor, labels: torch.Tensor, *weights: torch.Tensor):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for x, y in chunks_of(chunk, hidden, labels):
+            total += run(weights, x, y)
+        ctx.run, ctx.chunk, ctx.autocast = run, chunk, _autocast_state(hidden.device)
+        ctx.dry_autocast = meta_autocast.recompute_contexts()[1]  # a dry run's, which torch does not know of
+        ctx.save_for_backward(hidden, labels, *weights)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        hidden, labels, *weights = ctx.saved_tensors
+        wants_hidden = ctx.needs_input_grad[2]
+        trained = [i for i, wanted in enumerate(ctx.needs_input_grad[4:]) if wanted]
+        leaves = [w.detach().requires_grad_(i in trained) for i, w in enumerate(weights)]
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        sums: dict[int, torch.Tensor] = {}
+        start = 0
+        with ctx.dry_autocast:
+            for x, y in chunks_of(ctx.chunk, hidden, labels):
+                x = x.detach().requires_grad_(wants_hidden)
+                inputs = ([x] if wants_hidden else []) + [leaves[i] for i in trained]
+                if not inputs:
+                    break
+                with torch.enable_grad(), _autocast(ctx.autocast):
+                    loss = ctx.run(leaves, x, y)
+                grads = list(torch.autograd.grad(loss, inputs, grad_total, allow_unused=True))
+                if wants_hidden:
+                    grad_hidden[start:start + x.shape[0]] = grads.pop(0)
+                for i, grad in zip(trained, grads, strict=True):
+                    if grad is not None:  # the first chunk's gradient becomes the sum: no zeros made
+                        sums[i] = grad if i not in sums else sums[i].add_(grad)
+                start += x.shape[0]
+        return (None, None, grad_hidden, None, *(sums.get(i) for i in range(len(weights))))
+
+
+def _autocast_state(device: torch.device) -> dict | None:
+    """The forward's autocast (amp_*), to recompute under in the backward, which runs without it
+    (a dry run's, which torch does not know of, is `meta_autocast`'s)."""
+    kind = device.type
+    if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+        return None
+    return {"device_type": kind, "dtype": torch.get_autocast_dtype(kind)}
+
+
+def _autocast(state: dict | None):
+    return torch.autocast(**state) if state is not None else contextlib.nullcontext()

@@ -1,0 +1,82 @@
+"""data.mix: several record sets, each in its own form and shape, drawn by weight with a seeded
+generator, each part's counts in results.json; and the keys refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relaytrain.compose import compose_config, validate
+from relaytrain.data import build_datasets
+from relaytrain.data.mixture import shares
+from relaytrain.errors import ConfigError
+from relaytrain.models.pretrained import resolve
+from relaytrain.train import run
+from tests.checkpoints import chat_tokenizer, tiny_decoder
+from tests.data.test_record_forms import as_messages, as_sharegpt, write_form
+
+
+def test_shares_follow_the_weights_and_add_up():
+    assert shares([3.0, 1.0], 16) == [12, 4]
+    assert shares([1.0, 1.0, 1.0], 10) == [4, 3, 3]
+    assert sum(shares([0.7, 0.2, 0.1], 101)) == 101
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """A ShareGPT parquet file of 8 conversations whose replies say "A", a messages JSON lines file
+    of 8 whose replies say "B", and a tiny llama."""
+    root = tmp_path_factory.mktemp("mix")
+    (root / "a").mkdir()
+    (root / "b").mkdir()
+    a = write_form("parquet", [as_sharegpt([("user", f"Question {i}?"), ("assistant", "A")]) for i in range(8)],
+                   root / "a")
+    b = write_form("jsonl", [as_messages([("user", f"Question {i}?"), ("assistant", "B")]) for i in range(8)],
+                   root / "b")
+    return a, b, tiny_decoder(root / "llama", layers=2)
+
+
+def mix_cfg(parts, *overrides: str, weights=(3, 1)):
+    a, b, llama = parts
+    mix = f"data.mix=[{{path: {a}, weight: {weights[0]}}}, {{path: {b}, weight: {weights[1]}}}]"
+    return resolve(compose_config([f"model.pretrained={llama}", "data=chat", mix, "data.seq_len=32",
+                                   "strategy.microbatch_size=2", "strategy.num_microbatches=2", "train.steps=2",
+                                   "train.untimed_steps=1", "data.cache=false", *overrides]))
+
+
+def replies(dataset) -> list[str]:
+    return [chat_tokenizer().decode(row[row != -100].tolist()) for row in dataset.labels]
+
+
+def test_a_two_source_mixture_draws_by_weight_seeded_and_reports_each_part(parts, tmp_path):
+    train = build_datasets(mix_cfg(parts))[0]
+    said = [reply[0] for reply in replies(train)]
+    assert said.count("A") == 12 and said.count("B") == 4 and said[:12] != ["A"] * 12  # interleaved
+    a, b, _ = parts
+    assert train.facts["mix"] == [{"path": a, "weight": 3.0, "records": 8, "drawn": 12},
+                                  {"path": b, "weight": 1.0, "records": 8, "drawn": 4}]
+    again = build_datasets(mix_cfg(parts))[0]
+    assert torch.equal(again.input_ids, train.input_ids)
+    other = build_datasets(mix_cfg(parts, "data.seed=5"))[0]
+    assert not torch.equal(other.input_ids, train.input_ids)
+    results = run(mix_cfg(parts), tmp_path, quiet=True)
+    assert [part["drawn"] for part in results["data"]["mix"]] == [12, 4] and results["steps"] == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.path=/tmp/x.jsonl"], "data.path and data.mix both name the training records"),
+    (["data.mix=[{path: /tmp/x.jsonl, weight: 0}]"], r"data.mix\[0\].weight=0.0 must be positive"),
+    (["data.mix=[{path: /nowhere/x.parquet}]"], r"data.mix\[0\].path=/nowhere/x.parquet does not exist"),
+    (["data.streaming=true"], "data.streaming=true streams data=jsonl records; data=chat reads its whole set"),
+], ids=["path-and-mix", "zero-weight", "missing-part", "streaming"])
+def test_mixture_and_streaming_keys_are_refused_in_one_line(parts, overrides, message):
+    cfg = mix_cfg(parts, *overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_a_mixture_is_refused_for_a_source_that_reads_one_dataset(parts):
+    a, _, _ = parts
+    cfg = compose_config(["data=glue", f"data.mix=[{{path: {a}}}]"])
+    with pytest.raises(ConfigError, match="data.mix mixes record sets for data=chat or jsonl; data=glue"):
+        validate(cfg)

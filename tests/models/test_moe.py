@@ -1,0 +1,320 @@
+"""Mixtures of experts train as Hugging Face computes them, the router's balancing loss included.
+
+Tiny Qwen3-MoE (a dense layer among routed ones), Qwen2-MoE (a shared expert), Mixtral and OLMoE
+checkpoints written by `save_pretrained`, `output_router_logits` on with a coefficient of 0.5: the
+layered model's loss and every gradient equal Hugging Face's own `model(..., labels=).loss`
+(cross-entropy plus `router_aux_loss_coef * aux`), and a run from `model.pretrained=DIR` alone
+ends with the weights of a plain Hugging Face loop whose loss is the mean over micro-batches (each
+replica's share one of them) of Hugging Face's own loss of each, with torch's AdamW, weight decay
+and warm-up. The strategies that split a micro-batch's blocks over processes (the pipelines) are
+refused in one line while the balancing loss is on, and train a mixture without it exactly; the
+mixture types not proven are refused too. Around them: Mixtral's router jitter and dropout drawn
+under the micro-batch's key (every strategy equals the plain loop), LoRA on the fused experts
+(peft's `target_parameters`) continued or fresh as plain peft / Hugging Face loops, resume, the
+dry run, and the published configs counted as their model cards count them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from relaytrain import checkpoint
+from relaytrain.compose import compose_config, validate
+from relaytrain.cost.work import block_matmul_flops, block_shape
+from relaytrain.errors import ConfigError
+from relaytrain.models import build_model, count_parameters, part_parameters
+from relaytrain.models.family import family_of
+from relaytrain.models.pretrained import resolve
+from relaytrain.optim import lr_at
+from relaytrain.strategies import strategy_class
+from relaytrain.strategies.base import replica_rows
+from relaytrain.train import run
+from tests.checkpoints import MOE_ARCHITECTURES, tiny_moe
+from tests.conformance.references import (
+    adapters_of,
+    assert_same_weights,
+    decay_groups,
+    minibatches,
+    plain_loop,
+)
+from tests.conformance.references import hf_saved as saved
+from tests.models.equality import assert_layered_equals_hf, padded_batch
+
+RUN_KEYS = [
+    "data.seq_len=16", "data.num_samples=64", "optim=adamw", "optim.lr=0.02", "optim.eps=1e-4",
+    "optim.weight_decay=0.1", "optim.warmup_steps=1", "optim.schedule=linear", "train.steps=2",
+    "train.untimed_steps=0", "strategy.num_microbatches=2", "strategy.microbatch_size=2", "train.save_model=true",
+    "model.dropout=0.0",
+]
+VARIANTS = {
+    "baseline": ["strategy=baseline"], "baseline_recompute": ["strategy=baseline", "strategy.recompute=block"],
+    "baseline_replicas": ["strategy=baseline", "strategy.replicas=2"], "l2l": ["strategy=l2l"],
+    "l2l_stash_cpu": ["strategy=l2l_stash_cpu"], "l2l_replicas": ["strategy=l2l", "strategy.replicas=2"],
+    "fsdp": ["strategy=fsdp"],
+}
+# The default suite's cover: every type once, every one-process variant and fsdp once; the rest is `slow`.
+# (Spawned replicas, baseline's and l2l's, cost ~15 s a cell: `slow`; fsdp's two processes stay.)
+DEFAULT = {("qwen3_moe", "baseline"), ("mixtral", "l2l"), ("qwen2_moe", "l2l_stash_cpu"), ("olmoe", "baseline_recompute"),
+           ("qwen3_moe", "fsdp")}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def of(arch: str) -> Path:
+        if arch not in made:
+            layers = 4 if arch == "olmoe" else 3  # two stages of two chunks (pipe_interleaved) need four blocks
+            made[arch] = tiny_moe(tmp_path_factory.mktemp(arch) / "checkpoint", arch, layers=layers)
+        return made[arch]
+
+    return of
+
+
+@pytest.mark.parametrize("arch", list(MOE_ARCHITECTURES))
+def test_the_layered_loss_and_every_gradient_are_hugging_faces_with_the_balancing_term(arch, checkpoints):
+    pretrained = checkpoints(arch)
+    model = build_model(resolve(compose_config([f"model.pretrained={pretrained}", "model.dropout=0.0"])).model)
+    reference = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+    ids, mask, labels = padded_batch()
+    out = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.aux_loss > 1.0 and model.routing.coef == 0.5  # the term is a third of the loss: a wrong one shows
+    assert_layered_equals_hf(model, reference, ids, mask, labels, arch)
+
+
+def hf_moe_reference(pretrained: Path, cfg, balancing: bool = True, **config) -> tuple:
+    """A plain Hugging Face loop (`moe_loop`) from the checkpoint, torch's AdamW with decay on all
+    but norms and biases. Returns the model, each step's loss and each step's
+    `router_aux_loss_coef * aux`."""
+    o = cfg.optim
+    model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, output_router_logits=balancing,
+                                                 **config)
+    optimizer = torch.optim.AdamW(decay_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    return model, *moe_loop(model, optimizer, cfg)
+
+
+def moe_loop(model: torch.nn.Module, optimizer, cfg) -> tuple[list[float], list[float]]:
+    """The run's minibatches through `model` (Hugging Face's or peft's): each micro-batch's (each
+    replica's share's) own loss, aux term included where the config has it on, averaged over them;
+    each step's loss and `router_aux_loss_coef * aux`."""
+    replicas = strategy_class(cfg.strategy.name).replicas(cfg)
+    config = model.config if hasattr(model.config, "router_aux_loss_coef") else model.get_base_model().config
+    model.train()
+    losses, terms = [], []
+    for step, minibatch in enumerate(minibatches(cfg)):
+        shares = [mb for r in range(replicas) for mb in replica_rows(minibatch, r, replicas)]
+        total = aux = 0.0
+        for mb in shares:
+            mask = torch.ones_like(mb.input_ids) if mb.attention_mask is None else mb.attention_mask
+            out = model(input_ids=mb.input_ids, attention_mask=mask, labels=mb.labels, use_cache=False)
+            (out.loss / len(shares)).backward()
+            total += float(out.loss.detach()) / len(shares)
+            if out.aux_loss is not None:
+                aux += float(out.aux_loss.detach()) * config.router_aux_loss_coef / len(shares)
+        losses.append(total)
+        terms.append(aux)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.optim, cfg.train.steps)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, terms
+
+
+def matrix() -> list:
+    return [pytest.param(arch, variant, id=f"{arch}-{variant}", marks=() if (arch, variant) in DEFAULT else pytest.mark.slow)
+            for arch in MOE_ARCHITECTURES for variant in VARIANTS]
+
+
+@pytest.mark.parametrize(("arch", "variant"), matrix())
+def test_a_strategy_trains_the_mixture_as_a_plain_hugging_face_loop(arch, variant, checkpoints, tmp_path):
+    pretrained = checkpoints(arch)
+    cfg = compose_config([f"model.pretrained={pretrained}", *VARIANTS[variant], *RUN_KEYS])
+    results = run(cfg, tmp_path / "run", table=False)
+    reference, losses, terms = hf_moe_reference(pretrained, cfg)
+    ours = saved(tmp_path / "run")
+    assert_same_weights(ours, reference, f"{arch} under {variant}")
+    start = dict(AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32).named_parameters())
+    moved = {key for key, p in ours.named_parameters() if (p - start[key]).abs().max() > 1e-3}
+    assert {key for key in start if "experts" in key or "gate" in key} <= moved, "an expert or a router did not train"
+    assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+    if strategy_class(cfg.strategy.name).replicas(cfg) == 1:  # with replicas the reporter's shares only
+        assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)  # reported beside the loss
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+def test_mixture_types_not_proven_are_refused_in_one_line(model_type):
+    config = AutoConfig.for_model(model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=64, vocab_size=320)
+    with pytest.raises(ConfigError) as refused:
+        family_of(config)
+    message = str(refused.value)
+    assert "\n" not in message and "mixture-of-experts" in message and "qwen3_moe" in message
+
+
+@pytest.mark.parametrize("pipeline", ["pipe_flush", "pipe_2bw", "pipe_gpipe", "pipe_interleaved"])
+def test_a_pipeline_refuses_the_balancing_loss_in_one_line(pipeline, checkpoints, tmp_path):
+    keys = [f"model.pretrained={checkpoints('olmoe')}", f"strategy={pipeline}", *RUN_KEYS]
+    with pytest.raises(ConfigError) as refused:
+        run(compose_config(keys), tmp_path / "run", table=False)
+    assert "\n" not in str(refused.value) and "model.output_router_logits=false" in str(refused.value)
+
+
+@pytest.mark.parametrize("pipeline", [pytest.param("pipe_flush"), pytest.param("pipe_2bw", marks=pytest.mark.slow),
+                                      pytest.param("pipe_gpipe", marks=pytest.mark.slow),
+                                      pytest.param("pipe_interleaved", marks=pytest.mark.slow)])
+def test_a_pipeline_trains_the_mixture_without_the_balancing_loss_as_hugging_face(pipeline, checkpoints, tmp_path):
+    pretrained = checkpoints("olmoe" if pipeline == "pipe_interleaved" else "qwen2_moe")  # interleaved: 4 blocks
+    off = "model.output_router_logits=false"
+    cfg = compose_config([f"model.pretrained={pretrained}", f"strategy={pipeline}", *RUN_KEYS, off])
+    results = run(cfg, tmp_path / "run", table=False, overrides=[off])
+    model, losses, _ = hf_moe_reference(pretrained, cfg, balancing=False) if pipeline != "pipe_2bw" else (None,) * 3
+    if model is not None:
+        assert_same_weights(saved(tmp_path / "run"), model, f"{pipeline} without the balancing loss")
+        assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+    assert not AutoConfig.from_pretrained(tmp_path / "run" / "model").output_router_logits  # saved as trained
+
+
+def test_the_run_keys_override_the_checkpoints_balancing_loss_and_are_saved(checkpoints, tmp_path):
+    pretrained = checkpoints("mixtral")
+    cfg = resolve(compose_config([f"model.pretrained={pretrained}", "model.router_aux_loss_coef=0.25", *RUN_KEYS]),
+                  ["model.router_aux_loss_coef=0.25"])
+    assert (cfg.model.num_experts, cfg.model.experts_per_token, cfg.model.output_router_logits) == (4, 2, True)
+    model = build_model(cfg.model)
+    assert model.routing.coef == 0.25 and model.hf_model.config.router_aux_loss_coef == 0.25
+    off = resolve(compose_config([f"model.pretrained={pretrained}", "model.output_router_logits=false", *RUN_KEYS]),
+                  ["model.output_router_logits=false"])
+    assert off.model.output_router_logits is False
+    assert not build_model(off.model).routing.balances
+
+
+@pytest.mark.parametrize("variant", ["l2l", pytest.param("baseline_recompute", marks=pytest.mark.slow),
+                                     pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_dropout_and_mixtrals_router_jitter_are_drawn_under_the_micro_batch_key(variant, tmp_path):
+    pretrained = tiny_moe(tmp_path / "checkpoint", "mixtral", router_jitter_noise=0.2)
+    keys = [f"model.pretrained={pretrained}", *VARIANTS[variant], *RUN_KEYS, "model.dropout=0.1"]
+    cfg = resolve(compose_config(keys), ["model.dropout=0.1"])
+    run(cfg, tmp_path / "run", table=False)
+    plain = plain_loop(cfg)  # each replica's rows with that replica's masks (fsdp runs two)
+    assert_same_weights(saved(tmp_path / "run"), plain, f"mixtral with jitter and dropout under {variant}")
+    still = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+    reference, _, _ = hf_moe_reference(pretrained, cfg, router_jitter_noise=0.0)  # no jitter, no dropout
+    assert still.config.router_jitter_noise == 0.2
+    differ = max((p - q).abs().max() for p, q in zip(plain.parameters(), reference.parameters(), strict=True))
+    assert differ > 1e-3, "the jitter and dropout drew nothing"
+
+
+# ------------------------------------------------------------------ LoRA on the experts (peft's target_parameters)
+
+EXPERT_TENSORS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def expert_adapter(base: Path, directory: Path) -> Path:
+    """A peft LoRA adapter on attention and on the fused 3-D expert tensors (`target_parameters`),
+    every matrix random (non-zero), saved by peft."""
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0,
+                        target_parameters=EXPERT_TENSORS)
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    peft_model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(("arch", "variant"), [("qwen3_moe", "l2l"), pytest.param("qwen3_moe", "baseline", marks=pytest.mark.slow),
+                                               pytest.param("mixtral", "l2l", marks=pytest.mark.slow),
+                                               pytest.param("mixtral", "fsdp", marks=pytest.mark.slow)])
+def test_lora_on_the_experts_continues_a_peft_adapter_as_a_plain_peft_loop(arch, variant, checkpoints, tmp_path):
+    base = checkpoints(arch)
+    adapter = expert_adapter(base, tmp_path / "adapter")
+    cfg = compose_config([f"model.pretrained={base}", "adapter=lora", f"adapter.pretrained={adapter}",
+                          *VARIANTS[variant], *RUN_KEYS])
+    results = run(cfg, tmp_path / "run", table=False)
+    o = cfg.optim
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter,
+                                          is_trainable=True)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    losses, _ = moe_loop(reference, optimizer, cfg)
+    ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                     tmp_path / "run" / "model")
+    theirs, mine = adapters_of(reference), adapters_of(ours)
+    assert mine.keys() == theirs.keys() and any("experts" in key for key in mine)
+    start = adapters_of(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter))
+    for key, p in mine.items():
+        torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=lambda m, key=key: f"{variant} {key}: {m}")
+        assert (p - start[key]).abs().max() > 1e-3, f"{key} did not train"
+    assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+
+
+def test_a_fresh_lora_on_the_experts_and_attention_trains_as_a_plain_hugging_face_loop(checkpoints, tmp_path):
+    pretrained = checkpoints("qwen2_moe")
+    keys = [f"model.pretrained={pretrained}", "adapter=lora", "adapter.target_modules=[q_proj,v_proj]",
+            f"adapter.target_parameters=[{','.join(EXPERT_TENSORS)}]", "strategy=l2l", *RUN_KEYS]
+    cfg = resolve(compose_config(keys))
+    run(cfg, tmp_path / "run", table=False)
+    plain = build_model(cfg.model, seed=cfg.train.seed, adapter=cfg.adapter).hf_model  # the run's fresh adapter
+    trainable = [p for p in plain.parameters() if p.requires_grad]
+    o = cfg.optim
+    moe_loop(plain, torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay),
+             cfg)  # Hugging Face's forward (peft's layers injected), torch's AdamW
+    saved_adapter = load_file(tmp_path / "run" / "model" / "adapter_model.safetensors")  # peft's names
+    mine = {key.removeprefix("base_model.model."): p for key, p in saved_adapter.items()}
+    theirs = {key.replace(".default", ""): p for key, p in adapters_of(plain).items()}
+    assert mine.keys() == theirs.keys() and sum("experts" in key for key in mine) == 2 * 2 * 3  # both fused tensors
+    for key, p in mine.items():
+        torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
+        assert "lora_A" in key or p.abs().max() > 1e-3, f"{key} did not leave zero"
+    with pytest.raises(ConfigError, match="names no parameter"):
+        validate(resolve(compose_config([*keys[:3], "adapter.target_parameters=[mlp.experts.up_proj]", *RUN_KEYS])))
+
+
+# ------------------------------------------------------------------ the published configs, as the cost model counts them
+
+# (total, active per token) as published, billions.
+PUBLISHED = {"qwen3_30b_a3b": (30.5, 3.3), "qwen3_235b_a22b": (235.0, 22.0), "mixtral_8x7b": (46.7, 12.9),
+             "olmoe_1b_7b": (6.9, 1.3)}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_a_published_mixture_counts_every_expert_for_memory_and_the_active_ones_for_flops(name):
+    m = compose_config([f"model={name}"]).model
+    total, active = PUBLISHED[name]
+    assert count_parameters(m) / 1e9 == pytest.approx(total, rel=0.01)  # memory, transfers: every expert
+    embed, block, head = part_parameters(m)
+    assert embed + m.num_layers * block + head == count_parameters(m)
+    # FLOPs: 2 per active weight per token (the top-k experts and the router, never the idle ones)
+    per_token = embed + head + m.num_layers * block_matmul_flops(block_shape(m)) / 2
+    assert per_token / 1e9 == pytest.approx(active, rel=0.03)
+
+
+def test_a_dry_run_of_a_mixture_counts_every_expert_in_fp32(tmp_path):
+    keys = ["model=olmoe_1b_7b", "model.output_router_logits=true", "model.num_layers=2", "train.device=meta",
+            "strategy=baseline", "data.seq_len=64", "train.steps=1", "strategy.microbatch_size=1",
+            "strategy.num_microbatches=2"]
+    cfg = compose_config(keys)
+    memory = run(cfg, tmp_path / "run", table=False, quiet=True)["memory"]["device"]["by_kind"]
+    assert memory["weights"] == 4 * count_parameters(cfg.model)  # the fused expert tensors whole, in fp32
+    assert memory["activations and temporaries"] > 0
+
+
+@pytest.mark.parametrize("variant", ["l2l", pytest.param("baseline", marks=pytest.mark.slow)])
+def test_a_mixture_resumes_from_its_step_one_checkpoint_bit_for_bit(variant, checkpoints, tmp_path):
+    keys = [f"model.pretrained={checkpoints('qwen2_moe')}", *VARIANTS[variant], *RUN_KEYS,
+            "train.checkpoint_every=1", "train.keep_checkpoints=0"]
+    results = run(compose_config(keys), tmp_path / "run", table=False)
+    first = checkpoint.step_dir(checkpoint.checkpoint_dir(tmp_path / "run"), 1)
+    resumed = run(compose_config([*keys, f"train.resume={first}"]), tmp_path / "resumed", table=False)
+    whole = dict(saved(tmp_path / "run").named_parameters())
+    for key, p in saved(tmp_path / "resumed").named_parameters():
+        assert torch.equal(p, whole[key]), f"{key} differs after resuming"
+    assert resumed["loss"] == results["loss"] and resumed["loss_terms"] == results["loss_terms"]

@@ -1,0 +1,47 @@
+"""How local workers start: forked from a warm server (the default), or spawned afresh.
+
+Both must run the same training: a worker forked from the server gets the launcher's
+environment as it is at launch (not the server's, from when it started), and every worker
+starts deaf to SIGINT and SIGTERM (test_watch.py stops runs through them).
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relaytrain import failpoints
+from relaytrain.errors import ConfigError
+from relaytrain.launch import START_METHOD, _worker_context
+from relaytrain.train import run
+from tests.conftest import tiny_cfg
+
+
+def two_replicas(*overrides):
+    return tiny_cfg("gpt2", "strategy=baseline", "strategy.replicas=2", "train.steps=2", "train.save_model=true",
+                    "strategy.timeout_s=60", *overrides)
+
+
+def test_a_start_method_that_does_not_exist_is_one_line(monkeypatch):
+    monkeypatch.setenv(START_METHOD, "fork")
+    with pytest.raises(ConfigError, match="RELAYTRAIN_WORKER_START='fork': use forkserver or spawn"):
+        _worker_context()
+
+
+def test_a_forked_worker_reads_the_environment_the_launcher_has_now(monkeypatch, tmp_path):
+    """The server started long before (another test's run, say); a fault set now still reaches
+    the worker it names."""
+    run(two_replicas(), tmp_path / "warm")  # the fork server is up from here on
+    monkeypatch.setenv(failpoints.VARIABLE, "checkpoint:1:1=enospc")
+    with pytest.raises(ConfigError, match="No space left on device"):
+        run(two_replicas("train.checkpoint_every=1"), tmp_path / "struck")
+
+
+@pytest.mark.slow
+def test_spawned_and_forked_workers_train_the_same_weights(monkeypatch, tmp_path):
+    run(two_replicas(), tmp_path / "forked")
+    monkeypatch.setenv(START_METHOD, "spawn")
+    run(two_replicas(), tmp_path / "spawned")
+    forked, spawned = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("forked", "spawned"))
+    assert forked.keys() == spawned.keys()
+    for name in forked:
+        assert torch.equal(forked[name], spawned[name]), name
