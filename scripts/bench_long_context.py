@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, headline
+from benchlib import OtherLoad, alternating_rounds, headline, headline_line
 
 RUN = ["model=llama_tiny", "model.num_layers=2", "model.hidden_size=256", "model.intermediate_size=688",
        "model.num_heads=4", "model.num_kv_heads=2", "model.vocab_size=128256", "model.max_seq_len=1024",
@@ -66,10 +66,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp, OtherLoad() as load:
         workdir = Path(tmp)
-        rounds = []
-        for r in range(args.rounds):  # alternate which runs first: a warmer machine favours neither
-            order = ("chunked", "whole") if r % 2 == 0 else ("whole", "chunked")
-            rounds.append({name: one_run(name, workdir, args.steps) for name in order})
+        rounds = alternating_rounds(("chunked", "whole"), args.rounds, lambda name: one_run(name, workdir, args.steps))
     speed = [r["chunked"]["samples_per_s"] / r["whole"]["samples_per_s"] for r in rounds]
     results = {
         "command": f"python scripts/bench_long_context.py --rounds {args.rounds} --steps {args.steps}",
@@ -77,7 +74,7 @@ def main() -> None:
         "headlines": {"chunked_loss_vs_full": headline(speed, 0.97)},
     }
     h = results["headlines"]["chunked_loss_vs_full"]
-    print(f"chunked_loss_vs_full: median {h['median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in h['rounds'])}); "
+    print(f"{headline_line('chunked_loss_vs_full', h)}; "
           f"other processes kept {load.cores:.2f} cores busy")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, headline
+from benchlib import OtherLoad, alternating_rounds, headline, headline_line
 
 HERE = Path(__file__).resolve().parent
 # The model: the Llama layout, grouped-query attention 16/4, SwiGLU, an untied 8k vocabulary (107 M
@@ -94,10 +94,8 @@ def main() -> None:
         checkpoint = make_checkpoint(workdir / "checkpoint")
         runs = workdir / "runs"
         runs.mkdir()
-        rounds = []
-        for r in range(args.rounds):  # alternate which runs first: a warmer machine favours neither
-            order = ("lora", "none") if r % 2 == 0 else ("none", "lora")
-            rounds.append({adapter: one_run(checkpoint, adapter, runs, args.steps) for adapter in order})
+        rounds = alternating_rounds(("lora", "none"), args.rounds,
+                                    lambda adapter: one_run(checkpoint, adapter, runs, args.steps))
     memory = [r["lora"]["host_bytes"] / r["none"]["host_bytes"] for r in rounds]
     speed = [r["lora"]["samples_per_s"] / r["none"]["samples_per_s"] for r in rounds]
     closed = rounds[0]["lora"]["closed_form_bytes"] / rounds[0]["none"]["closed_form_bytes"]
@@ -109,7 +107,7 @@ def main() -> None:
                       "lora_l2l_vs_full_l2l": headline(speed, 1.2)},
     }
     for name, h in results["headlines"].items():
-        print(f"{name}: median {h['median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in h['rounds'])})")
+        print(headline_line(name, h))
     first = rounds[0]
     for adapter in ("lora", "none"):
         f = first[adapter]

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from bench_lora import RUN, SIZES, make_checkpoint
-from benchlib import OtherLoad, headline
+from benchlib import OtherLoad, alternating_rounds, headline, headline_line
 
 ADAPTERS = ("qlora", "lora")
 
@@ -102,10 +102,7 @@ def main() -> None:
         checkpoint = make_checkpoint(workdir / "checkpoint")
         runs = workdir / "runs"
         runs.mkdir()
-        rounds = []
-        for r in range(args.rounds):  # alternate which runs first: a warmer machine favours neither
-            order = ADAPTERS if r % 2 == 0 else ADAPTERS[::-1]
-            rounds.append({adapter: one_run(checkpoint, adapter, runs, args.steps) for adapter in order})
+        rounds = alternating_rounds(ADAPTERS, args.rounds, lambda adapter: one_run(checkpoint, adapter, runs, args.steps))
     memory = [r["qlora"]["base_bytes"] / r["lora"]["base_bytes"] for r in rounds]
     speed = [r["qlora"]["samples_per_s"] / r["lora"]["samples_per_s"] for r in rounds]
     closed = rounds[0]["qlora"]["closed_form_base_bytes"] / rounds[0]["lora"]["closed_form_base_bytes"]
@@ -117,7 +114,7 @@ def main() -> None:
                       "qlora_l2l_vs_lora_l2l": headline(speed, 0.8)},
     }
     for name, h in results["headlines"].items():
-        print(f"{name}: median {h['median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in h['rounds'])})")
+        print(headline_line(name, h))
     first = rounds[0]
     for adapter in ADAPTERS:
         f = first[adapter]

@@ -17,6 +17,18 @@ DECODER = ["model=llama_tiny", "model.num_layers=8", "model.hidden_size=512", "m
            "model.num_kv_heads=2", "model.intermediate_size=1376", "model.vocab_size=8192", "model.dropout=0.0"]
 
 
+def alternating_rounds(contestants, rounds: int, one_run) -> list[dict]:
+    """`rounds` rounds of `one_run(name)` for every contestant, the order reversed every other
+    round: a machine warming up (or cooling down) favours neither."""
+    names = list(contestants)
+    return [{name: one_run(name) for name in (names if r % 2 == 0 else names[::-1])} for r in range(rounds)]
+
+
+def headline_line(name: str, h: dict) -> str:
+    """One headline as the scripts print it: its median and every round's figure."""
+    return f"{name}: median {h['median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in h['rounds'])})"
+
+
 def headline(per_round: list[float], target: float, lower_is_better: bool = False) -> dict:
     """`per_round`: the comparison's figure in each round (both contestants measured in it).
 

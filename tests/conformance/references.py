@@ -155,6 +155,11 @@ def peft_adapter(base: Path, directory: Path) -> Path:
     targets = ["c_attn", "c_proj", "c_fc"] if gpt2 else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                          "up_proj", "down_proj"]
     config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, fan_in_fan_out=gpt2)
+    return random_adapter(model, config, directory)
+
+
+def random_adapter(model, config, directory: Path) -> Path:
+    """`config`'s LoRA adapter on `model`, every matrix random (non-zero), saved by peft."""
     peft_model = get_peft_model(model, config)
     torch.manual_seed(2)
     with torch.no_grad():

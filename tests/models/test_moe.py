@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -42,6 +42,7 @@ from tests.conformance.references import (
     decay_groups,
     minibatches,
     plain_loop,
+    random_adapter,
 )
 from tests.conformance.references import hf_saved as saved
 from tests.models.equality import assert_layered_equals_hf, padded_batch
@@ -220,14 +221,7 @@ def expert_adapter(base: Path, directory: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0,
                         target_parameters=EXPERT_TENSORS)
-    peft_model = get_peft_model(model, config)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)
-    peft_model.save_pretrained(directory)
-    return directory
+    return random_adapter(model, config, directory)
 
 
 @pytest.mark.parametrize(("arch", "variant"), [("qwen3_moe", "l2l"), pytest.param("qwen3_moe", "baseline", marks=pytest.mark.slow),
