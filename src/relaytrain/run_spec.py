@@ -57,12 +57,12 @@ def _looked_up(names: dict, facts: dict) -> RunSpec:
 def describe_run(cfg) -> RunSpec:
     """The run `cfg` describes, every name looked up once (a checked config: an unknown name was
     refused in one line before this)."""
-    cls = strategy_class(cfg.strategy.name)
+    cls, data = strategy_class(cfg.strategy.name), source(cfg.data.source)
     replicas = cls.replicas(cfg)
     s = cfg.strategy
     return RunSpec(
         strategy=cls, family=family_spec(cfg.model.family), objective=objective(cfg.model.task),
-        source=source(cfg.data.source), processes=cls.processes(cfg), replicas=replicas,
-        reporter=cls.reporter(cfg), benchmark_task=source(cfg.data.source).benchmark_task(cfg),
+        source=data, processes=cls.processes(cfg), replicas=replicas,
+        reporter=cls.reporter(cfg), benchmark_task=data.benchmark_task(cfg),
         minibatch_samples=s.microbatch_size * s.num_microbatches * replicas,
     )
