@@ -12,7 +12,7 @@ import pytest
 from relaytrain import checkpoint
 from relaytrain.train import run
 from tests.checkpoints import tiny_decoder
-from tests.conformance.cells import DECODERS, LAYERS, Bases, Cell, cell_cfg
+from tests.conformance.cells import DECODERS, LAYERS, Bases, Cell, cell_cfg, cell_params
 from tests.conformance.references import gpt2_checkpoint, peft_adapter
 
 
@@ -60,3 +60,13 @@ def trained(tmp_path_factory, bases):
         return runs[cell]
 
     return of
+
+
+def pytest_generate_tests(metafunc):
+    """A conformance property (a method of `properties.CellProperties`) runs on the cells of its
+    file's part of the matrix that it applies to."""
+    applies_to = getattr(metafunc.function, "applies_to", None)
+    if metafunc.cls is None or applies_to is None:
+        return
+    part = metafunc.cls.part
+    metafunc.parametrize("cell", cell_params(lambda cell: part(cell) and applies_to(cell)))
