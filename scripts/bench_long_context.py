@@ -2,10 +2,10 @@
 
 A decoder of the Llama layout with a 128 k vocabulary (Llama 3's) trains under the baseline twice
 per round, each in its own process (a clean allocator): `model.loss_chunk_tokens=auto` (at 2 x 1,024
-tokens a micro-batch the loss runs in chunks of 523 tokens, each chunk's logits recomputed in the
-backward) and `model.loss_chunk_tokens=0` (the whole sequence's logits at once), same model, data
-and minibatch. The price of chunking is the head's second forward; what it buys is the logits'
-memory (docs/design.md, "Adding an objective"). Headline:
+tokens a micro-batch the loss runs in chunks of 523 tokens, each chunk's gradients taken in the
+forward) and `model.loss_chunk_tokens=0` (the whole sequence's logits at once), same model, data
+and minibatch. The head is most of this model's work, so any price of chunking shows in full;
+what chunking buys is the logits' memory (docs/design.md, "Adding an objective"). Headline:
 
 - `chunked_loss_vs_full`: samples/s chunked / whole-sequence, median over rounds (target >= 0.97).
 

@@ -109,7 +109,7 @@ class ModelConfig:
     vocab_size: int = 30522  # embedding table rows: token ids must be below it
     num_labels: int = 2  # classification only
     task: str = DEFAULT_OBJECTIVE  # the objective: classification, masked_lm (BERT), causal_lm (GPT-2, decoders), or package.module:Class of your own
-    loss_chunk_tokens: str = "auto"  # causal_lm: tokens per chunk of the LM head and its loss (logits recomputed in backward); auto: chunked where it saves memory; 0: the whole sequence's logits at once
+    loss_chunk_tokens: str = "auto"  # causal_lm: tokens per chunk of the LM head and its loss (its gradients taken in the forward); auto: chunked where it saves memory; 0: the whole sequence's logits at once
     dropout: float = 0.1  # hidden and attention dropout; its masks are the same whichever strategy runs
     pretrained: str | None = None  # local Hugging Face directory, or a hub id when online
     trust_remote_code: bool = False  # let a checkpoint that ships its own modelling code run it

@@ -66,7 +66,7 @@ def test_the_chunked_loss_is_hugging_face_s_loss_and_every_gradient(model_type, 
     ids, mask, labels = padded_batch(rows=2, length=12, vocab=VOCAB)
     assert_layered_equals_hf(model, reference, ids, mask, labels, what=model_type)
     ours = seen[:-1]  # the last call is Hugging Face's own forward, on its whole sequence
-    assert max(ours) <= CHUNK and sum(ours) == 2 * 2 * 11  # every predicting token twice: forward, backward
+    assert max(ours) <= CHUNK and sum(ours) == 2 * 11  # every predicting token once: its gradients taken in the forward
 
 
 def test_gpt2_s_tied_head_chunked_is_hugging_face_s():
@@ -79,20 +79,46 @@ def test_gpt2_s_tied_head_chunked_is_hugging_face_s():
     seen = _rows_the_head_saw(model)
     ids, mask, labels = padded_batch(rows=2, length=12, vocab=VOCAB)
     assert_layered_equals_hf(model, reference, ids, mask, labels, what="gpt2")
-    assert max(seen[:-1]) <= CHUNK and sum(seen[:-1]) == 2 * 2 * 11
+    assert max(seen[:-1]) <= CHUNK and sum(seen[:-1]) == 2 * 11
 
 
-def test_under_autocast_the_chunks_recompute_in_the_forward_s_precision():
-    """The backward runs outside the forward's autocast: the recompute enters it again, so the
-    chunked gradients are the whole-sequence ones at bf16's precision, not fp32's other values."""
-    ids, mask, labels = padded_batch(rows=2, length=12, vocab=VOCAB)
+def _losses_then_gradients(model, mbs: list[MicroBatch]):
+    """Every micro-batch's loss first, then one backward through them all, as GPipe's last stage
+    runs them: the first loss takes its gradients in its forward, the others wait and recompute."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = sum(model(mb) for mb in mbs)
+    return loss, torch.autograd.grad(loss, params)
+
+
+def _two_micro_batches() -> list[MicroBatch]:
+    batches = [padded_batch(rows=2, length=12, vocab=VOCAB, seed=seed) for seed in (0, 1)]
+    return [MicroBatch(ids, labels, mask) for ids, mask, labels in batches]
+
+
+def test_losses_whose_backward_waits_recompute_their_chunks_and_equal_the_whole_sequence_s():
+    """A second loss forward before the first one's backward keeps only the head's input (no
+    second set of weight gradients waits) and computes its chunks again in its backward."""
+    mbs = _two_micro_batches()
+    chunked, _ = _layered("llama", CHUNK)
+    seen = _rows_the_head_saw(chunked)
+    loss, grads = _losses_then_gradients(chunked, mbs)
+    whole_loss, whole_grads = _losses_then_gradients(_layered("llama", 0)[0], mbs)
+    assert max(seen) <= CHUNK and sum(seen) == 2 * 11 + 2 * 2 * 11  # the first once, the second twice
+    torch.testing.assert_close(loss, whole_loss)
+    for ours, theirs in zip(grads, whole_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_under_autocast_the_chunks_take_their_gradients_in_the_forward_s_precision():
+    """Both ways run at the forward's autocast: the gradients taken in the forward under it, and
+    the recompute of a loss that waited, which enters it again (the backward runs without it), so
+    the chunked gradients are the whole-sequence ones at bf16's precision, not fp32's other values."""
+    mbs = _two_micro_batches()
     grads = {}
     for chunk in (0, CHUNK):
         model, _ = _layered("llama", chunk)
-        params = [p for p in model.parameters() if p.requires_grad]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(MicroBatch(ids, labels, mask))
-        grads[chunk] = (loss, torch.autograd.grad(loss, params))
+            grads[chunk] = _losses_then_gradients(model, mbs)
     torch.testing.assert_close(grads[CHUNK][0], grads[0][0], rtol=2e-2, atol=2e-2)
     for chunked, whole in zip(grads[CHUNK][1], grads[0][1], strict=True):
         torch.testing.assert_close(chunked, whole, rtol=5e-2, atol=5e-3)

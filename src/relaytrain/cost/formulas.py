@@ -333,8 +333,8 @@ def head_bytes(b: int, seq_len: int, logits_per_sample: int, chunking: Chunking 
                input_bytes_per_token: int) -> int:
     """The head and its loss at their peak for b samples of seq_len tokens: the whole sequence's
     logits (three fp32 copies), or, where `chunking` cuts them (`Chunking.tokens`, the run's own
-    rule), one chunk's, the head's input kept for the recompute and a second fp32 gradient of the
-    head's `trained_head` trained weights while the chunks' gradients are summed."""
+    rule), one chunk's, the head input's gradient (or the input itself, kept for a recompute) and
+    a second fp32 gradient of the head's `trained_head` trained weights, the chunks' sum."""
     tokens = b * (seq_len - 1)
     chunk = chunking.tokens(tokens, trained_head) if chunking is not None and logits_per_sample else 0
     if not chunk:

@@ -3,14 +3,19 @@
 At 8,192 tokens a 128 k vocabulary makes 4 GiB of fp32 logits per sequence, and their softmax
 and gradient as much again each: more than a 7 B model's block. So the head (the final norm,
 the LM head, a family's scalars and soft-capping: whatever `head(hidden)` computes, token by
-token) and the loss run over `chunk` tokens at a time (`ChunkedHeadLoss`). The forward keeps
-no chunk's logits, only the head's input; the backward computes each chunk's logits again and
-backpropagates them at once, so one chunk's logits, softmax and gradient are alive at a time.
-The sum is the whole sequence's to float noise (the order of a sum of chunks), loss and every
-gradient.
+token) and the loss run over `chunk` tokens at a time (`ChunkedHeadLoss`), so one chunk's
+logits, softmax and gradient are alive at a time. The sum is the whole sequence's to float noise
+(the order of a sum of chunks), loss and every gradient.
 
-Its price is a second forward of the head per token and, where the head's weights train, a
-second weight-sized gradient while the chunks' gradients are summed. `model.loss_chunk_tokens`:
+The loss is the graph's last node, so its gradients can be taken in the forward, while each
+chunk's logits exist anyway, and held until the backward scales them by the gradient it brings
+(the loss scale, 1/items): one forward of the head per token, as the whole sequence's loss takes.
+They take what the recompute would keep (the head input's gradient in place of the head's input)
+plus the trained weights' gradient sum. Where a second loss's forward comes before the first one's
+backward (GPipe's last stage runs every micro-batch's forward first) those sums would pile up, one
+per micro-batch: while one loss's gradients wait, the next keeps only the head's input and computes
+its chunks' logits again in its backward. So the price of chunking is at most a second
+weight-sized gradient while the chunks' gradients are summed. `model.loss_chunk_tokens`:
 `auto` chunks where that saves memory (`Chunking.tokens`), `0` never, a number always in chunks
 of that many tokens. The dry run and the planner's closed form count what the run holds.
 
@@ -24,11 +29,13 @@ nothing at random (a causal LM's head has no dropout): its recompute draws nothi
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.func import functional_call
 
 from relaytrain import meta_autocast
@@ -94,44 +101,92 @@ def chunks_of(chunk: int, *tensors: torch.Tensor):
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
-    """`run(weights, x, labels)` (a chunk's summed loss) over every chunk: forward without keeping
-    any chunk's logits; backward recomputing each chunk's and backpropagating it before the next."""
+    """`run(weights, x, labels)` (a chunk's summed loss) over every chunk, one chunk's logits alive
+    at a time: the gradients taken in the forward where no other loss's wait for their backward,
+    else each chunk's logits computed again in the backward."""
 
     @staticmethod
     def forward(ctx, run, chunk: int, hidden: torch.Tensor, labels: torch.Tensor, *weights: torch.Tensor):
+        ctx.run, ctx.chunk = run, chunk
+        wanted = _Wanted.of(ctx)
+        ctx.eager = wanted.any() and not _WAITING
+        if ctx.eager:
+            total, ctx.gradients = _chunk_gradients(run, chunk, hidden, labels, weights, wanted, None)
+            _WAITING.add(ctx)
+            return total
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for x, y in chunks_of(chunk, hidden, labels):
             total += run(weights, x, y)
-        ctx.run, ctx.chunk, ctx.autocast = run, chunk, _autocast_state(hidden.device)
+        ctx.autocast = _autocast_state(hidden.device)
         ctx.dry_autocast = meta_autocast.recompute_contexts()[1]  # a dry run's, which torch does not know of
         ctx.save_for_backward(hidden, labels, *weights)
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total: torch.Tensor):
-        hidden, labels, *weights = ctx.saved_tensors
-        wants_hidden = ctx.needs_input_grad[2]
-        trained = [i for i, wanted in enumerate(ctx.needs_input_grad[4:]) if wanted]
-        leaves = [w.detach().requires_grad_(i in trained) for i, w in enumerate(weights)]
-        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
-        sums: dict[int, torch.Tensor] = {}
-        start = 0
-        with ctx.dry_autocast:
-            for x, y in chunks_of(ctx.chunk, hidden, labels):
-                x = x.detach().requires_grad_(wants_hidden)
-                inputs = ([x] if wants_hidden else []) + [leaves[i] for i in trained]
-                if not inputs:
-                    break
-                with torch.enable_grad(), _autocast(ctx.autocast):
-                    loss = ctx.run(leaves, x, y)
-                grads = list(torch.autograd.grad(loss, inputs, grad_total, allow_unused=True))
-                if wants_hidden:
-                    grad_hidden[start:start + x.shape[0]] = grads.pop(0)
-                for i, grad in zip(trained, grads, strict=True):
-                    if grad is not None:  # the first chunk's gradient becomes the sum: no zeros made
-                        sums[i] = grad if i not in sums else sums[i].add_(grad)
-                start += x.shape[0]
-        return (None, None, grad_hidden, None, *(sums.get(i) for i in range(len(weights))))
+        wanted = _Wanted.of(ctx)
+        if ctx.eager:
+            _WAITING.discard(ctx)
+            grad_hidden, sums = ctx.gradients
+            ctx.gradients = None  # a second backward through this graph has nothing to scale
+            grad_hidden = grad_hidden.mul_(grad_total) if grad_hidden is not None else None
+            sums = {i: grad.mul_(grad_total) for i, grad in sums.items()}
+        else:
+            hidden, labels, *weights = ctx.saved_tensors
+            with ctx.dry_autocast, _autocast(ctx.autocast):
+                _, (grad_hidden, sums) = _chunk_gradients(ctx.run, ctx.chunk, hidden, labels, weights, wanted,
+                                                          grad_total)
+        return (None, None, grad_hidden, None, *(sums.get(i) for i in range(len(wanted.weights))))
+
+
+# The eager losses whose backward has not run yet (weakly: a graph dropped unused lets its loss go).
+_WAITING: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """Which gradients the caller wants: the head input's, and the indices of the trained weights."""
+
+    hidden: bool
+    weights: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, ctx) -> _Wanted:
+        return cls(ctx.needs_input_grad[2], tuple(ctx.needs_input_grad[4:]))
+
+    @property
+    def trained(self) -> list[int]:
+        return [i for i, wanted in enumerate(self.weights) if wanted]
+
+    def any(self) -> bool:
+        return self.hidden or bool(self.trained)
+
+
+def _chunk_gradients(run, chunk: int, hidden: torch.Tensor, labels: torch.Tensor, weights, wanted: _Wanted,
+                     grad_total: torch.Tensor | None):
+    """Chunk by chunk, the summed loss and its gradients (times `grad_total`, where given) w.r.t. the
+    head's input and the trained weights: (loss, (input gradient or None, {weight index: gradient}))."""
+    trained = wanted.trained
+    leaves = [w.detach().requires_grad_(i in trained) for i, w in enumerate(weights)]
+    grad_hidden = torch.empty_like(hidden) if wanted.hidden else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    sums: dict[int, torch.Tensor] = {}
+    start = 0
+    for x, y in chunks_of(chunk, hidden, labels):
+        x = x.detach().requires_grad_(wanted.hidden)
+        with torch.enable_grad():
+            loss = run(leaves, x, y)
+        grads = list(torch.autograd.grad(loss, ([x] if wanted.hidden else []) + [leaves[i] for i in trained],
+                                         grad_total, allow_unused=True))
+        total += loss.detach()
+        if wanted.hidden:
+            grad_hidden[start:start + x.shape[0]] = grads.pop(0)
+        for i, grad in zip(trained, grads, strict=True):
+            if grad is not None:  # the first chunk's gradient becomes the sum: no zeros made
+                sums[i] = grad if i not in sums else sums[i].add_(grad)
+        start += x.shape[0]
+    return total, (grad_hidden, sums)
 
 
 def _autocast_state(device: torch.device) -> dict | None:
