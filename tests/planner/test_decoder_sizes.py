@@ -17,6 +17,7 @@ from relaytrain.models import count_parameters
 from relaytrain.models.family import BlockShape
 from relaytrain.planner.candidates import GiB
 from relaytrain.planner.dryrun import simulate
+from relaytrain.planner import plan as planning
 from relaytrain.planner.plan import make_plan
 from relaytrain.strategies import strategy_class
 from tests.conftest import TINY_BERT
@@ -29,7 +30,7 @@ TINY_LLAMA = ["model=llama_tiny", "model.num_layers=3", "model.hidden_size=32", 
 ON_A100 = ["plan.device=a100_80gb", "plan.workers=1", "plan.batch_size=4"]
 
 # Published parameter counts (the model cards; see each config's comment).
-PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_70b": 70.6e9, "qwen3_8b": 8.19e9,
+PUBLISHED = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9, "llama3_1_8b": 8.03e9, "llama3_70b": 70.6e9, "qwen3_8b": 8.19e9,
              "mistral_7b": 7.24e9, "gemma2_9b": 9.24e9}
 
 
@@ -141,3 +142,59 @@ def test_a_tiny_llama_is_planned_with_costs_and_host_memory(tmp_path, capsys):
     assert l2l.host_bytes >= eps
     assert main(["plan", *TINY_LLAMA, *ON_A100, "--out", str(tmp_path)]) == 0
     assert "host GB" in capsys.readouterr().out
+
+
+class _Answer:
+    """What make_plan reads of a plan: the batch it was asked and whether something fits."""
+
+    def __init__(self, batch: int, fitting_batch: int):
+        self.request = type("Request", (), {"batch": batch})()
+        self.best = object() if batch <= fitting_batch else None
+        self.batch_note = ""
+
+
+def _plans_asked(monkeypatch, fitting_batch: int) -> list[int]:
+    """Stands a stub in for planning one batch (what fits: batches up to `fitting_batch`); the
+    batches make_plan asked for, in order."""
+    asked = []
+
+    def plan_one(overrides, *_):
+        given = [int(o.split("=")[1]) for o in overrides if o.startswith("plan.batch_size=")]
+        asked.append(given[-1] if given else 32)
+        return _Answer(asked[-1], fitting_batch)
+
+    monkeypatch.setattr(planning, "_make_plan", plan_one)
+    return asked
+
+
+def test_a_default_batch_that_nothing_fits_is_halved_until_one_fits_and_the_plan_says_so(monkeypatch):
+    asked = _plans_asked(monkeypatch, fitting_batch=8)
+    plan = make_plan(["model=llama_tiny"])
+    assert asked == [32, 16, 8] and plan.request.batch == 8
+    assert "the default batch of 32 does not fit; 8 is the largest" in plan.batch_note
+
+
+@pytest.mark.parametrize("given", ["plan.batch_size=32", "strategy.microbatch_size=8", "strategy.num_microbatches=4"])
+def test_a_batch_the_user_gave_is_planned_as_given(monkeypatch, given):
+    asked = _plans_asked(monkeypatch, fitting_batch=8)
+    plan = make_plan(["model=llama_tiny", given])
+    assert len(asked) == 1 and plan.best is None and not plan.batch_note
+
+
+def test_when_no_smaller_batch_fits_either_the_plan_at_the_default_batch_says_so(monkeypatch):
+    asked = _plans_asked(monkeypatch, fitting_batch=0)
+    plan = make_plan(["model=llama_tiny"])
+    assert asked == [32, 16, 8, 4, 2, 1] and plan.request.batch == 32 and plan.best is None
+    assert plan.batch_note == "no batch from 32 down to 1 fits either"
+
+
+@pytest.mark.slow
+def test_llama3_1_8b_at_32k_tokens_plans_the_largest_batch_its_host_holds(tmp_path, capsys):
+    """Two blocks of Llama 3.1 8B at 32,768 tokens under L2L with the stash on the host: the
+    default batch of 32 outgrows 36 GB of host memory (the EPS and 32 sequences' stash); 16 fits."""
+    overrides = ["model=llama3_1_8b", "model.num_layers=2", "data.seq_len=32768", "plan.workers=1",
+                 "plan.device=rtx4090_24gb", "plan.host_memory_gb=36", "plan.strategies=[l2l]"]
+    assert main(["plan", *overrides, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "the default batch of 32 does not fit; 16 is the largest" in out
+    assert "strategy.num_microbatches=16" in out and "strategy.microbatch_size=1" in out

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
+from relaytrain.data.sources import Origin, source
 from relaytrain.launch import dry_run_stand_ins
+from relaytrain.run_spec import describe_run
 from relaytrain.strategies import strategy_class
 from relaytrain.train import run
 
@@ -60,6 +62,9 @@ def simulate(cfg, steps: int = 2, alike_once: bool = True) -> Simulation:
     dry = copy.deepcopy(cfg)
     for key, value in (*DRY, ("train.steps", steps)):
         OmegaConf.update(dry, key, value, merge=False)
+    if source(dry.data.source).origin is Origin.generated:  # only what the steps take: at 32 k tokens the
+        # default 4,096 synthetic samples are a gigabyte of ids drawn for nothing
+        OmegaConf.update(dry, "data.num_samples", steps * describe_run(dry).minibatch_samples, merge=False)
     cls = strategy_class(dry.strategy.name)
     token = dry_run_stand_ins.set(_stand_in if alike_once else None)
     try:

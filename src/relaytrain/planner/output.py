@@ -32,6 +32,8 @@ def print_plan(plan: Plan, path: Path) -> None:
     console.print(precision_line(plan), highlight=False)
     if plan.ignored_overrides:
         console.print(f"ignored (the planner decides these): {' '.join(plan.ignored_overrides)}", highlight=False)
+    if plan.batch_note:
+        console.print(f"batch: {plan.batch_note}", highlight=False)
     best = plan.best
     host = "unlimited" if r.host_memory_bytes is None else f"{r.host_memory_bytes / GiB:g} GB"
     table = Table(title=f"relaytrain plan: {r.workers} worker(s) x {r.memory_bytes / GiB:g} GB, host {host} a machine, "
@@ -118,5 +120,7 @@ def infeasible_line(plan: Plan, where: Path) -> str:
     if not reasons:
         refusals = sorted({c.why_not for c in plan.candidates if c.why_not})
         reasons.append(f"every candidate was refused ({refusals[0] if refusals else 'no candidate'})")
+    if plan.batch_note:
+        reasons.append(plan.batch_note)
     return (f"{asked}: {'; '.join(reasons)}; raise plan.device_memory_gb, plan.host_memory_gb or plan.workers, "
             f"or lower plan.batch_size (every candidate in {where / 'plan.json'})")

@@ -89,6 +89,9 @@ def _strategies(asked) -> list[str]:
     return [str(name) for name in asked]
 
 
+BATCH_KEYS = ("plan.batch_size", "strategy.microbatch_size", "strategy.num_microbatches")  # the user chose a batch
+
+
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -161,6 +164,7 @@ class Plan:
     kept_overrides: list[str]  # the user's overrides a planned command keeps
     ignored_overrides: list[str]
     precision: PlanPrecision = PlanPrecision("fp32")
+    batch_note: str = ""  # where the planner chose a smaller batch than the default one, why
 
     @property
     def best(self) -> Candidate | None:
@@ -185,12 +189,33 @@ class Plan:
             "candidates": [c.to_json() for c in self.candidates],
             "profile": self.profile.to_json(),
             "ignored_overrides": self.ignored_overrides,
+            "batch_note": self.batch_note,
             "note": "times are predictions of the cost model over the profile; memory is a meta-device dry run",
         }
 
 
 def make_plan(overrides: list[str], max_simulations: int = MAX_SIMULATIONS) -> Plan:
-    """Plan for these `relaytrain plan` overrides: profile, candidates, times, dry-run memory."""
+    """Plan for these `relaytrain plan` overrides: profile, candidates, times, dry-run memory.
+    A batch the user did not choose (the default 8 x 4) that nothing fits is halved until a
+    batch fits (a step of 32 sequences of 32 k tokens is a million tokens: its stash alone may
+    outgrow the host); the plan says so. A batch the user gave is planned as given."""
+    plan = _make_plan(overrides, max_simulations)
+    if plan.best is not None or any(_key(o) in BATCH_KEYS for o in overrides):
+        return plan
+    asked, batch, smaller = plan.request.batch, plan.request.batch, None
+    while (smaller is None or smaller.best is None) and batch > 1:
+        batch //= 2
+        smaller = _make_plan([*overrides, f"plan.batch_size={batch}"], max_simulations)
+    if smaller is None or smaller.best is None:
+        plan.batch_note = f"no batch from {asked} down to 1 fits either"
+        return plan
+    smaller.batch_note = (f"the default batch of {asked} does not fit; {batch} is the largest power of two "
+                          f"below it that does (give plan.batch_size to plan another)")
+    return smaller
+
+
+def _make_plan(overrides: list[str], max_simulations: int) -> Plan:
+    """The plan of one batch."""
     cfg = resolve(compose(overrides), explicit_overrides(overrides))
     spec = None if str(cfg.plan.device) == "this" else load_spec(str(cfg.plan.device))
     precision = plan_precision(cfg, overrides, spec)
