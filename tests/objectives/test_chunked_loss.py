@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from relaytrain.compose import compose_config
@@ -106,6 +107,23 @@ def test_losses_whose_backward_waits_recompute_their_chunks_and_equal_the_whole_
     assert max(seen) <= CHUNK and sum(seen) == 2 * 11 + 2 * 2 * 11  # the first once, the second twice
     torch.testing.assert_close(loss, whole_loss)
     for ours, theirs in zip(grads, whole_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_inside_a_checkpointed_stage_recomputes_its_chunks_and_equals_the_whole_sequence_s():
+    """A pipeline stage recomputed in its backward (`strategy.recompute=stage`) runs the loss under
+    torch.utils.checkpoint, whose recompute must save what the forward saved: such a loss keeps
+    its input, whether or not another loss waits, and computes its chunks again in its backward."""
+    mbs = _two_micro_batches()
+    grads = {}
+    for chunk in (0, CHUNK):
+        model, _ = _layered("llama", chunk)
+        params = [p for p in model.parameters() if p.requires_grad]
+        losses = [checkpoint(model, mb, use_reentrant=False) for mb in mbs]  # the second's forward: the first waits
+        each = [torch.autograd.grad(loss, params) for loss in losses]  # the first's backward, then the second's
+        grads[chunk] = (sum(losses), [sum(pair) for pair in zip(*each, strict=True)])
+    torch.testing.assert_close(grads[CHUNK][0], grads[0][0])
+    for ours, theirs in zip(grads[CHUNK][1], grads[0][1], strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
@@ -209,6 +227,7 @@ def _strategy_cfg(strategy: str, chunk: str, *extra: str):
     ("l2l", [], "plain loop"),  # the relay's device copies, swapped in only while the head's forward runs
     ("pipe_flush", [], "plain loop"),  # the last stage's head
     ("fsdp", [], "whole"),  # the root's gathered parameters, two workers
+    ("pipe_gpipe", ["strategy.recompute=stage"], "plain loop"),  # every loss waits; each stage checkpointed
 ])
 def test_a_strategy_with_the_loss_in_chunks_trains_the_whole_sequence_s_weights(strategy, extra, against, tmp_path):
     """Chunks of 7 tokens over 2 x 15 predicted ones a micro-batch, against the plain loop with the

@@ -14,8 +14,9 @@ They take what the recompute would keep (the head input's gradient in place of t
 plus the trained weights' gradient sum. Where a second loss's forward comes before the first one's
 backward (GPipe's last stage runs every micro-batch's forward first) those sums would pile up, one
 per micro-batch: while one loss's gradients wait, the next keeps only the head's input and computes
-its chunks' logits again in its backward. So the price of chunking is at most a second
-weight-sized gradient while the chunks' gradients are summed. `model.loss_chunk_tokens`:
+its chunks' logits again in its backward; so does a loss under torch.utils.checkpoint (a stage
+recomputed in its backward), whose recompute must save what its forward saved. So the price of
+chunking is at most a second weight-sized gradient while the chunks' gradients are summed. `model.loss_chunk_tokens`:
 `auto` chunks where that saves memory (`Chunking.tokens`), `0` never, a number always in chunks
 of that many tokens. The dry run and the planner's closed form count what the run holds.
 
@@ -109,7 +110,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
     def forward(ctx, run, chunk: int, hidden: torch.Tensor, labels: torch.Tensor, *weights: torch.Tensor):
         ctx.run, ctx.chunk = run, chunk
         wanted = _Wanted.of(ctx)
-        ctx.eager = wanted.any() and not _WAITING
+        ctx.eager = wanted.any() and not _WAITING and not _under_saved_tensor_hooks()
         if ctx.eager:
             total, ctx.gradients = _chunk_gradients(run, chunk, hidden, labels, weights, wanted, None)
             _WAITING.add(ctx)
@@ -142,6 +143,15 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
 # The eager losses whose backward has not run yet (weakly: a graph dropped unused lets its loss go).
 _WAITING: weakref.WeakSet = weakref.WeakSet()
+
+
+def _under_saved_tensor_hooks() -> bool:
+    """Whether the forward runs under saved-tensor hooks: torch.utils.checkpoint's, where a
+    pipeline stage is recomputed in its backward (`strategy.recompute=stage`). Its recompute must
+    save what the forward saved, and whether another loss waits may differ between the two, so
+    such a loss keeps its input and recomputes its chunks in its backward, whatever waits."""
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top_hooks is None or top_hooks(False) is not None
 
 
 @dataclass(frozen=True)
