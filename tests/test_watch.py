@@ -168,3 +168,20 @@ def test_two_sigints_end_a_long_step_at_once_naming_the_latest_checkpoint(tmp_pa
     assert checkpoint.read(latest, cfg, "baseline", {"processes": 1}).trainer()["step"] >= 1
     assert read_status(tmp_path)["status"] == "interrupted"
     assert not list(Path(checkpoint.checkpoint_dir(tmp_path)).glob("*.parts"))  # nothing half-published
+
+
+def test_a_run_stopped_by_ctrl_c_says_in_status_json_the_step_its_checkpoint_holds(tmp_path, monkeypatch):
+    """status.json of a stopped run names the step the stop saved (a watcher reads how far it got)."""
+    from relaytrain import train
+    from relaytrain.errors import Interrupted
+
+    saved = tmp_path / "checkpoints" / "step-00000056"
+
+    def stopped(*args, **kwargs):
+        raise Interrupted(signal.SIGINT, 56, saved)
+
+    monkeypatch.setattr(train, "_run", stopped)
+    with pytest.raises(Interrupted):
+        run(tiny_cfg(), tmp_path, table=False)
+    status = read_status(tmp_path)
+    assert status["status"] == "interrupted" and status["step"] == 56 and "SIGINT at step 56" in status["error"]

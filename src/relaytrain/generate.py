@@ -112,10 +112,13 @@ def _load_adapted(path: str):
     from relaytrain.data.tokenizer import TOKENIZER_FILES
     from relaytrain.models import adapter
 
-    base = adapter.adapter_base(path)
+    base = _base_beside(path) or adapter.adapter_base(path)
     if not base:
         raise ConfigError(f"model.pretrained={path} is a LoRA adapter that names no base model; train it with "
                           f"adapter.merge_on_save=true, or set base_model_name_or_path in its adapter_config.json")
+    if Path(base).is_absolute() and not Path(base).exists():
+        raise ConfigError(f"model.pretrained={path} is a LoRA adapter whose base {base} does not exist; "
+                          f"put the base there, or set base_model_name_or_path in its adapter_config.json")
     model, tokenizer = _load_model(base)
     if any((Path(path).expanduser() / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = load_tokenizer(path)
@@ -125,6 +128,16 @@ def _load_adapted(path: str):
     except (OSError, ValueError, RuntimeError) as err:
         raise ConfigError(f"model.pretrained={path}: the adapter does not fit its base {base} ({first_line(err)})") from err
     return model.eval(), tokenizer
+
+
+def _base_beside(path: str) -> str | None:
+    """The base a run saved beside its adapter (one trained over a model made from scratch), where
+    the directory is now: the adapter names it by the absolute path it was saved at, which a
+    moved or copied run no longer has."""
+    from relaytrain.export import FRESH_BASE
+
+    beside = Path(path).expanduser() / FRESH_BASE
+    return str(beside) if (beside / "config.json").is_file() else None
 
 
 def _load_model(path: str):

@@ -78,7 +78,8 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
                        device or pick_device(cfg.train.device))
     except (Interrupted, Aborted) as stop:
         if logs:
-            runlog.write_status(run_dir, runlog.INTERRUPTED, error=str(stop))
+            reached = {"step": stop.step} if isinstance(stop, Interrupted) else {}  # the step its checkpoint holds
+            runlog.write_status(run_dir, runlog.INTERRUPTED, error=str(stop), **reached)
         if isinstance(stop, Aborted):  # the handler that raised it could not know where checkpoints go
             raise Aborted(stop.signum, checkpoint.latest(run_dir)) from None
         raise

@@ -13,8 +13,11 @@ from relaytrain.cli import main
 from relaytrain.compose import compose_config
 from relaytrain.models import MicroBatch, build_model, count_parameters, families, family_spec
 from relaytrain.models.pretrained import resolve
+from relaytrain.train import run
 from tests.checkpoints import ARCHITECTURES, tiny_decoder
+from tests.conformance.references import assert_same_weights, hf_reference, hf_saved
 from tests.models.equality import assert_layered_equals_hf, padded_batch
+from tests.test_decoders import decoder_cfg
 
 
 def pretrained_cfg(directory, *overrides: str):
@@ -88,6 +91,33 @@ def test_qwen2_slides_the_layers_its_config_switches_on(tmp_path):
     model = trains_what_hugging_face_computes(directory)
     assert [b.layer_type for b in model.blocks] == ["full_attention", "sliding_attention", "sliding_attention"]
     assert pretrained_cfg(directory).model.sliding_window == 4
+
+
+# Checkpoints whose forward is more than embed -> layers -> norm -> head, with their published
+# scalars (IBM Granite 3.x; Cohere's Command-R), and a Llama whose config carries a window its
+# forward ignores: what the issue found trained on another function than Hugging Face's.
+BEYOND_THE_LAYOUT = {
+    "granite": {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.015625},
+    "cohere": {"logit_scale": 0.0625},  # and tied embeddings, Cohere's default
+    "llama": {"sliding_window": 4},  # shorter than the 16-token rows
+}
+
+
+@pytest.mark.parametrize("variant", ["l2l", pytest.param("pipe_flush", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model_type", sorted(BEYOND_THE_LAYOUT))
+def test_a_checkpoint_beyond_the_layout_trains_to_a_plain_hugging_face_loops_weights(model_type, variant, tmp_path):
+    """The run's saved model equals the checkpoint trained by Hugging Face's own forward and loss
+    (tests/conformance/references.py), and its config keeps the scalars that forward reads."""
+    settings = BEYOND_THE_LAYOUT[model_type]
+    pretrained = tiny_decoder(tmp_path / "checkpoint", model_type, layers=4, **settings)
+    cfg = decoder_cfg(pretrained, variant)
+    results = run(cfg, tmp_path / "run", table=False)
+    reference, losses = hf_reference(pretrained, cfg)
+    assert_same_weights(hf_saved(tmp_path / "run"), reference, f"{model_type} under {variant}")
+    assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+    saved = AutoConfig.from_pretrained(tmp_path / "run" / "model")
+    assert {key: getattr(saved, key) for key in settings} == settings
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])

@@ -11,6 +11,7 @@ trainable parameters (decay on matrices, as relaytrain's rule), on relaytrain's 
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import pytest
@@ -239,6 +240,13 @@ def test_an_adapter_over_a_fresh_model_saves_its_base_beside_it(tmp_path, capsys
     assert any("lora_" in name for name, _ in adapted.named_parameters())
     capsys.readouterr()
     assert main(["generate", f"model.pretrained={saved}", "prompt=Hi", "max_new_tokens=2"]) == 0
+    moved = saved.rename(tmp_path / "moved")  # the adapter names its base where it was saved
+    assert main(["generate", f"model.pretrained={moved}", "prompt=Hi", "max_new_tokens=2"]) == 0
+    shutil.rmtree(moved / "base")
+    capsys.readouterr()
+    assert main(["generate", f"model.pretrained={moved}", "prompt=Hi"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"whose base {saved / 'base'} does not exist" in line
 
 
 def test_classification_trains_its_head_in_full_beside_the_adapters_as_peft_seq_cls(tmp_path):
