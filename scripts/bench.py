@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (a clean allocator and thread pool),
 then one summary table. Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn,compile,lora,qlora,data_cache,long_context] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn,compile,lora,qlora,data_cache,long_context,sequence_parallel,moe] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ BENCHMARKS = {
     "qlora": HERE / "bench_qlora.py",
     "data_cache": HERE / "bench_data_cache.py",
     "long_context": HERE / "bench_long_context.py",
+    "sequence_parallel": HERE / "bench_sequence_parallel.py",
+    "moe": HERE / "bench_moe.py",
 }
 # The comparisons each script reports as a median over its rounds (scripts/benchlib.py), in
 # the order of the summary table, with what each compares.
@@ -42,6 +44,8 @@ COMPARED = {
     "decoder_baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (Llama layout, 8 x 512, GQA 8/2)",
     "l2l_vs_recompute_baseline": "l2l / baseline with recompute",
     "decoder_l2l_vs_recompute_baseline": "l2l / baseline with recompute (the same Llama-layout model)",
+    "moe_baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (Qwen3-MoE layout, 8 x 512, 8 experts, top 2)",
+    "moe_l2l_vs_recompute_baseline": "l2l / baseline with recompute (the same Qwen3-MoE-layout model)",
     "eps_vs_fused_adamw": "EPS per-part updates / whole-model fused AdamW",
     "eps_vs_deepspeed_cpu_adam": "EPS per-part updates / whole-model DeepSpeedCPUAdam (where installed)",
     "eps_exposed_share": "EPS work exposed after overlap with backward",
@@ -65,6 +69,7 @@ COMPARED = {
     "l2l_replicas_scaling": "l2l, 2 replicas / (2 x one worker)",
     "plan_worst_error": "plan: worst |predicted / measured step - 1| of a round",
     "chunked_loss_vs_full": "baseline samples/s, loss in chunks of tokens / whole-sequence logits (128 k vocabulary, 2 x 1,024 tokens)",
+    "sequence_parallel_scaling": "tokens/s, 2 workers each holding half of one 4,096-token sequence / 2 x one worker's",
     "data_cache_prepare_ratio": "prepare_s, second identical start / first (tokenize cache, 100 k chat records)",
 }
 def run(name: str, script: Path, workdir: Path) -> dict:

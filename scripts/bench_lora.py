@@ -44,10 +44,10 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def make_checkpoint(directory: Path) -> Path:
+def make_checkpoint(directory: Path, sizes: dict = SIZES) -> Path:
     """The bf16 checkpoint, written once by a process of its own (its fp32 build is not measured)."""
     code = ("import sys, torch; from transformers import AutoConfig, AutoModelForCausalLM; "
-            f"torch.manual_seed(0); c = AutoConfig.for_model('llama', **{SIZES!r}); "
+            f"torch.manual_seed(0); c = AutoConfig.for_model('llama', **{sizes!r}); "
             "AutoModelForCausalLM.from_config(c).to(torch.bfloat16).save_pretrained(sys.argv[1])")
     subprocess.run([sys.executable, "-c", code, str(directory)], check=True)
     return directory

@@ -209,6 +209,13 @@ class WorkersConfig:
 
 
 @dataclass
+class SequenceParallelConfig:
+    """The key of strategies that can cut every sequence over several workers."""
+
+    sequence_parallel: int = 1  # S: workers sharing every sequence, each holding 1/S of its tokens (decoders; an all-to-all around attention, DeepSpeed-Ulysses); R x S workers in all
+
+
+@dataclass
 class OptimConfig:
     """Keys every optimizer has; each optimizer's config extends it (`relaytrain.optim`)."""
 

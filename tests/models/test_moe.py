@@ -6,12 +6,12 @@ layered model's loss and every gradient equal Hugging Face's own `model(..., lab
 (cross-entropy plus `router_aux_loss_coef * aux`), and a run from `model.pretrained=DIR` alone
 ends with the weights of a plain Hugging Face loop whose loss is the mean over micro-batches (each
 replica's share one of them) of Hugging Face's own loss of each, with torch's AdamW, weight decay
-and warm-up. The strategies that split a micro-batch's blocks over processes (the pipelines) are
-refused in one line while the balancing loss is on, and train a mixture without it exactly; the
-mixture types not proven are refused too. Around them: Mixtral's router jitter and dropout drawn
-under the micro-batch's key (every strategy equals the plain loop), LoRA on the fused experts
-(peft's `target_parameters`) continued or fresh as plain peft / Hugging Face loops, resume, the
-dry run, and the published configs counted as their model cards count them.
+and warm-up. The pipelines train a mixture without the balancing loss exactly here (with it:
+tests/strategies/pipeline/test_moe_pipelines.py); the mixture types not proven are refused.
+Around them: Mixtral's router jitter and dropout drawn under the micro-batch's key (every
+strategy equals the plain loop), LoRA on the fused experts (peft's `target_parameters`)
+continued or fresh as plain peft / Hugging Face loops, resume, the dry run, and the published
+configs counted as their model cards count them.
 """
 
 from __future__ import annotations
@@ -158,14 +158,6 @@ def test_mixture_types_not_proven_are_refused_in_one_line(model_type):
     assert "\n" not in message and "mixture-of-experts" in message and "qwen3_moe" in message
 
 
-@pytest.mark.parametrize("pipeline", ["pipe_flush", "pipe_2bw", "pipe_gpipe", "pipe_interleaved"])
-def test_a_pipeline_refuses_the_balancing_loss_in_one_line(pipeline, checkpoints, tmp_path):
-    keys = [f"model.pretrained={checkpoints('olmoe')}", f"strategy={pipeline}", *RUN_KEYS]
-    with pytest.raises(ConfigError) as refused:
-        run(compose_config(keys), tmp_path / "run", table=False)
-    assert "\n" not in str(refused.value) and "model.output_router_logits=false" in str(refused.value)
-
-
 @pytest.mark.parametrize("pipeline", [pytest.param("pipe_flush"), pytest.param("pipe_2bw", marks=pytest.mark.slow),
                                       pytest.param("pipe_gpipe", marks=pytest.mark.slow),
                                       pytest.param("pipe_interleaved", marks=pytest.mark.slow)])
@@ -224,21 +216,26 @@ def expert_adapter(base: Path, directory: Path) -> Path:
     return random_adapter(model, config, directory)
 
 
-@pytest.mark.parametrize(("arch", "variant"), [("qwen3_moe", "l2l"), pytest.param("qwen3_moe", "baseline", marks=pytest.mark.slow),
+# LoRA on the experts under every kind of strategy: the relay, a pipeline, one process, FSDP.
+LORA_VARIANTS = {**VARIANTS, "pipe_flush": ["strategy=pipe_flush"]}
+
+
+@pytest.mark.parametrize(("arch", "variant"), [("qwen3_moe", "l2l"), ("qwen3_moe", "pipe_flush"),
+                                               pytest.param("qwen3_moe", "baseline", marks=pytest.mark.slow),
                                                pytest.param("mixtral", "l2l", marks=pytest.mark.slow),
                                                pytest.param("mixtral", "fsdp", marks=pytest.mark.slow)])
 def test_lora_on_the_experts_continues_a_peft_adapter_as_a_plain_peft_loop(arch, variant, checkpoints, tmp_path):
     base = checkpoints(arch)
     adapter = expert_adapter(base, tmp_path / "adapter")
     cfg = compose_config([f"model.pretrained={base}", "adapter=lora", f"adapter.pretrained={adapter}",
-                          *VARIANTS[variant], *RUN_KEYS])
+                          *LORA_VARIANTS[variant], *RUN_KEYS])
     results = run(cfg, tmp_path / "run", table=False)
     o = cfg.optim
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter,
                                           is_trainable=True)
     trainable = [p for p in reference.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    losses, _ = moe_loop(reference, optimizer, cfg)
+    losses, terms = moe_loop(reference, optimizer, cfg)
     ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                                      tmp_path / "run" / "model")
     theirs, mine = adapters_of(reference), adapters_of(ours)
@@ -248,6 +245,7 @@ def test_lora_on_the_experts_continues_a_peft_adapter_as_a_plain_peft_loop(arch,
         torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=lambda m, key=key: f"{variant} {key}: {m}")
         assert (p - start[key]).abs().max() > 1e-3, f"{key} did not train"
     assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+    assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)
 
 
 def test_a_fresh_lora_on_the_experts_and_attention_trains_as_a_plain_hugging_face_loop(checkpoints, tmp_path):

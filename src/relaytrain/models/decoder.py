@@ -50,7 +50,6 @@ from relaytrain.models.moe import (
     router_path,
     run_settings,
     tally_key,
-    whole_microbatch,
 )
 from relaytrain.objectives.base import LossTerms
 from relaytrain.objectives.cross_entropy import CausalLM
@@ -123,6 +122,7 @@ class LayeredDecoder(LayeredModel):
     family = "decoder"
     block_class = DecoderBlock
     packs_records = True  # `context` hands packed position ids to the mask builder
+    cuts_sequences = True  # `token_context`: the rotary cos/sin and positions are per token
 
     def __init__(self, hf_model: nn.Module, task: str):
         body, config = hf_model.model, hf_model.config
@@ -165,6 +165,10 @@ class LayeredDecoder(LayeredModel):
             ctx[ROUTER] = self.routing.tally(mb.attention_mask)
             self._tallies.put(tally_key(mb), ctx[ROUTER])
         return ctx
+
+    def token_context(self, ctx: dict, tokens: slice) -> dict:
+        rope = {kind: tuple(t[:, tokens] for t in pair) for kind, pair in ctx["rope"].items()}
+        return {**ctx, "rope": rope, "position_ids": ctx["position_ids"][:, tokens]}
 
     def head_loss(self, hidden: torch.Tensor, mb: MicroBatch) -> LossTerms:
         """The objective's loss, plus, for a mixture of experts that balances its routers, the
@@ -457,7 +461,7 @@ SPEC = register_family(Family(
     name="decoder", layered=LayeredDecoder, objectives=(CausalLM,), tokenizer="byte_bpe",
     hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses, attention=attention_for,
     dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout"),
-    run_settings=run_settings, whole_microbatch=whole_microbatch,
+    run_settings=run_settings,
     description="decoders of the Llama layout of a proven model type (Llama, Qwen2/3, Mistral, Gemma, Phi-3, "
                 "Granite, Cohere, OLMo, ...; mixtures of experts: Qwen2/3-MoE, Mixtral, OLMoE; causal LM)",
 ))

@@ -65,9 +65,6 @@ class Family:
     # The `model` keys a checkpoint's config takes from the run beside dropout (a mixture's
     # balancing loss: `output_router_logits`, `router_aux_loss_coef`), set in place.
     run_settings: Callable = staticmethod(lambda hf_config, m: None)
-    # Why a micro-batch of the model `m` describes needs every block in one process (a mixture's
-    # balancing loss is a product over all its layers), or None: a pipeline may split it.
-    whole_microbatch: Callable = staticmethod(lambda m: None)
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -213,6 +213,9 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
     block_class: type[Block] = Block
     # Whether `context` keeps records packed into one row apart by `MicroBatch.position_ids`.
     packs_records: bool = False
+    # Whether a worker holding some tokens of a sequence can run the blocks on them with the whole
+    # sequence's context (`token_context`): sequence parallelism, strategies/sequence_parallel.py.
+    cuts_sequences: bool = False
 
     def __init__(self, hf_model: nn.Module, embed: nn.Module, blocks: list[nn.Module], head: nn.Module, task: str):
         super().__init__()
@@ -243,6 +246,11 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
     @abstractmethod
     def shared_context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
         """What every block of this micro-batch shares (the attention mask)."""
+
+    def token_context(self, ctx: dict, tokens: slice) -> dict:
+        """A whole sequence's `context` as the worker holding `tokens` of it uses it: per-token
+        inputs sliced, masks whole (its attention sees every token). Families that cut sequences."""
+        raise NotImplementedError(f"the {self.family} family does not cut sequences")
 
     # -- the parts as strategies run them: draws keyed by the micro-batch -----------------------
     def embed_input(self, input_ids: torch.Tensor, draw: Draw | None = None) -> torch.Tensor:

@@ -25,6 +25,10 @@ head adds the term's value to the micro-batch's loss through `_Anchor`, whose ba
 tally how the loss is scaled (the minibatch's items, an fp16 loss scale): so the strategies
 that run the blocks of a micro-batch in one process (the baseline, replicas, FSDP, L2L with its
 block-by-block backward and its recompute) train Hugging Face's exact gradient without a change.
+A pipeline's stages each hold some of the layers: a stage's tally starts from the sums of the
+stages before it (`take_forward_message`, travelling with the activations), so the last stage's
+is complete, and hands back the fractions and the loss's scale (`backward_message`, travelling
+with the gradients), so every stage's blocks add their shares (`strategies/pipeline/routing.py`).
 
 A micro-batch's loss is its token-summed cross-entropy plus `coef * aux * items` (its items:
 the cross-entropy's), divided like every loss by the minibatch's items: the token-weighted mean
@@ -111,6 +115,10 @@ class RouterTally:
         self.counts: dict[int, torch.Tensor] = {}
         self.prob_sums: dict[int, torch.Tensor] = {}
         self.loss_scale: torch.Tensor | None = None  # d(loss) / d(aux), set by `_Anchor` in the head's backward
+        # A pipeline stage's view (`forward_message` / `backward_message`): the sums of the layers
+        # earlier stages ran, and the fractions the last stage computed from every layer.
+        self.upstream: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (layers, counts, probability sums)
+        self.settled: torch.Tensor | None = None
 
     def record(self, block: int, logits: torch.Tensor) -> None:
         """Block `block`'s router logits [tokens, experts]: its counts and probability sums, as
@@ -127,21 +135,59 @@ class RouterTally:
 
     def tokens(self, device: torch.device) -> torch.Tensor:
         """T: the micro-batch's tokens the term averages over (its mask's ones)."""
-        if self.mask is None:  # every row counts: each assigned top_k times
-            return next(iter(self.counts.values())).sum() / self.routing.top_k
+        if self.mask is None:  # every row counts: each assigned top_k times in every layer
+            layers, counts, _ = self._totals()
+            return counts.sum() / (layers * self.routing.top_k)
         return self.mask.to(device).sum()
 
     def fractions(self) -> torch.Tensor:
         """f: every layer's top-k assignments over L * T (a constant: no gradient)."""
+        if self.settled is not None:
+            return self.settled
         self._check_complete()
-        counts = torch.stack(list(self.counts.values())).sum(dim=0)
+        _, counts, _ = self._totals()
         return counts / (self.routing.layers * self.tokens(counts.device))
 
     def aux(self) -> torch.Tensor:
         """Hugging Face's load-balancing loss of the micro-batch (its value)."""
         f = self.fractions()
-        probs = torch.stack(list(self.prob_sums.values())).sum(dim=0) / (self.routing.layers * self.tokens(f.device))
+        _, _, prob_sums = self._totals()
+        probs = prob_sums / (self.routing.layers * self.tokens(f.device))
         return self.routing.experts * (f * probs).sum()
+
+    def _totals(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The layers recorded (here and upstream), their summed counts and probability sums."""
+        layers, counts, prob_sums = self.upstream or (0, 0.0, 0.0)
+        if self.counts:
+            counts = counts + torch.stack(list(self.counts.values())).sum(dim=0)
+            prob_sums = prob_sums + torch.stack(list(self.prob_sums.values())).sum(dim=0)
+        return layers + len(self.counts), counts, prob_sums
+
+    # A pipeline stage's messages: the sums travel forward with the activations to the last stage,
+    # the fractions and the loss's scale travel back with the gradients, so that every stage's
+    # blocks add their local shares exactly as one process would.
+    # (The layer counts do not travel: each stage knows how many routed layers come before its
+    # blocks, and no value has to be read back from the device.)
+    def forward_message(self, device: torch.device) -> torch.Tensor:
+        """[counts (E), probability sums (E)] of this stage's layers and every earlier one's."""
+        _, counts, prob_sums = self._totals()
+        zeros = torch.zeros(self.routing.experts, dtype=torch.float32, device=device)
+        return torch.cat([(zeros + counts).to(device), (zeros + prob_sums).to(device)])
+
+    def take_forward_message(self, message: torch.Tensor, layers: int) -> None:
+        """The earlier stages' `forward_message`, from their `layers` routed layers."""
+        e = self.routing.experts
+        self.upstream = (layers, message[:e], message[e:2 * e])
+
+    def backward_message(self, device: torch.device) -> torch.Tensor:
+        """[f (E), d(loss)/d(aux)], once backward has run here (a scale of 0 where the loss did
+        not reach the term: every share is then zero, as `local_grad` makes it)."""
+        scale = self.loss_scale.reshape(1).to(device) if self.loss_scale is not None else torch.zeros(1, device=device)
+        return torch.cat([self.fractions().to(device).float(), scale])
+
+    def take_backward_message(self, message: torch.Tensor) -> None:
+        e = self.routing.experts
+        self.settled, self.loss_scale = message[:e], message[e]
 
     def local_grad(self, logits: torch.Tensor) -> torch.Tensor:
         """d(loss)/d(logits) through this layer's share of aux, (E / (L T)) sum_e f_e S^l_e, times
@@ -159,10 +205,11 @@ class RouterTally:
         return (grad * scale).to(logits.dtype)
 
     def _check_complete(self) -> None:
-        if len(self.counts) != self.routing.layers:
-            raise ConfigError(f"the router's balancing loss needs every routed layer of a micro-batch in one process "
-                              f"({len(self.counts)} of {self.routing.layers} ran here); a strategy that splits the "
-                              f"blocks over processes cannot train it exactly")
+        layers = self._totals()[0]
+        if layers != self.routing.layers:
+            raise ConfigError(f"the router's balancing loss needs every routed layer of a micro-batch recorded "
+                              f"({layers} of {self.routing.layers} were); a strategy that splits the blocks over "
+                              f"processes must carry the others' routing (RouterTally.forward_message)")
 
 
 
@@ -301,15 +348,6 @@ def run_settings(hf_config, m) -> None:
         hf_config.output_router_logits = bool(m.output_router_logits)
     if m.router_aux_loss_coef is not None:
         hf_config.router_aux_loss_coef = float(m.router_aux_loss_coef)
-
-
-def whole_microbatch(m) -> str | None:
-    """Why a micro-batch of this model needs every block in one process, or None."""
-    if m.num_experts and m.output_router_logits:
-        return ("the router's balancing loss (model.output_router_logits=true) multiplies means over every routed "
-                "layer of a micro-batch, which a pipeline's stages hold apart; train it under baseline, fsdp or l2l, "
-                "or set model.output_router_logits=false")
-    return None
 
 
 # --------------------------------------------------------------------------- a dry run's experts

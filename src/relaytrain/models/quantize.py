@@ -11,7 +11,9 @@ Each quantized layer is an `NF4Linear`: one frozen uint8 parameter, `nf4`, holds
 tensor: the EPS keeps it once on the host, the relay uploads its 4-bit bytes as they are (a
 cast applies to floating tensors only), FSDP2 shards it, pipelines share it between weight
 versions, and the fingerprint hashes its bytes. The forward dequantizes it on whatever device
-it is on, in the dtype of its input, just before the matmul: no dense copy outlives the call.
+it is on, in the dtype of its input, just before the matmul, and backward dequantizes it again
+(`NF4Matmul`, as bitsandbytes' MatMul4Bit): no dense copy outlives either call, so a strategy
+that keeps activations for backward keeps the 4-bit bytes, not a dense weight per layer.
 """
 
 from __future__ import annotations
@@ -108,6 +110,35 @@ def dequantize(storage: torch.Tensor, layout: Layout, dtype: torch.dtype) -> tor
     return torch.ops.bitsandbytes.dequantize_4bit(piece["codes"], absmax, BLOCK, NF4, list(layout.shape), dtype)
 
 
+class NF4Matmul(torch.autograd.Function):
+    """`F.linear(x, weight, bias)` with `weight` dequantized from its NF4 `storage`, which is all
+    backward keeps of it: backward dequantizes it again for the input's gradient (the weight is
+    frozen: it has none). Bit for bit what autograd gives F.linear over the dequantized weight,
+    autocast included: the forward runs under the caller's autocast as F.linear would, and
+    backward multiplies in the dtype the forward computed in (that of its output), then casts
+    the gradient to the input's dtype, as autograd's record of autocast's cast does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, storage: torch.Tensor, layout: Layout, bias: torch.Tensor | None):
+        out = F.linear(x, dequantize(storage, layout, x.dtype), bias)
+        ctx.save_for_backward(storage)
+        ctx.layout, ctx.x_dtype, ctx.out_dtype = layout, x.dtype, out.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (storage,) = ctx.saved_tensors
+        x_grad = bias_grad = None
+        if ctx.needs_input_grad[0]:
+            # Dequantized in the input's dtype, then cast, as the forward's weight was.
+            weight = dequantize(storage, ctx.layout, ctx.x_dtype).to(ctx.out_dtype)
+            x_grad = grad.to(ctx.out_dtype).matmul(weight).to(ctx.x_dtype)
+        if ctx.needs_input_grad[3]:  # a trained bias (peft's bias="all"): the output's gradient, summed
+            bias_grad = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return x_grad, None, None, bias_grad
+
+
 class NF4Linear(nn.Linear):
     """A frozen linear layer whose weight is NF4 (`nf4`: uint8, see Layout); its bias as it was.
 
@@ -153,7 +184,7 @@ class NF4Linear(nn.Linear):
         return dequantize(self.nf4, self.layout, self.loaded_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantize(self.nf4, self.layout, x.dtype), self.bias)
+        return NF4Matmul.apply(x, self.nf4, self.layout, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, nf4{', double' if self.layout.double else ''}"

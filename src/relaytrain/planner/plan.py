@@ -17,10 +17,13 @@ Nothing here knows a strategy by name: a registered strategy is planned through 
 from __future__ import annotations
 
 import shlex
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from relaytrain.compose import compose
@@ -28,6 +31,7 @@ from relaytrain.cost.formulas import ModelFacts, powers_of_two_dividing
 from relaytrain.cost.profile import Profile, from_spec, load_spec, measure
 from relaytrain.errors import ConfigError
 from relaytrain.launch import keep_freed_host_memory
+from relaytrain.models import hf_config
 from relaytrain.models.pretrained import explicit_overrides, resolve
 from relaytrain.objectives import objective
 from relaytrain.planner.candidates import (
@@ -48,6 +52,7 @@ IGNORED_KEYS = ("strategy", "hydra")  # of those, the ones a user's value is dro
 RUN_DIR_KEY = "hydra.run.dir"  # but this one: where plan.json goes
 PRECISION_KEY = "precision"  # the plan's precision: each candidate's command carries its own
 DECODER_ON_A_GPU = "cmp_bf16"  # a decoder's precision on a GPU profile unless given
+CHECKPOINT = "CHECKPOINT"  # a planned command's model.pretrained where the plan stood a shape in for it
 
 
 # --------------------------------------------------------------------------- the request
@@ -199,23 +204,41 @@ def make_plan(overrides: list[str], max_simulations: int = MAX_SIMULATIONS) -> P
     A batch the user did not choose (the default 8 x 4) that nothing fits is halved until a
     batch fits (a step of 32 sequences of 32 k tokens is a million tokens: its stash alone may
     outgrow the host); the plan says so. A batch the user gave is planned as given."""
-    plan = _make_plan(overrides, max_simulations)
-    if plan.best is not None or any(_key(o) in BATCH_KEYS for o in overrides):
-        return plan
-    asked, batch, smaller = plan.request.batch, plan.request.batch, None
-    while (smaller is None or smaller.best is None) and batch > 1:
-        batch //= 2
-        smaller = _make_plan([*overrides, f"plan.batch_size={batch}"], max_simulations)
-    if smaller is None or smaller.best is None:
-        plan.batch_note = f"no batch from {asked} down to 1 fits either"
-        return plan
-    smaller.batch_note = (f"the default batch of {asked} does not fit; {batch} is the largest power of two "
-                          f"below it that does (give plan.batch_size to plan another)")
-    return smaller
+    with shape_as_checkpoint(overrides) as (planned, printed):
+        plan = _make_plan(planned, passthrough(printed), max_simulations)
+        if plan.best is not None or any(_key(o) in BATCH_KEYS for o in overrides):
+            return plan
+        asked, batch, smaller = plan.request.batch, plan.request.batch, None
+        while (smaller is None or smaller.best is None) and batch > 1:
+            batch //= 2
+            smaller = _make_plan([*planned, f"plan.batch_size={batch}"], passthrough(printed), max_simulations)
+        if smaller is None or smaller.best is None:
+            plan.batch_note = f"no batch from {asked} down to 1 fits either"
+            return plan
+        smaller.batch_note = (f"the default batch of {asked} does not fit; {batch} is the largest power of two "
+                              f"below it that does (give plan.batch_size to plan another)")
+        return smaller
 
 
-def _make_plan(overrides: list[str], max_simulations: int) -> Plan:
-    """The plan of one batch."""
+@contextmanager
+def shape_as_checkpoint(overrides: list[str]):
+    """(the overrides to plan with, those the planned command keeps). A 4-bit base of a named
+    shape (`model=llama3_70b model.quantize=nf4`, no model.pretrained) is planned over a checkpoint
+    of that shape as published (its config.json, bf16; planning reads no weights), since
+    model.quantize quantizes a checkpoint; the command names `model.pretrained=CHECKPOINT` for
+    the user's copy of it."""
+    m = compose(overrides).model
+    if str(m.quantize) == "none" or m.pretrained:
+        yield overrides, overrides
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        config = hf_config(m)
+        config.dtype = torch.bfloat16  # as the named shapes' published checkpoints store them
+        config.save_pretrained(directory)
+        yield [*overrides, f"model.pretrained={directory}"], [*overrides, f"model.pretrained={CHECKPOINT}"]
+
+
+def _make_plan(overrides: list[str], kept_in_command: list[str], max_simulations: int) -> Plan:
     cfg = resolve(compose(overrides), explicit_overrides(overrides))
     spec = None if str(cfg.plan.device) == "this" else load_spec(str(cfg.plan.device))
     precision = plan_precision(cfg, overrides, spec)
@@ -241,7 +264,7 @@ def _make_plan(overrides: list[str], max_simulations: int) -> Plan:
                   for shape in shapes for base in [bases[shape.strategy]]]
     candidates.sort(key=lambda c: (c.cost is None, c.cost.step_s if c.cost else 0.0))
     ignored = [o for o in overrides if _section(o) in IGNORED_KEYS and _key(o) != RUN_DIR_KEY]
-    plan = Plan(request, profile, candidates, kept, ignored, precision)
+    plan = Plan(request, profile, candidates, kept_in_command, ignored, precision)
     decide_memory(candidates, bases, request, profile, max_simulations)
     return plan
 

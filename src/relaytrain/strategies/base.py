@@ -183,6 +183,11 @@ class Strategy(ABC):
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Current weights by Hugging Face name, for saving the model; None from a replica."""
 
+    def loss_terms(self) -> dict[str, float]:
+        """The terms beside the objective's loss since the last call (`LayeredModel.loss_terms`),
+        from whichever copies of the model this process computed with."""
+        return self.model.loss_terms()
+
     def report(self) -> dict:
         """This process's figures (JSON-able): phase times, memory, the strategy's own."""
         return {}
@@ -215,7 +220,8 @@ class ReplicatedStrategy(Strategy):
 
     @classmethod
     def processes(cls, cfg) -> int:
-        return cfg.strategy.replicas
+        # With sequence parallelism, S workers share each replica's sequences: R x S in all.
+        return cfg.strategy.replicas * getattr(cfg.strategy, "sequence_parallel", 1)
 
     @classmethod
     def replicas(cls, cfg) -> int:

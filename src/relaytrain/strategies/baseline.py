@@ -14,6 +14,12 @@ so each step makes one all-reduce, overlapped with compute. Every micro-batch's 
 already divided by the item count of the *whole* minibatch, so the workers' gradients are
 summed, not averaged (`_sum_hook`), and the update equals the plain loop's over the whole
 minibatch, clipping and the fp16 overflow check included (both see the summed gradients).
+
+With `strategy.sequence_parallel=S` every replica's sequences are cut over S workers (R x S in
+all, `strategies/sequence_parallel.py`): each runs its tokens through the whole model, an
+all-to-all around attention giving it whole sequences for its share of the heads. Their loss
+shares are divided by the same minibatch item count, so DDP's sum over all R x S workers is
+again the plain loop's gradient.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from relaytrain.checkpoint import (
     trained_named_parameters,
     unique_named_parameters,
 )
-from relaytrain.config import Recompute, StrategyConfig, WorkersConfig
+from relaytrain.config import Recompute, SequenceParallelConfig, StrategyConfig, WorkersConfig
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
@@ -49,13 +55,24 @@ from relaytrain.strategies.base import (
     replica_rows,
     scalar,
 )
+from relaytrain.strategies.sequence_parallel import (
+    CutSequenceCost,
+    WholeSequence,
+    check_sequence_parallel,
+    describe_worker,
+    install,
+    sequence_cut,
+    sequence_parallel,
+    split_for,
+    uninstall,
+)
 from relaytrain.strategies.stash import HostStash, Stash, stash_on_host
 from relaytrain.strategies.transfers import Transfers
 from relaytrain.strategies.whole_model_cost import BUCKET_BYTES, BaselineCost, recomputes_blocks
 
 
 @dataclass
-class BaselineConfig(WorkersConfig, StrategyConfig):
+class BaselineConfig(SequenceParallelConfig, WorkersConfig, StrategyConfig):
     name: str = "baseline"
     recompute: Recompute = Recompute.none  # none, or block: keep each block's input, recompute it in backward
     stash: Stash = Stash.device  # with recompute=block, where each block's input waits for its recompute: device, or host (out after its forward, back prefetched before its backward)
@@ -72,23 +89,28 @@ class MicrobatchLoss(nn.Module):
     """The whole model as one module whose forward is a micro-batch's loss over the minibatch's
     items (or, `evaluate`, its evaluation sums): what `DistributedDataParallel` and FSDP wrap
     (they act on what a forward of the module uses). With `transfers`, each recomputed block's
-    input waits on the host (`HostStash`)."""
+    input waits on the host (`HostStash`). With `split` (sequence parallelism), this worker's
+    tokens of each sequence (`sequence_parallel.SequenceSplit`)."""
 
-    def __init__(self, model: LayeredModel, recompute: bool, precision: Precision, transfers: Transfers | None = None):
+    def __init__(self, model: LayeredModel, recompute: bool, precision: Precision, transfers: Transfers | None = None,
+                 split: WholeSequence | None = None):
         super().__init__()
         self.model, self.recompute, self.precision = model, recompute, precision
         self.transfers = transfers
+        self.split = split or WholeSequence()
 
     def forward(self, mb: MicroBatch, items: int = 1, evaluate: bool = False) -> torch.Tensor:
+        mb = self.split.whole(mb)
         with self.precision.autocast_context(mb.input_ids.device):
+            hidden, scored = self.split.scored(self.trunk(mb), mb)
             if evaluate:
-                return self.model.eval_stats(self.trunk(mb), mb).sums
-            return self.model.head_loss(self.trunk(mb), mb).over(items)
+                return self.model.eval_stats(hidden, scored).sums
+            return self.model.head_loss(hidden, scored).over(items)
 
     def trunk(self, mb: MicroBatch) -> torch.Tensor:
         """Embeddings and every block: the last block's output."""
-        hidden = self.model.embed_input(mb.input_ids, mb.draw)
-        ctx = self.model.context(mb, hidden)
+        hidden = self.model.embed_input(self.split.input_ids(mb), mb.draw)
+        ctx = self.split.context(self.model, mb, hidden)
         recompute = self.recompute and torch.is_grad_enabled()
         # A dry run's autocast (the meta device has no torch.autocast) is entered again around the
         # recompute; torch restores a real device's itself.
@@ -129,10 +151,14 @@ def _sum_hook(group, bucket):  # no annotations: DDP checks them, and these woul
     return work.get_future().then(lambda done: done.value()[0])
 
 
+class BaselineSequenceCost(CutSequenceCost, BaselineCost):
+    """BaselineCost where every sequence is whole; none predicted where they are cut."""
+
+
 @register("baseline")
 class Baseline(ReplicatedStrategy):
     Config = BaselineConfig
-    cost_model = BaselineCost  # what the planner asks: whole_model_cost.py's closed forms
+    cost_model = BaselineSequenceCost  # what the planner asks: whole_model_cost.py's closed forms
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -141,10 +167,11 @@ class Baseline(ReplicatedStrategy):
             raise ConfigError("strategy.recompute=stage is for pipelines (the baseline is one stage); "
                               "use strategy.recompute=block")
         check_stash(cfg)
+        check_sequence_parallel(cfg.strategy, cfg.model, cfg.train.compile)
 
     @classmethod
     def describe_process(cls, cfg, rank: int) -> str:
-        return f"rank {rank} (replica {rank} of {cfg.strategy.replicas})"
+        return describe_worker(rank, cfg.strategy.replicas, sequence_parallel(cfg.strategy))
 
     # -- one worker -------------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
@@ -154,8 +181,11 @@ class Baseline(ReplicatedStrategy):
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.replica, self.num_replicas = world.rank, cfg.strategy.replicas
-        self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision, host_stash_transfers(cfg, self.device))
+        self.replica, self.num_replicas = world.rank // sequence_parallel(cfg.strategy), cfg.strategy.replicas
+        cut = sequence_cut(world, sequence_parallel(cfg.strategy))  # made by every process before DDP's
+        install(model, cut)
+        self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision, host_stash_transfers(cfg, self.device),
+                                  split_for(cut))
         # A dry run has no process group to sum over; with gradients as bucket views DDP adds no
         # device memory, so the dry run's figure holds for the real run.
         self.synced = world.distributed and not world.simulated
@@ -220,13 +250,16 @@ class Baseline(ReplicatedStrategy):
     def parameter_names(self) -> list[str]:
         return [name for name, _ in trained_named_parameters(self.model)]
 
+    def close(self) -> None:
+        uninstall(self.model)
+
     def weights(self) -> dict[str, torch.Tensor] | None:
-        if self.replica != 0:  # every replica holds the same weights
+        if self.world.rank != 0:  # every worker holds the same weights
             return None
         return {name: p.detach() for name, p in unique_named_parameters(self.model)}
 
     def state_dict(self) -> dict | None:
-        if self.replica != 0:  # and the same optimizer state
+        if self.world.rank != 0:  # and the same optimizer state
             return None
         params = [p for _, p in trained_named_parameters(self.model)]
         return model_state(self.model, params, [self.optimizer], self.scaler)

@@ -54,7 +54,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMi
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state, sharded_contents
-from relaytrain.config import Offload, Recompute, StrategyConfig, WorkersConfig
+from relaytrain.config import Offload, Recompute, SequenceParallelConfig, StrategyConfig, WorkersConfig
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch
@@ -76,12 +76,21 @@ from relaytrain.strategies.baseline import (
     evaluate_replicated,
     host_stash_transfers,
 )
+from relaytrain.strategies.sequence_parallel import (
+    CutSequenceCost,
+    check_sequence_parallel,
+    install,
+    sequence_cut,
+    sequence_parallel,
+    split_for,
+    uninstall,
+)
 from relaytrain.strategies.stash import Stash
-from relaytrain.strategies.whole_model_cost import FsdpCost, gathered_params, recomputes_blocks
+from relaytrain.strategies.whole_model_cost import FsdpCost, gathered_params, recomputes_blocks, unit_bytes
 
 
 @dataclass
-class FsdpConfig(WorkersConfig, StrategyConfig):
+class FsdpConfig(SequenceParallelConfig, WorkersConfig, StrategyConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True  # true: ZeRO-3, parameters gathered again for backward; false: kept from forward to backward
     offload: Offload = Offload.none  # host: parameter, gradient and optimizer shards in host memory (needs a CUDA device)
@@ -89,12 +98,16 @@ class FsdpConfig(WorkersConfig, StrategyConfig):
     stash: Stash = Stash.device  # with recompute=block, where each block's input waits for its recompute: device, or host (out after its forward, back prefetched before its backward)
 
 
+class FsdpSequenceCost(CutSequenceCost, FsdpCost):
+    """FsdpCost where every sequence is whole; none predicted where they are cut."""
+
+
 @register("fsdp")
 class Fsdp(ReplicatedStrategy):
     """One worker of R, holding 1/R of every parameter, gradient and optimizer state."""
 
     Config = FsdpConfig
-    cost_model = FsdpCost  # what the planner asks: whole_model_cost.py's closed forms
+    cost_model = FsdpSequenceCost  # what the planner asks: whole_model_cost.py's closed forms
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -102,6 +115,7 @@ class Fsdp(ReplicatedStrategy):
         if cfg.strategy.recompute == Recompute.stage:
             raise ConfigError("strategy.recompute=stage is for pipelines; use strategy.recompute=block")
         check_stash(cfg)
+        check_sequence_parallel(cfg.strategy, cfg.model, cfg.train.compile)
 
     @classmethod
     def check_device(cls, cfg, device: torch.device) -> None:
@@ -111,22 +125,27 @@ class Fsdp(ReplicatedStrategy):
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
-        return {"processes": cfg.strategy.replicas, "sharded": True}
+        return {"processes": cls.processes(cfg), "sharded": True}
 
     @classmethod
     def describe_process(cls, cfg, rank: int) -> str:
-        return f"rank {rank} (shard {rank} of {cfg.strategy.replicas})"
+        return f"rank {rank} (shard {rank} of {cls.processes(cfg)})"
 
     # -- one worker -------------------------------------------------------------------------------
     def __init__(self, model, cfg, world):
         super().__init__(model, cfg, world)
         s = cfg.strategy
-        self.replica, self.num_replicas = world.rank, s.replicas
+        self.replica, self.num_replicas = world.rank // sequence_parallel(cfg.strategy), s.replicas
+        # Sequence parallelism: every worker holds a shard (the mesh is all R x S of them, each
+        # gradient summed over all), and its tokens of its replica's sequences.
+        self.num_shards = self.processes(cfg)
+        cut = sequence_cut(world, sequence_parallel(cfg.strategy))
+        install(model, cut)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
         self.hf_names = {name: model.hf_name(p) for name, p in model.named_parameters()}  # before sharding
         self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision,  # amp_*: autocast, as the baseline
-                                  host_stash_transfers(cfg, self.device))
+                                  host_stash_transfers(cfg, self.device), split_for(cut))
         self.sharded = not world.simulated
         self.own_group = False
         if self.sharded:
@@ -146,7 +165,7 @@ class Fsdp(ReplicatedStrategy):
         offloaded = cfg.strategy.offload == Offload.host
         if not offloaded:
             model.to(self.device)
-        mesh = init_device_mesh(self.device.type, (self.num_replicas,))
+        mesh = init_device_mesh(self.device.type, (self.num_shards,))
         policy = dict(mesh=mesh, reshard_after_forward=bool(cfg.strategy.reshard_after_forward),
                       offload_policy=CPUOffloadPolicy() if offloaded else None)
         for block in model.blocks:
@@ -175,7 +194,7 @@ class Fsdp(ReplicatedStrategy):
                 loss = self.net(mb.to(self.device, non_blocking=True), items)
                 self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
-        if self.sharded and self.num_replicas > 1:
+        if self.sharded and self.num_shards > 1:
             dist.all_reduce(loss_sum)
         with self.timer.phase("optimizer"):
             skipped = self._update(lr)
@@ -209,7 +228,7 @@ class Fsdp(ReplicatedStrategy):
     def weights(self) -> dict[str, torch.Tensor] | None:
         """The whole weights on the first worker (every worker gathers: a collective)."""
         whole = {self.hf_names[n]: _whole(p).detach().cpu() for n, p in self.net.model.named_parameters()}
-        return whole if self.replica == 0 else None
+        return whole if self.world.rank == 0 else None
 
     def state_dict(self) -> dict:
         """This worker's part: only what is not sharded (the loss scaler); the shards go to the
@@ -288,13 +307,14 @@ class Fsdp(ReplicatedStrategy):
         self.optimizer.zero_grad(set_to_none=True)
 
     def memory_holders(self) -> dict[str, list]:
-        return {"weights": [_local(p) for p in self.params],
+        # Every weight: an adapter's frozen base (4-bit or not) is sharded too, as what trains.
+        return {"weights": [_local(p) for p in self.net.parameters()],
                 "gradients": [_local(p.grad) for p in self.params if p.grad is not None],
                 "optimizer state": [_local(t) for t in optimizer_tensors([self.optimizer])]}
 
     def simulated_memory(self, tracker) -> dict:
         """The dry run ran the model unsharded: its activations as tracked, its weights, gradients
-        and optimizer state as FSDP holds them (1/R each; none with offload) plus the units
+        and optimizer state as FSDP holds them (1/(R x S) each; none with offload) plus the units
         gathered at once: FSDP's closed form, said so."""
         figures = tracker.figures()
         by_kind = dict(figures["by_kind"])
@@ -302,11 +322,11 @@ class Fsdp(ReplicatedStrategy):
         whole = sum(by_kind[k] for k in state)
         offloaded = self.cfg.strategy.offload == Offload.host
         for kind in state:
-            by_kind[kind] = 0 if offloaded else by_kind[kind] // self.num_replicas
-        ends = sum(p.numel() for part in (self.model.embed, self.model.head) for p in part.parameters())
-        block = sum(p.numel() for p in self.model.blocks[0].parameters())
+            by_kind[kind] = 0 if offloaded else by_kind[kind] // self.num_shards
         param_bytes = self.precision.weight_dtype.itemsize  # fp32 gathers under amp_* (see the module)
-        by_kind["parameters gathered"] = gathered_params(self.cfg, ends, block, len(self.model.blocks)) * param_bytes
+        ends = sum(unit_bytes(part, param_bytes) for part in (self.model.embed, self.model.head))
+        block = unit_bytes(self.model.blocks[0], param_bytes)
+        by_kind["parameters gathered"] = gathered_params(self.cfg, ends, block, len(self.model.blocks))
         peak = figures["peak_allocated_bytes"] - whole + sum(by_kind[k] for k in (*state, "parameters gathered"))
         return {**figures, "peak_allocated_bytes": peak, "by_kind": by_kind, "closed_form": True,
                 "note": "simulated activations (a dry run of the unsharded model on the meta device); weights, "
@@ -319,6 +339,7 @@ class Fsdp(ReplicatedStrategy):
         return {**out, "summary": {"shards": shards, **out["summary"]}}
 
     def close(self) -> None:
+        uninstall(self.model)
         if self.own_group and dist.is_initialized():
             dist.destroy_process_group()
 

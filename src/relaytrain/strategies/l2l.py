@@ -47,7 +47,7 @@ from relaytrain.checkpoint import (
     trained_named_parameters,
     unique_named_parameters,
 )
-from relaytrain.config import StrategyConfig, WorkersConfig
+from relaytrain.config import SequenceParallelConfig, StrategyConfig, WorkersConfig
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import Draw, LayeredModel, MicroBatch, eval_mode
@@ -65,6 +65,16 @@ from relaytrain.strategies.base import (
 from relaytrain.strategies.eps import EagerParamServer, Peers, Shipment
 from relaytrain.strategies.l2l_cost import EpsPlacement, L2LCost, Stash, stash_on_host
 from relaytrain.strategies.relay import ActivationStash, WeightRelay
+from relaytrain.strategies.sequence_parallel import (
+    CutSequenceCost,
+    check_sequence_parallel,
+    describe_worker,
+    install,
+    sequence_cut,
+    sequence_parallel,
+    split_for,
+    uninstall,
+)
 from relaytrain.strategies.transfers import Transfers
 
 
@@ -108,12 +118,16 @@ class HeadLoss(nn.Module):
 
 
 @dataclass
-class L2LConfig(WorkersConfig, StrategyConfig):
+class L2LConfig(SequenceParallelConfig, WorkersConfig, StrategyConfig):
     name: str = "l2l"
     stash: Stash = Stash.device  # where each block's input waits for the backward (host: the preset l2l_stash_cpu)
     prefetch: bool = True  # relay the next part in while the current one computes
     max_resident_blocks: int = 2  # parts on the device at once: the executing one and the prefetched one
     eps_state: EpsPlacement = EpsPlacement.sharded  # with replicas: where the EPS state lives
+
+
+class L2LSequenceCost(CutSequenceCost, L2LCost):
+    """L2LCost where every sequence is whole; none predicted where they are cut."""
 
 
 @register("l2l")
@@ -122,7 +136,7 @@ class L2L(ReplicatedStrategy):
     so the model always holds the trained weights; `step` returns only after every update has landed."""
 
     Config = L2LConfig
-    cost_model = L2LCost  # what the planner asks: l2l_cost.py's closed forms
+    cost_model = L2LSequenceCost  # what the planner asks: l2l_cost.py's closed forms
     capabilities = Capabilities(cross_precision=True)
     compact_base = True  # the relay casts an adapter's half-precision base to the compute dtype on upload
 
@@ -132,15 +146,19 @@ class L2L(ReplicatedStrategy):
         s = cfg.strategy
         if s.max_resident_blocks < 1:
             raise ConfigError(f"strategy.max_resident_blocks={s.max_resident_blocks} must be at least 1")
+        check_sequence_parallel(cfg.strategy, cfg.model, cfg.train.compile)
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
-        s = cfg.strategy
-        return {"replicas": s.replicas, "eps_state": str(s.eps_state) if s.replicas > 1 else "local"}
+        s, workers = cfg.strategy, cls.processes(cfg)
+        layout = {"replicas": s.replicas, "eps_state": str(s.eps_state) if workers > 1 else "local"}
+        if sequence_parallel(cfg.strategy) > 1:  # the EPS's peers are every worker: its shards follow their number
+            layout["sequence_parallel"] = sequence_parallel(cfg.strategy)
+        return layout
 
     @classmethod
     def describe_process(cls, cfg, rank: int) -> str:
-        return f"rank {rank} (replica {rank} of {cfg.strategy.replicas})"
+        return describe_worker(rank, cfg.strategy.replicas, sequence_parallel(cfg.strategy))
 
     @classmethod
     def dry_run_stand_in(cls, cfg, rank: int) -> int:
@@ -169,7 +187,13 @@ class L2L(ReplicatedStrategy):
     def __init__(self, model, cfg, world):
         super().__init__(model, cfg, world)
         s = cfg.strategy
-        self.replica, self.num_replicas = world.rank, s.replicas
+        self.replica, self.num_replicas = world.rank // sequence_parallel(cfg.strategy), s.replicas
+        # Sequence parallelism: this worker's tokens of every sequence (the groups made before the
+        # EPS's); every worker is one of the EPS's peers, so each part's gradients are summed over
+        # all R x S of them.
+        cut = sequence_cut(world, sequence_parallel(cfg.strategy))
+        install(model, cut)
+        self.split = split_for(cut)
         self.stash_host = stash_on_host(cfg.strategy)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
@@ -199,7 +223,7 @@ class L2L(ReplicatedStrategy):
         mine = replica_rows(minibatch, self.replica, self.num_replicas)
         # The table rows this step reads: the early table update leaves them for after the backward.
         looked_up = torch.unique(torch.cat([mb.input_ids.reshape(-1) for mb in mine]).cpu()) if self.table is not None else None
-        mbs = [mb.to(self.device, non_blocking=True) for mb in mine]
+        mbs = [self.split.whole(mb.to(self.device, non_blocking=True)) for mb in mine]
         self.relay.start_step()
         stash = self.stash = ActivationStash(self.transfers, self.stash_host)
         with self.timer.phase("forward"):
@@ -232,7 +256,7 @@ class L2L(ReplicatedStrategy):
                 with torch.no_grad():
                     hidden[u] = self._compute(index, weights, mb, hidden[u], ctxs[u])
             if index == 0:  # the attention masks, shared by every block of a micro-batch
-                ctxs = [self.model.context(mb, h) for mb, h in zip(mbs, hidden, strict=True)]
+                ctxs = [self.split.context(self.model, mb, h) for mb, h in zip(mbs, hidden, strict=True)]
         return hidden, ctxs
 
     def _turnaround(self, hidden: list[torch.Tensor | None], mbs: list[MicroBatch], items: int,
@@ -246,7 +270,7 @@ class L2L(ReplicatedStrategy):
         for u, mb in enumerate(mbs):
             x, hidden[u] = hidden[u].requires_grad_(True), None
             with self._autocast():
-                loss = functional_call(module, weights, (x, mb)).over(items)
+                loss = functional_call(module, weights, self.split.scored(x, mb)).over(items)
             self.scaler.scale_loss(loss).backward()
             grads.append(x.grad)
             loss_sum += loss.detach()
@@ -279,7 +303,7 @@ class L2L(ReplicatedStrategy):
 
     def _compute(self, index: int, weights: dict, mb: MicroBatch, hidden: torch.Tensor | None, ctx: dict | None):
         """One part on one micro-batch: the embeddings read the input ids, a block the hidden state."""
-        args = (mb.input_ids, mb.draw) if index == 0 else (hidden, ctx)
+        args = (self.split.input_ids(mb), mb.draw) if index == 0 else (hidden, ctx)
         with self._autocast():
             return functional_call(self.eps.parts[index].module, weights, args)
 
@@ -320,7 +344,8 @@ class L2L(ReplicatedStrategy):
         head = self.eps.parts[self.head_index].module
         with eval_mode(self.model), torch.no_grad():
             for minibatch in batches:
-                mbs = [mb.to(self.device) for mb in replica_rows(minibatch, self.replica, self.num_replicas)]
+                mbs = [self.split.whole(mb.to(self.device))
+                       for mb in replica_rows(minibatch, self.replica, self.num_replicas)]
                 self.relay.start_step()
                 hidden: list[torch.Tensor | None] = [None] * len(mbs)
                 ctxs: list[dict | None] = [None] * len(mbs)
@@ -328,11 +353,12 @@ class L2L(ReplicatedStrategy):
                     weights, _ = self.relay.next_visit()
                     hidden = [self._compute(index, weights, mb, h, c) for mb, h, c in zip(mbs, hidden, ctxs, strict=True)]
                     if index == 0:
-                        ctxs = [self.model.context(mb, h) for mb, h in zip(mbs, hidden, strict=True)]
+                        ctxs = [self.split.context(self.model, mb, h) for mb, h in zip(mbs, hidden, strict=True)]
                 weights, _ = self.relay.next_visit()
                 for mb, h in zip(mbs, hidden, strict=True):
                     with self._autocast():
-                        stats += EvalStats(functional_call(head, weights, (h, mb), {"evaluate": True}).cpu())
+                        stats += EvalStats(functional_call(head, weights, self.split.scored(h, mb),
+                                                           {"evaluate": True}).cpu())
         self.relay.start_step()
         if self.peers is not None:
             dist.all_reduce(stats.sums, group=self.world.control)
@@ -343,7 +369,7 @@ class L2L(ReplicatedStrategy):
         return [name for name, _ in trained_named_parameters(self.model)]
 
     def weights(self) -> dict[str, torch.Tensor] | None:
-        if self.replica != 0:  # every replica holds the same current weights
+        if self.world.rank != 0:  # every worker holds the same current weights
             return None
         return {name: p.detach() for name, p in unique_named_parameters(self.model)}
 
@@ -351,7 +377,7 @@ class L2L(ReplicatedStrategy):
         """Replicated: replica 0 holds it all. Sharded: every replica its own parts' masters and
         optimizer state."""
         mine = [p for part in self.eps.local_parts() for p in part.owned]
-        if not mine or (self.peers is not None and not self.peers.sharded and self.replica != 0):
+        if not mine or (self.peers is not None and not self.peers.sharded and self.world.rank != 0):
             return None
         return model_state(self.model, mine, self._optimizers(), self.scaler)
 
@@ -394,13 +420,14 @@ class L2L(ReplicatedStrategy):
                    "loss_scale": self.scaler.scale, "summary": summary}
         if self.peers is not None:
             owned = sum(part.num_owned for part in self.eps.local_parts())
-            figures["replica"] = {"rank": self.replica, "owned_parameters": owned,
+            figures["replica"] = {"rank": self.world.rank, "owned_parameters": owned,
                                   "reduction_s": self.peers.reduce_s, "reduction_exposed_s": self.peers.exposed_s,
                                   "eps_busy_s": eps["busy_s"]}
         return figures
 
     def close(self) -> None:
         self.eps.close()
+        uninstall(self.model)
 
 
 _PHASE_LABELS = {"forward": "forward", "recompute_backward": "recompute+backward",

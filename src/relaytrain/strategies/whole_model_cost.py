@@ -176,12 +176,12 @@ class FsdpCost(CostModel):
         # all-gather takes its all-reduce's time, measured, and its reduce-scatter runs as one
         # (ReduceScatterByAllReduce): on a CPU each costs a whole all-reduce.
         share = 1.0 if profile.device_type == "cpu" else 0.5
-        gather = allreduce_s(facts.params * facts.weight_bytes, w, profile, messages=n + 1) * share
+        gather = allreduce_s(facts.whole(facts.device_part_bytes), w, profile, messages=n + 1) * share
         gathers = 2 * s.num_microbatches if s.reshard_after_forward else 1
         traffic = gathers * gather + allreduce_s(facts.trained_params * FP32, w, profile, messages=n + 1) * share
         offloaded = s.offload == Offload.host
         if offloaded:
-            traffic += gathers * upload_s(facts.params * FP32 / w, profile)
+            traffic += gathers * upload_s(facts.built_bytes(compact_base=False) / w, profile)
         if profile.device_type == "cpu":
             exposed = traffic
         else:
@@ -202,8 +202,7 @@ class FsdpCost(CostModel):
         activations = stage_bytes(facts, s.microbatch_size, facts.num_layers, 0, last=True, in_flight=1,
                                   versions=0, recompute=str(s.recompute), stashed_inputs=stashed_inputs(cfg))
         shards = 0 if s.offload == Offload.host else _sharded_state_bytes(facts) / s.replicas
-        return int(shards + gathered_params(cfg, facts.embed_params + facts.head_params, facts.block_params,
-                                            facts.num_layers) * facts.weight_bytes + activations)
+        return int(shards + gathered_bytes(cfg, facts) + activations)
 
     def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
         """With `strategy.offload=host` (CPUOffloadPolicy), a worker's 1/R of the fp32 weights,
@@ -234,11 +233,26 @@ def _host_stash_estimate(cfg, device_type: str) -> int:
 
 
 def _sharded_state_bytes(facts: ModelFacts) -> int:
-    """What FSDP shards: every fp32 weight, and the gradients and optimizer state of what trains."""
-    return (facts.params + facts.trained_params * (1 + facts.state_words)) * FP32
+    """What FSDP shards: every weight as built (fp32, a 4-bit base's storage at its bytes), and the
+    gradients and optimizer state of what trains."""
+    return facts.built_bytes(compact_base=False) + facts.trained_params * (1 + facts.state_words) * FP32
+
+
+def gathered_bytes(cfg, facts: ModelFacts) -> int:
+    """FSDP's units gathered at the peak, in bytes: floating weights where they compute, a 4-bit
+    base's storage as it is (gathered, like any parameter, as stored)."""
+    return gathered_params(cfg, facts.device_part_bytes(0) + facts.device_part_bytes(2), facts.device_part_bytes(1),
+                           facts.num_layers)
+
+
+def unit_bytes(module, param_bytes: int) -> int:
+    """A unit's parameters as FSDP gathers them: floating ones at `param_bytes`, a 4-bit base's
+    uint8 storage at its own bytes."""
+    return sum(p.numel() * (param_bytes if p.is_floating_point() else p.element_size()) for p in module.parameters())
 
 
 def gathered_params(cfg, ends: int, block: int, num_layers: int) -> int:
-    """FSDP's parameters held whole at the peak: the root's, and the gathered blocks."""
+    """FSDP's parameters held whole at the peak: the root's, and the gathered blocks (counted in
+    parameters or in bytes, as `ends` and `block` are)."""
     blocks = min(GATHERED_BLOCKS, num_layers) if cfg.strategy.reshard_after_forward else num_layers
     return ends + blocks * block

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from relaytrain.strategies.pipeline.schedule import Action, message
+from relaytrain.strategies.pipeline.schedule import Action, Op, message
 from relaytrain.world import DoneWork
 
 POLL_S = (5e-5, 1e-3)  # NCCL: how often a watcher asks whether a transfer has completed (backing off)
@@ -343,19 +343,21 @@ class Mailbox:
     """This stage's incoming activations and gradients, keyed by their receive action (its op,
     chunk and micro-batch).
 
-    Each receive lands in a buffer of its own, posted ahead of the action that reads it where
-    the backend allows (`Comms.async_p2p`) and taken by that action. With `watch` (message-driven
-    execution) the stage can also see which receives have arrived without waiting for them.
+    Each receive lands in a buffer of its own (shaped as `shape_of` its op says: the hidden
+    state, or a flat buffer that also carries a mixture's routing, `routing.Framing`), posted
+    ahead of the action that reads it where the backend allows (`Comms.async_p2p`) and taken by
+    that action. With `watch` (message-driven execution) the stage can also see which receives
+    have arrived without waiting for them.
     """
 
-    def __init__(self, comms: Comms, shape: tuple[int, ...], device: torch.device, watcher: Watcher,
-                 watch: bool):
-        self.comms, self.shape, self.device = comms, shape, device
+    def __init__(self, comms: Comms, shape_of: Callable[[Op], tuple[int, ...]], device: torch.device,
+                 watcher: Watcher, watch: bool):
+        self.comms, self.shape_of, self.device = comms, shape_of, device
         self.watcher = watcher if watch else None
         self.posted: dict[Action, tuple[dist.Work | None, torch.Tensor]] = {}
 
     def post(self, receive: Action) -> None:
-        buffer = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        buffer = torch.empty(self.shape_of(receive.op), dtype=torch.float32, device=self.device)
         source, group, tag = self.comms.route(receive)
         channel = ("recv", receive.op.value)
         if self.watcher is not None and not self.watcher.poll and not self.comms.dry:

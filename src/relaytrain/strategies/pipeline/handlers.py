@@ -22,6 +22,7 @@ from relaytrain.precision import Precision
 from relaytrain.strategies.pipeline.comms import TIED_TAG, Comms, GradReduction, Mailbox, Outbox, TiedExchange
 from relaytrain.strategies.pipeline.inflight import InFlight
 from relaytrain.strategies.pipeline.jitter import StageJitter
+from relaytrain.strategies.pipeline.routing import Framing
 from relaytrain.strategies.pipeline.schedule import Action, Op, Schedule
 from relaytrain.strategies.pipeline.weights import VersionBuffers
 
@@ -40,6 +41,7 @@ class Stage(Protocol):
     precision: Precision
     device: torch.device
     jitter: StageJitter | None  # this stage's injected delay, if any
+    framing: Framing  # the messages' layout: a mixture's routing rides with them
 
     def progress(self, text: str) -> None: ...
 
@@ -50,11 +52,14 @@ def forward(stage: Stage, a: Action) -> None:
     mb, items = state.microbatch(a.microbatch, stage.m, stage.device)
     module = stage.versions.module(a.version)
     hidden = None if module.embeds(a.chunk) else state.inbox.pop((Op.RECV_ACT, a.unit))
+    routing = stage.framing.unit(a.chunk, state.routing_inbox.pop((Op.RECV_ACT, a.unit), None))
     with stage.timer.phase("update_wait"):  # offload: the update that made this version must have landed
         stage.versions.await_version(a.version)
     with stage.timer.phase("forward"), _jittered(stage, "forward", a), stage.precision.autocast_context(stage.device):
-        out = module(mb, hidden, items, a.chunk)
+        out = module(mb, hidden, items, a.chunk, routing)
     state.stash[a.unit] = (hidden, out)
+    if routing is not None:
+        state.routing[a.unit] = routing
     if module.computes_loss(a.chunk):
         state.batch_loss[a.batch] = state.batch_loss.get(a.batch, 0.0) + out.detach()
 
@@ -66,11 +71,15 @@ def backward(stage: Stage, a: Action) -> None:
     if stage.comms.tied_peer is not None and a.unit == stage.schedule.last_backward(a.batch, stage.m):
         # The partner's tied gradients may come during this stage's last backward of the batch.
         state.tied_recvs[a.batch] = TiedExchange(stage.comms, stage.versions.tied(a.version))
+    routing = state.routing.pop(a.unit, None)
     with stage.timer.phase("backward"), _jittered(stage, "backward", a):
         grad = None if module.computes_loss(a.chunk) else state.inbox.pop((Op.RECV_GRAD, a.unit))
+        if grad is not None and routing is not None:  # the fractions and loss scale, before any block's share
+            routing.settle(state.routing_inbox.pop((Op.RECV_GRAD, a.unit)))
         out.backward(grad)
     if not module.embeds(a.chunk):
-        state.grads_out[a.unit] = hidden.grad
+        back = routing.backward_message(hidden.device) if routing is not None else None
+        state.grads_out[a.unit] = stage.framing.join(hidden.grad, back)
     if module.computes_loss(a.chunk):
         stage.progress(f"micro-batch {a.microbatch % stage.m + 1}/{stage.m} through the pipeline")
 
@@ -82,7 +91,9 @@ def _jittered(stage: Stage, op: str, a: Action):
 
 # -- transfers ----------------------------------------------------------------------------------
 def send_act(stage: Stage, a: Action) -> None:
-    _send(stage, stage.inflight.stash[a.unit][1].detach().float(), a)
+    out = stage.inflight.stash[a.unit][1].detach().float()
+    routing = stage.inflight.routing.get(a.unit)
+    _send(stage, stage.framing.join(out, routing.forward_message(out.device) if routing is not None else None), a)
 
 
 def send_grad(stage: Stage, a: Action) -> None:
@@ -105,7 +116,10 @@ def _send(stage: Stage, tensor: torch.Tensor, a: Action) -> None:
 def _recv(stage: Stage, a: Action, requires_grad: bool) -> None:
     with stage.timer.phase("message_wait"):
         buffer = stage.mailbox.take(a)
-    stage.inflight.inbox[(a.op, a.unit)] = buffer.requires_grad_(requires_grad)
+    tensor, routing = stage.framing.split(buffer)
+    stage.inflight.inbox[(a.op, a.unit)] = tensor.requires_grad_(requires_grad)
+    if routing is not None:
+        stage.inflight.routing_inbox[(a.op, a.unit)] = routing
 
 
 # -- updates ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from relaytrain.models.layered import MicroBatch
 from relaytrain.strategies.pipeline.comms import GradReduction, TiedExchange
+from relaytrain.strategies.pipeline.routing import UnitRouting
 from relaytrain.strategies.pipeline.schedule import Op
 
 
@@ -34,7 +35,12 @@ class InFlight:
     - `tied_recvs`: batch -> the receives of the partner stage's tied gradients, shaped like
       the batch's version's tied weights; posted at the stage's last backward of the batch
       (the gradients may come during it), popped by REDUCE_GRADS.
-    - `grads_out`: unit -> the gradient of its input, from the backward until SEND_GRAD.
+    - `grads_out`: unit -> the gradient of its input (with its routing message, `routing.Framing`),
+      from the backward until SEND_GRAD.
+    - `routing`: unit -> its `routing.UnitRouting` (a mixture's balancing loss); put by the
+      forward, read by SEND_ACT, popped by the backward.
+    - `routing_inbox`: (RECV_ACT or RECV_GRAD, unit) -> the routing message that came with the
+      received tensor; popped by the compute that uses it.
     - `batch_loss`: batch -> the sum of its micro-batches' losses (last stage); popped when
       `step` returns the batch's loss.
     - `reductions`: batch -> its gradients summing over replicas and tied copies; put by
@@ -47,6 +53,8 @@ class InFlight:
     inbox: dict[tuple[Op, tuple[int, int]], torch.Tensor] = field(default_factory=dict)
     tied_recvs: dict[int, TiedExchange] = field(default_factory=dict)
     grads_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    routing: dict[tuple[int, int], UnitRouting] = field(default_factory=dict)
+    routing_inbox: dict[tuple[Op, tuple[int, int]], torch.Tensor] = field(default_factory=dict)
     batch_loss: dict[int, torch.Tensor] = field(default_factory=dict)
     reductions: dict[int, GradReduction] = field(default_factory=dict)
 

@@ -33,7 +33,6 @@ from omegaconf import OmegaConf
 from relaytrain.cost.formulas import ModelFacts, part_costs
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
-from relaytrain.models.family import family_spec
 from relaytrain.models.layered import MicroBatch, eval_mode
 from relaytrain.strategies.base import (
     Capabilities,
@@ -52,6 +51,7 @@ from relaytrain.strategies.pipeline.handlers import HANDLERS, apply_ready_update
 from relaytrain.strategies.pipeline.inflight import InFlight
 from relaytrain.strategies.pipeline.jitter import ENV, StageJitter
 from relaytrain.strategies.pipeline.offload import HostVersions
+from relaytrain.strategies.pipeline.routing import Framing
 from relaytrain.strategies.pipeline.schedule import Action, Schedule, stop_points, virtual_stage
 from relaytrain.strategies.pipeline.stage import StageModule, balanced_layout, partition
 from relaytrain.strategies.pipeline.validate import StageInvariants, check_schedule
@@ -121,9 +121,6 @@ class PipelineStrategy(Strategy):
             raise ConfigError(f"{what} exceeds model.num_layers={m.num_layers}; every "
                               f"{'chunk' if v > 1 else 'stage'} needs a block")
         check_layout(s.layout, parts, m.num_layers, chunked=v > 1)
-        split = family_spec(m.family).whole_microbatch(m)  # a model whose loss spans every block (issue 38)
-        if split:
-            raise ConfigError(f"strategy={s.name}: {split}")
         cls.schedule.check_shape(s.stages, s.num_microbatches, cfg.train.steps, v)
         check_schedule(cls.schedule.build(s.stages, s.num_microbatches, min(cfg.train.steps, 3), chunks=v))
         if s.execution == Execution.message_driven and not cls.schedule.reorderable:
@@ -195,14 +192,16 @@ class PipelineStrategy(Strategy):
         self.first, self.last = self.stage == 0, self.stage == s.stages - 1
         self.m, self.v = s.num_microbatches, self.chunks(cfg)
         self.steps = cfg.train.steps
-        stage = StageModule(model, self.stage_blocks(cfg, self.stage), self.first, self.last, s.recompute)
+        blocks = self.stage_blocks(cfg, self.stage)
+        self.hidden_shape = (s.microbatch_size, cfg.data.seq_len, model.hf_config.hidden_size)
+        self.framing = Framing.of(self.hidden_shape, model, blocks)  # a mixture's routing rides with the messages
+        stage = StageModule(model, blocks, self.first, self.last, s.recompute)
         message_driven = s.execution == Execution.message_driven
         self.comms = Comms(self.topology, world.rank, bool(stage.tied_names), world.timeout_s, dry=world.simulated,
                            lanes=message_driven)
         self.versions = self._weights(stage)
-        self.hidden_shape = (s.microbatch_size, cfg.data.seq_len, stage.model.hf_config.hidden_size)
         self.watcher = Watcher(self.comms.timeout, self.comms.poll)
-        self.mailbox = Mailbox(self.comms, self.hidden_shape, self.device, self.watcher, watch=message_driven)
+        self.mailbox = Mailbox(self.comms, self.framing.buffer_shape, self.device, self.watcher, watch=message_driven)
         self.outbox = Outbox(self.comms, self.watcher)
         self.executor = MessageDrivenExecutor(self) if message_driven else StaticExecutor(self)
         jitter = None if world.simulated else StageJitter.from_environment()
@@ -324,6 +323,14 @@ class PipelineStrategy(Strategy):
     def load_state_dict(self, state: dict) -> None:
         previous = (state["extra"] or {}).get("previous_weights")
         self.versions.load_state(self.batch, state["weights"], state["optimizer"], previous)
+
+    def loss_terms(self) -> dict[str, float]:
+        """The last stage's terms: its head runs on the model copy of the batch's weight version
+        (2BW keeps two; host offload computes with a copy), one version for the whole batch."""
+        terms: dict[str, float] = {}
+        for module in self.versions.buffers:
+            terms.update(module.model.loss_terms())
+        return terms
 
     def memory_holders(self) -> dict[str, list]:
         params = self.versions.device_tensors()

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from relaytrain import meta_autocast
 from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.models.moe import ROUTER
 
 
 def partition(num_blocks: int, stages: int, layout: list[int] | None = None) -> list[range]:
@@ -92,7 +93,8 @@ class StageModule(nn.Module):
     state to send on, or to the micro-batch's summed loss divided by the minibatch's item
     count on the last stage. `recompute`: `block` keeps each block's input and recomputes the
     block in backward; `stage` keeps only the stage's input (PipeDream-2BW's choice) and
-    recomputes the whole stage (the chunk).
+    recomputes the whole stage (the chunk). `routing` (a mixture's balancing loss): the unit's
+    `routing.UnitRouting`, handed the tally the chunk's shared context makes (on a recompute too).
     """
 
     def __init__(self, model: LayeredModel, blocks: range | list[range], first: bool, last: bool,
@@ -129,22 +131,26 @@ class StageModule(nn.Module):
         """Whether this chunk ends the model: its output is the loss."""
         return self.last and chunk == len(self.chunks) - 1
 
-    def forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int = 0) -> torch.Tensor:
+    def forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int = 0,
+                routing=None) -> torch.Tensor:
         if self.recompute == "stage" and torch.is_grad_enabled():
-            return checkpoint(self._forward, mb, hidden, loss_items, chunk, use_reentrant=False,
+            return checkpoint(self._forward, mb, hidden, loss_items, chunk, routing, use_reentrant=False,
                               context_fn=meta_autocast.recompute_contexts)
-        return self._forward(mb, hidden, loss_items, chunk)
+        return self._forward(mb, hidden, loss_items, chunk, routing)
 
-    def _forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int) -> torch.Tensor:
-        hidden = self.trunk(mb, hidden, chunk)
+    def _forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int,
+                 routing=None) -> torch.Tensor:
+        hidden = self.trunk(mb, hidden, chunk, routing)
         return self.model.head_loss(hidden, mb).over(loss_items) if self.computes_loss(chunk) else hidden
 
-    def trunk(self, mb: MicroBatch, hidden: torch.Tensor | None, chunk: int = 0) -> torch.Tensor:
+    def trunk(self, mb: MicroBatch, hidden: torch.Tensor | None, chunk: int = 0, routing=None) -> torch.Tensor:
         """The chunk's embeddings (the model's first chunk) and blocks: the hidden state it passes on."""
         m = self.model
         if self.embeds(chunk):
             hidden = m.embed_input(mb.input_ids, mb.draw)
         ctx = m.context(mb, hidden)
+        if routing is not None and ROUTER in ctx:
+            routing.adopt(ctx[ROUTER])
         for block in (m.blocks[i] for i in self.chunks[chunk]):
             if self.recompute == "block" and torch.is_grad_enabled():
                 hidden = checkpoint(block, hidden, ctx, use_reentrant=False, context_fn=meta_autocast.recompute_contexts)

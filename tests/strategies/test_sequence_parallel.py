@@ -1,0 +1,221 @@
+"""Sequence parallelism: `strategy.sequence_parallel=S` on real gloo process groups.
+
+S workers share every sequence (R x S with replicas), an all-to-all around attention giving each
+whole sequences for its share of the heads: the weights equal the plain loop's over the unsplit
+minibatch to float noise, with a sliding window that crosses the cut, with keyed dropout (each
+token's mask as the unsplit run draws it), with packed records, padding and replicas; what is not
+supported yet is refused in one line before any worker starts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from relaytrain import checkpoint
+from relaytrain.cli import main
+from relaytrain.compose import compose_config
+from relaytrain.data import build_dataset, build_loader
+from relaytrain.errors import ConfigError
+from relaytrain.models import build_model
+from relaytrain.models.layered import MicroBatch
+from relaytrain.models.pretrained import resolve as resolve_pretrained
+from relaytrain.planner.dryrun import simulate
+from relaytrain.strategies import strategy_class
+from relaytrain.strategies.sequence_parallel import (
+    SequenceCut,
+    SequenceSplit,
+    install,
+    own_tokens,
+    whole_sequence,
+)
+from relaytrain.train import run
+from tests.checkpoints import tiny_decoder
+from tests.conftest import tiny_cfg, train_plain_loop
+from tests.strategies.test_baseline_replicas import saved_model
+
+STEPS = 3
+# Sequences of 16 tokens cut in two at token 8; Mistral's window of 6 reaches across the cut.
+MISTRAL_WINDOW = ["model.model_type=mistral", "model.sliding_window=6"]
+
+
+# Adam's eps 1e-4, as tests/test_decoders.py explains: with a smaller one a nearly zero gradient (a
+# token seen once) summed in another order (two workers) turns float noise into a step of its own.
+def cut_cfg(*overrides: str, size: int = 2, strategy: str = "baseline"):
+    return tiny_cfg("llama", f"strategy={strategy}", f"strategy.sequence_parallel={size}", f"train.steps={STEPS}",
+                    "train.save_model=true", "strategy.microbatch_size=2", "strategy.num_microbatches=2",
+                    "strategy.timeout_s=60", "optim.lr=0.01", "optim.eps=1e-4", *overrides)
+
+
+def uncut(cfg):
+    """The same run in one process over whole sequences (micro-batches R times larger: every
+    replica's rows, which `train_plain_loop(..., replicas=R)` keys as the replicas do)."""
+    whole = copy.deepcopy(cfg)
+    OmegaConf.update(whole, "strategy.sequence_parallel", 1)
+    OmegaConf.update(whole, "strategy.replicas", 1)
+    OmegaConf.update(whole, "strategy.microbatch_size", cfg.strategy.microbatch_size * cfg.strategy.replicas)
+    return whole
+
+
+def assert_trains_as_the_plain_loop(cfg, run_dir) -> dict:
+    results = run(cfg, run_dir, table=False)
+    reference = train_plain_loop(uncut(cfg), STEPS, replicas=cfg.strategy.replicas).hf_model
+    for (name, ours), (_, theirs) in zip(saved_model(cfg, run_dir).named_parameters(), reference.named_parameters(),
+                                         strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4, msg=lambda why, name=name: f"{name}: {why}")
+    return results
+
+
+DROPOUT = ["model.dropout=0.2"]
+
+
+@pytest.mark.parametrize(("strategy", "overrides"), [
+    pytest.param("baseline", MISTRAL_WINDOW, id="baseline-window-across-the-cut"),
+    pytest.param("l2l", [*MISTRAL_WINDOW, *DROPOUT], id="l2l-window-and-dropout"),
+    pytest.param("baseline", DROPOUT, id="baseline-dropout", marks=pytest.mark.slow),
+    pytest.param("l2l", MISTRAL_WINDOW, id="l2l-window", marks=pytest.mark.slow),
+    pytest.param("baseline", [*MISTRAL_WINDOW, *DROPOUT, "strategy.recompute=block", "model.attn_implementation=eager"],
+                 id="baseline-window-dropout-recompute-eager", marks=pytest.mark.slow),
+    pytest.param("baseline", ["data.seq_len=15"], id="baseline-padded-to-a-multiple", marks=pytest.mark.slow),
+    pytest.param("baseline", ["strategy.replicas=2", *DROPOUT], id="baseline-two-replicas-of-two",
+                 marks=pytest.mark.slow),
+    pytest.param("l2l", ["strategy.replicas=2", *MISTRAL_WINDOW, *DROPOUT], id="l2l-two-replicas-of-two",
+                 marks=pytest.mark.slow),
+    pytest.param("fsdp", ["strategy.replicas=2", *MISTRAL_WINDOW], id="fsdp-two-replicas-of-two",
+                 marks=pytest.mark.slow),
+    pytest.param("fsdp", ["strategy.replicas=2", *MISTRAL_WINDOW, *DROPOUT, "strategy.recompute=block"],
+                 id="fsdp-two-replicas-of-two-dropout-recompute", marks=pytest.mark.slow),
+])
+def test_a_cut_sequence_trains_to_the_plain_loops_weights(strategy, overrides, tmp_path):
+    cfg = cut_cfg(*overrides, strategy=strategy)
+    results = assert_trains_as_the_plain_loop(cfg, tmp_path / "cut")
+    assert results["processes"] == cfg.strategy.replicas * 2 and results["replicas"] == cfg.strategy.replicas
+
+
+@pytest.mark.slow
+def test_packed_chat_records_keep_apart_across_the_cut(tmp_path):
+    pretrained = tiny_decoder(tmp_path / "ckpt", "mistral", sliding_window=6)  # every layer slides
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(
+        f'{{"messages": [{{"role": "user", "content": "two plus {i}?"}}, '
+        f'{{"role": "assistant", "content": "the quick brown fox {i}"}}]}}\n' for i in range(32)))
+    keys = [f"model.pretrained={pretrained}", "data=chat", f"data.path={chat}", "data.pack=true", "data.seq_len=64",
+            "train.untimed_steps=0"]
+    cfg = resolve_pretrained(cut_cfg(*keys))  # the checkpoint's own keys written in, as `train.run` does
+    first = next(build_loader(uncut(cfg), build_dataset(cfg)))[0]
+    assert first.attention_mask is None and (first.position_ids[:, 1:] == 0).any()  # records share rows
+    assert (first.position_ids[:, 32] > 0).any()  # and one of them reaches across the cut at token 32
+    assert_trains_as_the_plain_loop(cfg, tmp_path / "cut")
+
+
+def test_the_all_to_all_layout_round_trips_without_a_group():
+    """A dry run moves nothing: the layouts alone, which must invert each other."""
+    x = torch.randn(2, 4, 3, 5)  # batch, heads, tokens of this worker, dim
+    cut = SequenceCut(size=2, part=0)
+    whole = whole_sequence(x, cut)
+    assert whole.shape == (2, 2, 6, 5)
+    back = own_tokens(whole.transpose(1, 2), cut)  # the kernels' output layout: batch, tokens, heads, dim
+    assert torch.equal(back, x.transpose(1, 2))
+
+
+@pytest.mark.parametrize(("strategy", "overrides", "refusal"), [
+    ("baseline", [], "must divide the attention heads \\(4\\) and the key/value heads \\(2\\)"),
+    ("fsdp", [], "must divide the attention heads"),
+    ("l2l", [], "must divide the attention heads"),
+    ("baseline", ["train.compile=true"], "train.compile=true is not supported yet"),
+])
+def test_what_cannot_be_cut_yet_is_refused_in_one_line(strategy, overrides, refusal):
+    cfg = cut_cfg(*overrides, size=4, strategy=strategy)  # 4 workers: more than the 2 key/value heads
+    with pytest.raises(ConfigError, match=refusal) as refused:
+        strategy_class(cfg.strategy.name).check_config(cfg)
+    assert "\n" not in str(refused.value)
+
+
+def test_other_families_and_zero_workers_are_refused():
+    bert = tiny_cfg("bert", "strategy=baseline", "strategy.sequence_parallel=2")
+    with pytest.raises(ConfigError, match="model.family=decoder only so far, not model.family=bert"):
+        strategy_class("baseline").check_config(bert)
+    with pytest.raises(ConfigError, match="strategy.sequence_parallel=0 must be at least 1"):
+        strategy_class("baseline").check_config(cut_cfg(size=0))
+
+
+def test_a_strategy_without_the_key_refuses_it_in_one_line(capsys):
+    try:
+        code = main(["train", "strategy=pipe_flush", "strategy.sequence_parallel=2"])
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "strategy.sequence_parallel is not a key of strategy=pipe_flush" in err[0]
+
+
+def test_the_dry_run_holds_a_share_of_every_sequence():
+    """Each worker's activations are of its tokens: at 1,024 tokens the simulated peak nearly halves."""
+    long = ["model.hidden_size=64", "model.max_seq_len=1024", "data.seq_len=1024", "data.num_samples=8",
+            "strategy.microbatch_size=2", "strategy.num_microbatches=1", "train.device=meta"]
+    whole, cut = (simulate(tiny_cfg("llama", "strategy=baseline", f"strategy.sequence_parallel={size}", *long))
+                  for size in (1, 2))
+    assert len(cut.per_process) == 2
+    assert cut.per_process[0].by_kind["weights"] == whole.per_process[0].by_kind["weights"]
+    assert cut.peak_bytes < 0.7 * whole.peak_bytes
+
+
+@pytest.mark.slow
+def test_the_loss_and_the_evaluation_sum_every_workers_tokens(tmp_path):
+    cfg = cut_cfg("data.eval_fraction=0.25", "data.seq_len=15")  # padded: the padding is no item
+    cut = run(cfg, tmp_path / "cut", table=False)
+    whole = run(uncut(cfg), tmp_path / "whole", table=False)
+    assert cut["loss"] == pytest.approx(whole["loss"], rel=1e-5)  # each step's mean over the minibatch's items
+    assert cut["eval"][-1]["items"] == whole["eval"][-1]["items"]
+    assert cut["eval"][-1]["loss"] == pytest.approx(whole["eval"][-1]["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["baseline", "l2l", "fsdp"])
+def test_a_cut_run_resumes_from_its_checkpoint_as_if_uninterrupted(strategy, tmp_path):
+    keys = ("train.checkpoint_every=1", "train.keep_checkpoints=0", "model.dropout=0.2")
+    cfg = cut_cfg(*keys, strategy=strategy)
+    run(cfg, tmp_path / "whole", table=False)
+    step_one = checkpoint.step_dir(checkpoint.checkpoint_dir(tmp_path / "whole"), 1)
+    run(cut_cfg(*keys, f"train.resume={step_one}", strategy=strategy), tmp_path / "again", table=False)
+    for (name, a), (_, b) in zip(saved_model(cfg, tmp_path / "whole").named_parameters(),
+                                 saved_model(cfg, tmp_path / "again").named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda why, name=name: f"{name}: {why}")
+
+
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (["model.num_kv_heads=1"], "must divide the attention heads \\(4\\) and the key/value heads \\(1\\)"),
+    (["model.model_type=phi3", "model.dropout=0.1"], "not phi3's resid_pdrop; set model.dropout=0"),
+    (["model.attn_implementation=flex_attention"], "runs attention with sdpa or eager, not flex_attention"),
+])
+def test_a_model_the_cut_cannot_take_is_refused_when_it_is_built(overrides, refusal):
+    """What only the built model shows (a checkpoint's heads, its dropout, its kernel)."""
+    model = build_model(tiny_cfg("llama", *overrides).model)
+    with pytest.raises(ConfigError, match=refusal):
+        install(model, SequenceCut(size=2))
+    assert model.hf_config._attn_implementation in ("sdpa", "flex_attention")  # left as it was
+
+
+def test_mixtures_of_experts_are_refused_in_one_line():
+    cfg = compose_config(["model=olmoe_1b_7b", "strategy=baseline", "strategy.sequence_parallel=2"])
+    with pytest.raises(ConfigError, match="does not take mixtures of experts yet"):
+        strategy_class("baseline").check_config(cfg)
+
+
+def test_the_second_part_sees_the_whole_sequences_mask_and_its_own_positions_and_labels():
+    model = build_model(tiny_cfg("llama", *MISTRAL_WINDOW).model)
+    ids = torch.arange(32).reshape(2, 16)
+    mb = MicroBatch(ids, ids.clone())
+    split = SequenceSplit(SequenceCut(size=2, part=1))
+    ctx = split.context(model, mb, model.embed_input(split.input_ids(mb)))
+    whole = model.context(mb, model.embed_input(ids))
+    assert torch.equal(ctx["masks"]["sliding_attention"], whole["masks"]["sliding_attention"])  # 16 x 16, the window
+    assert torch.equal(ctx["position_ids"], torch.arange(8, 16).unsqueeze(0))
+    for mine, all_of_them in zip(ctx["rope"]["sliding_attention"], whole["rope"]["sliding_attention"], strict=True):
+        assert torch.equal(mine, all_of_them[:, 8:])
+    hidden, scored = split.scored(torch.zeros(2, 8, 32), mb)
+    assert hidden.shape == (2, 9, 32)  # one position more, which the causal LM's shift drops
+    assert torch.equal(scored.labels[:, 1:], torch.cat([ids[:, 9:], torch.full((2, 1), -100)], dim=1))
