@@ -26,6 +26,7 @@ from relaytrain.models import build_model
 from relaytrain.optim import lr_at
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.pipeline.comms import Topology
+from relaytrain.strategies.pipeline.config import SEGMENT_VARIABLE
 from relaytrain.strategies.pipeline.runtime import WeightVersions
 from relaytrain.strategies.pipeline.stage import StageModule
 from relaytrain.train import run
@@ -128,6 +129,16 @@ def test_2bw_equals_the_delayed_gradient_rule(tmp_path, optimizer):
     assert_same_weights(ours, trained_by_delayed_gradients(cfg))
     with pytest.raises(AssertionError):  # and the delay is real: not the baseline's weights
         assert_same_weights(ours, trained_by_baseline(cfg)[0])
+
+
+def test_2bw_s_program_built_a_segment_at_a_time_keeps_the_delayed_rule_across_segments(tmp_path, monkeypatch):
+    """A stage builds its program a segment of batches at a time (not train.steps' worth before
+    its first step); segments of 2 batches over 4 updates still follow the delayed rule."""
+    monkeypatch.setenv(SEGMENT_VARIABLE, "2")  # the workers receive the launcher's environment
+    cfg = pipeline_cfg("bert", "strategy=pipe_2bw", "strategy.stages=2", "strategy.microbatch_size=2",
+                       "strategy.num_microbatches=3", "optim=adamw", "optim.lr=1e-3")
+    _, ours = trained_by_pipeline(cfg, tmp_path)
+    assert_same_weights(ours, trained_by_delayed_gradients(cfg))
 
 
 def test_a_parameter_without_gradient_is_not_updated_as_in_the_baseline():

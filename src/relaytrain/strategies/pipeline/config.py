@@ -4,6 +4,7 @@ No `from __future__ import annotations` here: the field types stay real types, s
 `relaytrain train --help` lists each enum key's choices.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,3 +42,18 @@ def check_layout(layout: Any, parts: int, num_layers: int, chunked: bool) -> Non
         raise ConfigError(f"strategy.layout={given if given is not None else layout} must be balanced, "
                           f"even or {parts} positive block counts (one per "
                           f"{'model chunk' if chunked else 'stage'}) summing to model.num_layers={num_layers}")
+
+
+# Batches a stage's program covers at most: the program is built before its first batch runs, in
+# time and memory linear in its batches (train.steps=100000 spent 18 s building one before its
+# first step). A program ends as a checkpoint's drain does (everything begun finishes): a flush
+# every segment, which every schedule's weights survive as they survive a checkpoint (2BW's
+# delayed rule included), at a pipeline fill's cost once per segment. The environment variable
+# is for tests, which cross a segment's end in a few steps; read at each segment, as a worker
+# receives its launcher's environment when it starts.
+SEGMENT_BATCHES = 128
+SEGMENT_VARIABLE = "RELAYTRAIN_PIPELINE_SEGMENT_BATCHES"
+
+
+def segment_batches() -> int:
+    return int(os.environ.get(SEGMENT_VARIABLE, SEGMENT_BATCHES))

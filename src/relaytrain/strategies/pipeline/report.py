@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from relaytrain import memory
+from relaytrain.strategies.pipeline.config import segment_batches
 from relaytrain.strategies.pipeline.validate import replay
 from relaytrain.units import gib
 
@@ -27,7 +28,8 @@ def combine_reports(strategy, cfg, reports: list[dict]) -> dict:
     stage_figures = [r["stage_figures"] for r in reports]
     measured = sum(st["bubble_fraction"] for st in stage_figures) / len(stage_figures)
     formula = schedule.bubble(s.stages, s.num_microbatches, v)
-    replayed = replay(schedule.build(s.stages, s.num_microbatches, cfg.train.steps, chunks=v)).bubble_fraction()
+    segment = min(cfg.train.steps, segment_batches())  # what a stage's program runs between flushes
+    replayed = replay(schedule.build(s.stages, s.num_microbatches, segment, chunks=v)).bubble_fraction()
     layout = strategy.state_layout(cfg)["stages"]
     return {
         "stages": s.stages,

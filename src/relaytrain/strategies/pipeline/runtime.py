@@ -44,7 +44,13 @@ from relaytrain.strategies.base import (
 )
 from relaytrain.strategies.pipeline import report
 from relaytrain.strategies.pipeline.comms import Comms, Mailbox, Outbox, Topology, Watcher
-from relaytrain.strategies.pipeline.config import Execution, Offload, PipelineConfig, check_layout
+from relaytrain.strategies.pipeline.config import (
+    Execution,
+    Offload,
+    PipelineConfig,
+    check_layout,
+    segment_batches,
+)
 from relaytrain.strategies.pipeline.cost import PipelineCost
 from relaytrain.strategies.pipeline.executor import MessageDrivenExecutor, StaticExecutor
 from relaytrain.strategies.pipeline.handlers import HANDLERS, apply_ready_updates
@@ -66,6 +72,7 @@ class Segment:
     and the invariants its work keeps so far (consulted by the message-driven executor)."""
 
     first: int
+    end: int
     program: list[Action]
     starts: dict[int, int]  # batch -> index of the stage's first action of that batch
     invariants: StageInvariants
@@ -230,12 +237,12 @@ class PipelineStrategy(Strategy):
         items = minibatch_items(self.versions.buffers[0].model, minibatch) if self.last else 1
         self.inflight.keep(c, replica_rows(minibatch, self.replica, self.topology.replicas), items)
         if self.segment is None:
-            self.segment = self._segment(c, self.steps)
+            self.segment = self._segment(c, min(self.steps, c + segment_batches()))
         seg = self.segment
         with self.timer.phase("step"):
             self.executor.run(seg.program, seg.start(c), seg.start(c + 1), seg.invariants)
             self.batch = c + 1
-            if self.batch == self.steps:  # the program ran to its end
+            if self.batch == seg.end:  # the program ran to its end
                 self._end_segment()
             loss = self._loss(c)
         return StepResult(loss=loss)
@@ -258,7 +265,7 @@ class PipelineStrategy(Strategy):
         program = schedule.actions(self.stage)
         starts = {c: i for i, c in stop_points(program, self.m).items()}
         starts[first] = 0
-        return Segment(first, program, starts, StageInvariants(schedule, self.stage))
+        return Segment(first, end, program, starts, StageInvariants(schedule, self.stage))
 
     def _end_segment(self) -> None:
         """Everything begun has finished: sends delivered, updates landed."""
