@@ -22,8 +22,11 @@ from relaytrain.files import write_json
 
 STATUS = "status.json"
 METRICS = "metrics.csv"
+# The terms a model reports beside its loss (`LayeredModel.loss_terms`: a mixture's router term),
+# empty in a row of a model without them.
+LOSS_TERMS = ("router_aux",)
 COLUMNS = [
-    "step", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "host_rss_bytes", "device_allocated_bytes",
+    "step", "loss", *LOSS_TERMS, "lr", "step_time_s", "samples_per_s", "tokens_per_s", "host_rss_bytes", "device_allocated_bytes",
     *(f"eval_{name}" for name in EVAL_METRICS), "eval_items",
 ]
 RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "interrupted"

@@ -32,6 +32,7 @@ from relaytrain.models import build_model, count_parameters, part_parameters
 from relaytrain.models.family import family_of
 from relaytrain.models.pretrained import resolve
 from relaytrain.optim import lr_at
+from relaytrain.runlog import read_metrics
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.base import replica_rows
 from relaytrain.train import run
@@ -146,6 +147,8 @@ def test_a_strategy_trains_the_mixture_as_a_plain_hugging_face_loop(arch, varian
     assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
     if strategy_class(cfg.strategy.name).replicas(cfg) == 1:  # with replicas the reporter's shares only
         assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)  # reported beside the loss
+        logged = [row["router_aux"] for row in read_metrics(tmp_path / "run")]  # and in metrics.csv, step by step
+        assert logged == pytest.approx(terms, rel=1e-5)
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
