@@ -8,7 +8,6 @@ import torch
 
 from relaytrain import metrics
 
-
 # In a process of its own: a run earlier in the test process (launch.keep_freed_host_memory) may
 # have made glibc keep freed memory, which the 256 MiB below would then reuse without growing the RSS.
 PEAK_RESET = """
