@@ -165,3 +165,14 @@ def test_every_packaged_experiment_composes_and_passes_the_checks():
     assert "bert_large_l2l" in experiments
     for name in experiments:
         validate(compose_config([f"+exp={name}"]))
+
+
+@pytest.mark.parametrize(("steps", "measured"), [(1, 1), (2, 1), (3, 1), (5, 3)])
+def test_a_short_run_measures_what_the_default_untimed_steps_leave(tmp_path, steps, measured):
+    """train.untimed_steps defaults to 2 where the run has a step left to measure, fewer in a
+    shorter one: `train.steps=2` trains (it was refused), and an explicit value stays strict."""
+    from relaytrain.train import run
+    from tests.conftest import tiny_cfg
+
+    results = run(tiny_cfg("bert", f"train.steps={steps}", "train.untimed_steps=null"), tmp_path, table=False)
+    assert results["measured_steps"] == measured

@@ -241,7 +241,7 @@ class TrainConfig:
     device: Device = Device.auto  # auto (cuda when visible, else cpu), cpu, cuda, or meta (a dry run: simulated device memory)
     save_model: bool = False  # write RUN_DIR/model, a Hugging Face save_pretrained directory
     save_dtype: SaveDtype = SaveDtype.auto  # dtype of the saved weights; auto: the checkpoint's (model.pretrained), else float32
-    untimed_steps: int = 2  # steps left out of the throughput figures (optim.warmup_steps is the LR warm-up)
+    untimed_steps: int | None = None  # steps left out of the throughput figures (optim.warmup_steps is the LR warm-up); default 2, fewer in a shorter run (one step is always measured)
     log_every: int = 25  # plain-progress lines when not on a terminal
     threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: cores / workers)
     check_memory: bool = True  # refuse runs the host cannot hold
@@ -447,9 +447,20 @@ def _check_keep_best(cfg) -> None:
                           f"held-out data (data.eval_fraction, eval_path or eval_split) and train.checkpoint_every")
 
 
+DEFAULT_UNTIMED_STEPS = 2  # a first step compiles and allocates; a second still settles on a CPU
+
+
+def untimed_steps(t) -> int:
+    """Steps of the `train` section `t` left out of the throughput figures: the given number, or
+    by default 2 where the run has a third to measure (`train.steps=2` measures its last)."""
+    if t.untimed_steps is not None:
+        return int(t.untimed_steps)
+    return min(DEFAULT_UNTIMED_STEPS, max(int(t.steps) - 1, 0))
+
+
 def _check_train(cfg) -> None:
     t = cfg.train
-    if t.untimed_steps < 0 or t.untimed_steps >= t.steps and t.steps > 1:
+    if t.untimed_steps is not None and (t.untimed_steps < 0 or t.untimed_steps >= t.steps and t.steps > 1):
         raise ConfigError(
             f"train.untimed_steps={t.untimed_steps} leaves no measured step of train.steps={t.steps}; "
             f"lower train.untimed_steps"

@@ -22,6 +22,7 @@ import torch
 from relaytrain import checkpoint, elastic, failpoints, metrics, runlog
 from relaytrain import compile as compiling
 from relaytrain.compose import validate
+from relaytrain.config import untimed_steps
 from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
 from relaytrain.display import StepProgress, print_one_line, print_results_table
 from relaytrain.errors import Aborted, Interrupted, TrainingDiverged, first_line
@@ -297,7 +298,7 @@ class Trainer:
         return best
 
     def _step(self, step: int) -> None:
-        if step == self.first + self.cfg.train.untimed_steps:
+        if step == self.first + untimed_steps(self.cfg.train):
             self.strategy.timer.reset()  # phase times cover the measured steps, as the step time does
         self.world.mark("step", step + 1)
         failpoints.reach("step", step + 1, self.world.rank)
@@ -390,7 +391,7 @@ class Trainer:
         reports = self.world.gather(report, self.spec.reporter)
         if not self.reporter:
             return None
-        measured = self.history["step_times"][self.first + self.cfg.train.untimed_steps:]
+        measured = self.history["step_times"][self.first + untimed_steps(self.cfg.train):]
         results = assemble_results(self.cfg, self.spec, self.history, measured, reports, self.world, self.job.overrides)
         results.update(elastic.results_entry(self.job.run_dir))
         results.update(compiling.results_entry([r["compile"] for r in reports]))
