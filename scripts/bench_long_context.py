@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, headline, headline_line
 
 RUN = ["model=llama_tiny", "model.num_layers=2", "model.hidden_size=256", "model.intermediate_size=688",
        "model.num_heads=4", "model.num_kv_heads=2", "model.vocab_size=128256", "model.max_seq_len=1024",
@@ -53,10 +51,7 @@ def child(setting: str, run_dir: str, steps: int) -> None:
 
 
 def one_run(name: str, workdir: Path, steps: int) -> dict:
-    run_dir = workdir / f"{name}-{len(list(workdir.iterdir()))}"
-    subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", SETTINGS[name], str(run_dir)],
-                   check=True, stdout=subprocess.DEVNULL)
-    return json.loads((run_dir / "bench.json").read_text())
+    return child_run(__file__, steps, [SETTINGS[name]], workdir, name)
 
 
 def main() -> None:

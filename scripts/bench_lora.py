@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, headline, headline_line
 
 HERE = Path(__file__).resolve().parent
 # The model: the Llama layout, grouped-query attention 16/4, SwiGLU, an untied 8k vocabulary (107 M
@@ -76,10 +76,7 @@ def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
 
 
 def one_run(checkpoint: Path, adapter: str, workdir: Path, steps: int) -> dict:
-    run_dir = workdir / f"{adapter}-{len(list(workdir.iterdir()))}"
-    subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", str(checkpoint), adapter,
-                    str(run_dir)], check=True, stdout=subprocess.DEVNULL)
-    figures = json.loads((run_dir / "bench.json").read_text())
+    figures = child_run(__file__, steps, [str(checkpoint), adapter], workdir, adapter)
     figures["host_bytes"] = figures["peak_rss_bytes"] - figures["rss_before_bytes"]
     return figures
 

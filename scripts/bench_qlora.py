@@ -31,14 +31,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from bench_lora import RUN, make_checkpoint
 from bench_lora import SIZES as LORA_SIZES
-from benchlib import OtherLoad, alternating_rounds, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, headline, headline_line
 
 ADAPTERS = ("qlora", "lora")
 # Llama-3-8B's proportions at 1/32 of its width (see the module): bench_lora's 8 blocks of hidden
@@ -100,10 +98,7 @@ def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
 
 
 def one_run(checkpoint: Path, adapter: str, workdir: Path, steps: int) -> dict:
-    run_dir = workdir / f"{adapter}-{len(list(workdir.iterdir()))}"
-    subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", str(checkpoint), adapter,
-                    str(run_dir)], check=True, stdout=subprocess.DEVNULL)
-    return json.loads((run_dir / "bench.json").read_text())
+    return child_run(__file__, steps, [str(checkpoint), adapter], workdir, adapter)
 
 
 def main() -> None:

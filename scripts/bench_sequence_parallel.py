@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, headline, headline_line
 
 TOKENS = 4096
 # A Llama-layout decoder small enough for a step of one 4,096-token sequence on one CPU thread in
@@ -57,10 +55,7 @@ def child(workers: str, run_dir: str, steps: int) -> None:
 
 
 def one_run(name: str, workdir: Path, steps: int) -> dict:
-    run_dir = workdir / f"{WORKERS[name]}-{len(list(workdir.iterdir()))}"
-    subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", WORKERS[name], str(run_dir)],
-                   check=True, stdout=subprocess.DEVNULL)
-    return json.loads((run_dir / "bench.json").read_text())
+    return child_run(__file__, steps, [WORKERS[name]], workdir, WORKERS[name])
 
 
 def main() -> None:

@@ -4,9 +4,13 @@ busy other processes kept the machine meanwhile."""
 
 from __future__ import annotations
 
+import json
 import resource
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -22,6 +26,16 @@ def alternating_rounds(contestants, rounds: int, one_run) -> list[dict]:
     round: a machine warming up (or cooling down) favours neither."""
     names = list(contestants)
     return [{name: one_run(name) for name in (names if r % 2 == 0 else names[::-1])} for r in range(rounds)]
+
+
+def child_run(script: str, steps: int, child_args: list[str], workdir: Path, name: str) -> dict:
+    """One run of `script` in a process of its own (a clean allocator and thread pool), as
+    `script --steps STEPS --child *CHILD_ARGS RUN_DIR`, in a new directory of `workdir` named
+    after `name`: the figures it wrote to RUN_DIR/bench.json."""
+    run_dir = Path(workdir) / f"{name}-{len(list(Path(workdir).iterdir()))}"
+    subprocess.run([sys.executable, script, "--steps", str(steps), "--child", *child_args, str(run_dir)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.loads((run_dir / "bench.json").read_text())
 
 
 def headline_line(name: str, h: dict) -> str:
