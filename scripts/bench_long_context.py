@@ -19,7 +19,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, child_run, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, headline_line
 
 RUN = ["model=llama_tiny", "model.num_layers=2", "model.hidden_size=256", "model.intermediate_size=688",
        "model.num_heads=4", "model.num_kv_heads=2", "model.vocab_size=128256", "model.max_seq_len=1024",
@@ -29,12 +29,7 @@ SETTINGS = {"chunked": "auto", "whole": "0"}
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5, help="steps per run; the first two are untimed")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--child", nargs=2, metavar=("SETTING", "RUN_DIR"), help=argparse.SUPPRESS)
-    return p.parse_args()
+    return contest_args(__doc__, ("SETTING",), steps=5, untimed="the first two are")
 
 
 def child(setting: str, run_dir: str, steps: int) -> None:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, child_run, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, headline_line
 
 HERE = Path(__file__).resolve().parent
 # The model: the Llama layout, grouped-query attention 16/4, SwiGLU, an untied 8k vocabulary (107 M
@@ -36,12 +36,7 @@ RUN = ["strategy=l2l", "data.seq_len=64", "data.num_samples=256", "strategy.micr
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is untimed")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--child", nargs=3, metavar=("CHECKPOINT", "ADAPTER", "RUN_DIR"), help=argparse.SUPPRESS)
-    return p.parse_args()
+    return contest_args(__doc__, ("CHECKPOINT", "ADAPTER"), steps=4, untimed="the first is")
 
 
 def make_checkpoint(directory: Path, sizes: dict = SIZES) -> Path:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from bench_lora import RUN, make_checkpoint
 from bench_lora import SIZES as LORA_SIZES
-from benchlib import OtherLoad, alternating_rounds, child_run, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, headline_line
 
 ADAPTERS = ("qlora", "lora")
 # Llama-3-8B's proportions at 1/32 of its width (see the module): bench_lora's 8 blocks of hidden
@@ -45,12 +45,7 @@ SIZES = {**LORA_SIZES, "intermediate_size": 3584}
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is untimed")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--child", nargs=3, metavar=("CHECKPOINT", "ADAPTER", "RUN_DIR"), help=argparse.SUPPRESS)
-    return p.parse_args()
+    return contest_args(__doc__, ("CHECKPOINT", "ADAPTER"), steps=4, untimed="the first is")
 
 
 def resident_bytes() -> int:

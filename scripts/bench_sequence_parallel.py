@@ -21,7 +21,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, child_run, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, headline_line
 
 TOKENS = 4096
 # A Llama-layout decoder small enough for a step of one 4,096-token sequence on one CPU thread in
@@ -34,12 +34,7 @@ WORKERS = {"one worker": "1", "sequence_parallel=2": "2"}
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=4, help="steps per run; the first two are untimed")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--child", nargs=2, metavar=("WORKERS", "RUN_DIR"), help=argparse.SUPPRESS)
-    return p.parse_args()
+    return contest_args(__doc__, ("WORKERS",), steps=4, untimed="the first two are")
 
 
 def child(workers: str, run_dir: str, steps: int) -> None:

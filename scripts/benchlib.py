@@ -4,6 +4,7 @@ busy other processes kept the machine meanwhile."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import statistics
@@ -26,6 +27,18 @@ def alternating_rounds(contestants, rounds: int, one_run) -> list[dict]:
     round: a machine warming up (or cooling down) favours neither."""
     names = list(contestants)
     return [{name: one_run(name) for name in (names if r % 2 == 0 else names[::-1])} for r in range(rounds)]
+
+
+def contest_args(doc: str, child: tuple[str, ...], steps: int, untimed: str) -> argparse.Namespace:
+    """The command line of a benchmark of two contestants in rounds: --rounds, --steps (`untimed`
+    says which of them the figures leave out), --json, and the hidden --child CHILD... RUN_DIR
+    by which the script runs one contestant in a process of its own (`child_run`)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=steps, help=f"steps per run; {untimed} untimed")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--child", nargs=len(child) + 1, metavar=(*child, "RUN_DIR"), help=argparse.SUPPRESS)
+    return p.parse_args()
 
 
 def child_run(script: str, steps: int, child_args: list[str], workdir: Path, name: str) -> dict:
