@@ -59,11 +59,9 @@ from relaytrain.strategies.sequence_parallel import (
     CutSequenceCost,
     WholeSequence,
     check_sequence_parallel,
+    cut_sequences,
     describe_worker,
-    install,
-    sequence_cut,
     sequence_parallel,
-    split_for,
     uninstall,
 )
 from relaytrain.strategies.stash import HostStash, Stash, stash_on_host
@@ -182,10 +180,9 @@ class Baseline(ReplicatedStrategy):
                                  cfg.precision.growth_interval)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.replica, self.num_replicas = world.rank // sequence_parallel(cfg.strategy), cfg.strategy.replicas
-        cut = sequence_cut(world, sequence_parallel(cfg.strategy))  # made by every process before DDP's
-        install(model, cut)
+        split = cut_sequences(model, world, cfg.strategy)  # its group made by every process before DDP's
         self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision, host_stash_transfers(cfg, self.device),
-                                  split_for(cut))
+                                  split)
         # A dry run has no process group to sum over; with gradients as bucket views DDP adds no
         # device memory, so the dry run's figure holds for the real run.
         self.synced = world.distributed and not world.simulated

@@ -79,10 +79,8 @@ from relaytrain.strategies.baseline import (
 from relaytrain.strategies.sequence_parallel import (
     CutSequenceCost,
     check_sequence_parallel,
-    install,
-    sequence_cut,
+    cut_sequences,
     sequence_parallel,
-    split_for,
     uninstall,
 )
 from relaytrain.strategies.stash import Stash
@@ -139,13 +137,12 @@ class Fsdp(ReplicatedStrategy):
         # Sequence parallelism: every worker holds a shard (the mesh is all R x S of them, each
         # gradient summed over all), and its tokens of its replica's sequences.
         self.num_shards = self.processes(cfg)
-        cut = sequence_cut(world, sequence_parallel(cfg.strategy))
-        install(model, cut)
+        split = cut_sequences(model, world, cfg.strategy)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)
         self.hf_names = {name: model.hf_name(p) for name, p in model.named_parameters()}  # before sharding
         self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision,  # amp_*: autocast, as the baseline
-                                  host_stash_transfers(cfg, self.device), split_for(cut))
+                                  host_stash_transfers(cfg, self.device), split)
         self.sharded = not world.simulated
         self.own_group = False
         if self.sharded:

@@ -68,11 +68,9 @@ from relaytrain.strategies.relay import ActivationStash, WeightRelay
 from relaytrain.strategies.sequence_parallel import (
     CutSequenceCost,
     check_sequence_parallel,
+    cut_sequences,
     describe_worker,
-    install,
-    sequence_cut,
     sequence_parallel,
-    split_for,
     uninstall,
 )
 from relaytrain.strategies.transfers import Transfers
@@ -191,9 +189,7 @@ class L2L(ReplicatedStrategy):
         # Sequence parallelism: this worker's tokens of every sequence (the groups made before the
         # EPS's); every worker is one of the EPS's peers, so each part's gradients are summed over
         # all R x S of them.
-        cut = sequence_cut(world, sequence_parallel(cfg.strategy))
-        install(model, cut)
-        self.split = split_for(cut)
+        self.split = cut_sequences(model, world, cfg.strategy)
         self.stash_host = stash_on_host(cfg.strategy)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)

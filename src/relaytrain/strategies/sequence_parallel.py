@@ -336,6 +336,16 @@ def split_for(cut: SequenceCut) -> WholeSequence:
     return WholeSequence() if cut.size == 1 else SequenceSplit(cut)
 
 
+def cut_sequences(model: LayeredModel, world, strategy) -> WholeSequence:
+    """What a strategy that cuts sequences does when it starts (`strategy`: its config node): this
+    process's sequence group made (by every process, before any other group), the model's
+    attention routed through it, and the split its micro-batches pass through (`uninstall` at
+    its end). One worker a sequence: the model as it is, and every sequence whole."""
+    cut = sequence_cut(world, sequence_parallel(strategy))
+    install(model, cut)
+    return split_for(cut)
+
+
 def _padded(mb: MicroBatch, extra: int) -> MicroBatch:
     """`extra` padding tokens at the end of every row: masked out, unlabelled, positions going on."""
     def pad(t: torch.Tensor, value) -> torch.Tensor:
