@@ -208,16 +208,16 @@ def make_plan(overrides: list[str], max_simulations: int = MAX_SIMULATIONS) -> P
         plan = _make_plan(planned, passthrough(printed), max_simulations)
         if plan.best is not None or any(_key(o) in BATCH_KEYS for o in overrides):
             return plan
-        asked, batch, smaller = plan.request.batch, plan.request.batch, None
-        while (smaller is None or smaller.best is None) and batch > 1:
-            batch //= 2
+        asked, batch = plan.request.batch, plan.request.batch // 2
+        while batch >= 1:
             smaller = _make_plan([*planned, f"plan.batch_size={batch}"], passthrough(printed), max_simulations)
-        if smaller is None or smaller.best is None:
-            plan.batch_note = f"no batch from {asked} down to 1 fits either"
-            return plan
-        smaller.batch_note = (f"the default batch of {asked} does not fit; {batch} is the largest power of two "
-                              f"below it that does (give plan.batch_size to plan another)")
-        return smaller
+            if smaller.best is not None:
+                smaller.batch_note = (f"the default batch of {asked} does not fit; {batch} is the largest power of "
+                                      f"two below it that does (give plan.batch_size to plan another)")
+                return smaller
+            batch //= 2
+        plan.batch_note = f"no batch from {asked} down to 1 fits either"
+        return plan
 
 
 @contextmanager
