@@ -21,6 +21,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+
+def _threads_per_test_worker() -> int:
+    """The cores shared out among pytest-xdist's workers. Each worker (and every process it
+    starts, through OMP_NUM_THREADS, which torch's default follows) computes on its share: two
+    workers of two threads each on two cores make every OpenMP region wait for a descheduled
+    thread, and a step of a tiny model then takes 30 times as long."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
+THREADS = _threads_per_test_worker()
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
+
 TINY_BERT = [
     "model=bert_tiny", "model.num_layers=3", "model.hidden_size=32", "model.num_heads=4",
     "model.intermediate_size=64", "model.vocab_size=300", "model.dropout=0.0", "data.seq_len=16",
@@ -54,7 +67,7 @@ def tiny_cfg(family: str = "bert", *overrides: str):
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(THREADS)
     yield
 
 

@@ -5,6 +5,10 @@ environment as it is at launch (not the server's, from when it started), and eve
 starts deaf to SIGINT and SIGTERM (test_watch.py stops runs through them).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -45,3 +49,14 @@ def test_spawned_and_forked_workers_train_the_same_weights(monkeypatch, tmp_path
     assert forked.keys() == spawned.keys()
     for name in forked:
         assert torch.equal(forked[name], spawned[name]), name
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_workers_share_out_the_cores_the_process_may_use_not_the_machines():
+    """Under taskset, a container's cpuset or a batch scheduler's allocation, a process may use
+    fewer cores than the machine has: one thread per allowed core, not per installed one."""
+    allowed = sorted(os.sched_getaffinity(0))[:1]
+    code = "from relaytrain.world import threads_per_process as t; print(t(0, 1), t(3, 1))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, allowed)).stdout.split()
+    assert out == ["1", "3"]  # the configured train.threads is kept as given

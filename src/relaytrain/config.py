@@ -243,7 +243,7 @@ class TrainConfig:
     save_dtype: SaveDtype = SaveDtype.auto  # dtype of the saved weights; auto: the checkpoint's (model.pretrained), else float32
     untimed_steps: int | None = None  # steps left out of the throughput figures (optim.warmup_steps is the LR warm-up); default 2, fewer in a shorter run (one step is always measured)
     log_every: int = 25  # plain-progress lines when not on a terminal
-    threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: cores / workers)
+    threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: the cores this process may use / workers)
     check_memory: bool = True  # refuse runs the host cannot hold
     compile: bool = False  # torch.compile the block function once, one graph shared by every block (results.json: compile time)
     # checkpoints

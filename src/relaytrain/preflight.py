@@ -11,14 +11,12 @@ out-of-memory kill costs them the machine.
 
 from __future__ import annotations
 
-import os
-
 import psutil
 import torch
 
 from relaytrain.errors import ConfigError
 from relaytrain.models import count_parameters
-from relaytrain.world import under_torchrun
+from relaytrain.world import under_torchrun, usable_cores
 
 HEADROOM = 1.0 * 2**30  # Python, torch and the libraries themselves
 WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time out, not progress
@@ -49,7 +47,7 @@ def check_machine(s, processes: int, device: torch.device) -> None:
         raise ConfigError(f"strategy={s.name} runs {processes} workers, one GPU each, and "
                           f"{torch.cuda.device_count()} are visible; lower strategy.stages or strategy.replicas, "
                           f"or run under torchrun on more machines")
-    cpus = os.cpu_count() or 1
+    cpus = usable_cores()
     if device.type == "cpu" and processes > WORKERS_PER_CPU * cpus:
         raise ConfigError(f"strategy={s.name} runs {processes} workers on {cpus} CPU cores, more than "
                           f"{WORKERS_PER_CPU} per core; lower strategy.stages or strategy.replicas")

@@ -219,10 +219,19 @@ def torchrun_max_restarts() -> int:
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) if under_torchrun() else 0
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset, a
+    batch scheduler's allocation), which can be fewer than the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
+
+
 def threads_per_process(configured: int, local_processes: int, cores: int | None = None) -> int:
-    """torch threads for each of `local_processes` on a machine of `cores` (this one's unless
-    given): `train.threads` when set, else the cores shared out."""
-    return configured or max(1, (cores or os.cpu_count() or 1) // local_processes)
+    """torch threads for each of `local_processes` on a machine of `cores` (the cores this
+    process may use unless given): `train.threads` when set, else the cores shared out."""
+    return configured or max(1, (cores or usable_cores()) // local_processes)
 
 
 class StopVotes:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import statistics
 import threading
 import time
@@ -42,7 +41,7 @@ from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.objectives import objective
 from relaytrain.optim import build_optimizer, state_words
 from relaytrain.precision import Precision
-from relaytrain.world import threads_per_process
+from relaytrain.world import threads_per_process, usable_cores
 
 REPEATS = 5  # timed repetitions per figure, after one warm-up; the median is kept
 PART_BUDGET_S = 0.4  # a block's forward + backward slower than this: larger sizes are extrapolated
@@ -149,7 +148,7 @@ def _timings_json(t: Timings) -> dict:
 def measure(cfg, microbatch_sizes: list[int], worker_counts: list[int], device: torch.device) -> Profile:
     """Time this machine's `device` (the CPU, or a CUDA device) on `cfg`'s model at these
     micro-batch sizes, for runs of each of these numbers of workers."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     configured = cfg.train.threads
     keys = sorted({threads_per_process(configured, w, cores) for w in worker_counts}) if device.type == "cpu" else [0]
     saved = torch.get_num_threads()
