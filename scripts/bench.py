@@ -69,6 +69,7 @@ COMPARED = {
     "l2l_replicas_scaling": "l2l, 2 replicas / (2 x one worker)",
     "plan_worst_error": "plan: worst |predicted / measured step - 1| of a round",
     "chunked_loss_vs_full": "baseline samples/s, loss in chunks of tokens / whole-sequence logits (128 k vocabulary, 2 x 1,024 tokens)",
+    "long_context_peak_vs_hf_trainer": "peak memory, baseline with recompute=block / Hugging Face Trainer with gradient checkpointing (128 k vocabulary, 1 x 4,096 tokens)",
     "sequence_parallel_scaling": "tokens/s, 2 workers each holding half of one 4,096-token sequence / 2 x one worker's",
     "data_cache_prepare_ratio": "prepare_s, second identical start / first (tokenize cache, 100 k chat records)",
 }

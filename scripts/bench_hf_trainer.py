@@ -105,6 +105,14 @@ def relaytrain_contestant(overrides: list[str], steps: int, warmup: int) -> dict
 
 def hf_trainer_contestant(overrides: list[str], steps: int, warmup: int) -> dict:
     """The same training under transformers.Trainer."""
+    return {**train_with_trainer(compose(overrides, steps, warmup), warmup), **process_figures()}
+
+
+def train_with_trainer(cfg, warmup: int, **arguments) -> dict:
+    """`cfg`'s training (as `compose` made it) under transformers.Trainer in this process, with
+    `arguments` added to its TrainingArguments (bench_long_context.py: activation checkpointing):
+    the samples/s and times of the steps after `warmup`, the mean loss, each step's loss where
+    `arguments` turn Trainer's per-step logging on, and whether its optimizer is relaytrain's."""
     # Imported here, so only Trainer's process loads it: about 130 MB of RSS that would otherwise
     # count in relaytrain's peak too.
     from transformers import Trainer
@@ -112,7 +120,6 @@ def hf_trainer_contestant(overrides: list[str], steps: int, warmup: int) -> dict
     from transformers.utils import logging
 
     logging.set_verbosity_error()
-    cfg = compose(overrides, steps, warmup)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)  # as relaytrain's launcher does
     model = build_model(cfg.model, cfg.train.seed).hf_model
@@ -120,8 +127,8 @@ def hf_trainer_contestant(overrides: list[str], steps: int, warmup: int) -> dict
         model.config.use_cache = False  # a decoder would fill a KV cache each forward, for generation only
     timer = step_timer()
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = Trainer(model=model, args=training_arguments(cfg, out_dir), train_dataset=relaytrain_samples(cfg),
-                          callbacks=[timer])
+        trainer = Trainer(model=model, args=training_arguments(cfg, out_dir, **arguments),
+                          train_dataset=relaytrain_samples(cfg), callbacks=[timer])
         trainer.remove_callback(PrinterCallback)  # it prints the end-of-training figures, warm-up included
         # BERT's forward takes **kwargs, so Trainer assumes it divides the loss by the accumulated
         # minibatch's item count, and does not divide by the accumulation steps itself. Its
@@ -137,16 +144,18 @@ def hf_trainer_contestant(overrides: list[str], steps: int, warmup: int) -> dict
     measured = timer.times[warmup:]
     samples = cfg.strategy.microbatch_size * cfg.strategy.num_microbatches
     return {"samples_per_s": samples / statistics.mean(measured), "step_times_s": measured, "mean_loss": mean_loss,
-            "optimizer_as_relaytrain": same_optimizer, **process_figures()}
+            "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+            "optimizer_as_relaytrain": same_optimizer}
 
 
-def training_arguments(cfg, out_dir: str):
+def training_arguments(cfg, out_dir: str, **arguments):
     """Trainer's settings for relaytrain's run: the same batch, optimizer and seed, and nothing
-    else in the step (no evaluation, checkpoint, logging, progress bar or worker processes)."""
+    else in the step (no evaluation, checkpoint, logging, progress bar or worker processes),
+    unless `arguments` (TrainingArguments' own keys) say otherwise."""
     from transformers import TrainingArguments
 
     s, o = cfg.strategy, cfg.optim
-    return TrainingArguments(
+    settings = dict(
         output_dir=out_dir, max_steps=cfg.train.steps, seed=cfg.train.seed, use_cpu=cfg.train.device == "cpu",
         per_device_train_batch_size=s.microbatch_size, gradient_accumulation_steps=s.num_microbatches,
         optim="adamw_torch_fused" if o.fused else "adamw_torch", learning_rate=o.lr, adam_beta1=o.betas[0],
@@ -156,6 +165,7 @@ def training_arguments(cfg, out_dir: str):
         dataloader_num_workers=0, dataloader_pin_memory=False,
         eval_strategy="no", save_strategy="no", logging_strategy="no", report_to="none", disable_tqdm=True,
     )
+    return TrainingArguments(**{**settings, **arguments})
 
 
 def relaytrain_samples(cfg) -> StackDataset:

@@ -29,16 +29,24 @@ def alternating_rounds(contestants, rounds: int, one_run) -> list[dict]:
     return [{name: one_run(name) for name in (names if r % 2 == 0 else names[::-1])} for r in range(rounds)]
 
 
-def contest_args(doc: str, child: tuple[str, ...], steps: int, untimed: str) -> argparse.Namespace:
+def contest_args(doc: str, child: tuple[str, ...], steps: int, untimed: str,
+                 comparisons: tuple[str, ...] = ()) -> argparse.Namespace:
     """The command line of a benchmark of two contestants in rounds: --rounds, --steps (`untimed`
     says which of them the figures leave out), --json, and the hidden --child CHILD... RUN_DIR
-    by which the script runs one contestant in a process of its own (`child_run`)."""
+    by which the script runs one contestant in a process of its own (`child_run`). A script of
+    several `comparisons` (their headlines' names) gets --only NAME,... too, checked against them."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=steps, help=f"steps per run; {untimed} untimed")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", nargs=len(child) + 1, metavar=(*child, "RUN_DIR"), help=argparse.SUPPRESS)
-    return p.parse_args()
+    if comparisons:
+        p.add_argument("--only", default=",".join(comparisons), help="the comparisons to run, comma-separated")
+    args = p.parse_args()
+    unknown = sorted(set(args.only.split(",")) - set(comparisons)) if comparisons else []
+    if unknown:
+        p.error(f"--only: no comparison {', '.join(unknown)}; choose from {', '.join(comparisons)}")
+    return args
 
 
 def child_run(script: str, steps: int, child_args: list[str], workdir: Path, name: str) -> dict:
