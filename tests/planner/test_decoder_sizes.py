@@ -15,9 +15,9 @@ from relaytrain.cost.work import attention_flops, block_matmul_flops, block_shap
 from relaytrain.metrics import model_flops_per_token
 from relaytrain.models import count_parameters
 from relaytrain.models.family import BlockShape
+from relaytrain.planner import plan as planning
 from relaytrain.planner.candidates import GiB
 from relaytrain.planner.dryrun import simulate
-from relaytrain.planner import plan as planning
 from relaytrain.planner.plan import make_plan
 from relaytrain.strategies import strategy_class
 from tests.conftest import TINY_BERT

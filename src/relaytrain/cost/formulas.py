@@ -23,6 +23,7 @@ gradient sums over gloo) runs on the same cores as the compute, so it is added, 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from relaytrain.cost.profile import PartTimes, Profile, Timings
@@ -52,10 +53,11 @@ class Shape:
     stages: int = 1  # d: pipeline depth
     recompute: str = "none"  # none/block (baseline), none/block/stage (pipelines), always (L2L)
     options: tuple[tuple[str, str], ...] = ()  # further strategy.* keys this shape sets
+    sequence_parallel: int = 1  # S: workers sharing every sequence of a replica (strategy.sequence_parallel)
 
     @property
     def workers(self) -> int:
-        return self.replicas * self.stages
+        return self.replicas * self.stages * self.sequence_parallel
 
     @property
     def batch(self) -> int:
@@ -70,16 +72,20 @@ class Shape:
                f"strategy.num_microbatches={self.num_microbatches}"]
         if pipeline:
             out.append(f"strategy.stages={self.stages}")
-        if pipeline or self.replicas > 1:
+        if pipeline or self.replicas > 1 or self.sequence_parallel > 1:
             out.append(f"strategy.replicas={self.replicas}")
         if pipeline or self.recompute not in ("none", LOOPS_ALWAYS):
             out.append(f"strategy.recompute={self.recompute}")
+        if self.sequence_parallel > 1:
+            out.append(f"strategy.sequence_parallel={self.sequence_parallel}")
         return out + [f"strategy.{key}={value}" for key, value in self.options]
 
     def describe(self) -> str:
-        """Short: w=2 d=4 b=8 m=16 rc=none. A relay (it always recomputes) loops u micro-batches per part."""
+        """Short: w=2 d=4 b=8 m=16 rc=none (sp=2: each sequence cut over 2 workers). A relay (it
+        always recomputes) loops u micro-batches per part."""
         pipeline = self.stages > 1
         width = f"w={self.replicas} " if self.replicas > 1 or pipeline else ""
+        width += f"sp={self.sequence_parallel} " if self.sequence_parallel > 1 else ""
         depth = f"d={self.stages} " if pipeline else ""
         relay = self.recompute == LOOPS_ALWAYS
         redo = "" if relay else f" rc={self.recompute}"
@@ -113,6 +119,8 @@ class ModelFacts:
     # model.quantize=nf4: each part's weights held in 4 bits (`cost.quantized`); the part counts
     # above are dense values all the same
     quantized: tuple[QuantizedPart, QuantizedPart, QuantizedPart] | None = None
+    # strategy.sequence_parallel=S: a worker holds 1/S of every sequence's tokens (`cut`)
+    sequence_parallel: int = 1
 
     @classmethod
     def of(cls, cfg) -> ModelFacts:
@@ -130,6 +138,17 @@ class ModelFacts:
                    state_words(cfg.optim), logits_per_sample(cfg), block_shape(m), model_work(m, cfg.data.seq_len),
                    trained,
                    2 if adapter and half_base else FP32, fused_attention(m), loss_chunking(m), quantized=quantized)
+
+    def cut(self, size: int) -> ModelFacts:
+        """These facts for a worker of a run that cuts every sequence over `size` workers: its
+        tokens (1/S of each sequence, padded up to a share) are what it computes, keeps and
+        stashes; attention still spans the whole sequence (for 1/S of the heads)."""
+        return self if size == self.sequence_parallel else dataclasses.replace(self, sequence_parallel=size)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of a sequence one worker holds: all of them, or its share under the cut."""
+        return -(-self.seq_len // self.sequence_parallel)
 
     @property
     def params(self) -> int:
@@ -204,12 +223,21 @@ class ModelFacts:
         """The profiled times of `part` ("block", "embed", "head") at micro-batch size `b`. Under
         adapters its backward skips the frozen weights' gradients: about half of a backward is
         the weight gradients, kept in the share of the part that trains."""
-        times = t.part(part, b)
+        times = self._worker_part(t, part, b)
         if self.trained_parts is None:
             return times
         total = {"embed": self.embed_params, "block": self.block_params, "head": self.head_params}[part]
         trained = self.trained_parts[("embed", "block", "head").index(part)]
         return PartTimes(times.forward_s, times.backward_s * (0.5 + 0.5 * trained / max(total, 1)))
+
+    def _worker_part(self, t: Timings, part: str, b: int) -> PartTimes:
+        """A part's profiled times for b sequences, or for a cut worker's 1/S of each: the work
+        of b/S whole ones (as many tokens through its matmuls, and attention over whole sequences
+        for 1/S of the heads), timed at that micro-batch. Less than one sequence's tokens (b < S)
+        cost their share of one whole sequence's time: no profile times a fraction of one, and a
+        device they fill less well would only be slower."""
+        whole = max(b // self.sequence_parallel, 1)
+        return t.part(part, whole).scaled(b / self.sequence_parallel / whole)
 
     @property
     def trained_share(self) -> float:
@@ -217,18 +245,28 @@ class ModelFacts:
 
     def boundary_bytes(self, b: int) -> int:
         """A block's input (or output) for b samples: what a stash entry holds and a stage sends."""
-        return b * self.seq_len * self.hidden * self.hidden_value_bytes
+        return b * self.tokens * self.hidden * self.hidden_value_bytes
 
     def block_activation_bytes(self, b: int) -> int:
-        return block_activation_bytes(b, self.seq_len, self.shape, self.activation_bytes, self.fused_attention)
+        return block_activation_bytes(b, self.seq_len, self.shape, self.activation_bytes, self.fused_attention,
+                                      self.tokens)
 
     def head_activation_bytes(self, b: int) -> int:
         """The head and its loss at their peak for b samples: the whole sequence's logits, or one
         chunk's with the head's input and a second gradient of its trained weights."""
         vocab = self.logits_per_sample // self.seq_len
         trained_head = vocab * self.hidden if self.trained_parts is None else self.trained_parts[2]  # the LM head's weight
-        return head_bytes(b, self.seq_len, self.logits_per_sample, self.loss_chunks, trained_head,
-                          self.hidden * self.activation_bytes)
+        # A cut worker scores its own tokens: one position more than them, as `SequenceSplit.scored` pads.
+        positions = self.seq_len if self.sequence_parallel == 1 else self.tokens + 1
+        return head_bytes(b, positions, vocab * positions, self.loss_chunks,
+                          trained_head, self.hidden * self.activation_bytes)
+
+    def attention_exchange_bytes(self, b: int) -> int:
+        """What a cut worker's attention all-to-alls carry for b samples through one block, one
+        way (forward; the backward carries their gradients): its tokens' queries, keys and values,
+        then the attention output back, at the activations' bytes."""
+        q, kv = query_width(self.shape), key_value_width(self.shape)
+        return b * self.tokens * (2 * q + 2 * kv) * self.activation_bytes
 
     def stage_params(self, blocks: int, embed: bool, head: bool) -> int:
         """Parameters of a stage (or a whole model) holding `blocks` blocks and maybe the ends."""
@@ -274,9 +312,12 @@ def block_activation_values(seq_len: int, shape: BlockShape, fused: bool = False
     return attention + mlp + 2 * h
 
 
-def block_activation_bytes(b: int, seq_len: int, shape: BlockShape, dtype_bytes: int, fused: bool = False) -> int:
-    """Activations one block keeps for backward, for b samples (`block_activation_values`)."""
-    return int(dtype_bytes * b * seq_len * block_activation_values(seq_len, shape, fused))
+def block_activation_bytes(b: int, seq_len: int, shape: BlockShape, dtype_bytes: int, fused: bool = False,
+                           tokens: int | None = None) -> int:
+    """Activations one block keeps for backward, for b samples (`block_activation_values`) of
+    which a worker holds `tokens` each (None: all seq_len; under sequence parallelism its share,
+    attention still spanning seq_len for 1/S of the heads: the same values per token)."""
+    return int(dtype_bytes * b * (seq_len if tokens is None else tokens) * block_activation_values(seq_len, shape, fused))
 
 
 def fused_attention(m) -> bool:
@@ -426,6 +467,16 @@ def allreduce_s(nbytes: float, replicas: int, profile: Profile, messages: int = 
     return 2 * (replicas - 1) / replicas * nbytes / bw + 2 * (replicas - 1) * profile.link_latency_s * messages
 
 
+def all_to_all_s(nbytes: float, workers: int, profile: Profile, messages: int = 1) -> float:
+    """An all-to-all of `nbytes` a worker among `workers` in `messages` calls: (w - 1) / w of them
+    leave it (the rest is its own share) at the collectives' bandwidth, w - 1 hops of latency
+    per call."""
+    if workers == 1:
+        return 0.0
+    bw = allreduce_bandwidth(workers, profile)
+    return (workers - 1) / workers * nbytes / bw + (workers - 1) * profile.link_latency_s * messages
+
+
 def optimizer_s(t: Timings, facts: ModelFacts, blocks: int, embed: bool, head: bool) -> float:
     """One optimizer step over `blocks` blocks and maybe the embeddings and the head, from the
     profiled steps (one block's; the ends' split between them by parameters); under adapters
@@ -459,12 +510,19 @@ def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
     return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
 
 
+def worker_tokens(cfg) -> int:
+    """Tokens of a sequence one worker holds: data.seq_len, or its share (padded up) where
+    `strategy.sequence_parallel=S` cuts every sequence over S workers."""
+    return -(-cfg.data.seq_len // getattr(cfg.strategy, "sequence_parallel", 1))
+
+
 def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries: int = 0) -> int:
     """Activations in host memory when the device *is* the host: `live_blocks` blocks' worth of
-    one micro-batch, `stash_entries` block inputs, and the logits of an LM head."""
+    one micro-batch, `stash_entries` block inputs, and the logits of an LM head (of a worker's
+    tokens where sequences are cut: the head's at most a whole sequence's, an overestimate)."""
     if device_type != "cpu":
         return 0
-    m, b, s = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len
-    block = block_activation_bytes(b, s, block_shape(m), FP32, fused_attention(m))
+    m, b, s, tokens = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len, worker_tokens(cfg)
+    block = block_activation_bytes(b, s, block_shape(m), FP32, fused_attention(m), tokens)
     head = head_bytes(b, s, logits_per_sample(cfg), loss_chunking(m), m.vocab_size * m.hidden_size, m.hidden_size * FP32)
-    return block * live_blocks + stash_entries * b * s * m.hidden_size * FP32 + head
+    return block * live_blocks + stash_entries * b * tokens * m.hidden_size * FP32 + head

@@ -41,6 +41,12 @@ class CostModel(ABC):
         """Every shape of the strategy that trains `batch` samples a step on at most `workers`
         workers (devices) for a model of `num_layers` blocks: what the planner may try."""
 
+    def cut_shapes(self, workers: int, batch: int, num_layers: int, size: int) -> list[Shape]:
+        """The shapes whose replicas each cut their sequences over `size` workers
+        (`strategy.sequence_parallel`; R x S <= `workers`): none for a strategy that cannot
+        (`strategies.sequence_parallel.CutSequenceCost` offers them)."""
+        return []
+
     @abstractmethod
     def step_cost(self, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
         """The predicted step time on `profile`'s machine, composed from the shared formulas of

@@ -5,7 +5,9 @@
    workers given (`CostModel.shapes`, asked of each strategy's `cost_model`: the baseline's micro-batch size b and count m = B / b,
    with or without block recompute; L2L's b, inner loop u, replicas w and stash; a pipeline's
    width w x depth d = workers, b, m = B / (w b) and recompute none/block/stage). Micro-batch
-   sizes are powers of two.
+   sizes are powers of two. Where the strategy can cut sequences (`CostModel.cut_shapes`) and
+   the model can be cut S ways (`sequence_parallel.can_cut`), its shapes again with each
+   replica's sequences cut over S workers, for every S > 1 dividing the workers: R x S in all.
 3. **Time**: each candidate's step by its strategy's cost model (`CostModel.step_cost`, made of
    the shared formulas in `relaytrain.cost.formulas`).
 4. **Host memory**: each candidate's host memory on one machine, estimated from its strategy's
@@ -38,6 +40,7 @@ from relaytrain.errors import ConfigError
 from relaytrain.planner.dryrun import simulate
 from relaytrain.preflight import HEADROOM, check_can_start
 from relaytrain.strategies import presets, strategy_class
+from relaytrain.strategies.sequence_parallel import can_cut
 
 GiB = 2**30
 PRUNE_FACTOR = 1.5  # closed-form memory above this many budgets: hopeless, not simulated
@@ -70,16 +73,26 @@ class Request:
 # --------------------------------------------------------------------------- candidates
 
 
-def enumerate_shapes(request: Request, num_layers: int) -> list[Shape]:
+def enumerate_shapes(request: Request, cfg) -> list[Shape]:
     """Every shape of every requested strategy that trains exactly `request.batch` samples a step
-    (a preset: its strategy's shapes that keep the keys it fixes)."""
+    of `cfg`'s model, whole sequences or cut (a preset: its strategy's shapes that keep the keys
+    it fixes)."""
     shapes = []
     for name in request.strategies:
         cls = strategy_class(name)
-        offered = cls.cost_model.shapes(request.workers, request.batch, num_layers)
+        offered = cls.cost_model.shapes(request.workers, request.batch, cfg.model.num_layers)
+        offered += [shape for size in cut_sizes(request.workers, cfg)
+                    for shape in cls.cost_model.cut_shapes(request.workers, request.batch, cfg.model.num_layers, size)]
         preset = presets().get(name)
         shapes += offered if preset is None else _keeping(offered, preset.fixed, cls)
     return list(dict.fromkeys(shapes))  # a strategy and its preset offer some shapes twice
+
+
+def cut_sizes(workers: int, cfg) -> list[int]:
+    """The S > 1 dividing `workers` that `cfg`'s model can cut its sequences over (its heads,
+    family and the rest as a run checks them)."""
+    return [size for size in range(2, workers + 1)
+            if workers % size == 0 and can_cut(cfg.model, bool(cfg.train.compile), size)]
 
 
 def _keeping(shapes: list[Shape], fixed: dict, cls) -> list[Shape]:
@@ -118,7 +131,8 @@ class Candidate:
         s = self.shape
         return {
             "strategy": s.strategy, "microbatch_size": s.microbatch_size, "num_microbatches": s.num_microbatches,
-            "replicas": s.replicas, "stages": s.stages, "recompute": s.recompute, "workers": s.workers,
+            "replicas": s.replicas, "stages": s.stages, "sequence_parallel": s.sequence_parallel,
+            "recompute": s.recompute, "workers": s.workers,
             "precision": self.precision,
             "predicted": None if self.cost is None else {"step_time_s": self.cost.step_s,
                                                           "samples_per_s": self.samples_per_s,
@@ -204,14 +218,14 @@ class MemoryWalk:
 
     def __init__(self, budget: float, max_simulations: int):
         self.budget, self.max_simulations = budget, max_simulations
-        self.too_big: dict[tuple, int] = {}  # (strategy, options, w, d, recompute) -> smallest b that did not fit
-        self.state: dict[tuple, int] = {}  # (strategy, options, w, d) -> simulated weights + gradients + optimizer state
+        self.too_big: dict[tuple, int] = {}  # (strategy, options, w, d, S, recompute) -> smallest b that did not fit
+        self.state: dict[tuple, int] = {}  # (strategy, options, w, d, S) -> simulated weights + gradients + optimizer state
         self.runs: dict[str, int] = {}  # dry runs per variant
         self.found: set[str] = set()  # variants with a candidate that fits
 
     def visit(self, c: Candidate, base) -> None:
         name, footprint = variant(c.shape), _footprint(c.shape)
-        state_key = footprint[:4]
+        state_key = footprint[:-1]
         if name in self.found:
             c.why_not = f"not simulated: a faster {name} candidate fits"
         elif self.state.get(state_key, 0) > self.budget:
@@ -239,14 +253,16 @@ class MemoryWalk:
 
 
 def variant(shape: Shape) -> str:
-    """A strategy with the options its shapes vary (l2l, l2l stash=host): each gets its own fastest."""
-    return " ".join([shape.strategy, *(f"{key}={value}" for key, value in shape.options)])
+    """A strategy with the options its shapes vary (l2l, l2l stash=host) and its cut (l2l
+    sequence_parallel=2): each gets its own fastest."""
+    cut = [f"sequence_parallel={shape.sequence_parallel}"] if shape.sequence_parallel > 1 else []
+    return " ".join([shape.strategy, *cut, *(f"{key}={value}" for key, value in shape.options)])
 
 
 def _footprint(shape: Shape) -> tuple:
-    """What fixes a shape's memory but for its micro-batch (the first four, its state key: but for b
-    and recompute). Not a model family, nor a `strategy.layout`."""
-    return shape.strategy, shape.options, shape.replicas, shape.stages, shape.recompute
+    """What fixes a shape's memory but for its micro-batch (all but the last, its state key: but
+    for b and recompute). Not a model family, nor a `strategy.layout`."""
+    return shape.strategy, shape.options, shape.replicas, shape.stages, shape.sequence_parallel, shape.recompute
 
 
 def _simulate(c: Candidate, base, budget: float) -> None:

@@ -79,13 +79,17 @@ def precision_line(plan: Plan) -> str:
 
 def _rows_to_show(plan: Plan) -> list[Candidate]:
     """Every candidate whose memory was decided by a dry run, and each variant's fastest of those
-    the checks let through (a variant refused whole is one line below the table)."""
+    the checks let through (a variant refused whole is one line below the table), fastest first.
+    Past TABLE_ROWS the dry-run ones stay, the best among them: with cut sequences a plan has
+    dozens of variants, whose fastest rows would otherwise push every dry run off the table."""
     fastest = {}
     for c in plan.candidates:
         if c.cost is not None:
             fastest.setdefault(variant(c.shape), c)
-    rows = [c for c in plan.candidates if c.simulated_bytes is not None or fastest.get(variant(c.shape)) is c]
-    return rows[:TABLE_ROWS]
+    simulated = [c for c in plan.candidates if c.simulated_bytes is not None]
+    others = [c for c in plan.candidates if c.simulated_bytes is None and fastest.get(variant(c.shape)) is c]
+    shown = {id(c) for c in [*simulated, *others][:TABLE_ROWS]}
+    return [c for c in plan.candidates if id(c) in shown]
 
 
 def _refused_variants(plan: Plan) -> dict[str, str]:

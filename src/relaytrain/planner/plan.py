@@ -247,7 +247,7 @@ def _make_plan(overrides: list[str], kept_in_command: list[str], max_simulations
     device = None if spec else _this_device(cfg)  # decided once: profiled, and every candidate checked on it
     request = read_request(cfg, overrides, int(spec["memory_gb"] * GiB) if spec else _device_memory(device))
     kept = passthrough(overrides)
-    shapes = enumerate_shapes(request, cfg.model.num_layers)
+    shapes = enumerate_shapes(request, cfg)
     bases = {name: resolve(compose([*kept, f"strategy={name}",
                                     f"{PRECISION_KEY}={precision_for(strategy_class(name), precision.name)}"]),
                            explicit_overrides(kept))

@@ -150,7 +150,7 @@ def _sum_hook(group, bucket):  # no annotations: DDP checks them, and these woul
 
 
 class BaselineSequenceCost(CutSequenceCost, BaselineCost):
-    """BaselineCost where every sequence is whole; none predicted where they are cut."""
+    """BaselineCost, on each worker's tokens where sequences are cut."""
 
 
 @register("baseline")

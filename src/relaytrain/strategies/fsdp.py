@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state, sharded_contents
 from relaytrain.config import Offload, Recompute, SequenceParallelConfig, StrategyConfig, WorkersConfig
+from relaytrain.cost.formulas import Shape
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch
@@ -97,7 +98,11 @@ class FsdpConfig(SequenceParallelConfig, WorkersConfig, StrategyConfig):
 
 
 class FsdpSequenceCost(CutSequenceCost, FsdpCost):
-    """FsdpCost where every sequence is whole; none predicted where they are cut."""
+    """FsdpCost, on each worker's tokens where sequences are cut."""
+
+    def shapes_to_cut(self, replicas: int, batch: int, num_layers: int) -> list[Shape]:
+        """From one replica up: its S workers shard the model between them."""
+        return self.sharded_shapes(range(1, replicas + 1), batch)
 
 
 @register("fsdp")

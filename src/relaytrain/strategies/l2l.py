@@ -125,7 +125,7 @@ class L2LConfig(SequenceParallelConfig, WorkersConfig, StrategyConfig):
 
 
 class L2LSequenceCost(CutSequenceCost, L2LCost):
-    """L2LCost where every sequence is whole; none predicted where they are cut."""
+    """L2LCost, on each worker's tokens where sequences are cut."""
 
 
 @register("l2l")

@@ -23,6 +23,7 @@ from relaytrain.cost.formulas import (
     optimizer_s,
     powers_of_two_dividing,
     upload_s,
+    worker_tokens,
 )
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile, Timings
@@ -63,9 +64,9 @@ class L2LCost(CostModel):
         param server updates each part on the host while the parts below compute (only what
         outlasts the backward is exposed) and, with replicas, each part's gradients are summed
         over them in the background the same way."""
-        s, n = cfg.strategy, facts.num_layers
+        s, n, workers = cfg.strategy, facts.num_layers, self.strategy.processes(cfg)  # R, or R x S cutting sequences
         b, u, overlap = s.microbatch_size, s.num_microbatches, bool(s.prefetch)
-        t = profile.for_workers(s.replicas, cfg.train.threads)
+        t = profile.for_workers(workers, cfg.train.threads)
         block, embed, head = (facts.part_times(t, part, b) for part in ("block", "embed", "head"))
         x_embed, x_block, x_head = (upload_s(facts.upload_bytes(part), profile) for part in range(3))
         stash = u * upload_s(facts.boundary_bytes(b), profile) if stash_on_host(cfg.strategy) else 0.0
@@ -76,9 +77,9 @@ class L2LCost(CostModel):
                     + _relayed(u * both(embed), x_embed, overlap))
         compute = u * (both(embed) + embed.forward_s + n * (2 * block.forward_s + block.backward_s) + both(head))
         transfers = 2 * (n * x_block + x_embed) + x_head + 2 * n * stash
-        optimizer, sums = _eps_exposed(cfg, facts, profile, t, backward)
+        optimizer, sums = _eps_exposed(cfg, facts, profile, t, backward, workers)
         parts = {"compute": compute, "transfers": transfers, "optimizer (exposed)": optimizer}
-        if s.replicas > 1:
+        if workers > 1:
             parts["gradient sums (exposed)"] = sums
         notes = [] if profile.host_to_device_bytes_per_s else ["the device is the host: nothing crosses a link"]
         return StepCost(forward + turnaround + backward + optimizer + sums, parts, notes)
@@ -97,39 +98,43 @@ class L2LCost(CostModel):
 
     def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
         """The eager param server's state, and the stash where it waits on the host."""
-        stash = host_stash_bytes(cfg, facts.hidden_value_bytes) if stash_on_host(cfg.strategy) else 0
-        trained = eps_state_bytes(cfg, facts.trained_params, facts.trained_params)  # masters, gradients, state
+        s = cfg.strategy
+        stash = facts.num_layers * s.num_microbatches * facts.boundary_bytes(s.microbatch_size) if stash_on_host(s) else 0
+        trained = eps_state_bytes(cfg, facts.trained_params, facts.trained_params, workers=self.strategy.processes(cfg))
         return int(trained + facts.frozen_host_bytes + stash)
 
     def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
         """Host memory of the whole run, an estimate: on each replica the eager param server's
         state, transit copies of what crosses, one block's activations and every stashed input
         (on the host with `stash=host`), and the interpreter of each worker apart from the first."""
-        s, m = cfg.strategy, cfg.model
+        s, m, workers = cfg.strategy, cfg.model, self.strategy.processes(cfg)  # R x S where sequences are cut
         trained = trained_parameters(cfg.model, cfg.adapter)  # under adapters; the frozen base counted at fp32 (errs high)
-        per_worker = eps_state_bytes(cfg, num_params, trained) + num_params * FP32  # + transit copies of what crosses
+        per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + num_params * FP32  # + transit copies
         per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
         if device_type != "cpu" and stash_on_host(cfg.strategy):  # the stash waits in host memory
             per_worker += host_stash_bytes(cfg, 2 if str(cfg.precision.name).startswith("cmp") else FP32)
-        if s.replicas > 1:
+        if workers > 1:
             per_worker += WORKER_OVERHEAD_BYTES
-        return int(s.replicas * per_worker)
+        return int(workers * per_worker)
 
 
-def eps_state_bytes(cfg, num_params: int, trained: int | None = None, frozen_bytes: int = FP32) -> float:
+def eps_state_bytes(cfg, num_params: int, trained: int | None = None, frozen_bytes: int = FP32, *,
+                    workers: int) -> float:
     """The eager param server on one worker's host: the fp32 masters, and their gradients and
-    optimizer state (sharded over the replicas: on each part's owner only). Under adapters only
-    the `trained` parameters have those; the frozen base is kept once, `frozen_bytes` a value."""
+    optimizer state (sharded over its peers, the run's `workers`: R, or R x S cutting sequences;
+    on each part's owner only). Under adapters only the `trained` parameters have those; the
+    frozen base is kept once, `frozen_bytes` a value."""
     s = cfg.strategy
-    share = s.replicas if s.replicas > 1 and s.eps_state == EpsPlacement.sharded else 1
+    share = workers if workers > 1 and s.eps_state == EpsPlacement.sharded else 1
     trained = num_params if trained is None else trained
     return (num_params - trained) * frozen_bytes + trained * FP32 * (1 + (1 + state_words(cfg.optim)) / share)
 
 
 def host_stash_bytes(cfg, value_bytes: int) -> int:
-    """Every block's input for every micro-batch, waiting in host memory (stash on the host)."""
+    """Every block's input for every micro-batch (of a worker's tokens), waiting in host memory
+    (stash on the host)."""
     s, m = cfg.strategy, cfg.model
-    return m.num_layers * s.num_microbatches * s.microbatch_size * cfg.data.seq_len * m.hidden_size * value_bytes
+    return m.num_layers * s.num_microbatches * s.microbatch_size * worker_tokens(cfg) * m.hidden_size * value_bytes
 
 
 # --------------------------------------------------------------------------- the step model's parts
@@ -140,19 +145,21 @@ def _relayed(compute_s: float, transfer_s: float, overlap: bool) -> float:
     return max(compute_s, transfer_s) if overlap else compute_s + transfer_s
 
 
-def _eps_exposed(cfg, facts: ModelFacts, profile: Profile, t: Timings, backward_s: float) -> tuple[float, float]:
+def _eps_exposed(cfg, facts: ModelFacts, profile: Profile, t: Timings, backward_s: float,
+                 workers: int) -> tuple[float, float]:
     """The eager param server's updates and (replicas) gradient sums not hidden by the backward.
 
     On a GPU machine both run on the host and the links beside the device's backward of the
     parts below; what outlasts the backward (at least the embeddings' own update and sum, the
     last to start) is exposed. On a CPU they run on the cores the backward uses: all of it
-    counts. A sharded EPS updates each part once, on its owner: a worker's share is 1 / w.
+    counts. A sharded EPS updates each part once, on its owner: a worker's share is 1 / w, of the
+    `workers` (R, or R x S cutting sequences: all are the EPS's peers).
     """
     s = cfg.strategy
-    share = 1 / s.replicas if s.eps_state == EpsPlacement.sharded else 1.0
+    share = 1 / workers if s.eps_state == EpsPlacement.sharded else 1.0
     update_embed, updates = _eps_updates_s(facts, profile, t)
-    sums = allreduce_s(facts.params * facts.weight_bytes, s.replicas, profile, messages=facts.num_layers + 2)
-    last_sum = allreduce_s(facts.embed_params * facts.weight_bytes, s.replicas, profile)
+    sums = allreduce_s(facts.params * facts.weight_bytes, workers, profile, messages=facts.num_layers + 2)
+    last_sum = allreduce_s(facts.embed_params * facts.weight_bytes, workers, profile)
     if profile.device_type == "cpu":
         return updates * share, sums
     return max(update_embed * share, updates * share - backward_s), max(last_sum, sums - backward_s)

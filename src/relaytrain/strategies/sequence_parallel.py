@@ -45,6 +45,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from relaytrain.cost.formulas import Shape, StepCost, all_to_all_s
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import IGNORE_INDEX
 from relaytrain.models import dry_attention
@@ -93,15 +94,68 @@ def check_sequence_parallel(strategy, m, compiled: bool) -> None:
         _check_heads(size, m.num_heads, m.num_kv_heads or m.num_heads)
 
 
+def can_cut(m, compiled: bool, size: int) -> bool:
+    """Whether a run of the model section `m` (`compiled`: train.compile) can cut its sequences
+    over `size` workers: what `check_sequence_parallel` lets through, the heads of a checkpoint
+    (its resolved sizes) included. The planner offers cut shapes only where this holds."""
+    try:
+        check_sequence_parallel(_Cut(size), m, compiled)
+        _check_heads(size, m.num_heads, m.num_kv_heads or m.num_heads)
+    except ConfigError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A strategy node that says only S (what `check_sequence_parallel` reads of it)."""
+
+    sequence_parallel: int
+
+
 class CutSequenceCost:
-    """Put before a strategy's cost model (`class C(CutSequenceCost, BaselineCost)`): its closed
-    forms count whole sequences on every worker, so a run that cuts them gets no step prediction
-    (the estimate line is left out) rather than a wrong one."""
+    """Put before a strategy's cost model (`class C(CutSequenceCost, BaselineCost)`) to price runs
+    that cut sequences. The model's own closed forms count its workers as the strategy does
+    (`processes`: R x S, so the gradient sums, shards and peers are all of them) and are asked with
+    the facts of one worker (`ModelFacts.cut`: its 1/S of every sequence's tokens computed, kept
+    and stashed; attention over whole sequences for 1/S of the heads, the same work); this adds
+    attention's all-to-alls (`attention_exchanges_s`), which nothing overlaps, and offers the cut
+    shapes (`cut_shapes`)."""
+
+    def cut_shapes(self, workers: int, batch: int, num_layers: int, size: int) -> list[Shape]:
+        """The shapes of R x S <= `workers` workers, each replica's sequences cut over S = `size`."""
+        return [dataclasses.replace(shape, sequence_parallel=size)
+                for shape in self.shapes_to_cut(workers // size, batch, num_layers)]
+
+    def shapes_to_cut(self, replicas: int, batch: int, num_layers: int) -> list[Shape]:
+        """The strategy's shapes on at most `replicas` replicas, to be cut: its own `shapes`
+        (FSDP's start at one replica here, whose S workers shard)."""
+        return self.shapes(replicas, batch, num_layers)
 
     def step_cost(self, cfg, facts, profile):
-        if sequence_parallel(cfg.strategy) > 1:
-            raise ConfigError("the cost model does not predict strategy.sequence_parallel runs yet")
-        return super().step_cost(cfg, facts, profile)
+        size = sequence_parallel(cfg.strategy)
+        cost = super().step_cost(cfg, facts.cut(size), profile)
+        if size == 1:
+            return cost
+        exchanges = attention_exchanges_s(cfg, facts.cut(size), profile, self.recomputes(cfg))
+        return StepCost(cost.step_s + exchanges, {**cost.parts, "attention all-to-alls": exchanges}, cost.notes)
+
+    def device_bytes(self, cfg, facts):
+        return super().device_bytes(cfg, facts.cut(sequence_parallel(cfg.strategy)))
+
+    def host_state_bytes(self, cfg, facts):
+        return super().host_state_bytes(cfg, facts.cut(sequence_parallel(cfg.strategy)))
+
+
+def attention_exchanges_s(cfg, facts, profile, recomputes: bool) -> float:
+    """A cut worker's attention all-to-alls in a step: per micro-batch and block, the forward's
+    queries, keys and values out and the output back (four calls), the backward's gradients the
+    same way, and the forward's again where the block is recomputed; each moves (S-1)/S of the
+    worker's share at the collectives' rate (`all_to_all_s`). Attention waits for them: exposed."""
+    s = cfg.strategy
+    passes = s.num_microbatches * facts.num_layers * (3 if recomputes else 2)
+    return passes * all_to_all_s(facts.attention_exchange_bytes(s.microbatch_size), sequence_parallel(s), profile,
+                                 messages=4)
 
 
 def _check_heads(size: int, heads: int, kv_heads: int) -> None:

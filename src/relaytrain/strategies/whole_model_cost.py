@@ -25,6 +25,7 @@ from relaytrain.cost.formulas import (
     stage_bytes,
     upload_s,
     weights_grads_optimizer_bytes,
+    worker_tokens,
 )
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import PartTimes, Profile
@@ -44,12 +45,13 @@ def recomputes_blocks(cfg) -> bool:
     return cfg.strategy.recompute == Recompute.block
 
 
-def whole_model_compute(cfg, facts: ModelFacts, profile: Profile, recomputes: bool):
-    """A data-parallel worker's compute in a step (the baseline's and FSDP's): every micro-batch
-    of its share through the embeddings, every block (block recompute: one more forward each)
-    and the head. Returns the seconds, the profiled parts and the recompute per block."""
+def whole_model_compute(cfg, facts: ModelFacts, profile: Profile, recomputes: bool, workers: int):
+    """A data-parallel worker's compute in a step (the baseline's and FSDP's), one of `workers`
+    running at once: every micro-batch of its share through the embeddings, every block (block
+    recompute: one more forward each) and the head. Returns the seconds, the profiled parts and
+    the recompute per block."""
     s, n = cfg.strategy, facts.num_layers
-    t = profile.for_workers(s.replicas, cfg.train.threads)
+    t = profile.for_workers(workers, cfg.train.threads)
     block, embed, head = (facts.part_times(t, part, s.microbatch_size) for part in ("block", "embed", "head"))
     recompute = block.forward_s if recomputes else 0.0
     compute = s.num_microbatches * (both(embed) + n * (both(block) + recompute) + both(head))
@@ -63,7 +65,8 @@ def stashed_inputs(cfg) -> int | None:
 
 
 def host_stash_bytes(cfg, facts: ModelFacts) -> int:
-    """A host stash's entries waiting in host memory: every block's input of one micro-batch."""
+    """A host stash's entries waiting in host memory: every block's input of one micro-batch (of
+    the worker's tokens, `facts.tokens`)."""
     return facts.num_layers * facts.boundary_bytes(cfg.strategy.microbatch_size) if stash_on_host(cfg.strategy) else 0
 
 
@@ -77,9 +80,9 @@ def host_stash_s(cfg, facts: ModelFacts, profile: Profile, block: PartTimes) -> 
     return s.num_microbatches * facts.num_layers * hidden_behind
 
 
-def _extra_workers_bytes(replicas: int) -> int:
+def _extra_workers_bytes(workers: int) -> int:
     """The interpreters of a data-parallel run's workers: none apart from the run's own with one."""
-    return replicas * WORKER_OVERHEAD_BYTES if replicas > 1 else 0
+    return workers * WORKER_OVERHEAD_BYTES if workers > 1 else 0
 
 
 # --------------------------------------------------------------------------- the baseline
@@ -105,18 +108,19 @@ class BaselineCost(CostModel):
         step over the whole model. With replicas, the all-reduce of every gradient, in buckets
         during the last micro-batch's backward: what outlasts that backward is exposed (on a
         CPU all of it: the cores that compute also sum)."""
-        s, n = cfg.strategy, facts.num_layers
-        compute, t, (embed, block, head), recompute = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg))
+        n, workers = facts.num_layers, self.strategy.processes(cfg)  # R, or R x S cutting sequences
+        compute, t, (embed, block, head), recompute = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg),
+                                                                          workers)
         optimizer = optimizer_s(t, facts, n, embed=True, head=True)
         parts = {"compute": compute, "optimizer": optimizer}
         if stash_on_host(cfg.strategy):
             parts["stash transfers (exposed)"] = host_stash_s(cfg, facts, profile, block)
-        if s.replicas > 1:
+        if workers > 1:
             nbytes = facts.trained_params * FP32  # the gradients: of what trains
-            sums = allreduce_s(nbytes, s.replicas, profile, messages=-(-nbytes // BUCKET_BYTES))
+            sums = allreduce_s(nbytes, workers, profile, messages=-(-nbytes // BUCKET_BYTES))
             last_backward = embed.backward_s + n * (block.backward_s + recompute) + head.backward_s
             parts["gradient sums (exposed)"] = sums if profile.device_type == "cpu" else max(
-                allreduce_s(min(nbytes, BUCKET_BYTES), s.replicas, profile), sums - last_backward)
+                allreduce_s(min(nbytes, BUCKET_BYTES), workers, profile), sums - last_backward)
         return StepCost(sum(parts.values()), parts)
 
     def device_bytes(self, cfg, facts: ModelFacts) -> int:
@@ -137,7 +141,8 @@ class BaselineCost(CostModel):
         live, stash = (1, cfg.model.num_layers) if recomputes_blocks(cfg) else (cfg.model.num_layers, 0)
         per_worker = weights_grads_optimizer_bytes(cfg, num_params) + cpu_activation_bytes(cfg, device_type, live, stash)
         per_worker += _host_stash_estimate(cfg, device_type)
-        return cfg.strategy.replicas * per_worker + _extra_workers_bytes(cfg.strategy.replicas)
+        workers = self.strategy.processes(cfg)  # R x S where sequences are cut: each a whole model
+        return workers * per_worker + _extra_workers_bytes(workers)
 
 
 # --------------------------------------------------------------------------- FSDP
@@ -151,9 +156,13 @@ class FsdpCost(CostModel):
         """Any number of workers w that divides the batch (2 or more: one worker shards nothing),
         every micro-batch size of a worker's share, with and without block recompute (its inputs on
         the device or the host), resharding after forward or not, the shards on the device or the host."""
+        return self.sharded_shapes(range(2, workers + 1), batch)
+
+    def sharded_shapes(self, replicas: range, batch: int) -> list[Shape]:
+        """`shapes` for each of these numbers of replicas."""
         return [Shape(self.strategy.name, b, batch // (w * b), w, 1, str(recompute),
                       self.shape_options(reshard_after_forward=reshard, offload=offload, stash=stash))
-                for w in range(2, workers + 1) if batch % w == 0
+                for w in replicas if batch % w == 0
                 for b in powers_of_two_dividing(batch // w)
                 for recompute, stash in RECOMPUTE_AND_STASH
                 for reshard in (True, False) for offload in Offload]
@@ -170,8 +179,8 @@ class FsdpCost(CostModel):
         move the bytes: all of it counts. Offload adds each gather's upload of the shards and the
         optimizer step on the host."""
         s, n = cfg.strategy, facts.num_layers
-        w = s.replicas
-        compute, t, (_, block, _), _ = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg))
+        w = self.strategy.processes(cfg)  # the shards: R, or R x S cutting sequences
+        compute, t, (_, block, _), _ = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg), w)
         # A ring all-gather or reduce-scatter moves half an all-reduce's bytes (NCCL). gloo's
         # all-gather takes its all-reduce's time, measured, and its reduce-scatter runs as one
         # (ReduceScatterByAllReduce): on a CPU each costs a whole all-reduce.
@@ -201,7 +210,7 @@ class FsdpCost(CostModel):
         s = cfg.strategy
         activations = stage_bytes(facts, s.microbatch_size, facts.num_layers, 0, last=True, in_flight=1,
                                   versions=0, recompute=str(s.recompute), stashed_inputs=stashed_inputs(cfg))
-        shards = 0 if s.offload == Offload.host else _sharded_state_bytes(facts) / s.replicas
+        shards = 0 if s.offload == Offload.host else _sharded_state_bytes(facts) / self.strategy.processes(cfg)
         return int(shards + gathered_bytes(cfg, facts) + activations)
 
     def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
@@ -210,18 +219,18 @@ class FsdpCost(CostModel):
         stash = host_stash_bytes(cfg, facts)
         if cfg.strategy.offload != Offload.host:
             return stash
-        return int(_sharded_state_bytes(facts) / cfg.strategy.replicas) + stash
+        return int(_sharded_state_bytes(facts) / self.strategy.processes(cfg)) + stash
 
     def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
         """Every worker builds the whole model once before sharding it; then it keeps its shards
         (on the host when the device is the host, or with offload) and one micro-batch's activations."""
-        s, m = cfg.strategy, cfg.model
+        s, m, workers = cfg.strategy, cfg.model, self.strategy.processes(cfg)  # R x S where sequences are cut
         live, stash = (1, m.num_layers) if recomputes_blocks(cfg) else (m.num_layers, 0)
-        shards = num_params * FP32 * (2 + state_words(cfg.optim)) / s.replicas
+        shards = num_params * FP32 * (2 + state_words(cfg.optim)) / workers
         on_host = shards if device_type == "cpu" or s.offload == Offload.host else 0
         per_worker = num_params * FP32 + on_host + cpu_activation_bytes(cfg, device_type, live, stash)
         per_worker += _host_stash_estimate(cfg, device_type)
-        return int(s.replicas * per_worker + _extra_workers_bytes(s.replicas))
+        return int(workers * per_worker + _extra_workers_bytes(workers))
 
 
 def _host_stash_estimate(cfg, device_type: str) -> int:
@@ -229,7 +238,7 @@ def _host_stash_estimate(cfg, device_type: str) -> int:
     if device_type == "cpu" or not stash_on_host(cfg.strategy):
         return 0
     m = cfg.model
-    return m.num_layers * cfg.strategy.microbatch_size * cfg.data.seq_len * m.hidden_size * FP32
+    return m.num_layers * cfg.strategy.microbatch_size * worker_tokens(cfg) * m.hidden_size * FP32
 
 
 def _sharded_state_bytes(facts: ModelFacts) -> int:
