@@ -85,6 +85,7 @@ def test_bad_input_is_one_line_exit_2_and_no_traceback(tmp_path):
         ("train.save_model=maybe", "train.save_model"),
         ("model.hidden_size=0", "model.hidden_size=0 must be positive"),
         ("data.seq_len=1024", "data.seq_len=1024 exceeds the model's positions"),
+        ("model=llama_tiny data.seq_len=4096", "or raise model.max_seq_len=4096 to train past the length the model"),
         ("data=jsonl", "data=jsonl needs a file"),
         ("data.path=/no/such.jsonl", "data.path=/no/such.jsonl does not exist"),
         ("train.device=cuda", "no CUDA device"),

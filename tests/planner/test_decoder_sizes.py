@@ -188,6 +188,35 @@ def test_when_no_smaller_batch_fits_either_the_plan_at_the_default_batch_says_so
     assert plan.batch_note == "no batch from 32 down to 1 fits either"
 
 
+def _overrides_planned(monkeypatch) -> list[list[str]]:
+    """Stands a stub in for planning one batch (everything fits); the overrides each was given."""
+    planned = []
+
+    def plan_one(overrides, *_):
+        planned.append(overrides)
+        return _Answer(32, fitting_batch=32)
+
+    monkeypatch.setattr(planning, "_make_plan", plan_one)
+    return planned
+
+
+def test_a_rotary_model_asked_past_its_positions_is_planned_with_them_raised_and_says_so(monkeypatch):
+    """`relaytrain plan model=llama3_8b data.seq_len=32768`: Llama 3 has 8,192 positions, rotary, so
+    the length is plannable; the planned command carries the raised limit a run needs."""
+    planned = _overrides_planned(monkeypatch)
+    plan = make_plan(["model=llama_tiny", "data.seq_len=1024"])
+    assert planned[0][-1] == "model.max_seq_len=1024"
+    assert plan.positions_note.startswith("model.max_seq_len raised from 256 to data.seq_len=1024")
+
+
+@pytest.mark.parametrize("overrides", [["model=gpt2_tiny", "data.seq_len=4096"],  # a learned position table
+                                       ["model=llama_tiny", "model.max_seq_len=512", "data.seq_len=1024"]])
+def test_a_learned_table_or_a_limit_the_user_gave_is_left_to_the_runs_refusal(monkeypatch, overrides):
+    planned = _overrides_planned(monkeypatch)
+    plan = make_plan(overrides)
+    assert planned[0] == overrides and not plan.positions_note
+
+
 @pytest.mark.slow
 def test_llama3_1_8b_at_32k_tokens_plans_the_largest_batch_its_host_holds(tmp_path, capsys):
     """Two blocks of Llama 3.1 8B at 32,768 tokens under L2L with the stash on the host: the

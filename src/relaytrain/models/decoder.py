@@ -461,7 +461,7 @@ SPEC = register_family(Family(
     name="decoder", layered=LayeredDecoder, objectives=(CausalLM,), tokenizer="byte_bpe",
     hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses, attention=attention_for,
     dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout"),
-    run_settings=run_settings,
+    run_settings=run_settings, rotary_positions=True,
     description="decoders of the Llama layout of a proven model type (Llama, Qwen2/3, Mistral, Gemma, Phi-3, "
                 "Granite, Cohere, OLMo, ...; mixtures of experts: Qwen2/3-MoE, Mixtral, OLMoE; causal LM)",
 ))

@@ -65,6 +65,10 @@ class Family:
     # The `model` keys a checkpoint's config takes from the run beside dropout (a mixture's
     # balancing loss: `output_router_logits`, `router_aux_loss_coef`), set in place.
     run_settings: Callable = staticmethod(lambda hf_config, m: None)
+    # Positions rotary, not a learned table: a sequence longer than model.max_seq_len computes
+    # as Hugging Face's model computes it (only past the length the checkpoint was trained on), so
+    # raising model.max_seq_len is the user's to choose; a learned table has no row to give.
+    rotary_positions: bool = False
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -34,6 +34,8 @@ def print_plan(plan: Plan, path: Path) -> None:
         console.print(f"ignored (the planner decides these): {' '.join(plan.ignored_overrides)}", highlight=False)
     if plan.batch_note:
         console.print(f"batch: {plan.batch_note}", highlight=False)
+    if plan.positions_note:
+        console.print(f"positions: {plan.positions_note}", highlight=False)
     best = plan.best
     host = "unlimited" if r.host_memory_bytes is None else f"{r.host_memory_bytes / GiB:g} GB"
     table = Table(title=f"relaytrain plan: {r.workers} worker(s) x {r.memory_bytes / GiB:g} GB, host {host} a machine, "

@@ -32,6 +32,7 @@ from relaytrain.cost.profile import Profile, from_spec, load_spec, measure
 from relaytrain.errors import ConfigError
 from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models import hf_config
+from relaytrain.models.family import family_spec
 from relaytrain.models.pretrained import explicit_overrides, resolve
 from relaytrain.objectives import objective
 from relaytrain.planner.candidates import (
@@ -170,6 +171,7 @@ class Plan:
     ignored_overrides: list[str]
     precision: PlanPrecision = PlanPrecision("fp32")
     batch_note: str = ""  # where the planner chose a smaller batch than the default one, why
+    positions_note: str = ""  # where the planned command raises the model's positions to the length, why
 
     @property
     def best(self) -> Candidate | None:
@@ -195,6 +197,7 @@ class Plan:
             "profile": self.profile.to_json(),
             "ignored_overrides": self.ignored_overrides,
             "batch_note": self.batch_note,
+            "positions_note": self.positions_note,
             "note": "times are predictions of the cost model over the profile; memory is a meta-device dry run",
         }
 
@@ -204,20 +207,45 @@ def make_plan(overrides: list[str], max_simulations: int = MAX_SIMULATIONS) -> P
     A batch the user did not choose (the default 8 x 4) that nothing fits is halved until a
     batch fits (a step of 32 sequences of 32 k tokens is a million tokens: its stash alone may
     outgrow the host); the plan says so. A batch the user gave is planned as given."""
+    overrides, positions_note = positions_for_the_length(overrides)
     with shape_as_checkpoint(overrides) as (planned, printed):
-        plan = _make_plan(planned, passthrough(printed), max_simulations)
-        if plan.best is not None or any(_key(o) in BATCH_KEYS for o in overrides):
-            return plan
-        asked, batch = plan.request.batch, plan.request.batch // 2
-        while batch >= 1:
-            smaller = _make_plan([*planned, f"plan.batch_size={batch}"], passthrough(printed), max_simulations)
-            if smaller.best is not None:
-                smaller.batch_note = (f"the default batch of {asked} does not fit; {batch} is the largest power of "
-                                      f"two below it that does (give plan.batch_size to plan another)")
-                return smaller
-            batch //= 2
-        plan.batch_note = f"no batch from {asked} down to 1 fits either"
+        plan = _plan_a_batch(planned, printed, overrides, max_simulations)
+    plan.positions_note = positions_note
+    return plan
+
+
+def positions_for_the_length(overrides: list[str]) -> tuple[list[str], str]:
+    """(the overrides to plan, why they changed). A model of rotary positions asked for a longer
+    sequence than it has positions (`relaytrain plan model=llama3_8b data.seq_len=32768`) is
+    planned with model.max_seq_len raised to that length, as a user training past the length
+    the model was trained on would set it (a run refuses it otherwise), and the plan says so. A
+    learned position table, a checkpoint (its config decides its positions) and a limit the
+    user gave are left to the run's own one-line refusal."""
+    cfg = resolve(compose(overrides), explicit_overrides(overrides))
+    m, seq_len = cfg.model, cfg.data.seq_len
+    given = any(_key(o) == "model.max_seq_len" for o in overrides)  # the user's own limit stays theirs
+    if seq_len <= m.max_seq_len or given or m.pretrained or not family_spec(m.family).rotary_positions:
+        return overrides, ""  # a checkpoint's positions are its config's: the run's refusal says so
+    note = (f"model.max_seq_len raised from {m.max_seq_len} to data.seq_len={seq_len} (rotary positions extend "
+            f"past the length the model was trained on; long-context fine-tunes usually set model.rope_scaling too)")
+    return [*overrides, f"model.max_seq_len={seq_len}"], note
+
+
+def _plan_a_batch(planned: list[str], printed: list[str], overrides: list[str], max_simulations: int) -> Plan:
+    """The plan of the batch asked, or of the largest default batch that fits (`make_plan`)."""
+    plan = _make_plan(planned, passthrough(printed), max_simulations)
+    if plan.best is not None or any(_key(o) in BATCH_KEYS for o in overrides):
         return plan
+    asked, batch = plan.request.batch, plan.request.batch // 2
+    while batch >= 1:
+        smaller = _make_plan([*planned, f"plan.batch_size={batch}"], passthrough(printed), max_simulations)
+        if smaller.best is not None:
+            smaller.batch_note = (f"the default batch of {asked} does not fit; {batch} is the largest power of "
+                                  f"two below it that does (give plan.batch_size to plan another)")
+            return smaller
+        batch //= 2
+    plan.batch_note = f"no batch from {asked} down to 1 fits either"
+    return plan
 
 
 @contextmanager
