@@ -330,18 +330,6 @@ def check_shared(cfg) -> None:
     _check_train(cfg)
 
 
-def past_positions_remedy(family, m, seq_len: int) -> str:
-    """What a user can do about a sequence longer than the model section `m`'s positions."""
-    if m.pretrained:  # the checkpoint's config decides them (models.pretrained.resolve)
-        return ("lower data.seq_len (the checkpoint's config says how many positions it has; a longer "
-                "context needs a checkpoint configured for it)")
-    if family.rotary_positions:  # rotary: the positions extend, as in Hugging Face's model
-        return (f"lower data.seq_len, or raise model.max_seq_len={seq_len} to train past the length the "
-                f"model was trained on (rotary positions extend; long-context fine-tunes usually set "
-                f"model.rope_scaling too)")
-    return "lower data.seq_len or raise model.max_seq_len (its learned position table grows with it)"
-
-
 def _check_model(m, d) -> None:
     from relaytrain.models.family import family_spec
     from relaytrain.objectives import objective
@@ -363,7 +351,7 @@ def _check_model(m, d) -> None:
         )
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds the model's positions (model.max_seq_len={m.max_seq_len}); "
-                          + past_positions_remedy(family, m, d.seq_len))
+                          + family.past_positions_remedy(m, d.seq_len))
     if wanted.classifies and m.num_labels < 2:
         raise ConfigError(f"model.num_labels={m.num_labels} must be at least 2 for classification")
     if not 0.0 <= m.dropout < 1.0:

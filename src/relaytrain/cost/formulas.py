@@ -6,8 +6,6 @@ Each strategy composes its own step time and device memory from these pieces
 shared formulas:
 
 - a flushed pipeline's bubble, (d - 1) / (m + d - 1) of stage time for equal stages;
-- a transfer's time over the host<->device link, and a point-to-point message between workers;
-- a ring all-reduce among replicas (PipeDream-2BW §4.2.1's bwth_width(w));
 - one optimizer step over some blocks and the model's ends, from the profiled per-part steps;
 - what one block keeps for its backward (Korthikanti et al., 2022, widened to grouped-query
   attention, heads of any width and gated MLPs) and what an LM head's logits take;
@@ -16,7 +14,8 @@ shared formulas:
 - the host memory a run's workers hold where the device is the host (`cpu_activation_bytes`),
   and a replica's weights, gradients and optimizer state (`weights_grads_optimizer_bytes`).
 
-Every figure made from them is a prediction. On a CPU (the device is the host) nothing
+The links' formulas (transfers, messages, collectives) are `relaytrain.cost.links`'s. Every
+figure made from them is a prediction. On a CPU (the device is the host) nothing
 crosses a host<->device link, and work done "in the background" (an update on the host,
 gradient sums over gloo) runs on the same cores as the compute, so it is added, not hidden.
 """
@@ -26,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 
-from relaytrain.cost.profile import PartTimes, Profile, Timings
+from relaytrain.cost.profile import PartTimes, Timings
 from relaytrain.cost.quantized import QuantizedPart, quantized_parts
 from relaytrain.cost.work import PartWork, block_shape, key_value_width, model_work, query_width
 from relaytrain.models import adapter as adapters
@@ -440,43 +439,6 @@ def both(p: PartTimes) -> float:
     return p.forward_s + p.backward_s
 
 
-def upload_s(nbytes: float, profile: Profile) -> float:
-    """Seconds to move `nbytes` between host and device (0 where the device is the host)."""
-    rate = profile.host_to_device_bytes_per_s
-    return nbytes / rate if rate else 0.0
-
-
-def p2p_s(nbytes: float, workers: int, profile: Profile) -> float:
-    """One message between neighbouring workers (another node's once the run spans nodes)."""
-    spans_nodes = workers > profile.devices_per_node
-    bw = profile.inter_node_bytes_per_s if spans_nodes else profile.stage_link_bytes_per_s
-    return nbytes / bw + profile.link_latency_s
-
-
-def allreduce_bandwidth(replicas: int, profile: Profile) -> float:
-    """bwth_width(w) of §4.2.1: the node's links while the replicas fit in one node."""
-    return profile.allreduce_bytes_per_s if replicas <= profile.devices_per_node else profile.inter_node_bytes_per_s
-
-
-def allreduce_s(nbytes: float, replicas: int, profile: Profile, messages: int = 1) -> float:
-    """A ring all-reduce of `nbytes` over `replicas` in `messages` pieces: 2 (w - 1) / w of the
-    bytes cross each link, 2 (w - 1) hops of latency per piece."""
-    if replicas == 1:
-        return 0.0
-    bw = allreduce_bandwidth(replicas, profile)
-    return 2 * (replicas - 1) / replicas * nbytes / bw + 2 * (replicas - 1) * profile.link_latency_s * messages
-
-
-def all_to_all_s(nbytes: float, workers: int, profile: Profile, messages: int = 1) -> float:
-    """An all-to-all of `nbytes` a worker among `workers` in `messages` calls: (w - 1) / w of them
-    leave it (the rest is its own share) at the collectives' bandwidth, w - 1 hops of latency
-    per call."""
-    if workers == 1:
-        return 0.0
-    bw = allreduce_bandwidth(workers, profile)
-    return (workers - 1) / workers * nbytes / bw + (workers - 1) * profile.link_latency_s * messages
-
-
 def optimizer_s(t: Timings, facts: ModelFacts, blocks: int, embed: bool, head: bool) -> float:
     """One optimizer step over `blocks` blocks and maybe the embeddings and the head, from the
     profiled steps (one block's; the ends' split between them by parameters); under adapters
@@ -510,10 +472,10 @@ def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
     return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
 
 
-def worker_tokens(cfg) -> int:
-    """Tokens of a sequence one worker holds: data.seq_len, or its share (padded up) where
-    `strategy.sequence_parallel=S` cuts every sequence over S workers."""
-    return -(-cfg.data.seq_len // getattr(cfg.strategy, "sequence_parallel", 1))
+def worker_tokens(seq_len: int, strategy) -> int:
+    """Tokens of a sequence of `seq_len` one worker holds: all of them, or its share (padded up)
+    where `strategy.sequence_parallel=S` cuts every sequence over S workers."""
+    return -(-seq_len // getattr(strategy, "sequence_parallel", 1))
 
 
 def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries: int = 0) -> int:
@@ -522,7 +484,8 @@ def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries:
     tokens where sequences are cut: the head's at most a whole sequence's, an overestimate)."""
     if device_type != "cpu":
         return 0
-    m, b, s, tokens = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len, worker_tokens(cfg)
+    m, b, s = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len
+    tokens = worker_tokens(s, cfg.strategy)
     block = block_activation_bytes(b, s, block_shape(m), FP32, fused_attention(m), tokens)
     head = head_bytes(b, s, logits_per_sample(cfg), loss_chunking(m), m.vocab_size * m.hidden_size, m.hidden_size * FP32)
     return block * live_blocks + stash_entries * b * tokens * m.hidden_size * FP32 + head

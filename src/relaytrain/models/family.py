@@ -75,6 +75,17 @@ class Family:
         """The names (`model.task`) of its objectives, the bare body's first."""
         return tuple(cls.name for cls in self.objectives)
 
+    def past_positions_remedy(self, m, seq_len: int) -> str:
+        """What a user can do about a sequence longer than the model section `m`'s positions."""
+        if m.pretrained:  # the checkpoint's config decides them (models.pretrained.resolve)
+            return ("lower data.seq_len (the checkpoint's config says how many positions it has; a longer "
+                    "context needs a checkpoint configured for it)")
+        if self.rotary_positions:  # rotary: the positions extend, as in Hugging Face's model
+            return (f"lower data.seq_len, or raise model.max_seq_len={seq_len} to train past the length the "
+                    f"model was trained on (rotary positions extend; long-context fine-tunes usually set "
+                    f"model.rope_scaling too)")
+        return "lower data.seq_len or raise model.max_seq_len (its learned position table grows with it)"
+
     def trains(self, objective) -> bool:
         """Whether it has the head `objective` (a `relaytrain.objectives` instance) trains."""
         return isinstance(objective, self.objectives)

@@ -17,14 +17,13 @@ from relaytrain.cost.formulas import (
     ModelFacts,
     Shape,
     StepCost,
-    allreduce_s,
     both,
     cpu_activation_bytes,
     optimizer_s,
     powers_of_two_dividing,
-    upload_s,
     worker_tokens,
 )
+from relaytrain.cost.links import allreduce_s, upload_s
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile, Timings
 from relaytrain.models import trained_parameters
@@ -134,7 +133,8 @@ def host_stash_bytes(cfg, value_bytes: int) -> int:
     """Every block's input for every micro-batch (of a worker's tokens), waiting in host memory
     (stash on the host)."""
     s, m = cfg.strategy, cfg.model
-    return m.num_layers * s.num_microbatches * s.microbatch_size * worker_tokens(cfg) * m.hidden_size * value_bytes
+    tokens = worker_tokens(cfg.data.seq_len, s)
+    return m.num_layers * s.num_microbatches * s.microbatch_size * tokens * m.hidden_size * value_bytes
 
 
 # --------------------------------------------------------------------------- the step model's parts

@@ -45,7 +45,8 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from relaytrain.cost.formulas import Shape, StepCost, all_to_all_s
+from relaytrain.cost.formulas import Shape, StepCost
+from relaytrain.cost.links import all_to_all_s
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import IGNORE_INDEX
 from relaytrain.models import dry_attention

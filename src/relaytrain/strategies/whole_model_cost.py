@@ -17,16 +17,15 @@ from relaytrain.cost.formulas import (
     ModelFacts,
     Shape,
     StepCost,
-    allreduce_s,
     both,
     cpu_activation_bytes,
     optimizer_s,
     powers_of_two_dividing,
     stage_bytes,
-    upload_s,
     weights_grads_optimizer_bytes,
     worker_tokens,
 )
+from relaytrain.cost.links import allreduce_s, upload_s
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import PartTimes, Profile
 from relaytrain.optim import state_words
@@ -237,8 +236,8 @@ def _host_stash_estimate(cfg, device_type: str) -> int:
     """A host stash's inputs in host memory beside a device (on a CPU `cpu_activation_bytes` counts them)."""
     if device_type == "cpu" or not stash_on_host(cfg.strategy):
         return 0
-    m = cfg.model
-    return m.num_layers * cfg.strategy.microbatch_size * worker_tokens(cfg) * m.hidden_size * FP32
+    m, s = cfg.model, cfg.strategy
+    return m.num_layers * s.microbatch_size * worker_tokens(cfg.data.seq_len, s) * m.hidden_size * FP32
 
 
 def _sharded_state_bytes(facts: ModelFacts) -> int:

@@ -17,14 +17,13 @@ from relaytrain.cost.formulas import (
     ModelFacts,
     Shape,
     StepCost,
-    allreduce_s,
     both,
     cpu_activation_bytes,
     optimizer_s,
-    p2p_s,
     powers_of_two_dividing,
     stage_bytes,
 )
+from relaytrain.cost.links import allreduce_s, p2p_s
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile, Timings
 from relaytrain.optim import state_words
