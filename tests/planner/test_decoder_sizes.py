@@ -144,6 +144,19 @@ def test_a_tiny_llama_is_planned_with_costs_and_host_memory(tmp_path, capsys):
     assert "host GB" in capsys.readouterr().out
 
 
+def test_l2l_under_cross_mixed_precision_counts_the_half_copies_its_eps_keeps_to_send():
+    """cmp_bf16: beside the fp32 masters the EPS keeps each in bf16 (what travels); the planner and
+    the run's own host check count those 2 bytes a parameter, and nothing for fp32 (its masters travel)."""
+    cost = strategy_class("l2l").cost_model
+    cfgs = {p: compose_config([*TINY_LLAMA, "strategy=l2l", f"precision={p}"]) for p in ("fp32", "cmp_bf16")}
+    facts = ModelFacts.of(cfgs["fp32"])
+    planned = {p: cost.host_state_bytes(cfg, facts) for p, cfg in cfgs.items()}
+    assert planned["cmp_bf16"] - planned["fp32"] == 2 * facts.params
+    params = count_parameters(cfgs["fp32"].model)
+    run = {p: cost.estimate_host_bytes(cfg, params, "cuda") for p, cfg in cfgs.items()}
+    assert run["cmp_bf16"] - run["fp32"] == 2 * params
+
+
 class _Answer:
     """What make_plan reads of a plan: the batch it was asked and whether something fits."""
 

@@ -28,6 +28,7 @@ from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile, Timings
 from relaytrain.models import trained_parameters
 from relaytrain.optim import state_words
+from relaytrain.precision import Precision
 from relaytrain.strategies.stash import Stash, stash_on_host  # noqa: F401 - the stash's one rule, l2l.py's too
 from relaytrain.strategies.whole_model_cost import WORKER_OVERHEAD_BYTES
 
@@ -96,25 +97,35 @@ class L2LCost(CostModel):
         return int(resident + in_flight + max(facts.block_activation_bytes(b), facts.head_activation_bytes(b)))
 
     def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
-        """The eager param server's state, and the stash where it waits on the host."""
+        """The eager param server's state, the half copies of its masters that travel under cross
+        mixed precision (`eps.parts._wire`; fp32 travels from the master itself), and the stash
+        where it waits on the host."""
         s = cfg.strategy
         stash = facts.num_layers * s.num_microbatches * facts.boundary_bytes(s.microbatch_size) if stash_on_host(s) else 0
         trained = eps_state_bytes(cfg, facts.trained_params, facts.trained_params, workers=self.strategy.processes(cfg))
-        return int(trained + facts.frozen_host_bytes + stash)
+        return int(trained + wire_bytes(cfg, facts.trained_params) + facts.frozen_host_bytes + stash)
 
     def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
         """Host memory of the whole run, an estimate: on each replica the eager param server's
-        state, transit copies of what crosses, one block's activations and every stashed input
-        (on the host with `stash=host`), and the interpreter of each worker apart from the first."""
+        state and the half copies that travel (`host_state_bytes`' terms), one block's activations
+        and every stashed input (on the host with `stash=host`), and the interpreter of each worker
+        apart from the first."""
         s, m, workers = cfg.strategy, cfg.model, self.strategy.processes(cfg)  # R x S where sequences are cut
         trained = trained_parameters(cfg.model, cfg.adapter)  # under adapters; the frozen base counted at fp32 (errs high)
-        per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + num_params * FP32  # + transit copies
+        trained = num_params if trained is None else trained
+        per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + wire_bytes(cfg, trained)
         per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
         if device_type != "cpu" and stash_on_host(cfg.strategy):  # the stash waits in host memory
             per_worker += host_stash_bytes(cfg, 2 if str(cfg.precision.name).startswith("cmp") else FP32)
         if workers > 1:
             per_worker += WORKER_OVERHEAD_BYTES
         return int(workers * per_worker)
+
+
+def wire_bytes(cfg, trained: int) -> int:
+    """The EPS's copies of its masters in the dtype they compute in on the device, where that is
+    not fp32 (cross mixed precision: 2 bytes a value)."""
+    return trained * 2 if Precision.from_name(str(cfg.precision.name)).cross else 0
 
 
 def eps_state_bytes(cfg, num_params: int, trained: int | None = None, frozen_bytes: int = FP32, *,
