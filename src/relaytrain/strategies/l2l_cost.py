@@ -103,7 +103,7 @@ class L2LCost(CostModel):
         s = cfg.strategy
         stash = facts.num_layers * s.num_microbatches * facts.boundary_bytes(s.microbatch_size) if stash_on_host(s) else 0
         trained = eps_state_bytes(cfg, facts.trained_params, facts.trained_params, workers=self.strategy.processes(cfg))
-        return int(trained + wire_bytes(cfg, facts.trained_params) + facts.frozen_host_bytes + stash)
+        return int(trained + wire_bytes(cfg.precision, facts.trained_params) + facts.frozen_host_bytes + stash)
 
     def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
         """Host memory of the whole run, an estimate: on each replica the eager param server's
@@ -113,7 +113,7 @@ class L2LCost(CostModel):
         s, m, workers = cfg.strategy, cfg.model, self.strategy.processes(cfg)  # R x S where sequences are cut
         trained = trained_parameters(cfg.model, cfg.adapter)  # under adapters; the frozen base counted at fp32 (errs high)
         trained = num_params if trained is None else trained
-        per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + wire_bytes(cfg, trained)
+        per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + wire_bytes(cfg.precision, trained)
         per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
         if device_type != "cpu" and stash_on_host(cfg.strategy):  # the stash waits in host memory
             per_worker += host_stash_bytes(cfg, 2 if str(cfg.precision.name).startswith("cmp") else FP32)
@@ -122,10 +122,10 @@ class L2LCost(CostModel):
         return int(workers * per_worker)
 
 
-def wire_bytes(cfg, trained: int) -> int:
+def wire_bytes(precision, trained: int) -> int:
     """The EPS's copies of its masters in the dtype they compute in on the device, where that is
-    not fp32 (cross mixed precision: 2 bytes a value)."""
-    return trained * 2 if Precision.from_name(str(cfg.precision.name)).cross else 0
+    not fp32 (the `precision` section a cross mixed precision: 2 bytes a value)."""
+    return trained * 2 if Precision.from_name(str(precision.name)).cross else 0
 
 
 def eps_state_bytes(cfg, num_params: int, trained: int | None = None, frozen_bytes: int = FP32, *,
