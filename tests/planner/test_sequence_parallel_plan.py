@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from relaytrain.compose import compose_config, validate
+from relaytrain.config import SequenceParallelConfig
 from relaytrain.cost.formulas import ModelFacts, Shape
 from relaytrain.cost.profile import PartTimes, Profile, Timings
 from relaytrain.planner.candidates import (
@@ -27,10 +28,11 @@ from relaytrain.planner.estimate import estimate
 from relaytrain.planner.output import print_plan
 from relaytrain.planner.plan import make_plan
 from relaytrain.preflight import estimate_host_bytes
-from relaytrain.strategies import strategy_class
+from relaytrain.strategies import registry, strategy_class
 from tests.conftest import TINY_BERT, TINY_LLAMA
 
-CUTTING = ("baseline", "fsdp", "l2l")  # the strategies that can cut sequences
+# The strategies that can cut sequences: those with the strategy.sequence_parallel key.
+CUTTING = tuple(name for name, cls in registry().items() if issubclass(cls.Config, SequenceParallelConfig))
 LONG = ["model.max_seq_len=4096", "data.seq_len=4096"]  # TINY_LLAMA's activations dwarf its weights here
 
 

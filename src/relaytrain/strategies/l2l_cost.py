@@ -116,7 +116,7 @@ class L2LCost(CostModel):
         per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + wire_bytes(cfg.precision, trained)
         per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
         if device_type != "cpu" and stash_on_host(cfg.strategy):  # the stash waits in host memory
-            per_worker += host_stash_bytes(cfg, 2 if str(cfg.precision.name).startswith("cmp") else FP32)
+            per_worker += host_stash_bytes(cfg, 2 if Precision.from_name(str(cfg.precision.name)).cross else FP32)
         if workers > 1:
             per_worker += WORKER_OVERHEAD_BYTES
         return int(workers * per_worker)

@@ -45,6 +45,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from relaytrain.config import SequenceParallelConfig
 from relaytrain.cost.formulas import Shape, StepCost
 from relaytrain.cost.links import all_to_all_s
 from relaytrain.errors import ConfigError
@@ -100,18 +101,11 @@ def can_cut(m, compiled: bool, size: int) -> bool:
     over `size` workers: what `check_sequence_parallel` lets through, the heads of a checkpoint
     (its resolved sizes) included. The planner offers cut shapes only where this holds."""
     try:
-        check_sequence_parallel(_Cut(size), m, compiled)
+        check_sequence_parallel(SequenceParallelConfig(sequence_parallel=size), m, compiled)
         _check_heads(size, m.num_heads, m.num_kv_heads or m.num_heads)
     except ConfigError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class _Cut:
-    """A strategy node that says only S (what `check_sequence_parallel` reads of it)."""
-
-    sequence_parallel: int
 
 
 class CutSequenceCost:
@@ -135,10 +129,11 @@ class CutSequenceCost:
 
     def step_cost(self, cfg, facts, profile):
         size = sequence_parallel(cfg.strategy)
-        cost = super().step_cost(cfg, facts.cut(size), profile)
+        worker = facts.cut(size)
+        cost = super().step_cost(cfg, worker, profile)
         if size == 1:
             return cost
-        exchanges = attention_exchanges_s(cfg, facts.cut(size), profile, self.recomputes(cfg))
+        exchanges = attention_exchanges_s(cfg, worker, profile, self.recomputes(cfg))
         return StepCost(cost.step_s + exchanges, {**cost.parts, "attention all-to-alls": exchanges}, cost.notes)
 
     def device_bytes(self, cfg, facts):
