@@ -62,7 +62,7 @@ def assemble_results(cfg, spec, history: dict, measured: list[float], reports: l
         "samples_per_step": samples,
         "tokens_per_step": samples * d.seq_len,
         "loss": history["losses"],
-        # The loss's terms beside the objective's, each step (a mixture's `router_aux`; models.LayeredModel.loss_terms).
+        # The loss's terms beside the objective's, each step (a mixture's `router_aux`; strategies.Strategy.loss_terms).
         **({"loss_terms": history["loss_terms"]} if history.get("loss_terms") else {}),
         "eval": history.get("eval", []),
         "skipped_steps": history["skipped"],

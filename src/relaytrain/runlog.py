@@ -22,7 +22,7 @@ from relaytrain.files import write_json
 
 STATUS = "status.json"
 METRICS = "metrics.csv"
-# The terms a model reports beside its loss (`LayeredModel.loss_terms`: a mixture's router term),
+# The terms a model reports beside its loss (`Strategy.loss_terms`: a mixture's router term),
 # empty in a row of a model without them.
 LOSS_TERMS = ("router_aux",)
 COLUMNS = [

@@ -312,7 +312,7 @@ class Trainer:
             self.compiled.step_done()
         self.applied += not result.skipped  # a skipped step consumes no warm-up (as HF and accelerate)
         self.votes.after(step)
-        terms = self.strategy.loss_terms()  # beside the loss: a mixture's router term (taken on every process)
+        terms = self.strategy.loss_terms()  # beside the loss: a mixture's router term (every process: summed over replicas)
         if not self.reporter:
             return
         for name, value in terms.items():

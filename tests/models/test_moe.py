@@ -145,10 +145,9 @@ def test_a_strategy_trains_the_mixture_as_a_plain_hugging_face_loop(arch, varian
     moved = {key for key, p in ours.named_parameters() if (p - start[key]).abs().max() > 1e-3}
     assert {key for key in start if "experts" in key or "gate" in key} <= moved, "an expert or a router did not train"
     assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
-    if strategy_class(cfg.strategy.name).replicas(cfg) == 1:  # with replicas the reporter's shares only
-        assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)  # reported beside the loss
-        logged = [row["router_aux"] for row in read_metrics(tmp_path / "run")]  # and in metrics.csv, step by step
-        assert logged == pytest.approx(terms, rel=1e-5)
+    assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)  # reported beside the loss
+    logged = [row["router_aux"] for row in read_metrics(tmp_path / "run")]  # and in metrics.csv, step by step
+    assert logged == pytest.approx(terms, rel=1e-5)
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
@@ -248,8 +247,7 @@ def test_lora_on_the_experts_continues_a_peft_adapter_as_a_plain_peft_loop(arch,
         torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=lambda m, key=key: f"{variant} {key}: {m}")
         assert (p - start[key]).abs().max() > 1e-3, f"{key} did not train"
     assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
-    if strategy_class(cfg.strategy.name).replicas(cfg) == 1:  # with replicas the reporter's shares only
-        assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)
+    assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)
 
 
 def test_a_fresh_lora_on_the_experts_and_attention_trains_as_a_plain_hugging_face_loop(checkpoints, tmp_path):

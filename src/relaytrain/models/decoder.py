@@ -138,7 +138,7 @@ class LayeredDecoder(LayeredModel):
         # decided while every block is here (a pipeline stage drops some).
         self.routing = Routing.of(hf_model)
         self._tallies = Tallies()
-        self._aux_sums = [0.0, 0]  # the head's aux terms (coef * aux * items) and items since `loss_terms`
+        self._aux_sums = [0.0, 0]  # the head's aux terms (coef * aux * items) and items since `loss_term_sums`
         for block in self.blocks if self.routing is not None else ():
             block.router_path = router_path(block.layer, self.routing.router_class)
         self.rotary = body.rotary_emb  # buffers only: no parameter, nothing to train or save
@@ -182,16 +182,16 @@ class LayeredDecoder(LayeredModel):
         items = 1 if dry else self.loss_items(mb)
         aux = anchored(hidden, tally, items)
         if not dry:
-            self._aux_sums[0] += float(aux.detach())
+            self._aux_sums[0] += aux.detach()  # a tensor: read once a step (loss_term_sums), not once a micro-batch
             self._aux_sums[1] += items
         return dataclasses.replace(terms, total=terms.total + aux)
 
-    def loss_terms(self) -> dict[str, float]:
-        """The router's term (`coef * aux`, token-weighted over the micro-batches this process ran)."""
+    def loss_term_sums(self) -> dict[str, tuple[float, int]]:
+        """The router's term (`coef * aux * items` summed over the micro-batches this process ran, and their items)."""
         if self.routing is None or not self.routing.balances:
             return {}
         (total, items), self._aux_sums = self._aux_sums, [0.0, 0]
-        return {"router_aux": total / items} if items else {}
+        return {"router_aux": (float(total), items)}
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         if self._tied:

@@ -290,10 +290,11 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         """Pairs of (embed parameter name, head parameter name) that are one tensor."""
         return []
 
-    def loss_terms(self) -> dict[str, float]:
+    def loss_term_sums(self) -> dict[str, tuple[float, int]]:
         """The terms this process's training micro-batches added to the objective's loss since the
-        last call, each as its share of the mean loss over those micro-batches' items (a mixture's
-        router term: `router_aux`); the trainer reports them beside the loss after every step."""
+        last call (a mixture's router term: `router_aux`), each as (its sum over those micro-batches'
+        items, the items). The same names on every process of a run, items 0 included, so that
+        `Strategy.loss_terms` can sum them over the replicas; reported beside the loss each step."""
         return {}
 
     # -- whole-model helpers ------------------------------------------------------------

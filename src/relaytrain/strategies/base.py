@@ -183,10 +183,27 @@ class Strategy(ABC):
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Current weights by Hugging Face name, for saving the model; None from a replica."""
 
+    def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` (on this process's device) summed in place over the processes whose rows make
+        up one minibatch, the group the step's loss is summed over; one process: as they are.
+        Called by every such process at the same point of the run, from the trainer's thread."""
+        return values
+
+    def loss_term_sums(self) -> dict[str, tuple[float, int]]:
+        """`LayeredModel.loss_term_sums` of whichever copies of the model this process computed with."""
+        return self.model.loss_term_sums()
+
     def loss_terms(self) -> dict[str, float]:
-        """The terms beside the objective's loss since the last call (`LayeredModel.loss_terms`),
-        from whichever copies of the model this process computed with."""
-        return self.model.loss_terms()
+        """The terms beside the objective's loss since the last call, each the token-weighted mean
+        over every replica's micro-batches, as the loss is: on every process that computes a loss
+        (called by every process after each step)."""
+        sums = self.loss_term_sums()
+        if not sums or self.world.simulated:  # a dry run has no values to report
+            return {}
+        names = sorted(sums)  # every process the same order (the model's names are the run's)
+        values = torch.tensor([x for name in names for x in sums[name]], dtype=torch.float64, device=self.device)
+        totals = self.sum_over_replicas(values).tolist()
+        return {name: total / items for name, total, items in zip(names, totals[::2], totals[1::2], strict=True) if items}
 
     def report(self) -> dict:
         """This process's figures (JSON-able): phase times, memory, the strategy's own."""

@@ -205,11 +205,15 @@ class Baseline(ReplicatedStrategy):
                     loss = self.loss_of(mb.to(self.device, non_blocking=True), items)
                     self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
-        if self.synced:
-            dist.all_reduce(loss_sum)  # every replica's share of the minibatch's mean loss
+        self.sum_over_replicas(loss_sum)  # every replica's share of the minibatch's mean loss
         with self.timer.phase("optimizer"):
             skipped = self._update(lr)
         return StepResult(loss=scalar(loss_sum), skipped=skipped)
+
+    def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
+        if self.synced:
+            dist.all_reduce(values)
+        return values
 
     def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats:
         """Each replica its rows; the sums over the replicas on every one of them."""

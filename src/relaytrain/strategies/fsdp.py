@@ -196,11 +196,15 @@ class Fsdp(ReplicatedStrategy):
                 loss = self.net(mb.to(self.device, non_blocking=True), items)
                 self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
-        if self.sharded and self.num_shards > 1:
-            dist.all_reduce(loss_sum)
+        self.sum_over_replicas(loss_sum)
         with self.timer.phase("optimizer"):
             skipped = self._update(lr)
         return StepResult(loss=scalar(loss_sum), skipped=skipped)
+
+    def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
+        if self.sharded and self.num_shards > 1:
+            dist.all_reduce(values)
+        return values
 
     _update = Baseline._update  # the same step; only what a worker holds and agrees on differs
     report_phases = Baseline.report

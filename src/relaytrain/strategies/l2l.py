@@ -233,11 +233,14 @@ class L2L(ReplicatedStrategy):
             self.progress("waiting for the EPS's last updates")
             if self.peers is not None:
                 self.peers.backward_finished(time.perf_counter())
-                loss = self.peers.sum_over_replicas(loss)
+                loss = self.sum_over_replicas(loss)
             skipped = self.eps.wait()
             if self.peers is not None:
                 self.peers.step_finished()
         return StepResult(loss=scalar(loss), skipped=skipped)
+
+    def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.peers is None else self.peers.sum_over_replicas(values)
 
     def _forward(self, mbs: list[MicroBatch], stash: ActivationStash):
         """Every micro-batch through one part before the next part (no autograd, block inputs stashed)."""

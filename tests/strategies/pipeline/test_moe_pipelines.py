@@ -106,8 +106,7 @@ def test_a_pipeline_trains_the_balancing_loss_as_a_plain_hugging_face_loop(arch,
     assert_same_weights(saved(tmp_path / "run"), model, f"{arch} under {variant} with the balancing loss")
     assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
     assert min(terms) > 0.1 * min(losses)  # the term is a real part of the loss: a wrong one shows
-    if cfg.strategy.replicas == 1:  # with replicas the reporter's shares only, as every strategy reports it
-        assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)  # beside the loss
+    assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)  # beside the loss
 
 
 @pytest.mark.parametrize("pipeline", ["pipe_flush", *(pytest.param(p, marks=pytest.mark.slow) for p in PIPELINES

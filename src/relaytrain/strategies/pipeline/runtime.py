@@ -282,10 +282,13 @@ class PipelineStrategy(Strategy):
         """Batch `batch`'s loss on the last stage (summed over replicas); None on other stages."""
         if not self.last:
             return None
-        loss = self.inflight.batch_loss.pop(batch)
+        return scalar(self.sum_over_replicas(self.inflight.batch_loss.pop(batch)))
+
+    def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
+        """Over the last stages of every replica (gloo: CPU tensors), elsewhere as they are."""
         if self.comms.loss_group is not None:  # its own group: never queued behind a gradient sum
-            self.comms.all_reduce(loss, self.comms.loss_group)
-        return scalar(loss)
+            self.comms.all_reduce(values, self.comms.loss_group)
+        return values
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats | None:
@@ -331,13 +334,15 @@ class PipelineStrategy(Strategy):
         previous = (state["extra"] or {}).get("previous_weights")
         self.versions.load_state(self.batch, state["weights"], state["optimizer"], previous)
 
-    def loss_terms(self) -> dict[str, float]:
-        """The last stage's terms: its head runs on the model copy of the batch's weight version
-        (2BW keeps two; host offload computes with a copy), one version for the whole batch."""
-        terms: dict[str, float] = {}
+    def loss_term_sums(self) -> dict[str, tuple[float, int]]:
+        """The last stage's terms: its head runs on the model copies of the weight versions
+        (2BW keeps two; host offload computes with a copy); other stages' sums are empty."""
+        sums: dict[str, tuple[float, int]] = {}
         for module in self.versions.buffers:
-            terms.update(module.model.loss_terms())
-        return terms
+            for name, (total, items) in module.model.loss_term_sums().items():
+                before = sums.get(name, (0.0, 0))
+                sums[name] = (before[0] + total, before[1] + items)
+        return sums
 
     def memory_holders(self) -> dict[str, list]:
         params = self.versions.device_tensors()
