@@ -192,6 +192,35 @@ def test_the_worker_leaves_the_callers_thread_count_alone():
     assert seen == [threads]  # threads started afterwards keep torch's default too
 
 
+def test_the_worker_thread_computes_on_one_kernel_thread_whatever_the_callers_count():
+    """Beside the caller's team, a second multi-threaded OpenMP team would oversubscribe the
+    cores (and stop libgomp's threads spinning between the caller's regions)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    model = Chain()
+    seen, done = [], threading.Event()
+    try:
+        eps = EagerParamServer(model.named_modules_in_order(), optim_cfg(), LossScaler(False))
+        update = eps.parts[2].optimizer.update
+
+        def traced():
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            update()
+            done.set()
+
+        eps.parts[2].optimizer.update = traced
+        try:
+            eps.submit(2, random_grads(model.parts[2], 2))
+            assert done.wait(10)  # run by the worker thread: the caller has not waited yet
+            eps.wait()
+        finally:
+            eps.close()
+        assert seen == [("eps-worker", 1)]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_half_wires_follow_the_fp32_masters():
     model = Chain(tied=True)
     eps, _ = run_eps(model, optim_cfg(), wire_dtype=torch.bfloat16, steps=1)

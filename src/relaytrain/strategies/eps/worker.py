@@ -130,6 +130,14 @@ class Worker:
 
 
 def _set_intra_op_threads(threads: int) -> None:
-    """The calling thread's kernels use `threads` threads (with OpenMP the count is per thread)."""
+    """The calling thread's kernels use `threads` threads (with OpenMP the count is per thread).
+
+    torch sets a thread's count from its process-wide default at the thread's first kernel (or
+    first count read), overriding whatever the thread set before: read it first, so that the
+    count set here is the one that stays. Without that the EPS thread ran two-thread kernels
+    after all, and a second live OpenMP team makes libgomp count more threads than cores and
+    stop its threads spinning between regions: every region of the caller's compute then
+    waited for its threads to wake (L2L's block forwards took 1.4x their profiled time)."""
     if torch.backends.openmp.is_available():
+        torch.get_num_threads()  # the thread's lazy initialisation, done now rather than at its first kernel
         torch.set_num_threads(threads)
