@@ -24,7 +24,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 def _threads_per_test_worker() -> int:
     """The cores shared out among pytest-xdist's workers. Each worker (and every process it
-    starts, through OMP_NUM_THREADS, which torch's default follows) computes on its share: two
+    starts, through OMP_NUM_THREADS, which torch and world.threads_per_process follow) computes on its share: two
     workers of two threads each on two cores make every OpenMP region wait for a descheduled
     thread, and a step of a tiny model then takes 30 times as long."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

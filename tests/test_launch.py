@@ -17,7 +17,8 @@ from relaytrain import failpoints
 from relaytrain.errors import ConfigError
 from relaytrain.launch import START_METHOD, _worker_context
 from relaytrain.train import run
-from tests.conftest import tiny_cfg
+from relaytrain.world import threads_per_process
+from tests.conftest import THREADS, tiny_cfg
 
 
 def two_replicas(*overrides):
@@ -60,3 +61,25 @@ def test_workers_share_out_the_cores_the_process_may_use_not_the_machines():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          preexec_fn=lambda: os.sched_setaffinity(0, allowed)).stdout.split()
     assert out == ["1", "3"]  # the configured train.threads is kept as given
+
+
+@pytest.mark.parametrize(("env", "expected"), [({"OMP_NUM_THREADS": "1"}, ["1", "1", "3"]),
+                                               ({"OMP_NUM_THREADS": "64"}, ["2", "1", "3"]),
+                                               ({"OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "2"}, ["2", "1", "3"]),
+                                               ({}, ["2", "1", "3"])])
+def test_omp_num_threads_asks_for_fewer_threads_but_torchruns_default_does_not(env, expected):
+    """On 2 cores: one worker, two workers, train.threads=3. torchrun sets OMP_NUM_THREADS=1 for
+    every worker of a machine that runs several: not the user's choice, left out."""
+    code = "from relaytrain.world import threads_per_process as t; print(t(0, 1, 2), t(0, 2, 2), t(3, 1, 2))"
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**clean, **env}).stdout.split()
+    assert out == expected
+
+
+def test_a_run_in_this_process_takes_its_own_thread_count_not_the_last_runs(tmp_path):
+    """The planner's profile times with `threads_per_process`; a run after another in the same
+    process (a sweep, a benchmark) must compute with that count, not the one left behind."""
+    torch.set_num_threads(THREADS + 1)
+    run(tiny_cfg("bert", "train.steps=1"), tmp_path / "run", table=False)
+    assert torch.get_num_threads() == threads_per_process(0, 1) == THREADS

@@ -243,7 +243,7 @@ class TrainConfig:
     save_dtype: SaveDtype = SaveDtype.auto  # dtype of the saved weights; auto: the checkpoint's (model.pretrained), else float32
     untimed_steps: int | None = None  # steps left out of the throughput figures (optim.warmup_steps is the LR warm-up); default 2, fewer in a shorter run (one step is always measured)
     log_every: int = 25  # plain-progress lines when not on a terminal
-    threads: int = 0  # torch intra-op threads per process; 0: torch's default (multi-process: the cores this process may use / workers)
+    threads: int = 0  # torch intra-op threads per process; 0: the cores this process may use / the machine's workers (at most OMP_NUM_THREADS where set)
     check_memory: bool = True  # refuse runs the host cannot hold
     compile: bool = False  # torch.compile the block function once, one graph shared by every block (results.json: compile time)
     # checkpoints
@@ -464,7 +464,7 @@ def _check_train(cfg) -> None:
             f"lower train.untimed_steps"
         )
     if t.threads < 0:
-        raise ConfigError(f"train.threads={t.threads} must be 0 (torch's default) or positive")
+        raise ConfigError(f"train.threads={t.threads} must be 0 (the cores shared out) or positive")
     if t.device == Device.cuda:
         import torch
 

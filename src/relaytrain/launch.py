@@ -112,8 +112,8 @@ def keep_freed_host_memory() -> None:
 def _in_this_process(entry, cfg, payload, device: torch.device):
     keep_freed_host_memory()
     world = World(device=device, stop=StopRequest(announce=announce_stop))
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    # Whatever count an earlier run in this process left: the one the profile times with.
+    torch.set_num_threads(threads_per_process(cfg.train.threads, 1))
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         return entry(cfg, world, payload)
     with _signal_handlers(world.stop.request):

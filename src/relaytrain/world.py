@@ -230,8 +230,23 @@ def usable_cores() -> int:
 
 def threads_per_process(configured: int, local_processes: int, cores: int | None = None) -> int:
     """torch threads for each of `local_processes` on a machine of `cores` (the cores this
-    process may use unless given): `train.threads` when set, else the cores shared out."""
-    return configured or max(1, (cores or usable_cores()) // local_processes)
+    process may use unless given): `train.threads` when set, else the cores shared out, fewer
+    where OMP_NUM_THREADS asks for fewer. The run and the planner's profile both ask here, so a
+    run computes with the threads its prediction was timed with."""
+    if configured:
+        return configured
+    shared = max(1, (cores or usable_cores()) // local_processes)
+    asked = omp_threads_asked()
+    return min(shared, asked) if asked else shared
+
+
+def omp_threads_asked() -> int | None:
+    """OMP_NUM_THREADS where the user set it. Under torchrun it is left out: torchrun sets 1 for
+    every worker of a machine that runs several, which is not a choice of the user's."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if under_torchrun() or not value.isdigit() or int(value) < 1:
+        return None
+    return int(value)
 
 
 class StopVotes:
