@@ -3,9 +3,10 @@
 For each configuration below, `relaytrain plan` (one strategy, one or two workers) profiles
 this machine, picks a shape and prints the `relaytrain train` command that runs it; the
 command then runs for real, and its measured step time (results.json, after warm-up) is set
-beside the predicted one. Every worker gets one torch thread (`train.threads=1`) in the
+beside the predicted one. A BERT's workers get one torch thread each (`train.threads=1`) in the
 profile and in the run alike, so one- and two-worker runs are predicted with the threads
-they really get.
+they really get; the decoder (llama_tiny under l2l) runs as users run it, every core to its
+one worker, the eager param server's thread beside it.
 
     .venv/bin/python scripts/bench_planner.py [--rounds 1] [--steps 12] [--warmup 3] [--wait-quiet S] [--json out.json]
 
@@ -32,17 +33,20 @@ from relaytrain.compose import compose_config
 from relaytrain.planner.plan import make_plan
 from relaytrain.train import run
 
-MODEL = [
+BERT = [
     "model=bert_tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
     "model.intermediate_size=1024", "data.seq_len=128", "data.num_samples=1024", "train.threads=1",
     "train.log_every=1000", "plan.batch_size=32",
 ]
-CONFIGS = {  # name: strategy / workers
-    "baseline/1": ["plan.strategies=[baseline]", "plan.workers=1"],
-    "l2l/1": ["plan.strategies=[l2l]", "plan.workers=1"],
-    "pipe_flush/2": ["plan.strategies=[pipe_flush]", "plan.workers=2"],
-    "pipe_2bw/2": ["plan.strategies=[pipe_2bw]", "plan.workers=2"],
-    "l2l/2": ["plan.strategies=[l2l]", "plan.workers=2"],
+# A decoder as users run it: every core to the one worker (train.threads=0), the EPS thread beside it.
+DECODER = ["model=llama_tiny", "data.num_samples=1024", "train.log_every=1000", "plan.batch_size=32"]
+CONFIGS = {  # name: model / strategy / workers
+    "baseline/1": [*BERT, "plan.strategies=[baseline]", "plan.workers=1"],
+    "l2l/1": [*BERT, "plan.strategies=[l2l]", "plan.workers=1"],
+    "pipe_flush/2": [*BERT, "plan.strategies=[pipe_flush]", "plan.workers=2"],
+    "pipe_2bw/2": [*BERT, "plan.strategies=[pipe_2bw]", "plan.workers=2"],
+    "l2l/2": [*BERT, "plan.strategies=[l2l]", "plan.workers=2"],
+    "decoder_l2l/1": [*DECODER, "plan.strategies=[l2l]", "plan.workers=1"],
 }
 TARGET = 0.25  # |predicted / measured - 1|, at most
 
@@ -60,7 +64,7 @@ def wait_until_quiet(limit_s: float, window_s: float = 3.0, threshold: float = 0
 
 def plan_and_run(name: str, overrides: list[str], steps: int, warmup: int) -> dict:
     with OtherLoad() as planning:
-        plan = make_plan([*MODEL, *overrides])
+        plan = make_plan(overrides)
     best = plan.best
     command = plan.command(best)
     cfg = compose_config([*shlex.split(command)[2:], f"train.steps={steps}", f"train.untimed_steps={warmup}"])
