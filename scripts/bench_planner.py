@@ -10,7 +10,7 @@ one worker, the eager param server's thread beside it.
 
     .venv/bin/python scripts/bench_planner.py [--rounds 1] [--steps 12] [--warmup 3] [--wait-quiet S] [--json out.json]
 
-Target: every prediction within 25 % of the measured step time. Each round plans (and so
+Target: every prediction within 10 % of the measured step time. Each round plans (and so
 profiles) afresh. The planner assumes the machine's cores are its own; other processes that
 compete for them slow the run (and the profile) unpredictably, so each row records how many
 cores other processes kept busy while it planned and while it ran.
@@ -48,7 +48,7 @@ CONFIGS = {  # name: model / strategy / workers
     "l2l/2": [*BERT, "plan.strategies=[l2l]", "plan.workers=2"],
     "decoder_l2l/1": [*DECODER, "plan.strategies=[l2l]", "plan.workers=1"],
 }
-TARGET = 0.25  # |predicted / measured - 1|, at most
+TARGET = 0.10  # |predicted / measured - 1|, at most (issue 42: back within 10 % on this machine)
 
 
 def wait_until_quiet(limit_s: float, window_s: float = 3.0, threshold: float = 0.25) -> float:
