@@ -12,6 +12,7 @@ from relaytrain.checkpoint import load_optimizer_state, optimizer_state
 from relaytrain.optim import build_optimizer, optimizer_schemas
 from relaytrain.precision import LossScaler
 from relaytrain.strategies.eps import EagerParamServer
+from relaytrain.strategies.eps.worker import Worker
 
 
 def optim_cfg(name="adamw", grad_clip=0.0, **overrides):
@@ -219,6 +220,22 @@ def test_the_worker_thread_computes_on_one_kernel_thread_whatever_the_callers_co
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(saved)
+
+
+def test_beside_a_cuda_device_the_worker_thread_takes_the_callers_count():
+    """There the caller's compute is the GPU's: the host's cores are the worker's (Worker's `threads`)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen, done = [], threading.Event()
+    worker = Worker(threads=torch.get_num_threads())
+    try:
+        worker.put(lambda: (seen.append(torch.get_num_threads()), done.set()))
+        assert done.wait(10)
+        worker.join()
+    finally:
+        worker.close()
+        torch.set_num_threads(saved)
+    assert seen == [2]
 
 
 def test_half_wires_follow_the_fp32_masters():

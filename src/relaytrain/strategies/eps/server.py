@@ -52,7 +52,9 @@ class EagerParamServer:
     `modules`: the parts in relay order (embeddings, blocks..., head); their trainable
     parameters are the masters, the frozen ones (an adapter's base) only travel, kept in
     `frozen_dtype` where given. `wire_dtype`: the dtype parts compute in on the device. `pin`:
-    keep host tensors that cross to a CUDA device in pinned memory (asynchronous DMA).
+    keep host tensors that cross to a CUDA device in pinned memory (asynchronous DMA), and
+    give the background worker the caller's kernel threads (the host's cores are not computing
+    the device's work; on a CPU device the worker takes one, beside the caller's compute).
     """
 
     def __init__(self, modules: list[tuple[str, nn.Module]], optim_cfg, scaler: LossScaler,
@@ -77,7 +79,7 @@ class EagerParamServer:
         self._held: dict[int, HeldRows] = {}  # part -> the rows its early table update left out
         self._table_done = threading.Event()
         self._table_done.set()
-        self._worker = Worker()
+        self._worker = Worker(threads=torch.get_num_threads() if pin else 1)
 
     # -- caller side --------------------------------------------------------------------
     def local_parts(self) -> list[Part]:

@@ -50,24 +50,26 @@ class Worker:
     microseconds per region, about a fifth of a whole BERT update (docs/benchmarks.md). So
     the background thread computes single-threaded beside the caller's backward, which keeps
     the machine from being oversubscribed, and the updates still queued when the caller
-    waits run on the caller's warm team at full speed. The tasks never run concurrently and
+    waits run on the caller's warm team at full speed. Beside a CUDA device the caller's
+    compute is the GPU's and the host's cores are the worker's: it takes the caller's count
+    (`threads`). The tasks never run concurrently and
     keep their order, so collectives (sharded replicas) and tied-weight sums see the same
     sequence as with one thread. The first error is re-raised by `join`.
     """
 
-    def __init__(self):
+    def __init__(self, threads: int = 1):
         self._tasks: collections.deque[Callable[[], None]] = collections.deque()
         self._changed = threading.Condition()
         self._running = False  # the background thread is inside a task
         self._caller_waiting = False  # the caller runs the queue: the background thread keeps off it
         self._closed = False
         self._error: BaseException | None = None
-        threads = torch.get_num_threads()
+        callers = torch.get_num_threads()
         started = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(started,), name="eps-worker", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(started, threads), name="eps-worker", daemon=True)
         self._thread.start()
         started.wait()
-        _set_intra_op_threads(threads)  # torch keeps the last count as the default of new threads
+        _set_intra_op_threads(callers)  # torch keeps the last count as the default of new threads
 
     def put(self, task: Callable[[], None]) -> None:
         with self._changed:
@@ -111,8 +113,8 @@ class Worker:
         except BaseException as err:  # noqa: BLE001 - handed to the caller by join()
             self._error = err
 
-    def _loop(self, started: threading.Event) -> None:
-        _set_intra_op_threads(1)
+    def _loop(self, started: threading.Event, threads: int) -> None:
+        _set_intra_op_threads(threads)
         started.set()
         while True:
             with self._changed:
