@@ -52,9 +52,9 @@ class Worker:
     the machine from being oversubscribed, and the updates still queued when the caller
     waits run on the caller's warm team at full speed. Beside a CUDA device the caller's
     compute is the GPU's and the host's cores are the worker's: it takes the caller's count
-    (`threads`). The tasks never run concurrently and
-    keep their order, so collectives (sharded replicas) and tied-weight sums see the same
-    sequence as with one thread. The first error is re-raised by `join`.
+    (`threads`). The tasks never run concurrently and keep their order, so collectives
+    (sharded replicas) and tied-weight sums see the same sequence as with one thread. The
+    first error is re-raised by `join`.
     """
 
     def __init__(self, threads: int = 1):
