@@ -236,11 +236,11 @@ def threads_per_process(configured: int, local_processes: int, cores: int | None
     if configured:
         return configured
     shared = max(1, (cores or usable_cores()) // local_processes)
-    asked = omp_threads_asked()
+    asked = _omp_threads_asked()
     return min(shared, asked) if asked else shared
 
 
-def omp_threads_asked() -> int | None:
+def _omp_threads_asked() -> int | None:
     """OMP_NUM_THREADS where the user set it. Under torchrun it is left out: torchrun sets 1 for
     every worker of a machine that runs several, which is not a choice of the user's."""
     value = os.environ.get("OMP_NUM_THREADS", "").strip()

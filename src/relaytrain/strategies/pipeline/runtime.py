@@ -336,7 +336,7 @@ class PipelineStrategy(Strategy):
 
     def loss_term_sums(self) -> dict[str, tuple[float, int]]:
         """The last stage's terms: its head runs on the model copies of the weight versions
-        (2BW keeps two; host offload computes with a copy); other stages' sums are empty."""
+        (2BW keeps two; host offload computes with a copy); other stages' items are 0."""
         sums: dict[str, tuple[float, int]] = {}
         for module in self.versions.buffers:
             for name, (total, items) in module.model.loss_term_sums().items():
