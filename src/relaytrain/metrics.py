@@ -59,6 +59,9 @@ class HostMemory:
 
 def reset_device_peak(device: torch.device) -> None:
     if device.type == "cuda":
+        # The allocator's statistics exist once CUDA is up: in a process that has not touched the
+        # GPU yet, resetting them raises "Invalid device argument" (seen with torch 2.11 on an H100).
+        torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device)
 
 

@@ -45,14 +45,28 @@ class ProcessMemory:
     stand_in: int | None = None  # the rank whose dry run these figures are (None: this one's)
 
 
+# Beside the run's tensors, the CUDA allocator holds cuBLAS's workspaces for the process's life, one
+# per thread that runs matrix products on a stream (the caller's forward, autograd's backward
+# thread). Measured on an H100 (torch 2.11, CUDA 13, 2026-11-27: the allocator's snapshot after an
+# L2L run): two of 32 MiB (cuBLAS's size from Hopper on; 4 MiB before) and one of 1 MiB. The
+# planner's CUDA_HEADROOM covers it on a card; against the allocator's peak it is added.
+CUDA_WORKSPACE_BYTES = (2 * 32 + 1) * 2**20
+
+
 @dataclass
 class Simulation:
     per_process: list[ProcessMemory]
 
     @property
     def peak_bytes(self) -> int:
-        """The fullest process's peak device bytes: what each device must hold."""
+        """The fullest process's peak device bytes of the run's tensors: what each device must hold."""
         return max(p.peak_bytes for p in self.per_process)
+
+    @property
+    def allocator_peak_bytes(self) -> int:
+        """What `torch.cuda.max_memory_allocated` reports for the fullest process on a GPU: its
+        tensors and cuBLAS's workspaces (`CUDA_WORKSPACE_BYTES`)."""
+        return self.peak_bytes + CUDA_WORKSPACE_BYTES
 
 
 def simulate(cfg, steps: int = 2, alike_once: bool = True) -> Simulation:

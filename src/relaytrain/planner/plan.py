@@ -332,7 +332,8 @@ def _device_memory(device) -> int | None:
 @dataclass(frozen=True)
 class Prediction:
     """The cost model's step time for one config on this machine (a prediction), and the dry
-    run's device memory where there is a separate device (None on a CPU)."""
+    run's device memory as the CUDA allocator will report its peak (the tensors and cuBLAS's
+    workspaces) where there is a separate device (None on a CPU)."""
 
     step_time_s: float
     samples_per_s: float
@@ -350,6 +351,6 @@ def predict(cfg) -> Prediction:
     sizes = sorted({*powers_of_two_dividing(s.microbatch_size), s.microbatch_size})
     profile = measure_as_run(cfg, sizes, [cls.processes(cfg)], device)
     cost = cls.cost_model.step_cost(cfg, ModelFacts.of(cfg), profile)
-    memory = simulate(cfg).peak_bytes if device.type == "cuda" else None
+    memory = simulate(cfg).allocator_peak_bytes if device.type == "cuda" else None
     batch = s.microbatch_size * s.num_microbatches * cls.replicas(cfg)
     return Prediction(cost.step_s, batch / cost.step_s, memory)
