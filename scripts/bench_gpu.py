@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -59,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--optim", default="adamw")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no run after this many seconds (the device call allows 600 in all)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="which, comma-separated")
+    p.add_argument("--no-adapters", action="store_true", help="leave out the LoRA and QLoRA rows under l2l")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU: checks the script, not the GPU")
     args = p.parse_args(argv)
     if args.cpu_smoke:
@@ -67,28 +70,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def runs(args) -> list[tuple[str, int, list[str]]]:
-    """(strategy, blocks, overrides) in the order they run: L2L at every depth first (the claim
-    under test), then the contestants."""
-    depths = [int(d) for d in args.depths.split(",")]
-    contestants = [("l2l", [f"precision={args.l2l_precision}"]),
-                   ("baseline", [f"precision={args.precision}", "strategy.recompute=block"]),
-                   ("fsdp", [f"precision={args.precision}", "strategy.replicas=1", "strategy.offload=host"])]
-    return [(name, blocks, extra) for name, extra in contestants for blocks in depths]
+def runs(args) -> list[tuple[str, str, int, list[str]]]:
+    """(label, strategy, blocks, overrides) in the order they run: L2L at every depth first (the
+    claim under test), with its stash on the device and then on the host, then LoRA and QLoRA
+    under L2L at the shallowest depth (over a bf16 checkpoint of that model; `--no-adapters`
+    leaves them out), then the contestants; only the strategies `--strategies` names."""
+    depths, names = [int(d) for d in args.depths.split(",")], args.strategies.split(",")
+    unknown = sorted(set(names) - set(STRATEGIES))
+    if unknown:
+        raise SystemExit(f"bench_gpu: --strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+    l2l = [f"precision={args.l2l_precision}"]
+    options = {"l2l": l2l, "l2l_stash_cpu": l2l,
+               "baseline": [f"precision={args.precision}", "strategy.recompute=block"],
+               "fsdp": [f"precision={args.precision}", "strategy.replicas=1", "strategy.offload=host"]}
+    adapters = [] if args.no_adapters or "l2l" not in names else [
+        (f"l2l {adapter}", "l2l", depths[0], [*l2l, f"adapter={adapter}", PRETRAINED]) for adapter in ("lora", "qlora")]
+    ordered = [(name, name, blocks, options[name]) for name in STRATEGIES if name in names for blocks in depths]
+    first = sum(1 for label, *_ in ordered if label.startswith("l2l"))
+    return ordered[:first] + adapters + ordered[first:]
 
 
-def overrides(args, name: str, blocks: int, extra: list[str]) -> list[str]:
+STRATEGIES = ("l2l", "l2l_stash_cpu", "baseline", "fsdp")  # the order they run in
+
+
+# Stands for `model.pretrained=<the bf16 checkpoint of this shape>`, written before the first run that asks.
+PRETRAINED = "model.pretrained=@checkpoint"
+
+
+def shape(args, blocks: int) -> list[str]:
+    return ["model=llama_tiny", f"model.num_layers={blocks}", f"model.hidden_size={args.hidden}",
+            f"model.num_heads={args.heads}", f"model.num_kv_heads={args.kv_heads}", f"model.head_dim={args.head_dim}",
+            f"model.intermediate_size={args.intermediate}", f"model.vocab_size={args.vocab}",
+            f"model.max_seq_len={args.seq_len}"]
+
+
+def overrides(args, name: str, blocks: int, extra: list[str], checkpoint: Path | None = None) -> list[str]:
+    """The run's keys: the model's shape, or (an adapter's run) the checkpoint written of it."""
     samples = args.microbatch_size * args.microbatches * args.steps
+    model = [f"model.pretrained={checkpoint}"] if PRETRAINED in extra else shape(args, blocks)
     return [
-        "model=llama_tiny", f"model.num_layers={blocks}", f"model.hidden_size={args.hidden}",
-        f"model.num_heads={args.heads}", f"model.num_kv_heads={args.kv_heads}", f"model.head_dim={args.head_dim}",
-        f"model.intermediate_size={args.intermediate}", f"model.vocab_size={args.vocab}",
-        f"model.max_seq_len={args.seq_len}", f"data.seq_len={args.seq_len}", f"data.num_samples={samples}",
+        *model, f"data.seq_len={args.seq_len}", f"data.num_samples={samples}",
         f"strategy={name}", f"strategy.microbatch_size={args.microbatch_size}",
         f"strategy.num_microbatches={args.microbatches}", f"optim={args.optim}",
         f"train.steps={args.steps}", "train.untimed_steps=1", f"train.device={'cpu' if args.cpu_smoke else 'cuda'}",
-        *extra,
+        *[key for key in extra if key != PRETRAINED],
     ]
+
+
+def write_checkpoint(args, blocks: int, directory: Path) -> Path:
+    """A Hugging Face checkpoint of the benchmark's shape, random weights saved in bf16 (how
+    released bases ship), for the adapter rows: LoRA reads it as is, QLoRA quantizes it at load."""
+    from relaytrain.compose import compose_config
+    from relaytrain.models import build_model
+
+    if not (directory / "config.json").exists():
+        cfg = compose_config([*shape(args, blocks), "train.device=cpu"])
+        build_model(cfg.model, seed=cfg.train.seed).hf_model.to(torch.bfloat16).save_pretrained(directory)
+        release()
+    return directory
 
 
 def row(name: str, blocks: int, results: dict) -> dict:
@@ -110,15 +149,17 @@ def row(name: str, blocks: int, results: dict) -> dict:
     }
 
 
-def measure(args, name: str, blocks: int, extra: list[str]) -> dict:
+def measure(args, label: str, name: str, blocks: int, extra: list[str], scratch: Path) -> dict:
     from relaytrain.compose import compose_config
     from relaytrain.errors import ConfigError, first_line
     from relaytrain.train import run
 
-    base = {"strategy": name, "blocks": blocks}
+    base = {"strategy": label, "blocks": blocks}
     try:
-        with tempfile.TemporaryDirectory() as run_dir:
-            return row(name, blocks, run(compose_config(overrides(args, name, blocks, extra)), run_dir, quiet=True))
+        checkpoint = write_checkpoint(args, blocks, scratch / f"checkpoint-{blocks}") if PRETRAINED in extra else None
+        with tempfile.TemporaryDirectory(dir=scratch) as run_dir:
+            results = run(compose_config(overrides(args, name, blocks, extra, checkpoint)), run_dir, quiet=True)
+            return row(label, blocks, results)
     except torch.cuda.OutOfMemoryError:
         return {**base, "status": "out of memory"}
     except ConfigError as err:  # a refusal: the host cannot hold it, a key this torch lacks
@@ -167,10 +208,16 @@ def machine(args) -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
-def flatness(rows: list[dict]) -> float | None:
-    """L2L's device peak at the deepest depth over the shallowest: 1.0 is flat in depth."""
-    peaks = [(r["blocks"], r["device_peak_gib"]) for r in rows if r["strategy"] == "l2l" and r.get("device_peak_gib")]
+def flatness(rows: list[dict], strategy: str = "l2l") -> float | None:
+    """`strategy`'s device peak at the deepest depth over the shallowest: 1.0 is flat in depth.
+    With the stash on the device (l2l) it grows by each block's stashed inputs; with the stash on
+    the host (l2l_stash_cpu) the L2L paper's claim is that it stays flat."""
+    peaks = [(r["blocks"], r["device_peak_gib"]) for r in rows if r["strategy"] == strategy and r.get("device_peak_gib")]
     return max(peaks)[1] / min(peaks)[1] if len(peaks) > 1 else None
+
+
+def flatnesses(rows: list[dict]) -> dict:
+    return {name: flatness(rows, name) for name in ("l2l", "l2l_stash_cpu")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,21 +227,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start, rows = time.monotonic(), []
     about = {**machine(args), "args": {k: str(v) for k, v in vars(args).items()}}
-    for name, blocks, extra in runs(args):
+    scratch = Path(tempfile.mkdtemp(prefix="bench_gpu-"))  # the adapter rows' checkpoint, the runs' folders
+    for label, name, blocks, extra in runs(args):
         if time.monotonic() - start > args.budget_s:
-            rows.append({"strategy": name, "blocks": blocks, "status": f"not run: past the {args.budget_s:.0f} s budget"})
+            rows.append({"strategy": label, "blocks": blocks, "status": f"not run: past the {args.budget_s:.0f} s budget"})
         else:
-            rows.append(measure(args, name, blocks, extra))
+            rows.append(measure(args, label, name, blocks, extra, scratch))
         r = rows[-1]
-        print(f"bench_gpu: {name} x {blocks} blocks: {r['status']}, {fmt(r.get('tflops'), '.1f')} TFLOP/s, "
+        print(f"bench_gpu: {label} x {blocks} blocks: {r['status']}, {fmt(r.get('tflops'), '.1f')} TFLOP/s, "
               f"device peak {fmt(r.get('device_peak_gib'), '.2f')} GiB ({time.monotonic() - start:.0f} s)", flush=True)
         if args.out:  # after every run: a call cut short still brings back what was measured
             args.out.write_text(json.dumps({**about, "elapsed_s": time.monotonic() - start,
-                                            "l2l_peak_deepest_over_shallowest": flatness(rows), "rows": rows}, indent=2))
-    ratio = flatness(rows)
+                                            "device_peak_deepest_over_shallowest": flatnesses(rows), "rows": rows}, indent=2))
+    shutil.rmtree(scratch, ignore_errors=True)
+    ratios = flatnesses(rows)
     print(f"\n{markdown(rows)}\n")
     print(f"bench_gpu: {about['device']}, torch {about['torch']}, {time.monotonic() - start:.0f} s; "
-          f"l2l device peak, deepest over shallowest: {fmt(ratio, '.2f')}" + (f"; JSON in {args.out}" if args.out else ""))
+          "device peak, deepest over shallowest: "
+          + ", ".join(f"{name} {fmt(ratio, '.2f')}" for name, ratio in ratios.items()) + (f"; JSON in {args.out}" if args.out else ""))
     return 0
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.01)
 
 
-def train_plain_loop(cfg, steps: int, delay: int = 0, replicas: int = 1):
+def train_plain_loop(cfg, steps: int, delay: int = 0, replicas: int = 1, device: str = "cpu"):
     """The reference the strategies must equal: the whole layered model under autograd, each
     micro-batch's loss over the minibatch's items, one optimizer, the configured LR schedule
     and clipping. Returns the trained layered model.
@@ -90,14 +90,17 @@ def train_plain_loop(cfg, steps: int, delay: int = 0, replicas: int = 1):
     the exact reference for a strategy with as many replicas.
 
     `delay=1` is PipeDream-2BW's rule instead: W(b+1) = W(b) - lr * grad f_b(W(max(b-1, 0))),
-    each minibatch's gradients taken at the weights one update older."""
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    each minibatch's gradients taken at the weights one update older.
+
+    `device`: where the loop runs. Dropout masks are drawn by that device's generator (CUDA's
+    Philox, the CPU's mt19937): a run on a GPU with dropout equals the loop on a GPU."""
+    model = build_model(cfg.model, seed=cfg.train.seed).to(device)
     stale = copy.deepcopy(model) if delay else model  # holds the version the gradients are taken at
     versions = [copy.deepcopy(model.state_dict())] * delay  # W(b - delay) .. W(b - 1); W(0) at first
     optimizer = build_optimizer(model.named_parameters(), cfg.optim)
     loader = build_loader(cfg, build_dataset(cfg))
     for step in range(steps):
-        minibatch = next(loader)
+        minibatch = [mb.to(device) for mb in next(loader)]
         if delay:
             stale.load_state_dict(versions.pop(0))
             versions.append(copy.deepcopy(model.state_dict()))

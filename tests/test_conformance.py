@@ -56,13 +56,14 @@ def saved_weights(run_dir, cfg) -> torch.nn.Module:
     return build_model(saved.model).hf_model
 
 
-def plain_reference(cfg, delay: int) -> torch.nn.Module:
+def plain_reference(cfg, delay: int, device: str = "cpu") -> torch.nn.Module:
     """One process over the whole minibatch: the plain loop, or the delayed rule (2BW's, the one
-    strategy whose rule differs on purpose), each replica's rows with that replica's masks."""
+    strategy whose rule differs on purpose), each replica's rows with that replica's masks; on
+    `device` (where its dropout masks are drawn), returned on the CPU."""
     single = copy.deepcopy(cfg)
     replicas = strategy_class(cfg.strategy.name).replicas(cfg)
     OmegaConf.update(single, "strategy.microbatch_size", cfg.strategy.microbatch_size * replicas)
-    return train_plain_loop(single, STEPS, delay=delay, replicas=replicas).hf_model
+    return train_plain_loop(single, STEPS, delay=delay, replicas=replicas, device=device).hf_model.cpu()
 
 
 @pytest.mark.parametrize("name", choices())
