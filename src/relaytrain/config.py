@@ -262,10 +262,10 @@ class EvalConfig:
 @dataclass
 class PlanConfig:
     workers: int = 1  # devices (or CPU worker processes) to plan for
-    device_memory_gb: float = 16.0  # memory of each device, GB (2**30 bytes)
+    device_memory_gb: float = 16.0  # memory of each device, GiB (2**30 bytes)
     batch_size: int = 0  # the global minibatch in samples (0: strategy.microbatch_size x strategy.num_microbatches)
     device: str = "this"  # this (profile this machine) or a GPU profile: a name in configs/profiles/ or a JSON file
-    host_memory_gb: float = 0.0  # host memory of each machine, GB (2**30 bytes); 0: this machine's RAM with plan.device=this, else unlimited
+    host_memory_gb: float = 0.0  # host memory of each machine, GiB (2**30 bytes); 0: this machine's RAM with plan.device=this, else unlimited
     strategies: list[str] = field(default_factory=list)  # strategies to consider (empty: every registered one)
 
 

@@ -123,7 +123,7 @@ def test_a_candidate_over_the_host_memory_does_not_fit(tmp_path, capsys):
     assert plan.best is None and plan.request.host_memory_bytes == 0.5 * GiB
     timed = [c for c in plan.candidates if c.cost is not None]
     assert timed and all(c.fits is False and c.host_bytes > 0.5 * GiB for c in timed)
-    assert all("GB of host memory" in c.why_not and "plan.host_memory_gb=0.5" in c.why_not for c in timed)
+    assert all("GiB of host memory" in c.why_not and "plan.host_memory_gb=0.5" in c.why_not for c in timed)
     assert all(c.simulated_bytes is None for c in timed)  # refused before any dry run
     assert main(["plan", *TINY_LLAMA, *ON_A100, "plan.host_memory_gb=0.5", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -141,7 +141,7 @@ def test_a_tiny_llama_is_planned_with_costs_and_host_memory(tmp_path, capsys):
     assert strategy_class("l2l").cost_model.host_state_bytes(compose_config([*TINY_LLAMA, "strategy=l2l"]), facts) == eps
     assert l2l.host_bytes >= eps
     assert main(["plan", *TINY_LLAMA, *ON_A100, "--out", str(tmp_path)]) == 0
-    assert "host GB" in capsys.readouterr().out
+    assert "host GiB" in capsys.readouterr().out
 
 
 def test_l2l_under_cross_mixed_precision_counts_the_half_copies_its_eps_keeps_to_send():
@@ -233,7 +233,7 @@ def test_a_learned_table_or_a_limit_the_user_gave_is_left_to_the_runs_refusal(mo
 @pytest.mark.slow
 def test_llama3_1_8b_at_32k_tokens_plans_the_largest_batch_its_host_holds(tmp_path, capsys):
     """Two blocks of Llama 3.1 8B at 32,768 tokens under L2L with the stash on the host: the
-    default batch of 32 outgrows 36 GB of host memory (the EPS and 32 sequences' stash); 16 fits."""
+    default batch of 32 outgrows 36 GiB of host memory (the EPS and 32 sequences' stash); 16 fits."""
     overrides = ["model=llama3_1_8b", "model.num_layers=2", "data.seq_len=32768", "plan.workers=1",
                  "plan.device=rtx4090_24gb", "plan.host_memory_gb=36", "plan.strategies=[l2l]"]
     assert main(["plan", *overrides, "--out", str(tmp_path)]) == 0

@@ -213,8 +213,8 @@ def test_an_infeasible_request_says_so_in_one_line_and_exits_2(tmp_path, capsys)
     captured = capsys.readouterr()
     assert code == 2
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("relaytrain: error: nothing fits 1 x 0.0001 GB")
-    assert "GB" in lines[0] and "plan.json" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("relaytrain: error: nothing fits 1 x 0.0001 GiB")
+    assert "GiB" in lines[0] and "plan.json" in lines[0]
 
 
 def test_help_prints_the_usage(capsys):

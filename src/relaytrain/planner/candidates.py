@@ -166,7 +166,7 @@ def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, req
     budget = request.host_memory_bytes
     if budget is not None and candidate.host_bytes > budget:
         candidate.fits, candidate.over_host = False, True
-        candidate.why_not = (f"needs about {candidate.host_bytes / GiB:.1f} GB of host memory a machine (estimate), "
+        candidate.why_not = (f"needs about {candidate.host_bytes / GiB:.1f} GiB of host memory a machine (estimate), "
                              f"over plan.host_memory_gb={budget / GiB:g}")
     return candidate
 
@@ -230,11 +230,11 @@ class MemoryWalk:
             c.why_not = f"not simulated: a faster {name} candidate fits"
         elif self.state.get(state_key, 0) > self.budget:
             c.fits, c.why_not = False, (f"its weights, gradients and optimizer state alone need "
-                                        f"{self.state[state_key] / GiB:.2f} GB (simulated)")
+                                        f"{self.state[state_key] / GiB:.2f} GiB (simulated)")
         elif footprint in self.too_big and c.shape.microbatch_size > self.too_big[footprint]:
             c.fits, c.why_not = False, f"a smaller micro-batch (b={self.too_big[footprint]}) of this shape did not fit"
         elif c.closed_form_bytes > PRUNE_FACTOR * self.budget:
-            c.fits, c.why_not = False, (f"closed-form MEMORY(.) {c.closed_form_bytes / GiB:.1f} GB is over "
+            c.fits, c.why_not = False, (f"closed-form MEMORY(.) {c.closed_form_bytes / GiB:.1f} GiB is over "
                                         f"{PRUNE_FACTOR:g} x the budget (not simulated)")
         elif sum(self.runs.values()) >= self.max_simulations or self.runs.get(name, 0) >= MAX_PER_STRATEGY:
             c.why_not = "not simulated: the dry-run budget was spent"
@@ -275,7 +275,7 @@ def _simulate(c: Candidate, base, budget: float) -> None:
     c.simulated_bytes, c.by_kind = simulation.peak_bytes, dict(fullest.by_kind)
     c.fits = c.memory_bytes <= budget
     if not c.fits:
-        c.why_not = f"needs {c.memory_bytes / GiB:.2f} GB (simulated), over {budget / GiB:.2f} GB"
+        c.why_not = f"needs {c.memory_bytes / GiB:.2f} GiB (simulated), over {budget / GiB:.2f} GiB"
 
 
 def _simulate_smallest(candidates: list[Candidate], bases: dict, budget: float) -> None:

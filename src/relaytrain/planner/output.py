@@ -37,10 +37,10 @@ def print_plan(plan: Plan, path: Path) -> None:
     if plan.positions_note:
         console.print(f"positions: {plan.positions_note}", highlight=False)
     best = plan.best
-    host = "unlimited" if r.host_memory_bytes is None else f"{r.host_memory_bytes / GiB:g} GB"
-    table = Table(title=f"relaytrain plan: {r.workers} worker(s) x {r.memory_bytes / GiB:g} GB, host {host} a machine, "
+    host = "unlimited" if r.host_memory_bytes is None else f"{r.host_memory_bytes / GiB:g} GiB"
+    table = Table(title=f"relaytrain plan: {r.workers} worker(s) x {r.memory_bytes / GiB:g} GiB, host {host} a machine, "
                         f"batch {r.batch} (times predicted; memory simulated, host memory estimated)")
-    for column in ("", "strategy", "shape", "step s", "samples/s", "memory GB", "closed form GB", "host GB", "fits",
+    for column in ("", "strategy", "shape", "step s", "samples/s", "memory GiB", "closed form GiB", "host GiB", "fits",
                    "why not"):
         table.add_column(column, overflow="fold")
     shown = _rows_to_show(plan)
@@ -60,7 +60,7 @@ def print_plan(plan: Plan, path: Path) -> None:
         console.print("CPU: no host<->device transfer; workers share the cores; a row's memory adds the state "
                       "its strategy keeps on the host (an eager param server's: the same memory)", highlight=False)
     console.print(f"best (predicted): {best.shape.strategy} {best.shape.describe()}: {best.cost.step_s:.3g} s a step, "
-                  f"{best.samples_per_s:.3g} samples/s, {best.memory_bytes / GiB:.2f} GB of device memory "
+                  f"{best.samples_per_s:.3g} samples/s, {best.memory_bytes / GiB:.2f} GiB of device memory "
                   f"(simulated)", highlight=False)
     console.print(f"run it: {plan.command(best)}", highlight=False, soft_wrap=True)
     console.print(f"wrote {path}", highlight=False)
@@ -110,19 +110,19 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def infeasible_line(plan: Plan, where: Path) -> str:
     r = plan.request
-    asked = f"nothing fits {r.workers} x {r.memory_bytes / GiB:g} GB for a batch of {r.batch}"
+    asked = f"nothing fits {r.workers} x {r.memory_bytes / GiB:g} GiB for a batch of {r.batch}"
     simulated = [c for c in plan.candidates if c.memory_bytes is not None]
     over_host = [c for c in plan.candidates if c.over_host]
     reasons = []
     if simulated:
         c = min(simulated, key=lambda c: c.memory_bytes)
         reasons.append(f"the smallest dry run, {c.shape.strategy} {c.shape.describe()}, needs "
-                       f"{c.memory_bytes / GiB:.2f} GB")
+                       f"{c.memory_bytes / GiB:.2f} GiB")
     if over_host:
         c = min(over_host, key=lambda c: c.host_bytes)
         reasons.append(f"{len(over_host)} candidate(s) need more host memory than plan.host_memory_gb="
                        f"{r.host_memory_bytes / GiB:g}, the least {c.shape.strategy} {c.shape.describe()} "
-                       f"with {c.host_bytes / GiB:.1f} GB (an estimate)")
+                       f"with {c.host_bytes / GiB:.1f} GiB (an estimate)")
     if not reasons:
         refusals = sorted({c.why_not for c in plan.candidates if c.why_not})
         reasons.append(f"every candidate was refused ({refusals[0] if refusals else 'no candidate'})")
