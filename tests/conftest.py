@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,10 +16,17 @@ import torch
 
 from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
+from relaytrain.data import cache as _cache
 from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer, lr_at, set_lr
 from relaytrain.strategies.base import minibatch_items, replica_rows
 
+# The tokenize cache of every run the tests start (and of the processes those start, and of
+# pytest-xdist's workers, which inherit this process's environment) in a scratch folder of this
+# session, not the user's ~/.cache/relaytrain/data; removed by the process that made it.
+if not os.environ.get(_cache.ENV_DIR):
+    os.environ[_cache.ENV_DIR] = tempfile.mkdtemp(prefix="relaytrain-test-data-cache-")
+    atexit.register(shutil.rmtree, os.environ[_cache.ENV_DIR], True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from relaytrain.compose import compose_config
 from relaytrain.data import build_datasets, cache
+from relaytrain.data.cache import default_dir as unpatched_default_dir  # conftest patches cache.default_dir
 from relaytrain.data.chat import encode_records, read_conversations
 from relaytrain.data.reading import read_records
 from relaytrain.data.sources import source
@@ -172,3 +173,11 @@ def test_a_100k_record_sharegpt_parquet_is_prepared_once_and_read_back_fast(llam
     assert (first.facts["cache"], second.facts["cache"]) == ("miss", "hit") and first.facts["records"] == 100_000
     assert torch.equal(first.input_ids, second.input_ids) and torch.equal(first.labels, second.labels)
     # how much faster the hit is, is a benchmark's figure (data_cache_prepare_ratio), not a test's
+
+
+def test_the_cache_folder_follows_relaytrain_data_cache_then_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("RELAYTRAIN_DATA_CACHE", str(tmp_path / "shared"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert unpatched_default_dir() == tmp_path / "shared"
+    monkeypatch.delenv("RELAYTRAIN_DATA_CACHE")
+    assert unpatched_default_dir() == tmp_path / "xdg" / "relaytrain" / "data"

@@ -41,7 +41,12 @@ NOT_IN_KEY = ("shuffle", "shuffle_buffer", "eval_fraction", "cache", "cache_dir"
 FIELDS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
+ENV_DIR = "RELAYTRAIN_DATA_CACHE"  # the cache's folder where data.cache_dir is unset (a shared disk, a CI's scratch)
+
+
 def default_dir() -> Path:
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "relaytrain" / "data"
 
