@@ -35,6 +35,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -70,11 +71,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def runs(args) -> list[tuple[str, str, int, list[str]]]:
-    """(label, strategy, blocks, overrides) in the order they run: L2L at every depth first (the
-    claim under test), with its stash on the device and then on the host, then LoRA and QLoRA
-    under L2L at the shallowest depth (over a bf16 checkpoint of that model; `--no-adapters`
-    leaves them out), then the contestants; only the strategies `--strategies` names."""
+class Run(NamedTuple):
+    label: str  # the table's strategy column
+    strategy: str
+    blocks: int
+    extra: list[str]  # keys beside the shape's, the data's and the strategy's
+    pretrained: bool = False  # over a bf16 checkpoint of the shape (`write_checkpoint`), not a fresh model
+
+
+STRATEGIES = ("l2l", "l2l_stash_cpu", "baseline", "fsdp")  # the order they run in
+
+
+def runs(args) -> list[Run]:
+    """In the order they run: L2L at every depth first (the claim under test), with its stash on
+    the device and then on the host, then LoRA and QLoRA under L2L at the shallowest depth (over
+    a bf16 checkpoint of that model; `--no-adapters` leaves them out), then the contestants; only
+    the strategies `--strategies` names."""
     depths, names = [int(d) for d in args.depths.split(",")], args.strategies.split(",")
     unknown = sorted(set(names) - set(STRATEGIES))
     if unknown:
@@ -83,18 +95,14 @@ def runs(args) -> list[tuple[str, str, int, list[str]]]:
     options = {"l2l": l2l, "l2l_stash_cpu": l2l,
                "baseline": [f"precision={args.precision}", "strategy.recompute=block"],
                "fsdp": [f"precision={args.precision}", "strategy.replicas=1", "strategy.offload=host"]}
+
+    def each_depth(chosen: tuple[str, ...]) -> list[Run]:
+        return [Run(name, name, blocks, options[name]) for name in chosen if name in names for blocks in depths]
+
     adapters = [] if args.no_adapters or "l2l" not in names else [
-        (f"l2l {adapter}", "l2l", depths[0], [*l2l, f"adapter={adapter}", PRETRAINED]) for adapter in ("lora", "qlora")]
-    ordered = [(name, name, blocks, options[name]) for name in STRATEGIES if name in names for blocks in depths]
-    first = sum(1 for label, *_ in ordered if label.startswith("l2l"))
-    return ordered[:first] + adapters + ordered[first:]
-
-
-STRATEGIES = ("l2l", "l2l_stash_cpu", "baseline", "fsdp")  # the order they run in
-
-
-# Stands for `model.pretrained=<the bf16 checkpoint of this shape>`, written before the first run that asks.
-PRETRAINED = "model.pretrained=@checkpoint"
+        Run(f"l2l {adapter}", "l2l", depths[0], [*l2l, f"adapter={adapter}"], pretrained=True)
+        for adapter in ("lora", "qlora")]
+    return each_depth(STRATEGIES[:2]) + adapters + each_depth(STRATEGIES[2:])
 
 
 def shape(args, blocks: int) -> list[str]:
@@ -104,16 +112,16 @@ def shape(args, blocks: int) -> list[str]:
             f"model.max_seq_len={args.seq_len}"]
 
 
-def overrides(args, name: str, blocks: int, extra: list[str], checkpoint: Path | None = None) -> list[str]:
+def overrides(args, r: Run, checkpoint: Path | None = None) -> list[str]:
     """The run's keys: the model's shape, or (an adapter's run) the checkpoint written of it."""
     samples = args.microbatch_size * args.microbatches * args.steps
-    model = [f"model.pretrained={checkpoint}"] if PRETRAINED in extra else shape(args, blocks)
+    model = [f"model.pretrained={checkpoint}"] if r.pretrained else shape(args, r.blocks)
     return [
         *model, f"data.seq_len={args.seq_len}", f"data.num_samples={samples}",
-        f"strategy={name}", f"strategy.microbatch_size={args.microbatch_size}",
+        f"strategy={r.strategy}", f"strategy.microbatch_size={args.microbatch_size}",
         f"strategy.num_microbatches={args.microbatches}", f"optim={args.optim}",
         f"train.steps={args.steps}", "train.untimed_steps=1", f"train.device={'cpu' if args.cpu_smoke else 'cuda'}",
-        *[key for key in extra if key != PRETRAINED],
+        *r.extra,
     ]
 
 
@@ -149,17 +157,16 @@ def row(name: str, blocks: int, results: dict) -> dict:
     }
 
 
-def measure(args, label: str, name: str, blocks: int, extra: list[str], scratch: Path) -> dict:
+def measure(args, r: Run, scratch: Path) -> dict:
     from relaytrain.compose import compose_config
     from relaytrain.errors import ConfigError, first_line
     from relaytrain.train import run
 
-    base = {"strategy": label, "blocks": blocks}
+    base = {"strategy": r.label, "blocks": r.blocks}
     try:
-        checkpoint = write_checkpoint(args, blocks, scratch / f"checkpoint-{blocks}") if PRETRAINED in extra else None
+        checkpoint = write_checkpoint(args, r.blocks, scratch / f"checkpoint-{r.blocks}") if r.pretrained else None
         with tempfile.TemporaryDirectory(dir=scratch) as run_dir:
-            results = run(compose_config(overrides(args, name, blocks, extra, checkpoint)), run_dir, quiet=True)
-            return row(label, blocks, results)
+            return row(r.label, r.blocks, run(compose_config(overrides(args, r, checkpoint)), run_dir, quiet=True))
     except torch.cuda.OutOfMemoryError:
         return {**base, "status": "out of memory"}
     except ConfigError as err:  # a refusal: the host cannot hold it, a key this torch lacks
@@ -228,14 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     start, rows = time.monotonic(), []
     about = {**machine(args), "args": {k: str(v) for k, v in vars(args).items()}}
     scratch = Path(tempfile.mkdtemp(prefix="bench_gpu-"))  # the adapter rows' checkpoint, the runs' folders
-    for label, name, blocks, extra in runs(args):
+    for r in runs(args):
         if time.monotonic() - start > args.budget_s:
-            rows.append({"strategy": label, "blocks": blocks, "status": f"not run: past the {args.budget_s:.0f} s budget"})
+            skipped = f"not run: past the {args.budget_s:.0f} s budget"
+            rows.append({"strategy": r.label, "blocks": r.blocks, "status": skipped})
         else:
-            rows.append(measure(args, label, name, blocks, extra, scratch))
-        r = rows[-1]
-        print(f"bench_gpu: {label} x {blocks} blocks: {r['status']}, {fmt(r.get('tflops'), '.1f')} TFLOP/s, "
-              f"device peak {fmt(r.get('device_peak_gib'), '.2f')} GiB ({time.monotonic() - start:.0f} s)", flush=True)
+            rows.append(measure(args, r, scratch))
+        done = rows[-1]
+        print(f"bench_gpu: {r.label} x {r.blocks} blocks: {done['status']}, {fmt(done.get('tflops'), '.1f')} TFLOP/s, "
+              f"device peak {fmt(done.get('device_peak_gib'), '.2f')} GiB ({time.monotonic() - start:.0f} s)", flush=True)
         if args.out:  # after every run: a call cut short still brings back what was measured
             args.out.write_text(json.dumps({**about, "elapsed_s": time.monotonic() - start,
                                             "device_peak_deepest_over_shallowest": flatnesses(rows), "rows": rows}, indent=2))

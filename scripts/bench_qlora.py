@@ -91,7 +91,8 @@ def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
     results = run(cfg, Path(run_dir), table=False)
     base_bytes, built_rss, built_anonymous = base_on_the_host(cfg)
     out = {"samples_per_s": results["throughput"]["samples_per_s"], "base_bytes": base_bytes,
-           "built_rss_bytes": built_rss, "built_anonymous_bytes": built_anonymous, "closed_form_base_bytes": ModelFacts.of(cfg).frozen_host_bytes,
+           "built_rss_bytes": built_rss, "built_anonymous_bytes": built_anonymous,
+           "closed_form_base_bytes": ModelFacts.of(cfg).frozen_host_bytes,
            "peak_rss_bytes": results["memory"]["host_peak_rss_bytes"]}
     Path(run_dir, "bench.json").write_text(json.dumps(out))
 

@@ -23,14 +23,15 @@ from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.strategies import build_strategy, choices, strategy_class
 from relaytrain.train import run
+from tests.conformance.references import assert_same_weights
 from tests.test_conformance import conformance_cfg, plain_reference, saved_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 CUDA = "train.device=cuda"
 # fp32 on the GPU against fp32 on the CPU differ only in the order of sums (PyTorch keeps TF32 off
-# for fp32 matrix products unless asked): the conformance suite's own tolerance holds.
-FP32 = {"atol": 2e-5, "rtol": 1e-4}
+# for fp32 matrix products unless asked): the conformance suite's own tolerance holds
+# (`references.assert_same_weights`).
 # bf16 keeps 8 significant bits (a rounding error of 2^-9 per operation). On the CPU, this model's
 # two-step update came out 0.38 % off the fp32 one under amp_bf16 (baseline and l2l alike) and
 # 0.66 % under cmp_bf16 (update_error, 2026-11-25); 5 % leaves room for CUDA's autocast choosing
@@ -55,11 +56,6 @@ def trained_on_cuda(name: str, tmp_path, *overrides: str):
     return cfg, results, saved_weights(tmp_path / "run", cfg)
 
 
-def assert_same_weights(ours: torch.nn.Module, reference: torch.nn.Module) -> None:
-    for (key, a), (_, b) in zip(ours.named_parameters(), reference.named_parameters(), strict=True):
-        torch.testing.assert_close(a, b, **FP32, msg=lambda m, key=key: f"{key}: {m}")
-
-
 def update_error(ours: torch.nn.Module, reference: torch.nn.Module, initial: torch.nn.Module) -> float:
     """|ours - reference| / |reference - initial| over every weight: the error of the update the
     steps made, relative to its size (the weights themselves barely move in two steps)."""
@@ -70,7 +66,7 @@ def update_error(ours: torch.nn.Module, reference: torch.nn.Module, initial: tor
 @pytest.mark.parametrize("name", choices())
 def test_every_strategy_equals_its_update_rule_on_cuda(name, tmp_path):
     cfg, _, ours = trained_on_cuda(name, tmp_path)
-    assert_same_weights(ours, plain_reference(cfg, strategy_class(name).capabilities.update_delay, "cuda"))
+    assert_same_weights(ours, plain_reference(cfg, strategy_class(name).capabilities.update_delay, "cuda"), name)
 
 
 @pytest.mark.parametrize("stash", ["device", "host"])
@@ -78,7 +74,7 @@ def test_every_strategy_equals_its_update_rule_on_cuda(name, tmp_path):
 def test_l2l_relays_through_pinned_memory_on_its_own_streams(stash, prefetch, tmp_path):
     overrides = (f"strategy.stash={stash}", f"strategy.prefetch={str(prefetch).lower()}")
     cfg, results, ours = trained_on_cuda("l2l", tmp_path, *overrides)
-    assert_same_weights(ours, plain_reference(cfg, 0, "cuda"))
+    assert_same_weights(ours, plain_reference(cfg, 0, "cuda"), f"l2l {overrides}")
     report = results["strategy_report"]
     assert report["stash"] == stash and report["peak_resident_blocks"] <= report["max_resident_blocks"]
     if prefetch:  # the next part arrives while the current one computes: both are resident
@@ -113,7 +109,7 @@ def test_bf16_updates_stay_within_bf16_error_of_fp32(name, precision, tmp_path):
 
 def test_fsdp_with_shards_on_the_host_equals_the_plain_loop(tmp_path):
     cfg, _, ours = trained_on_cuda("fsdp", tmp_path, "strategy.offload=host")
-    assert_same_weights(ours, plain_reference(cfg, 0, "cuda"))
+    assert_same_weights(ours, plain_reference(cfg, 0, "cuda"), "fsdp offload=host")
 
 
 @pytest.mark.parametrize("name", ["baseline", "l2l"])
@@ -146,23 +142,10 @@ def test_qlora_quantizes_and_dequantizes_on_cuda_as_the_cpu_round_trip(name, tmp
     """model.quantize=nf4 on cuda: bitsandbytes' CUDA kernels quantize the blocks at load and
     dequantize each layer just before use (under L2L the 4-bit storage is what travels); the
     continued adapter lands where the plain peft loop over the CPU's NF4 round trip does."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from tests.models.test_qlora import continues_the_round_trip, qlora_checkpoints
 
-    from tests.checkpoints import tiny_decoder
-    from tests.models.test_lora import adapters_of, peft_adapter, peft_reference
-    from tests.models.test_qlora import nf4_round_trip, qlora_cfg
-
-    base = tiny_decoder(tmp_path / "base", "llama", layers=4)
-    adapter, rounded = peft_adapter(base, tmp_path / "adapter"), nf4_round_trip(base, tmp_path / "rounded")
-    cfg = qlora_cfg(base, adapter, name, CUDA)
-    results = run(cfg, tmp_path / "run", quiet=True)
+    results, _ = continues_the_round_trip(qlora_checkpoints(tmp_path), name, tmp_path / "run", CUDA)
     assert results["device"].startswith("cuda")
-    ours = adapters_of(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "run" / "model"))
-    theirs = adapters_of(peft_reference(rounded, adapter, cfg, delay=0)[0])
-    assert ours.keys() == theirs.keys() and ours
-    for key, p in ours.items():
-        torch.testing.assert_close(p, theirs[key], **FP32, msg=key)
 
 
 @pytest.mark.parametrize(("arch", "name"), [("qwen3_moe", "baseline"), ("mixtral", "l2l")])
@@ -171,14 +154,9 @@ def test_a_mixture_of_experts_trains_on_cuda_as_the_plain_hugging_face_loop(arch
     computes them there) ends with the weights of the plain loop on the CPU."""
     from relaytrain.compose import compose_config
     from tests.checkpoints import tiny_moe
-    from tests.conformance.references import hf_saved
-    from tests.models.test_moe import RUN_KEYS, VARIANTS, hf_moe_reference
+    from tests.models.test_moe import RUN_KEYS, VARIANTS, trains_as_hugging_face
 
     pretrained = tiny_moe(tmp_path / "checkpoint", arch, layers=3)
     cfg = compose_config([f"model.pretrained={pretrained}", *VARIANTS[name], *RUN_KEYS, CUDA])
-    results = run(cfg, tmp_path / "run", quiet=True)
+    results, _, _ = trains_as_hugging_face(pretrained, cfg, tmp_path / "run", f"{arch} under {name} on cuda", rel=1e-4)
     assert results["device"].startswith("cuda")
-    reference, losses, terms = hf_moe_reference(pretrained, cfg)
-    assert_same_weights(hf_saved(tmp_path / "run"), reference)
-    assert results["loss"] == pytest.approx(losses, rel=1e-4, abs=1e-5)
-    assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-4)

@@ -3,16 +3,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from relaytrain.data import cache
-
-# The GPU machine of `make test-gpu` has no `datasets` (relaytrain imports it lazily): these modules
-# import it at their top, so there they are left uncollected rather than stopping the collection.
-if importlib.util.find_spec("datasets") is None:
-    collect_ignore = ["test_data_sources.py", "test_mixtures.py", "test_record_forms.py", "test_streaming.py"]
 
 
 @pytest.fixture(autouse=True)

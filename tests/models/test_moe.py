@@ -133,19 +133,27 @@ def matrix() -> list:
             for arch in MOE_ARCHITECTURES for variant in VARIANTS]
 
 
+def trains_as_hugging_face(pretrained: Path, cfg, run_dir: Path, what: str, rel: float = 1e-5) -> tuple:
+    """`cfg` run into `run_dir` ends on the weights of the plain Hugging Face loop from
+    `pretrained` and reports its losses and balancing term (within `rel`, the term beside the
+    loss). Returns the results, the saved model and the loop's terms."""
+    results = run(cfg, run_dir, table=False)
+    reference, losses, terms = hf_moe_reference(pretrained, cfg)
+    ours = saved(run_dir)
+    assert_same_weights(ours, reference, what)
+    assert results["loss"] == pytest.approx(losses, rel=rel, abs=1e-5)
+    assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=rel)
+    return results, ours, terms
+
+
 @pytest.mark.parametrize(("arch", "variant"), matrix())
 def test_a_strategy_trains_the_mixture_as_a_plain_hugging_face_loop(arch, variant, checkpoints, tmp_path):
     pretrained = checkpoints(arch)
     cfg = compose_config([f"model.pretrained={pretrained}", *VARIANTS[variant], *RUN_KEYS])
-    results = run(cfg, tmp_path / "run", table=False)
-    reference, losses, terms = hf_moe_reference(pretrained, cfg)
-    ours = saved(tmp_path / "run")
-    assert_same_weights(ours, reference, f"{arch} under {variant}")
+    _, ours, terms = trains_as_hugging_face(pretrained, cfg, tmp_path / "run", f"{arch} under {variant}")
     start = dict(AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32).named_parameters())
     moved = {key for key, p in ours.named_parameters() if (p - start[key]).abs().max() > 1e-3}
     assert {key for key in start if "experts" in key or "gate" in key} <= moved, "an expert or a router did not train"
-    assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
-    assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)  # reported beside the loss
     logged = [row["router_aux"] for row in read_metrics(tmp_path / "run")]  # and in metrics.csv, step by step
     assert logged == pytest.approx(terms, rel=1e-5)
 

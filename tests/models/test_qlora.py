@@ -41,8 +41,11 @@ FAST = {"baseline", "l2l"}
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> tuple[Path, Path, Path]:
+    return qlora_checkpoints(tmp_path_factory.mktemp("qlora"))
+
+
+def qlora_checkpoints(root: Path) -> tuple[Path, Path, Path]:
     """(base checkpoint, a peft adapter made for it, the base with its blocks' linear weights rounded through NF4)."""
-    root = tmp_path_factory.mktemp("qlora")
     base = tiny_decoder(root / "base", "llama", layers=4)
     return base, peft_adapter(base, root / "adapter"), nf4_round_trip(base, root / "rounded")
 
@@ -68,17 +71,24 @@ def qlora_cfg(base: Path, adapter: Path, variant: str, *overrides: str):
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v in FAST else pytest.mark.slow) for v in VARIANTS])
 def test_a_continued_adapter_over_nf4_equals_a_plain_peft_loop_over_the_round_trip(variant, llama, tmp_path):
-    base, adapter, rounded = llama
-    cfg = qlora_cfg(base, adapter, variant)
-    results = run(cfg, tmp_path / "run", table=False)
-    saved = tmp_path / "run" / "model"
-    ours = adapters_of(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), saved))
+    results, losses = continues_the_round_trip(llama, variant, tmp_path / "run")
+    assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+
+
+def continues_the_round_trip(checkpoints: tuple[Path, Path, Path], variant: str, run_dir: Path,
+                             *overrides: str) -> tuple[dict, list[float]]:
+    """The adapter continued over the NF4 base under `variant` (`qlora_checkpoints`' three) equals
+    the plain peft loop's over the round trip, to float noise. Returns the results and the loop's losses."""
+    base, adapter, rounded = checkpoints
+    cfg = qlora_cfg(base, adapter, variant, *overrides)
+    results = run(cfg, run_dir, table=False)
+    ours = adapters_of(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run_dir / "model"))
     reference, losses = peft_reference(rounded, adapter, cfg, delay=0)
     theirs = adapters_of(reference)
     assert ours.keys() == theirs.keys() and ours
     for key, p in ours.items():
         torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=lambda m, key=key: f"{variant} {key}: {m}")
-    assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+    return results, losses
 
 
 def test_the_adapter_loads_over_the_original_base_and_merging_uses_the_original_weights(llama, tmp_path, capsys):
