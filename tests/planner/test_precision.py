@@ -211,6 +211,22 @@ def test_an_nf4_base_is_planned_at_its_bytes():
         bf16.frozen_host_bytes - nf4.frozen_host_bytes
 
 
+def test_a_4_bit_base_read_as_fp32_masters_is_planned_at_that_peak():
+    """Under a strategy that does not keep the base compact, a 4-bit base is read as fp32 masters
+    and quantized after: the host check counts that moment (the fp32 model), not only the smaller
+    model it leaves. L2L reads the base in the checkpoint's half dtype and never holds it in fp32.
+    Llama-3-8B over NF4 on one 24 GB card with 24 GB of host memory: the baseline's read (32 GB)
+    does not fit, L2L's does."""
+    qlora = [*LLAMA_8B, "adapter=qlora", "plan.device=rtx4090_24gb", "plan.workers=1", "plan.batch_size=8"]
+    facts = ModelFacts.of(compose(qlora))
+    assert facts.build_peak_bytes(compact_base=False) == facts.params * 4 > 3 * facts.built_bytes(compact_base=False)
+    assert facts.build_peak_bytes(compact_base=True) == facts.built_bytes(compact_base=True)
+    plan = make_plan([*qlora, "plan.host_memory_gb=24", "plan.strategies=[baseline,l2l]"], max_simulations=2)
+    baseline = [c for c in plan.candidates if c.shape.strategy == "baseline" and c.cost is not None]
+    assert baseline and all(c.over_host and c.host_bytes > facts.params * 4 for c in baseline)
+    assert plan.best is not None and plan.best.shape.strategy == "l2l"
+
+
 def test_the_baseline_s_dry_run_holds_a_4_bit_base_at_its_bytes(tmp_path):
     """The dry run counts every weight on the device, the frozen base too, and a 4-bit one at its
     storage's bytes: what the planner's facts say the base as built weighs (fp32 but the NF4)."""

@@ -168,6 +168,15 @@ class ModelFacts:
         return self.trained_params * FP32 + self.whole(
             lambda part: self.frozen_part_bytes(part, self.frozen_bytes if compact_base else FP32))
 
+    def build_peak_bytes(self, compact_base: bool) -> int:
+        """The most the host holds while it builds the model: the model as built, but a 4-bit base
+        under a strategy that does not keep its base compact is first read as fp32 masters (every
+        value at 4 bytes, `models.build_model`) and quantized after, so its peak is the fp32 model."""
+        built = self.built_bytes(compact_base)
+        if self.quantized is None or compact_base:
+            return built
+        return max(built, self.params * FP32)
+
     # ---- what each part weighs (embed, block, head: 0, 1, 2), 4-bit weights at their bytes
 
     def whole(self, of_part) -> int:

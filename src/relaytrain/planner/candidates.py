@@ -174,11 +174,12 @@ def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, req
 def host_bytes(cls, cfg, facts: ModelFacts, profile: Profile, shape: Shape) -> int:
     """Host memory of the fullest machine, an estimate: each of its workers holds its strategy's
     host state (`host_state_bytes`) or, if larger, the model it builds there before placing it
-    (fp32; an adapter's frozen base in the checkpoint's dtype where the strategy keeps it so),
-    plus the interpreter and libraries (`preflight.HEADROOM`). The workers of one machine: a
-    profile's devices per node, or every worker on this machine's CPU."""
+    (fp32; an adapter's frozen base in the checkpoint's dtype where the strategy keeps it so; a
+    4-bit base at its peak while it is quantized, `ModelFacts.build_peak_bytes`), plus the
+    interpreter and libraries (`preflight.HEADROOM`). The workers of one machine: a profile's
+    devices per node, or every worker on this machine's CPU."""
     per_machine = shape.workers if profile.device_type == "cpu" else min(shape.workers, profile.devices_per_node)
-    worker = max(facts.built_bytes(cls.compact_base), cls.cost_model.host_state_bytes(cfg, facts)) + HEADROOM
+    worker = max(facts.build_peak_bytes(cls.compact_base), cls.cost_model.host_state_bytes(cfg, facts)) + HEADROOM
     return int(per_machine * worker)
 
 
