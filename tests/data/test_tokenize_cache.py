@@ -128,7 +128,9 @@ def _prepare(cfg, counter: Path, out: Path) -> None:
 
 def test_several_processes_of_one_run_tokenize_once(tmp_path):
     cfg = chat_cfg(f"data.cache_dir={tmp_path / 'cache'}")
-    context = multiprocessing.get_context("fork")
+    # Spawned, as a run's workers are: a fork of this process (torch's and the tokenizer's threads
+    # already running) crashed at random in the child's tokenizer.
+    context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=_prepare, args=(cfg, tmp_path / "counter", tmp_path / f"{rank}.json"))
                for rank in range(3)]
     for worker in workers:
