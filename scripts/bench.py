@@ -51,7 +51,7 @@ COMPARED = {
     "eps_exposed_share": "EPS work exposed after overlap with backward",
     "lora_l2l_host_bytes_ratio": "l2l host memory, adapter=lora / full fine-tuning (bf16 Llama layout)",
     "lora_l2l_vs_full_l2l": "l2l samples/s, adapter=lora / full fine-tuning (the same model and batch)",
-    "qlora_l2l_host_bytes_ratio": "l2l host bytes of the base, adapter=qlora (NF4) / adapter=lora (bf16)",
+    "qlora_l2l_host_bytes_ratio": "l2l host bytes of the base, adapter=qlora (NF4) / adapter=lora (bf16), Llama-3-70B / 16",
     "qlora_l2l_vs_lora_l2l": "l2l samples/s, adapter=qlora (NF4 base) / adapter=lora (bf16 base)",
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
     "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d, 8 blocks) / bubble formula",

@@ -1,27 +1,27 @@
 """QLoRA under L2L against LoRA under L2L: the base's host memory and throughput.
 
-A bf16 checkpoint of the Llama layout in Llama-3-8B's proportions (`SIZES`; made here by
-save_pretrained, as users' checkpoints are) is fine-tuned under `strategy=l2l` twice per round,
-in separate processes: `adapter=qlora` (LoRA over the blocks' linear weights quantized to NF4 at
-load) and `adapter=lora` (the same LoRA over the bf16 base), same model, minibatch and optimizer.
-Each process trains (results.json: samples/s over the steps after the first) and then builds
-the L2L strategy of the same config and measures the frozen base its eager param server holds
-on the host: the bytes of every storage of its parts' frozen tensors (NF4 codes and scales, the
-bf16 embeddings, norms and head), and the resident set the build added (after `malloc_trim`, so
-what loading freed is not counted); beside them the planner's closed form (`ModelFacts.frozen_host_bytes`). Headlines:
+Bf16 checkpoints of the Llama layout (made here by save_pretrained, as users' checkpoints are)
+are fine-tuned or built under `strategy=l2l`, each in a process of its own, twice: `adapter=qlora`
+(LoRA over the blocks' linear weights quantized to NF4 at load) and `adapter=lora` (the same LoRA
+over the bf16 base), same model, minibatch and optimizer. A process measures the frozen base the
+L2L strategy's eager param server holds on the host: the bytes of every storage of its parts'
+frozen tensors (NF4 codes and scales, the bf16 embeddings, norms and head), and the resident set
+the build added (after `malloc_trim`, so what loading freed is not counted); beside them the
+planner's closed form (`ModelFacts.frozen_host_bytes`). Headlines:
 
-- `qlora_l2l_host_bytes_ratio`: the base's host bytes, NF4 / bf16, median over rounds (target <= 0.35);
-- `qlora_l2l_vs_lora_l2l`: samples/s, NF4 base / bf16 base, median over rounds (target >= 0.8).
+- `qlora_l2l_host_bytes_ratio`: the base's host bytes, NF4 / bf16 (target <= 0.35), of the model
+  the issue is named for, Llama-3-70B, with every width cut by 16 and its depth kept (`SEVENTY_B`:
+  80 blocks, 267 M parameters; the ratio depends on the model's proportions only). Built once
+  each (the bytes of a build are exact; nothing is trained).
+- `qlora_l2l_vs_lora_l2l`: samples/s, NF4 base / bf16 base, median over alternating rounds of
+  training runs (target >= 0.8), on a model of Llama-3-8B's proportions (`SIZES`).
 
 The bytes ratio is set by how much of the base is the blocks' linear weights (4.5 bits a weight
 under NF4) against the embeddings, norms and head (kept in bf16 in both runs, as bitsandbytes
-keeps them). The model is therefore cut to Llama-3-8B's proportions, a size commonly fine-tuned over
-NF4: an MLP 3.5 x the hidden width and embeddings and head 13 % of the bf16 base
-(Llama-3-8B: 2 x 128256 x 4096 of 8.03 B values). `bench_lora.py`'s model, which this bench
-used before, has an MLP of 2.75 x and 16 % in its ends, which alone made its ratio 0.394 where
-Llama-3-8B's closed form (`ModelFacts.frozen_host_bytes`) gives 0.375 and this model's 0.377.
-No model of Llama-3-8B's proportions reaches the target of 0.35 while its ends stay bf16;
-Llama-3-70B (3 % in its ends) does (0.303, closed form).
+keeps them): 3 % of Llama-3-70B's bf16 base, 13 % of Llama-3-8B's (2 x 128256 x 4096 of 8.03 B
+values). The ratio of the training runs' model, Llama-3-8B's proportions at 1/32 of its width, is
+reported beside the headline (`host_bytes_ratio_8b_proportions`; closed form 0.377, Llama-3-8B's
+own 0.375): no model of those proportions reaches 0.35 while its ends stay bf16.
 
     .venv/bin/python scripts/bench_qlora.py --json bench_qlora.json [--rounds 3]
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -42,6 +43,11 @@ ADAPTERS = ("qlora", "lora")
 # Llama-3-8B's proportions at 1/32 of its width (see the module): bench_lora's 8 blocks of hidden
 # 1024, GQA 16/4 and an untied 8k vocabulary, with Llama's MLP of 3.5 x hidden (126 M parameters).
 SIZES = {**LORA_SIZES, "intermediate_size": 3584}
+# Llama-3-70B with every width / 16 and its depth: hidden 8192 -> 512, MLP 28672 -> 1792, 64 heads
+# and 8 KV heads of 128 -> 8 and 1 of 64 (the same 8:1 grouping), vocabulary 128256 -> 8016.
+SEVENTY_B = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=80, num_attention_heads=8,
+                 num_key_value_heads=1, vocab_size=8016, tie_word_embeddings=False)
+BUILD_ONLY = 0  # --steps of a child that builds the strategy and trains nothing
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,17 +94,30 @@ def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
     given = [f"model.pretrained={checkpoint}", f"adapter={adapter}", *RUN, f"train.steps={steps}",
              "train.untimed_steps=1"]
     cfg = resolve(compose_config(given), given)
-    results = run(cfg, Path(run_dir), table=False)
+    results = run(cfg, Path(run_dir), table=False) if steps != BUILD_ONLY else None
     base_bytes, built_rss, built_anonymous = base_on_the_host(cfg)
-    out = {"samples_per_s": results["throughput"]["samples_per_s"], "base_bytes": base_bytes,
-           "built_rss_bytes": built_rss, "built_anonymous_bytes": built_anonymous,
-           "closed_form_base_bytes": ModelFacts.of(cfg).frozen_host_bytes,
-           "peak_rss_bytes": results["memory"]["host_peak_rss_bytes"]}
+    out = {"base_bytes": base_bytes, "built_rss_bytes": built_rss, "built_anonymous_bytes": built_anonymous,
+           "closed_form_base_bytes": ModelFacts.of(cfg).frozen_host_bytes}
+    if results is not None:
+        out.update(samples_per_s=results["throughput"]["samples_per_s"],
+                   peak_rss_bytes=results["memory"]["host_peak_rss_bytes"])
+    Path(run_dir).mkdir(parents=True, exist_ok=True)  # a build-only child ran nothing that made it
     Path(run_dir, "bench.json").write_text(json.dumps(out))
 
 
 def one_run(checkpoint: Path, adapter: str, workdir: Path, steps: int) -> dict:
     return child_run(__file__, steps, [str(checkpoint), adapter], workdir, adapter)
+
+
+def ratio(pair: dict, key: str) -> float:
+    """NF4's figure over bf16's, of one round or build."""
+    return pair["qlora"][key] / pair["lora"][key]
+
+
+def described(adapter: str, f: dict) -> str:
+    return (f"{adapter}: base {f['base_bytes'] / 2**20:.1f} MiB held ({f['built_rss_bytes'] / 2**20:.0f} MiB of "
+            f"resident set built, {f['built_anonymous_bytes'] / 2**20:.0f} MiB of it anonymous, the rest the "
+            f"checkpoint's file pages), {f['closed_form_base_bytes'] / 2**20:.1f} MiB closed form")
 
 
 def main() -> None:
@@ -112,26 +131,30 @@ def main() -> None:
         runs = workdir / "runs"
         runs.mkdir()
         rounds = alternating_rounds(ADAPTERS, args.rounds, lambda adapter: one_run(checkpoint, adapter, runs, args.steps))
-    memory = [r["qlora"]["base_bytes"] / r["lora"]["base_bytes"] for r in rounds]
+        seventy = make_checkpoint(workdir / "seventy_b", SEVENTY_B)
+        built = {adapter: one_run(seventy, adapter, runs, BUILD_ONLY) for adapter in ADAPTERS}
     speed = [r["qlora"]["samples_per_s"] / r["lora"]["samples_per_s"] for r in rounds]
-    closed = rounds[0]["qlora"]["closed_form_base_bytes"] / rounds[0]["lora"]["closed_form_base_bytes"]
     results = {
         "command": "python scripts/bench_qlora.py " + f"--rounds {args.rounds} --steps {args.steps}",
         "model": {**SIZES, "checkpoint_dtype": "bfloat16"}, "run": RUN, "rounds": rounds,
-        "closed_form_ratio": closed, "other_load_cores": load.cores,
-        "headlines": {"qlora_l2l_host_bytes_ratio": headline(memory, 0.35, lower_is_better=True),
+        "host_bytes_model": {**SEVENTY_B, "checkpoint_dtype": "bfloat16"}, "host_bytes_builds": built,
+        "closed_form_ratio": ratio(built, "closed_form_base_bytes"),
+        "host_bytes_ratio_8b_proportions": statistics.median(ratio(r, "base_bytes") for r in rounds),
+        "closed_form_ratio_8b_proportions": ratio(rounds[0], "closed_form_base_bytes"),
+        "other_load_cores": load.cores,
+        "headlines": {"qlora_l2l_host_bytes_ratio": headline([ratio(built, "base_bytes")], 0.35, lower_is_better=True),
                       "qlora_l2l_vs_lora_l2l": headline(speed, 0.8)},
     }
     for name, h in results["headlines"].items():
         print(headline_line(name, h))
-    first = rounds[0]
+    print(f"  Llama-3-70B / 16 (built): closed-form ratio {results['closed_form_ratio']:.3f}")
     for adapter in ADAPTERS:
-        f = first[adapter]
-        print(f"  {adapter}: base {f['base_bytes'] / 2**20:.1f} MiB held ({f['built_rss_bytes'] / 2**20:.0f} MiB of "
-              f"resident set built, {f['built_anonymous_bytes'] / 2**20:.0f} MiB of it anonymous, the rest the "
-              f"checkpoint's file pages), {f['closed_form_base_bytes'] / 2**20:.1f} MiB closed form; "
-              f"{f['samples_per_s']:.2f} samples/s")
-    print(f"  closed-form ratio {closed:.3f}; other processes kept {load.cores:.2f} cores busy")
+        print("    " + described(adapter, built[adapter]))
+    print(f"  Llama-3-8B's proportions (trained): bytes ratio {results['host_bytes_ratio_8b_proportions']:.3f}, "
+          f"closed form {results['closed_form_ratio_8b_proportions']:.3f}")
+    for adapter in ADAPTERS:
+        print("    " + described(adapter, rounds[0][adapter]) + f"; {rounds[0][adapter]['samples_per_s']:.2f} samples/s")
+    print(f"  other processes kept {load.cores:.2f} cores busy")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
