@@ -110,15 +110,26 @@ def test_what_a_crashed_writer_left_is_cleared_and_prepared_again(tmp_path):
     assert sorted(p.name for p in entry.parent.iterdir()) == sorted(["locks", entry.name])
 
 
-def _prepare(cfg, counter: Path, out: Path) -> None:
-    """One process of a run: prepares (counting the tokenizations) and says what it got."""
+def _waiting_on(locks: Path) -> int:
+    """Processes blocked on a lock file under `locks` (the kernel's /proc/locks: `->` marks a waiter)."""
+    inodes = {f":{path.stat().st_ino}" for path in locks.iterdir()}
+    return sum(1 for line in Path("/proc/locks").read_text().splitlines()
+               if "->" in line and any(field.endswith(tuple(inodes)) for field in line.split()))
+
+
+def _prepare(cfg, counter: Path, out: Path, others: int) -> None:
+    """One process of a run: prepares (counting the tokenizations) and says what it got. The one
+    that tokenizes first waits, holding the key's lock, until the `others` are blocked on it."""
     chat = source("chat")
     original = chat.load.__func__
 
     def counted(cls, cfg, tokenizer_dir=None):
         with open(counter, "a") as f:
             f.write(f"{os.getpid()}\n")
-        time.sleep(0.3)  # long enough for the others to be waiting
+        deadline = time.monotonic() + 240  # a bound on a hang (a process that died), not on speed
+        while _waiting_on(Path(cfg.data.cache_dir) / "locks") < others:
+            assert time.monotonic() < deadline, "the other processes never waited on the lock"
+            time.sleep(0.01)
         return original(cls, cfg, tokenizer_dir)
 
     chat.load = classmethod(counted)
@@ -131,12 +142,12 @@ def test_several_processes_of_one_run_tokenize_once(tmp_path):
     # Spawned, as a run's workers are: a fork of this process (torch's and the tokenizer's threads
     # already running) crashed at random in the child's tokenizer.
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_prepare, args=(cfg, tmp_path / "counter", tmp_path / f"{rank}.json"))
+    workers = [context.Process(target=_prepare, args=(cfg, tmp_path / "counter", tmp_path / f"{rank}.json", 2))
                for rank in range(3)]
     for worker in workers:
         worker.start()
     for worker in workers:
-        worker.join(60)
+        worker.join(300)  # a bound on a hang, not on speed: spawned workers import torch first
         assert worker.exitcode == 0
     got = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)]
     assert len((tmp_path / "counter").read_text().split()) == 1

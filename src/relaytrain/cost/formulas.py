@@ -172,10 +172,7 @@ class ModelFacts:
         """The most the host holds while it builds the model: the model as built, but a 4-bit base
         under a strategy that does not keep its base compact is first read as fp32 masters (every
         value at 4 bytes, `models.build_model`) and quantized after, so its peak is the fp32 model."""
-        built = self.built_bytes(compact_base)
-        if self.quantized is None or compact_base:
-            return built
-        return max(built, self.params * FP32)
+        return self.built_bytes(compact_base) if compact_base or self.quantized is None else self.params * FP32
 
     # ---- what each part weighs (embed, block, head: 0, 1, 2), 4-bit weights at their bytes
 
