@@ -11,6 +11,7 @@ from torch import nn
 from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.adapter.files import read_adapter_weights
 from relaytrain.models.adapter.fingerprint import base_fingerprint
+from relaytrain.models.adapter.fused import use_fused_forward
 from relaytrain.models.adapter.layers import ADAPTER, is_conv1d, quiet_peft, short_names, target_names, trains
 
 # What peft's SEQ_CLS task adds to modules_to_save: the classification head, trained in full.
@@ -32,6 +33,7 @@ def attach(model, a, checkpoint_dtype: str | None = None, quiet: bool = False) -
     except ValueError as err:  # peft's NoMatchingPeftModuleError: the adapter's targets are not in this model
         raise ConfigError(f"adapter.pretrained={a.pretrained} was made for another base ({first_line(err)}); "
                           f"use the model.pretrained it was trained on") from err
+    use_fused_forward(model.hf_model)
     _refuse_tied(model.hf_model, tied)
     if a.merge_on_save:
         _refuse_unmergeable(model.hf_model)
