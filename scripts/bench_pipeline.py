@@ -20,9 +20,9 @@
     .venv/bin/python scripts/bench_pipeline.py [--steps 14] [--rounds 5] [--json bench_pipeline.json]
 
 Throughput is mean step time after warm-up steps, from results.json (ours) or the same
-clock around `schedule.step` (torch). The contestants alternate over `--rounds` rounds; each
-comparison's headline is the median of the rounds' own ratios, with the best round and the
-spread beside it.
+clock around `schedule.step` (torch). The contestants run in `--rounds` rounds, each
+comparison's two side by side, the order reversed every other round; each comparison's
+headline is the median of the rounds' own ratios, with the best round and the spread beside it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchlib import headline
+from benchlib import alternating_rounds, headline
 from relaytrain.compose import compose_config
 from relaytrain.cost.formulas import fill_and_drain_bubble
 from relaytrain.models.layered import MicroBatch
@@ -210,18 +210,21 @@ def main(argv: list[str]) -> int:
         return bench_cfg("pipe_flush", d, 2 * d, args.steps, args.warmup, f"strategy.layout={layout}", model=HEAVY_HEAD)
 
     flush_cfg = bench_cfg("pipe_flush", d, 2 * d, args.steps, args.warmup)
+    # In run order: each comparison's contestants side by side (ours_flush between its two), so a
+    # ratio compares runs seconds apart, not a round's first and last, minutes apart on a VM whose
+    # speed drifts; the order reverses every other round, so neither side always goes first.
     contestants = {
-        "ours_flush": lambda: ours(flush_cfg),
-        "torch_flush": lambda: torch_1f1b(flush_cfg),
         "torch_flush_kept_malloc": lambda: torch_1f1b(flush_cfg, tuned_allocator=True),
+        "torch_flush": lambda: torch_1f1b(flush_cfg),
+        "ours_flush": lambda: ours(flush_cfg),
+        "interleaved": lambda: ours(bench_cfg("pipe_interleaved", d, 2 * d, args.steps, args.warmup,
+                                              f"strategy.chunks={CHUNKS}")),
         "flush_md": lambda: ours(bench_cfg("pipe_flush", d, d, args.steps, args.warmup, *EIGHT_BLOCKS)),
         "2bw_md": lambda: ours(bench_cfg("pipe_2bw", d, d, args.steps, args.warmup, *EIGHT_BLOCKS)),
         "balanced": lambda: ours(layout_cfg("balanced")),
         "even": lambda: ours(layout_cfg("even")),
-        "interleaved": lambda: ours(bench_cfg("pipe_interleaved", d, 2 * d, args.steps, args.warmup,
-                                              f"strategy.chunks={CHUNKS}")),
     }
-    rounds = [{name: run() for name, run in contestants.items()} for _ in range(args.rounds)]
+    rounds = alternating_rounds(contestants, args.rounds, lambda name: contestants[name]())
     best = {name: min(r[name] for r in rounds) for name in contestants}
     ours_flush, torch_flush, flush_md, two_bw_md = (best[n] for n in ("ours_flush", "torch_flush", "flush_md", "2bw_md"))
 
