@@ -22,7 +22,6 @@ import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
-
 # Where it runs. A dry run (the meta device) keeps peft's forward: its autocast is relaytrain's
 # own (`meta_autocast`), which torch.is_autocast_enabled cannot see; counting peft's temporaries
 # there errs on the safe side for an fp32 run.
@@ -36,13 +35,12 @@ class FusedLoraLinear(LoraLinear):
         adapter = self._fusable_adapter(x, args, kwargs)
         if adapter is None:
             return super().forward(x, *args, **kwargs)
+        # An fp32 input outside autocast gives an fp32 base output: F.linear refuses mixed dtypes,
+        # and an NF4 base dequantizes in its input's dtype.
         result = self.base_layer(x)
         low_rank = self.lora_A[adapter](self.lora_dropout[adapter](x))
-        up = self.lora_B[adapter].weight
-        if result.dtype != torch.float32:  # a base that computes in another dtype: peft's arithmetic
-            return (result + nn.functional.linear(low_rank, up) * self.scaling[adapter]).to(result.dtype)
-        fused = torch.addmm(result.reshape(-1, result.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1]), up.t(),
-                            alpha=self.scaling[adapter])
+        fused = torch.addmm(result.reshape(-1, result.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1]),
+                            self.lora_B[adapter].weight.t(), alpha=self.scaling[adapter])
         return fused.view(result.shape)
 
     def _fusable_adapter(self, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
