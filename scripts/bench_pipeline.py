@@ -103,8 +103,9 @@ def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out, tuned_a
     from relaytrain.data import build_dataset, build_loader
     from relaytrain.launch import keep_freed_host_memory
     from relaytrain.models import build_model
+    from relaytrain.objectives.base import Divisor
     from relaytrain.optim import build_optimizer
-    from relaytrain.strategies.base import minibatch_items
+    from relaytrain.strategies.base import minibatch_divisor
     from relaytrain.strategies.pipeline.stage import StageModule, partition
 
     cfg = OmegaConf.create(cfg_dict)
@@ -116,11 +117,11 @@ def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out, tuned_a
     blocks = partition(cfg.model.num_layers, world)[rank]
     stage = StageModule(build_model(cfg.model, seed=0), blocks, first=rank == 0, last=rank == world - 1)
     optimizer = build_optimizer(stage.named_parameters(), cfg.optim)
-    items = {"n": 1}
+    divisor = {"now": Divisor(1)}
 
     def loss_fn(hidden, labels):
         # torch's schedule hands the loss only the labels: the objective reads nothing else here
-        return stage.model.head_loss(hidden, MicroBatch(input_ids=labels, labels=labels)).over(items["n"])
+        return stage.model.head_loss(hidden, MicroBatch(input_ids=labels, labels=labels)).over(divisor["now"])
 
     # GPT-2's wte (stage 0) and lm_head (last stage) are one tied weight: as relaytrain does, sum
     # their gradients over the two copies every step, or torch would train (and time) an untied model.
@@ -139,7 +140,7 @@ def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out, tuned_a
         minibatch = next(loader)
         ids = torch.cat([mb.input_ids for mb in minibatch])
         labels = torch.cat([mb.labels for mb in minibatch])
-        items["n"] = minibatch_items(stage.model, minibatch)
+        divisor["now"] = minibatch_divisor(stage.model, minibatch)
         if rank == 0:
             schedule.step(ids)
         elif rank == world - 1:

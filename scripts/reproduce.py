@@ -177,7 +177,7 @@ def _one_process_losses(cfg, delayed: bool) -> list[float]:
     from relaytrain.data import build_dataset, build_loader
     from relaytrain.models import build_model
     from relaytrain.optim import build_optimizer, lr_at, set_lr
-    from relaytrain.strategies.base import minibatch_items
+    from relaytrain.strategies.base import minibatch_divisor
 
     model = build_model(cfg.model, cfg.train.seed, quiet=True)
     stale = copy.deepcopy(model)  # the version a delayed gradient is taken at
@@ -188,10 +188,10 @@ def _one_process_losses(cfg, delayed: bool) -> list[float]:
         if delayed:
             stale.load_state_dict(previous)
             previous, net = copy.deepcopy(model.state_dict()), stale
-        items = minibatch_items(net, minibatch)
+        divisor = minibatch_divisor(net, minibatch)
         loss = 0.0
         for mb in minibatch:
-            part = net(mb, items)
+            part = net(mb, divisor)
             part.backward()
             loss += part.item()
         losses.append(loss)

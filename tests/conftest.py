@@ -19,7 +19,7 @@ from relaytrain.data import build_dataset, build_loader
 from relaytrain.data import cache as _cache
 from relaytrain.models import build_model
 from relaytrain.optim import build_optimizer, lr_at, set_lr
-from relaytrain.strategies.base import minibatch_items, replica_rows
+from relaytrain.strategies.base import minibatch_divisor, replica_rows
 
 # The tokenize cache of every run the tests start (and of the processes those start, and of
 # pytest-xdist's workers, which inherit this process's environment) in a scratch folder of this
@@ -114,10 +114,10 @@ def train_plain_loop(cfg, steps: int, delay: int = 0, replicas: int = 1, device:
         if delay:
             stale.load_state_dict(versions.pop(0))
             versions.append(copy.deepcopy(model.state_dict()))
-        items = minibatch_items(stale, minibatch)
+        divisor = minibatch_divisor(stale, minibatch, replicas)
         for replica in range(replicas):
             for mb in replica_rows(minibatch, replica, replicas):
-                stale(mb, loss_items=items).backward()
+                stale(mb, divisor).backward()
         if delay:
             for p, q in zip(model.parameters(), stale.parameters(), strict=True):
                 p.grad, q.grad = q.grad, None

@@ -7,7 +7,10 @@ whichever way the examples were split (micro-batches, replicas, pipeline stages)
 strategy reports the figures plain transformers gives on the saved model, and the final
 metrics (`metrics`) are computed once, from the totals.
 
-Padding rows and tokens carry the label -100 and count nowhere.
+Padding rows and tokens carry the label -100 and count nowhere. A mixture whose routers
+balance also sums its balancing term over the evaluated micro-batches (`with_router_aux`),
+reported beside the loss as `router_aux`, their mean: Hugging Face's eval-mode loss of a
+micro-batch is its cross-entropy plus that term.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from dataclasses import dataclass
 import torch
 
 IGNORE_INDEX = -100
-_LOSS, _ITEMS, _CORRECT, _CONFUSION = 0, 1, 2, 3  # positions in the sums vector
+# Positions in the sums vector: a mixture's summed router terms and the micro-batches they are of
+# come before the confusion matrix.
+_LOSS, _ITEMS, _CORRECT, _ROUTER_AUX, _ROUTED_MICROBATCHES, _CONFUSION = range(6)
 
 # GLUE tasks scored by something other than accuracy (the benchmark's own choice).
 GLUE_METRIC = {"cola": "matthews_correlation", "mrpc": "f1", "qqp": "f1"}
-METRICS = ("loss", "accuracy", "perplexity", "matthews_correlation", "f1")  # every figure an evaluation may report
+METRICS = ("loss", "accuracy", "perplexity", "matthews_correlation", "f1", "router_aux")  # every figure an evaluation may report
 LOWER_IS_BETTER = {"loss", "perplexity"}
 
 
@@ -60,7 +65,9 @@ class EvalStats:
         valid = targets != IGNORE_INDEX
         loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
         predicted = logits.argmax(dim=-1)
-        head = torch.stack([loss.double(), valid.sum().double(), ((predicted == targets) & valid).sum().double()])
+        zero = loss.new_zeros((), dtype=torch.float64)
+        head = torch.stack([loss.double(), valid.sum().double(), ((predicted == targets) & valid).sum().double(),
+                            zero, zero])
         if num_labels is None:
             return cls(head.cpu())
         pairs = targets[valid] * num_labels + predicted[valid]
@@ -69,6 +76,13 @@ class EvalStats:
 
     def __add__(self, other: EvalStats) -> EvalStats:
         return EvalStats(self.sums + other.sums)
+
+    def with_router_aux(self, term: float) -> EvalStats:
+        """These sums with one micro-batch's router term (`router_aux_loss_coef * aux`) added."""
+        sums = self.sums.clone()
+        sums[_ROUTER_AUX] += term
+        sums[_ROUTED_MICROBATCHES] += 1
+        return EvalStats(sums)
 
     @property
     def items(self) -> int:
@@ -89,6 +103,9 @@ class EvalStats:
             return {"loss": None, "items": 0}
         loss = float(self.sums[_LOSS]) / items
         out = {"loss": loss, "items": items}
+        routed = int(self.sums[_ROUTED_MICROBATCHES])
+        if routed:
+            out["router_aux"] = float(self.sums[_ROUTER_AUX]) / routed
         if objective.metric == "perplexity":
             out["perplexity"] = math.exp(min(loss, 700.0))
         else:

@@ -4,9 +4,10 @@ Tiny Qwen3-MoE (a dense layer among routed ones), Qwen2-MoE (a shared expert), M
 checkpoints written by `save_pretrained`, `output_router_logits` on with a coefficient of 0.5: the
 layered model's loss and every gradient equal Hugging Face's own `model(..., labels=).loss`
 (cross-entropy plus `router_aux_loss_coef * aux`), and a run from `model.pretrained=DIR` alone
-ends with the weights of a plain Hugging Face loop whose loss is the mean over micro-batches (each
-replica's share one of them) of Hugging Face's own loss of each, with torch's AdamW, weight decay
-and warm-up. The pipelines train a mixture without the balancing loss exactly here (with it:
+ends with the weights of a plain Hugging Face loop whose loss is Hugging Face's cross-entropy
+over the minibatch's items plus the mean over micro-batches (each replica's share one of them) of
+Hugging Face's `router_aux_loss_coef * aux` of each, with torch's AdamW, weight decay and warm-up;
+with chat data, whose micro-batches hold unequal numbers of labelled tokens, too. The pipelines train a mixture without the balancing loss exactly here (with it:
 tests/strategies/pipeline/test_moe_pipelines.py); the mixture types not proven are refused.
 Around them: Mixtral's router jitter and dropout drawn under the micro-batch's key (every
 strategy equals the plain loop), LoRA on the fused experts (peft's `target_parameters`)
@@ -27,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from relaytrain import checkpoint
 from relaytrain.compose import compose_config, validate
 from relaytrain.cost.work import block_matmul_flops, block_shape
+from relaytrain.data import build_datasets, eval_batches
 from relaytrain.errors import ConfigError
 from relaytrain.models import build_model, count_parameters, part_parameters
 from relaytrain.models.family import family_of
@@ -102,25 +104,29 @@ def hf_moe_reference(pretrained: Path, cfg, balancing: bool = True, **config) ->
 
 
 def moe_loop(model: torch.nn.Module, optimizer, cfg) -> tuple[list[float], list[float]]:
-    """The run's minibatches through `model` (Hugging Face's or peft's): each micro-batch's (each
-    replica's share's) own loss, aux term included where the config has it on, averaged over them;
-    each step's loss and `router_aux_loss_coef * aux`."""
+    """The run's minibatches through `model` (Hugging Face's or peft's): Hugging Face's loss of
+    each micro-batch (each replica's share) given the minibatch's item count, so its cross-entropy
+    is a share of the minibatch's mean, with its `router_aux_loss_coef * aux` (where the config
+    has it on) counted once over the micro-batches: their mean. Each step's loss and term."""
     replicas = strategy_class(cfg.strategy.name).replicas(cfg)
     config = model.config if hasattr(model.config, "router_aux_loss_coef") else model.get_base_model().config
     model.train()
     losses, terms = [], []
     for step, minibatch in enumerate(minibatches(cfg)):
         shares = [mb for r in range(replicas) for mb in replica_rows(minibatch, r, replicas)]
-        total = aux = 0.0
+        items = sum(int((mb.labels[:, 1:] != -100).sum()) for mb in shares)
+        total = mean_aux = 0.0
         for mb in shares:
             mask = torch.ones_like(mb.input_ids) if mb.attention_mask is None else mb.attention_mask
-            out = model(input_ids=mb.input_ids, attention_mask=mask, labels=mb.labels, use_cache=False)
-            (out.loss / len(shares)).backward()
-            total += float(out.loss.detach()) / len(shares)
-            if out.aux_loss is not None:
-                aux += float(out.aux_loss.detach()) * config.router_aux_loss_coef / len(shares)
+            out = model(input_ids=mb.input_ids, attention_mask=mask, labels=mb.labels, num_items_in_batch=items,
+                        use_cache=False)
+            aux = config.router_aux_loss_coef * out.aux_loss if out.aux_loss is not None else torch.zeros(())
+            loss = out.loss - aux + aux / len(shares)
+            loss.backward()
+            total += float(loss.detach())
+            mean_aux += float(aux.detach()) / len(shares)
         losses.append(total)
-        terms.append(aux)
+        terms.append(mean_aux)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optim, cfg.train.steps)
         optimizer.step()
@@ -156,6 +162,59 @@ def test_a_strategy_trains_the_mixture_as_a_plain_hugging_face_loop(arch, varian
     assert {key for key in start if "experts" in key or "gate" in key} <= moved, "an expert or a router did not train"
     logged = [row["router_aux"] for row in read_metrics(tmp_path / "run")]  # and in metrics.csv, step by step
     assert logged == pytest.approx(terms, rel=1e-5)
+
+
+def unequal_chat(path: Path) -> Path:
+    """Chat records whose replies range from two words to twenty: micro-batches of them hold very
+    different numbers of labelled tokens."""
+    path.write_text("".join(
+        f'{{"messages": [{{"role": "user", "content": "say {i}"}}, '
+        f'{{"role": "assistant", "content": "{" ".join(["ok"] * (2 + 18 * (i // 2 % 2)))}"}}]}}\n' for i in range(16)))
+    return path
+
+
+@pytest.mark.parametrize("variant", ["baseline", pytest.param("l2l", marks=pytest.mark.slow),
+                                     pytest.param("pipe_flush", marks=pytest.mark.slow)])
+def test_the_balancing_term_is_the_mean_over_micro_batches_of_unequal_replies(variant, checkpoints, tmp_path):
+    """A micro-batch's balancing term counts once, whatever number of reply tokens it holds: the
+    minibatch's loss is the cross-entropy over its items plus the mean of the micro-batches' terms."""
+    pretrained = checkpoints("qwen3_moe")
+    keys = [f"model.pretrained={pretrained}", f"strategy={variant}", "data=chat",
+            f"data.path={unequal_chat(tmp_path / 'chat.jsonl')}", "data.seq_len=48", "data.shuffle=false",
+            *(key for key in RUN_KEYS if not key.startswith("data."))]
+    cfg = compose_config(keys)
+    items = [int((mb.labels[:, 1:] != -100).sum()) for mb in minibatches(cfg)[0]]
+    assert max(items) > 2 * min(items)  # the micro-batches' items differ: token weighting would show
+    trains_as_hugging_face(pretrained, cfg, tmp_path / "run", f"qwen3_moe under {variant} on chat data")
+
+
+@pytest.mark.parametrize("variant", ["baseline", pytest.param("l2l", marks=pytest.mark.slow),
+                                     pytest.param("pipe_flush", marks=pytest.mark.slow)])
+def test_the_evaluation_reports_the_balancing_term_beside_the_cross_entropy(variant, checkpoints, tmp_path):
+    """Hugging Face's eval-mode loss of a mixture is its cross-entropy plus `coef * aux`: the
+    evaluation reports the cross-entropy over every held-out item as `loss` (its perplexity
+    beside) and the micro-batches' mean term as `router_aux`, each equal to Hugging Face's on the
+    saved model."""
+    pretrained = checkpoints("qwen3_moe")
+    cfg = resolve(compose_config([f"model.pretrained={pretrained}", f"strategy={variant}", "data.eval_fraction=0.25",
+                                  *RUN_KEYS]))
+    (figures,) = run(cfg, tmp_path / "run", table=False)["eval"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model", dtype=torch.float32).eval()
+    s = cfg.strategy
+    held_out = build_datasets(cfg)[1]
+    assert len(held_out) % s.microbatch_size == 0  # no micro-batch filled up with copies
+    cross_entropy, items, terms = 0.0, 0, []
+    for mb in (mb for batch in eval_batches(held_out, s.microbatch_size, s.num_microbatches) for mb in batch):
+        with torch.no_grad():
+            out = model(input_ids=mb.input_ids, labels=mb.labels)
+        count = int((mb.labels[:, 1:] != -100).sum())
+        term = model.config.router_aux_loss_coef * float(out.aux_loss)
+        cross_entropy, items = cross_entropy + (float(out.loss) - term) * count, items + count
+        terms.append(term)
+    assert figures["items"] == items
+    assert figures["loss"] == pytest.approx(cross_entropy / items, rel=1e-5)
+    assert figures["router_aux"] == pytest.approx(sum(terms) / len(terms), rel=1e-5) and figures["router_aux"] > 0.1
+    assert read_metrics(tmp_path / "run")[-1]["eval_router_aux"] == pytest.approx(figures["router_aux"])
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])

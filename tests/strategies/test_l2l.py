@@ -14,7 +14,7 @@ from relaytrain.cli import main
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.strategies import build_strategy, strategy_class
-from relaytrain.strategies.base import minibatch_items
+from relaytrain.strategies.base import minibatch_divisor
 from tests.conftest import tiny_cfg, train_plain_loop
 
 CPU = torch.device("cpu")
@@ -136,14 +136,14 @@ def test_dropout_gradients_equal_a_forward_without_recompute(family):
 
     reference = build_model(cfg.model, seed=cfg.train.seed)
     minibatch = next(iter(build_loader(cfg, build_dataset(cfg))))
-    items = minibatch_items(reference, minibatch)
+    divisor = minibatch_divisor(reference, minibatch)
     torch.manual_seed(cfg.train.seed)
     hidden = [reference.embed_input(mb.input_ids, mb.draw) for mb in minibatch]
     ctxs = [reference.context(mb, h) for mb, h in zip(minibatch, hidden, strict=True)]
     for block in reference.blocks:
         hidden = [block(h, ctx) for h, ctx in zip(hidden, ctxs, strict=True)]
     for h, mb in zip(hidden, minibatch, strict=True):
-        reference.head_loss(h, mb).over(items).backward()
+        reference.head_loss(h, mb).over(divisor).backward()
     with torch.no_grad():
         for p in reference.parameters():
             p -= p.grad

@@ -10,16 +10,19 @@ supported yet is refused in one line before any worker starts.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
 
 from relaytrain import checkpoint
 from relaytrain.cli import main
 from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.errors import ConfigError
+from relaytrain.evaluation import IGNORE_INDEX
 from relaytrain.models import build_model
 from relaytrain.models.layered import MicroBatch
 from relaytrain.models.pretrained import resolve as resolve_pretrained
@@ -95,20 +98,61 @@ def test_a_cut_sequence_trains_to_the_plain_loops_weights(strategy, overrides, t
     assert results["processes"] == cfg.strategy.replicas * 2 and results["replicas"] == cfg.strategy.replicas
 
 
-@pytest.mark.slow
-def test_packed_chat_records_keep_apart_across_the_cut(tmp_path):
-    pretrained = tiny_decoder(tmp_path / "ckpt", "mistral", sliding_window=6)  # every layer slides
+def packed_chat(tmp_path, seq_len: int, *overrides: str, strategy: str = "baseline", window: int | None = None):
+    """A cut run's config over chat records of unequal length packed into rows of `seq_len`, from
+    a Llama checkpoint, or a Mistral one whose every layer slides over `window` tokens."""
+    kind = {"model_type": "mistral", "sliding_window": window} if window else {"model_type": "llama"}
+    pretrained = tiny_decoder(tmp_path / "ckpt", **kind)
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(
-        f'{{"messages": [{{"role": "user", "content": "two plus {i}?"}}, '
-        f'{{"role": "assistant", "content": "the quick brown fox {i}"}}]}}\n' for i in range(32)))
-    keys = [f"model.pretrained={pretrained}", "data=chat", f"data.path={chat}", "data.pack=true", "data.seq_len=64",
-            "train.untimed_steps=0"]
-    cfg = resolve_pretrained(cut_cfg(*keys))  # the checkpoint's own keys written in, as `train.run` does
-    first = next(build_loader(uncut(cfg), build_dataset(cfg)))[0]
-    assert first.attention_mask is None and (first.position_ids[:, 1:] == 0).any()  # records share rows
-    assert (first.position_ids[:, 32] > 0).any()  # and one of them reaches across the cut at token 32
-    assert_trains_as_the_plain_loop(cfg, tmp_path / "cut")
+        f'{{"messages": [{{"role": "user", "content": "{i}?"}}, '
+        f'{{"role": "assistant", "content": "fox {"jumps " * (i % 3)}{i}"}}]}}\n' for i in range(32)))
+    keys = [f"model.pretrained={pretrained}", "data=chat", f"data.path={chat}", "data.pack=true",
+            f"data.seq_len={seq_len}", "train.untimed_steps=0", *overrides]
+    return resolve_pretrained(cut_cfg(*keys, strategy=strategy))  # the checkpoint's own keys written in, as `train.run` does
+
+
+def records(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """A packed row's segments (start, end): its records, and its unused tail if it has one."""
+    starts = [*torch.nonzero(positions == 0).flatten().tolist(), len(positions)]
+    return list(itertools.pairwise(starts))
+
+
+def hugging_face_on_each_record(cfg, minibatch: list[MicroBatch]) -> float:
+    """The minibatch's mean loss with Hugging Face's model run on each packed record alone."""
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.pretrained, dtype=torch.float32).eval()
+    total, items = 0.0, 0
+    for mb in minibatch:
+        for ids, labels, positions in zip(mb.input_ids, mb.labels, mb.position_ids, strict=True):
+            for start, end in records(positions):
+                record = labels[start:end].unsqueeze(0)
+                count = int((record[:, 1:] != IGNORE_INDEX).sum())
+                if count:  # a row's unused tail is a segment of its own, unlabelled
+                    with torch.no_grad():
+                        loss = model(input_ids=ids[start:end].unsqueeze(0), labels=record).loss
+                    total, items = total + float(loss) * count, items + count
+    return total / items
+
+
+@pytest.mark.parametrize(("seq_len", "strategy", "window"), [
+    pytest.param(63, "baseline", None, id="63-tokens-padded-to-64-baseline"),
+    pytest.param(63, "l2l", None, id="63-tokens-padded-to-64-l2l", marks=pytest.mark.slow),
+    pytest.param(63, "fsdp", None, id="63-tokens-padded-to-64-fsdp", marks=pytest.mark.slow),
+    pytest.param(64, "baseline", 6, id="64-tokens-window-across-the-cut-baseline", marks=pytest.mark.slow),
+])
+def test_packed_chat_records_keep_apart_across_the_cut(seq_len, strategy, window, tmp_path):
+    """Records packed into a row see nothing of each other whether or not the cut has to pad the
+    row (63 tokens over two workers: one padding token): the first step's loss is Hugging Face's
+    on each record alone, and the run ends on the unsplit plain loop's weights. (Full attention:
+    a window of 6 would keep a record's replies from the one before it anyway.)"""
+    cfg = packed_chat(tmp_path, seq_len, strategy=strategy, window=window)
+    first = next(build_loader(uncut(cfg), build_dataset(cfg)))
+    assert all(mb.attention_mask is None for mb in first)
+    # Rows hold two records or more, and one record reaches across the cut at token 32.
+    assert all(len(records(mb.position_ids[0])) > 2 for mb in first)
+    assert (first[0].position_ids[:, 32] > 0).any()
+    results = assert_trains_as_the_plain_loop(cfg, tmp_path / "cut")
+    assert results["loss"][0] == pytest.approx(hugging_face_on_each_record(cfg, first), rel=1e-6)
 
 
 def test_the_all_to_all_layout_round_trips_without_a_group():

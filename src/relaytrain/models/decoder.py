@@ -34,6 +34,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from relaytrain.errors import ConfigError, first_line
+from relaytrain.evaluation import EvalStats
 from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import NO_CACHE, Block, LayeredModel, MicroBatch
 from relaytrain.models.moe import (
@@ -106,7 +107,7 @@ class DecoderBlock(Block):
 
     def forward(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
         tally = ctx.get(ROUTER)
-        if self.router_path is None or tally is None or not self.training:
+        if self.router_path is None or tally is None:
             return super().forward(hidden, ctx)
         with captured_router(self.layer.get_submodule(self.router_path)) as seen:
             out = super().forward(hidden, ctx)
@@ -116,6 +117,16 @@ class DecoderBlock(Block):
     def run_layer(self, hidden: torch.Tensor, ctx: dict):
         return self.layer(hidden, attention_mask=ctx["masks"][self.layer_type],
                           position_embeddings=ctx["rope"][self.layer_type], position_ids=ctx["position_ids"])
+
+
+def attention_mask(mb: MicroBatch) -> torch.Tensor | None:
+    """The padding mask the attention masks are built from: none for packed rows. Transformers
+    keeps records packed into a row apart only when it is given no padding mask (it reads the
+    records from the positions alone), and a packed row's padding is only ever at its end (the
+    row's unused tail, or the tokens sequence parallelism adds so that its workers share a row
+    equally), where causal attention keeps every real token from it anyway; the mask still says
+    which tokens count for the router's tally."""
+    return None if mb.position_ids is not None else mb.attention_mask
 
 
 class LayeredDecoder(LayeredModel):
@@ -138,7 +149,7 @@ class LayeredDecoder(LayeredModel):
         # decided while every block is here (a pipeline stage drops some).
         self.routing = Routing.of(hf_model)
         self._tallies = Tallies()
-        self._aux_sums = [0.0, 0]  # the head's aux terms (coef * aux * items) and items since `loss_term_sums`
+        self._aux_sums = [0.0, 0]  # the head's aux terms (coef * aux) and micro-batches since `loss_term_sums`
         for block in self.blocks if self.routing is not None else ():
             block.router_path = router_path(block.layer, self.routing.router_class)
         self.rotary = body.rotary_emb  # buffers only: no parameter, nothing to train or save
@@ -153,7 +164,7 @@ class LayeredDecoder(LayeredModel):
         if positions is None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         used = sorted({block.layer_type for block in self.blocks})
-        masks = {kind: MASKS[kind](config=self.hf_config, inputs_embeds=hidden, attention_mask=mb.attention_mask,
+        masks = {kind: MASKS[kind](config=self.hf_config, inputs_embeds=hidden, attention_mask=attention_mask(mb),
                                    position_ids=mb.position_ids, **NO_CACHE) for kind in used}
         if self._rope_per_type:
             rope = {kind: self.rotary(hidden, positions, kind) for kind in used}
@@ -163,7 +174,8 @@ class LayeredDecoder(LayeredModel):
         ctx = {"masks": masks, "rope": rope, "position_ids": positions}
         if self.routing is not None and self.routing.balances:
             ctx[ROUTER] = self.routing.tally(mb.attention_mask)
-            self._tallies.put(tally_key(mb), ctx[ROUTER])
+            # Evaluated, where the head is here to take it (a pipeline's last stage holds the head).
+            self._tallies.put(tally_key(mb), ctx[ROUTER], hold=not self.training and self.head is not None)
         return ctx
 
     def token_context(self, ctx: dict, tokens: slice) -> dict:
@@ -172,22 +184,29 @@ class LayeredDecoder(LayeredModel):
 
     def head_loss(self, hidden: torch.Tensor, mb: MicroBatch) -> LossTerms:
         """The objective's loss, plus, for a mixture of experts that balances its routers, the
-        micro-batch's aux term `coef * aux * items` (Hugging Face's `router_aux_loss_coef * aux`
-        as a sum over the loss's items; `models/moe.py`)."""
+        micro-batch's aux term `coef * aux` (Hugging Face's `router_aux_loss_coef * aux`), a term
+        of the micro-batch as a whole: the minibatch's loss holds their mean (`models/moe.py`)."""
         terms = super().head_loss(hidden, mb)
         tally = self._tallies.get(tally_key(mb)) if self.routing is not None and self.head.training else None
         if tally is None:
             return terms
-        dry = hidden.device.type == "meta"  # a dry run: no values to count or report, the same tensors
-        items = 1 if dry else self.loss_items(mb)
-        aux = anchored(hidden, tally, items)
-        if not dry:
+        aux = anchored(hidden, tally)
+        if hidden.device.type != "meta":  # a dry run: no values to report, the same tensors
             self._aux_sums[0] += aux.detach()  # a tensor: read once a step (loss_term_sums), not once a micro-batch
-            self._aux_sums[1] += items
-        return dataclasses.replace(terms, total=terms.total + aux)
+            self._aux_sums[1] += 1
+        return dataclasses.replace(terms, per_microbatch=terms.per_microbatch + aux)
+
+    def eval_stats(self, hidden: torch.Tensor, mb: MicroBatch) -> EvalStats:
+        """The objective's evaluation sums, with a balancing mixture's router term of the
+        micro-batch beside them (not in the loss: the cross-entropy keeps its perplexity)."""
+        stats = super().eval_stats(hidden, mb)
+        tally = self._tallies.take(tally_key(mb)) if self.routing is not None else None
+        if tally is None or hidden.device.type == "meta":
+            return stats
+        return stats.with_router_aux(float(self.routing.coef * tally.aux()))
 
     def loss_term_sums(self) -> dict[str, tuple[float, int]]:
-        """The router's term (`coef * aux * items` summed over the micro-batches this process ran, and their items)."""
+        """The router's term (`coef * aux` summed over the micro-batches this process ran, and their count)."""
         if self.routing is None or not self.routing.balances:
             return {}
         (total, items), self._aux_sums = self._aux_sums, [0.0, 0]

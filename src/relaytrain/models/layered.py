@@ -25,7 +25,7 @@ from transformers.masking_utils import create_causal_mask
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.objectives import objective
-from relaytrain.objectives.base import LossTerms
+from relaytrain.objectives.base import Divisor, LossTerms
 from relaytrain.objectives.chunked import Chunking
 
 # The mask builders' "no KV cache" argument: `cache=None` from transformers 5.24 on, where
@@ -292,21 +292,21 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
 
     def loss_term_sums(self) -> dict[str, tuple[float, int]]:
         """The terms this process's training micro-batches added to the objective's loss since the
-        last call (a mixture's router term: `router_aux`), each as (its sum over those micro-batches'
-        items, the items). The same names on every process of a run, items 0 included, so that
-        `Strategy.loss_terms` can sum them over the replicas; reported beside the loss each step."""
+        last call (a mixture's router term: `router_aux`), each as (its sum, the count it is a mean
+        over: items, or micro-batches for a term of the micro-batch as a whole). The same names on
+        every process of a run, counts 0 included, so that `Strategy.loss_terms` can sum them over
+        the replicas; reported beside the loss each step."""
         return {}
 
     # -- whole-model helpers ------------------------------------------------------------
-    def forward(self, mb: MicroBatch, loss_items: int | None = None) -> torch.Tensor:
-        """Loss of one micro-batch divided by `loss_items` (default: its own item count), with
-        the masks every strategy draws for it."""
+    def forward(self, mb: MicroBatch, divisor: Divisor | None = None) -> torch.Tensor:
+        """Loss of one micro-batch divided by `divisor` (default: its own item count, one
+        micro-batch), with the masks every strategy draws for it."""
         hidden = self.embed_input(mb.input_ids, mb.draw)
         ctx = self.context(mb, hidden)
         for block in self.blocks:
             hidden = block(hidden, ctx)
-        items = self.loss_items(mb) if loss_items is None else loss_items
-        return self.head_loss(hidden, mb).over(items)
+        return self.head_loss(hidden, mb).over(divisor or Divisor(self.loss_items(mb)))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -30,11 +30,13 @@ stages before it (`take_forward_message`, travelling with the activations), so t
 is complete, and hands back the fractions and the loss's scale (`backward_message`, travelling
 with the gradients), so every stage's blocks add their shares (`strategies/pipeline/routing.py`).
 
-A micro-batch's loss is its token-summed cross-entropy plus `coef * aux * items` (its items:
-the cross-entropy's), divided like every loss by the minibatch's items: the token-weighted mean
-over micro-batches (and replicas' shares) of Hugging Face's own loss of each, which is the plain
-mean over micro-batches when they hold equal items (Megatron's convention; Hugging Face's
-Trainer sums the aux term over accumulation steps instead).
+A minibatch's loss is its cross-entropy, the mean over every item of its micro-batches (every
+replica's share), plus the mean over those micro-batches of `coef * aux`, Hugging Face's
+`router_aux_loss_coef * aux` of each (`LossTerms.per_microbatch`): a micro-batch's balancing
+pressure does not depend on how many labelled tokens it holds (Megatron scales its aux loss by
+the micro-batches the same way). Hugging Face's Trainer, which hands a mixture the minibatch's
+item count, adds the whole term once per accumulation step instead: its sum over M micro-batches
+is M times this mean (`model.router_aux_loss_coef` times M trains as the Trainer does).
 """
 
 from __future__ import annotations
@@ -252,11 +254,10 @@ def balanced(out: torch.Tensor, logits: torch.Tensor, tally: RouterTally) -> tor
     return _Balance.apply(out, logits, tally)
 
 
-def anchored(hidden: torch.Tensor, tally: RouterTally, items: int) -> torch.Tensor:
-    """`coef * aux * items`, the micro-batch's aux term as a sum over its items (the loss's
-    convention), its backward reporting the scale the loss is taken at: hung on the head's input
-    `hidden`, whose gradient every block's backward waits for."""
-    aux, weight = tally.aux().to(torch.float32), tally.routing.coef * items
+def anchored(hidden: torch.Tensor, tally: RouterTally) -> torch.Tensor:
+    """`coef * aux`, the micro-batch's aux term, its backward reporting the scale the loss is
+    taken at: hung on the head's input `hidden`, whose gradient every block's backward waits for."""
+    aux, weight = tally.aux().to(torch.float32), tally.routing.coef
     if not torch.is_grad_enabled() or not hidden.requires_grad:
         return aux * weight
     return _Anchor.apply(hidden, aux, weight, tally)
@@ -274,17 +275,26 @@ def captured_router(router: nn.Module):
 
 
 class Tallies:
-    """The micro-batches' tallies by key, held weakly: each lives as long as its micro-batch's
-    shared context or the autograd graph that reads it."""
+    """The micro-batches' tallies by key, held weakly while training: each lives as long as its
+    micro-batch's shared context or the autograd graph that reads it. An evaluation has no graph,
+    so its tallies are held until the head takes them (`take`)."""
 
     def __init__(self):
         self._by_key: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._held: dict = {}
 
-    def put(self, key, tally: RouterTally) -> None:
+    def put(self, key, tally: RouterTally, hold: bool = False) -> None:
         self._by_key[key] = tally
+        if hold:
+            self._held[key] = tally
 
     def get(self, key) -> RouterTally | None:
         return self._by_key.get(key)
+
+    def take(self, key) -> RouterTally | None:
+        """An evaluated micro-batch's tally, no longer held."""
+        tally = self._held.pop(key, None)
+        return self._by_key.pop(key, tally)
 
 
 def tally_key(mb) -> object:

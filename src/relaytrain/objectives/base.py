@@ -4,6 +4,9 @@
 items (`LossTerms.total`, fp32) and counts those items (`Objective.items`); a strategy divides
 every micro-batch's sum by the item count of the whole minibatch (`LossTerms.over`), which makes
 the accumulation over micro-batches, replicas and pipeline stages exactly the minibatch's mean.
+A term defined per micro-batch rather than per item (a mixture's router balancing loss:
+`LossTerms.per_microbatch`) is divided by the minibatch's micro-batches instead, which makes it
+their mean.
 """
 
 from __future__ import annotations
@@ -31,14 +34,26 @@ class Batch(Protocol):
 
 
 @dataclass(frozen=True)
+class Divisor:
+    """What a micro-batch's loss terms are divided by: the whole minibatch's loss items and its
+    micro-batches, every replica's (a replica's share of a micro-batch is one of them)."""
+
+    items: int
+    microbatches: int = 1
+
+
+@dataclass(frozen=True)
 class LossTerms:
-    """A micro-batch's loss: `total`, summed over its items in fp32."""
+    """A micro-batch's loss: `total`, summed over its items in fp32, and `per_microbatch`, a term
+    of the micro-batch as a whole (a mixture's router balancing term), 0 where there is none."""
 
     total: torch.Tensor
+    per_microbatch: torch.Tensor | float = 0.0
 
-    def over(self, minibatch_items: int) -> torch.Tensor:
-        """Its share of the minibatch's mean loss: the sum over the whole minibatch's item count."""
-        return self.total / minibatch_items
+    def over(self, divisor: Divisor) -> torch.Tensor:
+        """Its share of the minibatch's loss: the sum over the whole minibatch's item count, plus
+        the micro-batch's own term over the minibatch's micro-batches (so that term's mean)."""
+        return self.total / divisor.items + self.per_microbatch / divisor.microbatches
 
 
 class Objective(ABC):

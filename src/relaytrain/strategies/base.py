@@ -31,6 +31,7 @@ from relaytrain.cost.model import CostModel
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.objectives.base import Divisor
 from relaytrain.precision import Precision
 from relaytrain.world import World
 
@@ -194,8 +195,8 @@ class Strategy(ABC):
         return self.model.loss_term_sums()
 
     def loss_terms(self) -> dict[str, float]:
-        """The terms beside the objective's loss since the last call, each the token-weighted mean
-        over every replica's micro-batches, as the loss is: on every process that computes a loss
+        """The terms beside the objective's loss since the last call, each its mean over every
+        replica's share (`LayeredModel.loss_term_sums`): on every process that computes a loss
         (called by every process after each step)."""
         sums = self.loss_term_sums()
         if not sums or self.world.simulated:  # a dry run has no values to report
@@ -203,7 +204,7 @@ class Strategy(ABC):
         names = sorted(sums)  # every process the same order (the model's names are the run's)
         values = torch.tensor([x for name in names for x in sums[name]], dtype=torch.float64, device=self.device)
         totals = self.sum_over_replicas(values).tolist()
-        return {name: total / items for name, total, items in zip(names, totals[::2], totals[1::2], strict=True) if items}
+        return {name: total / count for name, total, count in zip(names, totals[::2], totals[1::2], strict=True) if count}
 
     def report(self) -> dict:
         """This process's figures (JSON-able): phase times, memory, the strategy's own."""
@@ -265,9 +266,10 @@ def scalar(t: torch.Tensor) -> float | None:
     return None if t.device.type == "meta" else float(t)
 
 
-def minibatch_items(model: LayeredModel, minibatch: list[MicroBatch]) -> int:
-    """Loss items of the whole minibatch: each micro-batch's summed loss is divided by this."""
-    return sum(model.loss_items(mb) for mb in minibatch)
+def minibatch_divisor(model: LayeredModel, minibatch: list[MicroBatch], replicas: int = 1) -> Divisor:
+    """What each micro-batch's loss terms are divided by: the whole minibatch's loss items (every
+    replica's rows) and its micro-batches (each replica's share of one counts as one)."""
+    return Divisor(items=sum(model.loss_items(mb) for mb in minibatch), microbatches=len(minibatch) * replicas)
 
 
 def replica_rows(minibatch: list[MicroBatch], replica: int, replicas: int) -> list[MicroBatch]:

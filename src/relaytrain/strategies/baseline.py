@@ -44,13 +44,14 @@ from relaytrain.config import Recompute, SequenceParallelConfig, StrategyConfig,
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
+from relaytrain.objectives.base import Divisor
 from relaytrain.optim import build_optimizer, set_lr
 from relaytrain.precision import LossScaler, Precision
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
     ReplicatedStrategy,
     StepResult,
-    minibatch_items,
+    minibatch_divisor,
     optimizer_tensors,
     replica_rows,
     scalar,
@@ -97,13 +98,13 @@ class MicrobatchLoss(nn.Module):
         self.transfers = transfers
         self.split = split or WholeSequence()
 
-    def forward(self, mb: MicroBatch, items: int = 1, evaluate: bool = False) -> torch.Tensor:
+    def forward(self, mb: MicroBatch, divisor: Divisor | None = None, evaluate: bool = False) -> torch.Tensor:
         mb = self.split.whole(mb)
         with self.precision.autocast_context(mb.input_ids.device):
             hidden, scored = self.split.scored(self.trunk(mb), mb)
             if evaluate:
                 return self.model.eval_stats(hidden, scored).sums
-            return self.model.head_loss(hidden, scored).over(items)
+            return self.model.head_loss(hidden, scored).over(divisor or Divisor(1))
 
     def trunk(self, mb: MicroBatch) -> torch.Tensor:
         """Embeddings and every block: the last block's output."""
@@ -194,7 +195,7 @@ class Baseline(ReplicatedStrategy):
             self.loss_of.register_comm_hook(None, _sum_hook)
 
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
-        items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every replica's rows
+        divisor = minibatch_divisor(self.model, minibatch, self.num_replicas)  # every replica's rows
         mine = replica_rows(minibatch, self.replica, self.num_replicas)
         loss_sum = torch.zeros((), device=self.device)
         with self.timer.phase("forward+backward"):
@@ -202,7 +203,7 @@ class Baseline(ReplicatedStrategy):
                 self.progress(f"micro-batch {u + 1}/{len(mine)}")
                 last = u == len(mine) - 1  # the one whose backward sums the gradients over the replicas
                 with self.loss_of.no_sync() if self.synced and not last else contextlib.nullcontext():
-                    loss = self.loss_of(mb.to(self.device, non_blocking=True), items)
+                    loss = self.loss_of(mb.to(self.device, non_blocking=True), divisor)
                     self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
         self.sum_over_replicas(loss_sum)  # every replica's share of the minibatch's mean loss

@@ -65,7 +65,7 @@ from relaytrain.strategies import register
 from relaytrain.strategies.base import (
     ReplicatedStrategy,
     StepResult,
-    minibatch_items,
+    minibatch_divisor,
     optimizer_tensors,
     replica_rows,
     scalar,
@@ -182,7 +182,7 @@ class Fsdp(ReplicatedStrategy):
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
-        items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every worker's rows
+        divisor = minibatch_divisor(self.model, minibatch, self.num_replicas)  # every worker's rows
         mine = replica_rows(minibatch, self.replica, self.num_replicas)
         loss_sum = torch.zeros((), device=self.device)
         with self.timer.phase("forward+backward"):
@@ -193,7 +193,7 @@ class Fsdp(ReplicatedStrategy):
                     self.net.set_requires_gradient_sync(last)
                     if not self.cfg.strategy.reshard_after_forward:  # and one all-gather (see the module)
                         self.net.set_reshard_after_backward(last)
-                loss = self.net(mb.to(self.device, non_blocking=True), items)
+                loss = self.net(mb.to(self.device, non_blocking=True), divisor)
                 self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
         self.sum_over_replicas(loss_sum)

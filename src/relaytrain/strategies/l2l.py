@@ -51,14 +51,14 @@ from relaytrain.config import SequenceParallelConfig, StrategyConfig, WorkersCon
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import Draw, LayeredModel, MicroBatch, eval_mode
-from relaytrain.objectives.base import LossTerms
+from relaytrain.objectives.base import Divisor, LossTerms
 from relaytrain.precision import LossScaler
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
     Capabilities,
     ReplicatedStrategy,
     StepResult,
-    minibatch_items,
+    minibatch_divisor,
     replica_rows,
     scalar,
 )
@@ -215,7 +215,7 @@ class L2L(ReplicatedStrategy):
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
         _check_keyed(minibatch, self.cfg.model.dropout)
         self.eps.set_lr(lr)
-        items = minibatch_items(self.model, minibatch)  # of the whole minibatch, every replica's rows
+        divisor = minibatch_divisor(self.model, minibatch, self.num_replicas)  # every replica's rows
         mine = replica_rows(minibatch, self.replica, self.num_replicas)
         # The table rows this step reads: the early table update leaves them for after the backward.
         looked_up = torch.unique(torch.cat([mb.input_ids.reshape(-1) for mb in mine]).cpu()) if self.table is not None else None
@@ -226,7 +226,7 @@ class L2L(ReplicatedStrategy):
             hidden, ctxs = self._forward(mbs, stash)
             metrics.synchronize(self.device)
         with self.timer.phase("recompute_backward"):
-            grads, loss = self._turnaround(hidden, mbs, items, looked_up)
+            grads, loss = self._turnaround(hidden, mbs, divisor, looked_up)
             self._backward(grads, mbs, ctxs, stash)
             metrics.synchronize(self.device)
         with self.timer.phase("optimizer_exposed"):
@@ -258,7 +258,7 @@ class L2L(ReplicatedStrategy):
                 ctxs = [self.split.context(self.model, mb, h) for mb, h in zip(mbs, hidden, strict=True)]
         return hidden, ctxs
 
-    def _turnaround(self, hidden: list[torch.Tensor | None], mbs: list[MicroBatch], items: int,
+    def _turnaround(self, hidden: list[torch.Tensor | None], mbs: list[MicroBatch], divisor: Divisor,
                     looked_up: torch.Tensor | None):
         """Head forward and backward per micro-batch: the loss and its gradient w.r.t. the last
         block's output. Each output is dropped as soon as its gradient exists: only the gradients
@@ -269,7 +269,7 @@ class L2L(ReplicatedStrategy):
         for u, mb in enumerate(mbs):
             x, hidden[u] = hidden[u].requires_grad_(True), None
             with self._autocast():
-                loss = functional_call(module, weights, self.split.scored(x, mb)).over(items)
+                loss = functional_call(module, weights, self.split.scored(x, mb)).over(divisor)
             self.scaler.scale_loss(loss).backward()
             grads.append(x.grad)
             loss_sum += loss.detach()

@@ -29,7 +29,9 @@ What is right across the cut, and why:
   GPU's fused sdpa kernels draw theirs another way, so there the masks agree only statistically.
 
 A sequence whose length S does not divide is padded at its end (after every real token, so causal
-attention keeps it from them, and unlabelled). Rank r of R x S workers is replica r // S and holds part
+attention keeps it from them, and unlabelled); in a row of packed records the padding is no
+attention mask, which would keep transformers from reading the records apart from their positions
+(`models.decoder.attention_mask`), so every record still sees only itself. Rank r of R x S workers is replica r // S and holds part
 r % S of that replica's sequences.
 """
 

@@ -49,14 +49,14 @@ class Stage(Protocol):
 # -- compute ----------------------------------------------------------------------------------
 def forward(stage: Stage, a: Action) -> None:
     state = stage.inflight
-    mb, items = state.microbatch(a.microbatch, stage.m, stage.device)
+    mb, divisor = state.microbatch(a.microbatch, stage.m, stage.device)
     module = stage.versions.module(a.version)
     hidden = None if module.embeds(a.chunk) else state.inbox.pop((Op.RECV_ACT, a.unit))
     routing = stage.framing.unit(a.chunk, state.routing_inbox.pop((Op.RECV_ACT, a.unit), None))
     with stage.timer.phase("update_wait"):  # offload: the update that made this version must have landed
         stage.versions.await_version(a.version)
     with stage.timer.phase("forward"), _jittered(stage, "forward", a), stage.precision.autocast_context(stage.device):
-        out = module(mb, hidden, items, a.chunk, routing)
+        out = module(mb, hidden, divisor, a.chunk, routing)
     state.stash[a.unit] = (hidden, out)
     if routing is not None:
         state.routing[a.unit] = routing

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from relaytrain.models.layered import MicroBatch
+from relaytrain.objectives.base import Divisor
 from relaytrain.strategies.pipeline.comms import GradReduction, TiedExchange
 from relaytrain.strategies.pipeline.routing import UnitRouting
 from relaytrain.strategies.pipeline.schedule import Op
@@ -25,8 +26,8 @@ class InFlight:
     """A stage's in-flight work, keyed as the module docstring says.
 
     - `lrs`: batch -> the learning rate `step` was given for it; popped when its update applies.
-    - `minibatches`: batch -> (this replica's micro-batches of it, the loss items of the whole
-      minibatch on the last stage, else 1); put by `step`, kept two batches (2BW overlaps them).
+    - `minibatches`: batch -> (this replica's micro-batches of it, what their losses are divided
+      by on the last stage: `Divisor`); put by `step`, kept two batches (2BW overlaps them).
     - `stash`: unit -> (its input: the received activation, None on the embedding chunk; its
       output: the hidden state sent on, or the loss); put by the forward, read by SEND_ACT,
       popped by the backward.
@@ -48,7 +49,7 @@ class InFlight:
     """
 
     lrs: dict[int, float] = field(default_factory=dict)
-    minibatches: dict[int, tuple[list[MicroBatch], int]] = field(default_factory=dict)
+    minibatches: dict[int, tuple[list[MicroBatch], Divisor]] = field(default_factory=dict)
     stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
     inbox: dict[tuple[Op, tuple[int, int]], torch.Tensor] = field(default_factory=dict)
     tied_recvs: dict[int, TiedExchange] = field(default_factory=dict)
@@ -58,15 +59,15 @@ class InFlight:
     batch_loss: dict[int, torch.Tensor] = field(default_factory=dict)
     reductions: dict[int, GradReduction] = field(default_factory=dict)
 
-    def keep(self, batch: int, rows: list[MicroBatch], items: int) -> None:
-        """Batch `batch`'s micro-batches and loss items; the one two batches back is done with."""
+    def keep(self, batch: int, rows: list[MicroBatch], divisor: Divisor) -> None:
+        """Batch `batch`'s micro-batches and their losses' divisor; the one two batches back is done with."""
         self.minibatches.pop(batch - 2, None)
-        self.minibatches[batch] = (rows, items)
+        self.minibatches[batch] = (rows, divisor)
 
-    def microbatch(self, k: int, m: int, device: torch.device) -> tuple[MicroBatch, int]:
-        """Global micro-batch k on the device, and its batch's loss items."""
-        rows, items = self.minibatches[k // m]
-        return rows[k % m].to(device, non_blocking=True), items
+    def microbatch(self, k: int, m: int, device: torch.device) -> tuple[MicroBatch, Divisor]:
+        """Global micro-batch k on the device, and its batch's divisor."""
+        rows, divisor = self.minibatches[k // m]
+        return rows[k % m].to(device, non_blocking=True), divisor
 
     def stashed(self) -> list[torch.Tensor]:
         """Every tensor the stash holds (memory accounting)."""

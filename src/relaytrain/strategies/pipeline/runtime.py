@@ -34,11 +34,12 @@ from relaytrain.cost.formulas import ModelFacts, part_costs
 from relaytrain.errors import ConfigError
 from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch, eval_mode
+from relaytrain.objectives.base import Divisor
 from relaytrain.strategies.base import (
     Capabilities,
     StepResult,
     Strategy,
-    minibatch_items,
+    minibatch_divisor,
     replica_rows,
     scalar,
 )
@@ -58,7 +59,7 @@ from relaytrain.strategies.pipeline.inflight import InFlight
 from relaytrain.strategies.pipeline.jitter import ENV, StageJitter
 from relaytrain.strategies.pipeline.offload import HostVersions
 from relaytrain.strategies.pipeline.routing import Framing
-from relaytrain.strategies.pipeline.schedule import Action, Schedule, stop_points, virtual_stage
+from relaytrain.strategies.pipeline.schedule import Action, Op, Schedule, stop_points, virtual_stage
 from relaytrain.strategies.pipeline.stage import StageModule, balanced_layout, partition
 from relaytrain.strategies.pipeline.validate import StageInvariants, check_schedule
 from relaytrain.strategies.pipeline.weights import VersionBuffers, WeightVersions
@@ -234,8 +235,9 @@ class PipelineStrategy(Strategy):
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
         c = self.batch
         self.inflight.lrs[c] = lr
-        items = minibatch_items(self.versions.buffers[0].model, minibatch) if self.last else 1
-        self.inflight.keep(c, replica_rows(minibatch, self.replica, self.topology.replicas), items)
+        replicas = self.topology.replicas
+        divisor = minibatch_divisor(self.versions.buffers[0].model, minibatch, replicas) if self.last else Divisor(1)
+        self.inflight.keep(c, replica_rows(minibatch, self.replica, replicas), divisor)
         if self.segment is None:
             self.segment = self._segment(c, min(self.steps, c + segment_batches()))
         seg = self.segment
@@ -296,25 +298,15 @@ class PipelineStrategy(Strategy):
         stages (round them once per chunk); the last stages add up the evaluation sums, then
         over the replicas."""
         module = self.versions.latest()
-        model = module.model
-        stats = EvalStats.zeros(model.num_labels) if self.last else None
+        stats = EvalStats.zeros(module.model.num_labels) if self.last else None
         with eval_mode(module), torch.no_grad(), self.precision.autocast_context(self.device):
             for minibatch in batches:
                 for mb in replica_rows(minibatch, self.replica, self.topology.replicas):
-                    mb = mb.to(self.device)
-                    for chunk in range(self.v):
-                        hidden = None if module.embeds(chunk) else self.comms.recv(self._buffer(), self.comms.prev)
-                        out = module.trunk(mb, hidden, chunk)
-                        if module.computes_loss(chunk):
-                            stats += model.eval_stats(out, mb)
-                        else:
-                            self.comms.send(out.float().contiguous(), self.comms.next).wait(self.comms.timeout)
+                    found = forward_only(module, mb.to(self.device), self.v, self.comms, self.framing)
+                    stats = stats + found if found is not None else stats
         if self.last and self.comms.replica_group is not None:
             self.comms.all_reduce(stats.sums, self.comms.replica_group)
         return stats if self.world.rank == self.reporter(self.cfg) else None
-
-    def _buffer(self) -> torch.Tensor:
-        return torch.empty(self.hidden_shape, dtype=torch.float32, device=self.device)
 
     # -- state ----------------------------------------------------------------------------------
     def parameter_names(self) -> list[str]:
@@ -336,12 +328,12 @@ class PipelineStrategy(Strategy):
 
     def loss_term_sums(self) -> dict[str, tuple[float, int]]:
         """The last stage's terms: its head runs on the model copies of the weight versions
-        (2BW keeps two; host offload computes with a copy); other stages' items are 0."""
+        (2BW keeps two; host offload computes with a copy); other stages' counts are 0."""
         sums: dict[str, tuple[float, int]] = {}
         for module in self.versions.buffers:
-            for name, (total, items) in module.model.loss_term_sums().items():
+            for name, (total, count) in module.model.loss_term_sums().items():
                 before = sums.get(name, (0.0, 0))
-                sums[name] = (before[0] + total, before[1] + items)
+                sums[name] = (before[0] + total, before[1] + count)
         return sums
 
     def memory_holders(self) -> dict[str, list]:
@@ -380,3 +372,23 @@ class PipelineStrategy(Strategy):
     def close(self) -> None:
         self.watcher.close()
         self.versions.close()
+
+
+def forward_only(module, mb: MicroBatch, chunks: int, comms, framing: Framing) -> EvalStats | None:
+    """One micro-batch's evaluation through this stage's `chunks`: received from the stage before
+    and sent on to the next, a mixture's routing sums riding along as in training; the evaluation
+    sums on the stage whose chunk holds the head (None elsewhere)."""
+    stats = None
+    for chunk in range(chunks):
+        hidden, upstream = None, None
+        if not module.embeds(chunk):
+            buffer = torch.empty(framing.buffer_shape(Op.RECV_ACT), dtype=torch.float32, device=mb.input_ids.device)
+            hidden, upstream = framing.split(comms.recv(buffer, comms.prev))
+        routing = framing.unit(chunk, upstream)
+        out = module.trunk(mb, hidden, chunk, routing)
+        if module.computes_loss(chunk):
+            stats = module.model.eval_stats(out, mb)
+        else:
+            sums = routing.forward_message(out.device) if routing is not None else None
+            comms.send(framing.join(out.float().contiguous(), sums), comms.next).wait(comms.timeout)
+    return stats

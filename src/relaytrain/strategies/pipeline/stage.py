@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from relaytrain import meta_autocast
 from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.models.moe import ROUTER
+from relaytrain.objectives.base import Divisor
 
 
 def partition(num_blocks: int, stages: int, layout: list[int] | None = None) -> list[range]:
@@ -131,17 +132,17 @@ class StageModule(nn.Module):
         """Whether this chunk ends the model: its output is the loss."""
         return self.last and chunk == len(self.chunks) - 1
 
-    def forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int = 0,
+    def forward(self, mb: MicroBatch, hidden: torch.Tensor | None, divisor: Divisor, chunk: int = 0,
                 routing=None) -> torch.Tensor:
         if self.recompute == "stage" and torch.is_grad_enabled():
-            return checkpoint(self._forward, mb, hidden, loss_items, chunk, routing, use_reentrant=False,
+            return checkpoint(self._forward, mb, hidden, divisor, chunk, routing, use_reentrant=False,
                               context_fn=meta_autocast.recompute_contexts)
-        return self._forward(mb, hidden, loss_items, chunk, routing)
+        return self._forward(mb, hidden, divisor, chunk, routing)
 
-    def _forward(self, mb: MicroBatch, hidden: torch.Tensor | None, loss_items: int, chunk: int,
+    def _forward(self, mb: MicroBatch, hidden: torch.Tensor | None, divisor: Divisor, chunk: int,
                  routing=None) -> torch.Tensor:
         hidden = self.trunk(mb, hidden, chunk, routing)
-        return self.model.head_loss(hidden, mb).over(loss_items) if self.computes_loss(chunk) else hidden
+        return self.model.head_loss(hidden, mb).over(divisor) if self.computes_loss(chunk) else hidden
 
     def trunk(self, mb: MicroBatch, hidden: torch.Tensor | None, chunk: int = 0, routing=None) -> torch.Tensor:
         """The chunk's embeddings (the model's first chunk) and blocks: the hidden state it passes on."""
