@@ -19,6 +19,7 @@ from relaytrain.errors import ConfigError
 from relaytrain.models import build_model
 from relaytrain.models.layered import eval_mode
 from relaytrain.models.pretrained import resolve
+from relaytrain.objectives.base import Divisor
 from relaytrain.train import run
 from tests.checkpoints import CHATML, chat_tokenizer, tiny_decoder
 
@@ -69,19 +70,22 @@ def labelled_runs(labels: torch.Tensor) -> int:
 
 
 def test_both_forms_put_labels_on_the_reply_and_its_end_of_turn_only(checkpoints, tmp_path):
-    path = write_jsonl(tmp_path / "chat.jsonl", [
+    messages = write_jsonl(tmp_path / "messages.jsonl", [
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
                       {"role": "assistant", "content": "It is 5."}]},
+    ])
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
         {"instruction": "Add the numbers.", "input": "4 and 7", "output": "That is 11."},
         {"instruction": "Name the capital of France.", "input": "", "output": "Paris."},
     ])
-    train, held_out = build_datasets(chat_cfg(checkpoints / "llama", path))
-    assert held_out is None and len(train) == 3
-    assert [label_text(train, row) for row in range(3)] == ["It is 5." + END, "That is 11." + END, "Paris." + END]
-    decoded = chat_tokenizer().decode(train.input_ids[1][train.attention_mask[1].bool()].tolist())
+    conversation, held_out = build_datasets(chat_cfg(checkpoints / "llama", messages))
+    assert held_out is None and len(conversation) == 1 and label_text(conversation, 0) == "It is 5." + END
+    train = build_datasets(chat_cfg(checkpoints / "llama", alpaca))[0]
+    assert [label_text(train, row) for row in range(2)] == ["That is 11." + END, "Paris." + END]
+    decoded = chat_tokenizer().decode(train.input_ids[0][train.attention_mask[0].bool()].tolist())
     assert decoded == (f"<|im_start|>user\nAdd the numbers.\n\n4 and 7{END}\n"
                        f"<|im_start|>assistant\nThat is 11.{END}\n")
-    assert "\n\n" not in chat_tokenizer().decode(train.input_ids[2].tolist())  # an empty input adds nothing
+    assert "\n\n" not in chat_tokenizer().decode(train.input_ids[1].tolist())  # an empty input adds nothing
 
 
 def test_every_reply_of_a_multi_turn_conversation_is_labelled(checkpoints, tmp_path):
@@ -125,6 +129,8 @@ def cli_error(args: list[str], capsys) -> str:
 
 
 GOOD = '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}'
+SHAREGPT = '{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}'
+ALPACA = '{"instruction": "Say hello.", "output": "Hello."}'
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -137,10 +143,36 @@ GOOD = '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "
     ('{"messages": [{"role": "assistant", "content": "Hi"}]}', "opens with an assistant turn"),
 ], ids=["json", "neither-form", "no-assistant", "alpaca-no-output", "unknown-role", "no-prompt"])
 def test_a_bad_record_is_one_line_naming_the_file_and_line(checkpoints, tmp_path, capsys, bad, message):
-    path = write_jsonl(tmp_path / "chat.jsonl", [GOOD, GOOD, bad])
+    good = ALPACA if '"instruction"' in bad else GOOD  # a record among others of its form
+    path = write_jsonl(tmp_path / "chat.jsonl", [good, good, bad])
     line = cli_error([f"model.pretrained={checkpoints / 'llama'}", "data=chat", f"data.path={path}",
                       "data.seq_len=32", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert f"{path} line 3: " in line and message in line
+
+
+@pytest.mark.parametrize("first, other, forms", [
+    (GOOD, SHAREGPT, ("ShareGPT", "messages")),
+    (GOOD, ALPACA, ("alpaca", "messages")),
+    (ALPACA, SHAREGPT, ("ShareGPT", "alpaca")),
+    (SHAREGPT, GOOD, ("messages", "ShareGPT")),
+], ids=["messages-then-sharegpt", "messages-then-alpaca", "alpaca-then-sharegpt", "sharegpt-then-messages"])
+def test_a_file_of_several_forms_is_one_line_naming_both_records(checkpoints, tmp_path, first, other, forms):
+    """The first record fixes the file's form; the first record of another is refused, naming
+    its line and form and the first's (each form alone trains: the other tests)."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [first, first, "", other, first])
+    with pytest.raises(ConfigError) as refused:
+        build_datasets(chat_cfg(checkpoints / "llama", path, "data.cache=false"))
+    assert str(refused.value) == (
+        f"{path} line 4 holds a record of the {forms[0]} form, {path} line 1 one of the {forms[1]} form; one file "
+        f"holds records of one form: convert them to one, or split the file by form and give the files as data.mix")
+
+
+@pytest.mark.slow  # a run's start (seconds): the line itself is checked above
+def test_a_file_of_several_forms_is_refused_by_the_command_in_one_line(checkpoints, tmp_path, capsys):
+    path = write_jsonl(tmp_path / "chat.jsonl", [GOOD, ALPACA, SHAREGPT])
+    line = cli_error([f"model.pretrained={checkpoints / 'llama'}", "data=chat", f"data.path={path}",
+                      "data.seq_len=32", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert line.startswith(f"relaytrain: error: {path} line 2 holds a record of the alpaca form, {path} line 1 ")
 
 
 def test_a_bad_held_out_record_names_the_held_out_file(checkpoints, tmp_path, capsys):
@@ -270,7 +302,7 @@ def test_packed_rows_give_the_unpacked_loss(checkpoints, architecture):
     with torch.no_grad(), eval_mode(model):
         for dataset in (unpacked, packed):
             rows = torch.arange(len(dataset))
-            sums.append(sum(float(model(dataset.take(index), loss_items=1)) for index in rows.split(8)))
+            sums.append(sum(float(model(dataset.take(index), Divisor(1))) for index in rows.split(8)))
     assert sums[1] == pytest.approx(sums[0], rel=1e-5)
 
 

@@ -3,9 +3,12 @@ generator, each part's counts in results.json; and the keys refused in one line.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from relaytrain.cli import main
 from relaytrain.compose import compose_config, validate
 from relaytrain.data import build_datasets
 from relaytrain.data.mixture import shares
@@ -65,14 +68,44 @@ def test_a_two_source_mixture_draws_by_weight_seeded_and_reports_each_part(parts
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.path=/tmp/x.jsonl"], "data.path and data.mix both name the training records"),
-    (["data.mix=[{path: /tmp/x.jsonl, weight: 0}]"], r"data.mix\[0\].weight=0.0 must be positive"),
+    (["data.mix=[{path: /tmp/x.jsonl, weight: 0}]"], r"data.mix\[0\].weight=0.0 must be positive and finite"),
     (["data.mix=[{path: /nowhere/x.parquet}]"], r"data.mix\[0\].path=/nowhere/x.parquet does not exist"),
-    (["data.streaming=true"], "data.streaming=true streams data=jsonl records; data=chat reads its whole set"),
+    (["data.streaming=true"], "data.streaming=true cannot take data.mix"),
 ], ids=["path-and-mix", "zero-weight", "missing-part", "streaming"])
 def test_mixture_and_streaming_keys_are_refused_in_one_line(parts, overrides, message):
     cfg = mix_cfg(parts, *overrides)
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+
+
+@pytest.mark.parametrize("weights, message", [
+    ((1, -0.5), r"^data.mix\[1\].weight=-0.5 must be positive and finite"),
+    ((0, 0), r"^data.mix\[0\].weight=0.0 must be positive and finite"),
+    ((1, "inf"), r"^data.mix\[1\].weight=inf must be positive and finite"),
+    pytest.param((1, 1e-9), r"^data.mix\[1\].weight=1e-09 draws none of its 8 records \(of 16 drawn in all\); "
+                 r"raise its weight", marks=pytest.mark.slow),  # found reading the parts: the run starts first
+], ids=["negative", "summing-to-zero", "infinite", "drawing-nothing"])
+def test_a_weight_that_draws_no_share_is_one_line_from_the_command_and_the_api(parts, tmp_path, capsys, weights,
+                                                                               message):
+    """Through `relaytrain train` (one line, exit 2) and through `build_datasets` without the
+    config checks (the same line, not a ZeroDivisionError or a part drawn a negative count)."""
+    cfg = mix_cfg(parts, weights=weights)
+    cfg.data.mix[0].weight, cfg.data.mix[1].weight = weights  # as given: the API takes what it is handed
+    with pytest.raises(ConfigError, match=message):
+        build_datasets(cfg)
+    a, b, llama = parts
+    mix = f"data.mix=[{{path: {a}, weight: {weights[0]}}}, {{path: {b}, weight: {weights[1]}}}]"
+    try:
+        code = main(["train", f"model.pretrained={llama}", "data=chat", mix, "data.seq_len=32", "data.cache=false",
+                     f"hydra.run.dir={tmp_path}"])
+    except SystemExit as stop:  # a problem found once the run has started leaves through Hydra
+        code = stop.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and re.search(message.replace("^", "^relaytrain: error: "), err[0]), err
+
+
+def test_shares_of_huge_weights_do_not_overflow():
+    assert shares([1e308, 1e308], 10) == [5, 5]
 
 
 def test_a_mixture_is_refused_for_a_source_that_reads_one_dataset(parts):

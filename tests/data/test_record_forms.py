@@ -169,15 +169,16 @@ def test_data_roles_names_other_speakers_and_a_top_level_system_opens_the_conver
 
 
 def test_sharegpt_and_messages_in_parquet_fine_tune_to_the_saved_models_held_out_loss(llama, tmp_path):
-    """Both shapes in one parquet file (the columns of the other shape null), held out in another;
-    the run's held-out loss, on the replies only, equals the saved model's loss by transformers."""
-    # One schema for both shapes, as a parquet file holding both has: the other shape's column null.
-    rows = [{"messages": None, **as_sharegpt(t)} if i % 2 else {**as_messages(t), "conversations": None}
-            for i, t in enumerate(CONVERSATIONS * 4)]
+    """ShareGPT records in one parquet file, messages held out in another, each with the other
+    shape's column present and null (as a file written from a table of both has it): a null
+    column is no record of that form. The run's held-out loss, on the replies only, equals the
+    saved model's loss by transformers."""
+    rows = [{"messages": None, **as_sharegpt(t)} for t in CONVERSATIONS * 4]
+    held = [{**as_messages(t), "conversations": None} for t in (CONVERSATIONS * 2)[:5]]
     (tmp_path / "train").mkdir()
     (tmp_path / "held").mkdir()
     train_path = write_form("parquet", rows, tmp_path / "train")
-    held_path = write_form("parquet", rows[:5], tmp_path / "held")
+    held_path = write_form("parquet", held, tmp_path / "held")
     cfg = chat_cfg(llama, train_path, f"data.eval_path={held_path}", "train.save_model=true", "optim.lr=1e-2")
     results = run(cfg, tmp_path / "run", quiet=True)
     _, held_out = build_datasets(cfg)

@@ -110,6 +110,42 @@ def test_what_a_crashed_writer_left_is_cleared_and_prepared_again(tmp_path):
     assert sorted(p.name for p in entry.parent.iterdir()) == sorted(["locks", entry.name])
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_an_unreadable_entry_is_said_in_one_line_and_prepared_again(tmp_path, capsys, damage):
+    """A data.pt cut short (a full disk, an interrupted copy), emptied or overwritten: one line
+    on stderr, then the set is tokenized again into the same rows, and the next start hits."""
+    cfg = chat_cfg(f"data.cache_dir={tmp_path / 'cache'}")
+    entry = tmp_path / "cache" / cache.entry_name(cache.cache_key(cfg, source("chat")))
+    first = build_datasets(cfg)[0]
+    stored = (entry / "data.pt").read_bytes()
+    damaged = {"truncated": stored[: len(stored) // 2], "empty": b"", "garbage": bytes(range(256)) * 4}
+    (entry / "data.pt").write_bytes(damaged[damage])
+    capsys.readouterr()
+    again = build_datasets(cfg)[0]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"relaytrain: the cached tokenized set at {entry} was unreadable (")
+    assert err[0].endswith("); tokenizing again")
+    assert again.facts["cache"] == "miss" and torch.equal(again.input_ids, first.input_ids)
+    assert torch.equal(again.labels, first.labels)
+    assert build_datasets(cfg)[0].facts["cache"] == "hit" and not capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_unreadable_entry_is_rebuilt_through_the_command(tmp_path, capsys):
+    """As a user meets it: `relaytrain train` over a cut cache file says so and trains (exit 0)."""
+    from relaytrain.cli import main
+
+    args = ["train", *FRESH_LLAMA, "data=chat", f"data.path={EXAMPLES / 'chat.jsonl'}", "data.seq_len=64",
+            "train.steps=1", "train.untimed_steps=0", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main([*args, f"hydra.run.dir={tmp_path / 'first'}"]) == 0
+    (data_pt,) = (tmp_path / "cache").glob("*/data.pt")
+    data_pt.write_bytes(data_pt.read_bytes()[:1000])
+    capsys.readouterr()
+    assert main([*args, f"hydra.run.dir={tmp_path / 'second'}"]) == 0
+    assert "was unreadable" in capsys.readouterr().err
+    assert json.loads((tmp_path / "second" / "results.json").read_text())["data"]["cache"] == "miss"
+
+
 def _waiting_on(locks: Path) -> int:
     """Processes blocked on a lock file under `locks` (the kernel's /proc/locks: `->` marks a waiter)."""
     inodes = {f":{path.stat().st_ino}" for path in locks.iterdir()}

@@ -13,8 +13,9 @@ An entry holds the training and held-out sets as tensors (ids in int32), their f
 tokenizer the source used, so a hit also gives the run the tokenizer a saved model ships with.
 It is written to a staging directory and renamed into place whole; a file lock on the key makes
 every other process of the run (torchrun starts each with the same config) wait for the first to
-prepare it and then read it, so a set is tokenized once. Set data.cache=false to tokenize afresh
-and keep nothing.
+prepare it and then read it, so a set is tokenized once. An entry that cannot be read back (a
+file cut short, damaged) is said in one line on stderr and prepared again. Set data.cache=false
+to tokenize afresh and keep nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -32,10 +34,11 @@ import torch
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.reading import fingerprint
 from relaytrain.data.tokenizer import tokenizer_identity
-from relaytrain.errors import ConfigError
+from relaytrain.errors import ConfigError, first_line
 from relaytrain.files import write_json
 
-FORMAT = 1  # raise when rows are made differently from the same inputs: old entries then miss
+FORMAT = 2  # raise when rows are made differently from the same inputs, or inputs once taken are refused
+# (2: a chat file holds records of one form), so that old entries miss
 # Data keys that do not change the tokenized rows: how they are ordered, held out or cached.
 NOT_IN_KEY = ("shuffle", "shuffle_buffer", "eval_fraction", "cache", "cache_dir", "num_proc", "streaming", "seed")
 FIELDS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -96,12 +99,12 @@ def prepared(cfg, source, tokenizer_dir: str | None, load) -> tuple[TokenDataset
         raise ConfigError(f"data.cache_dir={root} cannot be created ({e.strerror}); set data.cache_dir to a "
                           f"writable directory, or data.cache=false") from e
     with _locked(root / "locks" / entry.name):
-        if (entry / "data.pt").is_file():
-            status = "hit"
-        else:
+        sets = _cached(entry)
+        status = "miss" if sets is None else "hit"
+        if sets is None:
             _write_entry(entry, key, load)
-            status = "miss"
-        train, held_out = _read_entry(entry)
+            sets = _read_entry(entry)
+        train, held_out = sets
     if tokenizer_dir and (entry / "tokenizer").is_dir():
         shutil.copytree(entry / "tokenizer", Path(tokenizer_dir) / "tokenizer", dirs_exist_ok=True)
     return train, held_out, status
@@ -144,6 +147,26 @@ def _stored(dataset: TokenDataset) -> dict:
     tensors = {name: None if getattr(dataset, name) is None else getattr(dataset, name).to(torch.int32)
                for name in FIELDS}
     return {**tensors, "facts": dataset.facts}
+
+
+def _cached(entry: Path) -> tuple[TokenDataset, TokenDataset | None] | None:
+    """The entry's sets, or None when there is none, or none readable: a file cut short (a full
+    disk, a copy interrupted) or damaged is said in one line and then prepared again, as a miss."""
+    if not (entry / "data.pt").is_file():
+        return None
+    try:
+        return _read_entry(entry)
+    except Exception as e:  # noqa: BLE001 - whatever torch.load or the layout raises, the entry is only a copy
+        print(f"relaytrain: the cached tokenized set at {entry} was unreadable ({_reason(e)}); tokenizing again",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def _reason(e: Exception) -> str:
+    """The error's type and first sentence: torch's unpickling errors go on about weights_only,
+    which is no advice for a damaged file."""
+    sentence = first_line(e).split(". ")[0]
+    return f"{type(e).__name__}: {sentence[:120]}" if sentence != type(e).__name__ else sentence
 
 
 def _read_entry(entry: Path) -> tuple[TokenDataset, TokenDataset | None]:

@@ -2,7 +2,8 @@
 rendered with the tokenizer's chat template, the loss on the assistant's replies only.
 
 Records come from data.path (data.eval_path held out; the parts of data.mix) in any form
-`reading.py` reads, one conversation a record, in any of the common shapes:
+`reading.py` reads, one conversation a record, in one of the common shapes (one a file: the
+first record fixes it, and a record of another is refused in one line naming both):
 
 - messages (OpenAI): `{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}`
   with roles system, user and assistant ("tool" too, where the template renders it);
@@ -29,14 +30,16 @@ A record longer than data.seq_len is cut from the right and kept when a reply to
 else dropped; both are counted in the dataset's `facts` (results.json's `data`). With
 data.pack=true, records are packed into rows of data.seq_len in file order, with position ids
 that restart at each record so that no record attends to another (see `pack_rows`). Rendering
-many records uses several processes (data.num_proc).
+many records uses several processes (data.num_proc). A stream (data.streaming, `ChatRows` in
+`data/sources/chat.py`) renders, cuts and packs its records one at a time with the same functions
+(`parse_records`, `render`, `fit`, `packed`), so in order it gives the whole set's rows.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +61,9 @@ PARALLEL_FROM = 20_000  # records from which data.num_proc=0 renders in several 
 MAX_AUTO_PROCESSES = 8
 
 
+Rendered = tuple[list[int], list[int]]  # a record's token ids and labels
+
+
 @dataclass
 class Record:
     """One conversation, ending with an assistant turn; `where` ("PATH line N", "PATH row N") for errors."""
@@ -70,27 +76,53 @@ class Record:
 
 
 def read_conversations(records: Records, key: str, roles: Mapping[str, str] | None = None) -> list[Record]:
-    """Every row of `records` as a checked `Record`; `roles`: data.roles."""
-    conversations = [parse_record(record, where, roles or {}) for where, record in records.rows()]
+    """Every row of `records` as a checked `Record`, all of one form; `roles`: data.roles."""
+    conversations = list(parse_records(records.rows(), roles or {}))
     if not conversations:
         raise ConfigError(f"{key}={records.location} holds no records; write one conversation a record, "
                           f"e.g. {EXAMPLE}")
     return conversations
 
 
-def parse_record(record, where, roles: Mapping[str, str]) -> Record:
-    """One record of any known shape as a conversation (`where` names it in every error)."""
+def parse_records(rows: Iterable[tuple[Where, dict]], roles: Mapping[str, str]) -> Iterator[Record]:
+    """The rows of one file (or stream) as checked `Record`s, one at a time. The first fixes the
+    form: a file of several forms is most often files of different datasets run together, and
+    its records' fields (a ShareGPT `system`, alpaca's `input`) would be read by another form's
+    rules, so a record of another form is one line naming both."""
+    first: tuple[str, Where] | None = None
+    for where, record in rows:
+        form = record_form(record, where)
+        if first is None:
+            first = (form, where)
+        elif form != first[0]:
+            raise ConfigError(f"{where} holds a record of the {form} form, {first[1]} one of the {first[0]} form; "
+                              f"one file holds records of one form: convert them to one, or split the file by form "
+                              f"and give the files as data.mix")
+        yield parse_record(record, where, roles)
+
+
+def record_form(record, where) -> str:
+    """Which of the known shapes the record is in: "messages", "ShareGPT" or "alpaca"."""
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: expected a JSON object, got a {type(record).__name__}; write e.g. {EXAMPLE}")
     if _given(record, "messages"):
-        messages = _turns(record["messages"], where, "messages", roles)
-    elif _given(record, "conversations"):
-        messages = _turns(record["conversations"], where, "conversations", roles)
-    elif _given(record, "instruction") or _given(record, "output"):
+        return "messages"
+    if _given(record, "conversations"):
+        return "ShareGPT"
+    if _given(record, "instruction") or _given(record, "output"):
+        return "alpaca"
+    raise ConfigError(f"{where}: neither a 'messages' list, a ShareGPT 'conversations' list nor an alpaca "
+                      f"'instruction'/'output' record; write e.g. {EXAMPLE}")
+
+
+def parse_record(record, where, roles: Mapping[str, str]) -> Record:
+    """One record of any known shape as a conversation (`where` names it in every error)."""
+    form = record_form(record, where)
+    if form == "alpaca":
         messages = _alpaca(record, where)
     else:
-        raise ConfigError(f"{where}: neither a 'messages' list, a ShareGPT 'conversations' list nor an alpaca "
-                          f"'instruction'/'output' record; write e.g. {EXAMPLE}")
+        field = "messages" if form == "messages" else "conversations"
+        messages = _turns(record[field], where, field, roles)
     messages = _with_system(record, messages, where)
     if not any(m["role"] == REPLY for m in messages):
         raise ConfigError(f"{where}: no assistant turn, so nothing to learn from; add the reply as "
@@ -269,23 +301,27 @@ def encode_records(records: list[Record], tokenizer, seq_len: int, pack: bool, k
                    num_proc: int = 1) -> TokenDataset:
     """The records as rows of seq_len (packed or one per row), long ones cut or dropped and counted;
     rendered in `num_proc` processes (0: by the records' number and the cores)."""
-    kept, truncated, dropped = [], 0, 0
-    for ids, labels in render_all(tokenizer, records, processes(num_proc, len(records))):
-        if len(ids) > seq_len:
-            ids, labels = ids[:seq_len], labels[:seq_len]
-            if all(label == IGNORE_INDEX for label in labels):
-                dropped += 1
-                continue
-            truncated += 1
-        kept.append((ids, labels))
+    rendered = render_all(tokenizer, records, processes(num_proc, len(records)))
+    kept = [fitted for fitted in (fit(ids, labels, seq_len) for ids, labels in rendered) if fitted]
+    dropped = len(rendered) - len(kept)
     if not kept:
         raise ConfigError(f"{key}: every record's first reply starts past data.seq_len={seq_len} tokens, so all "
                           f"{dropped} were dropped; raise data.seq_len")
     pad = special_ids(tokenizer).pad
-    dataset = pack_rows(kept, seq_len, pad) if pack else _one_per_row(kept, seq_len, pad)
+    dataset = pack_rows(kept, seq_len, pad) if pack else one_per_row(kept, seq_len, pad)
+    truncated = sum(len(ids) > seq_len for ids, _ in rendered) - dropped
     dataset.facts = {"records": len(kept), "tokens": sum(len(ids) for ids, _ in kept), "truncated": truncated,
                      "dropped": dropped, "rows": len(dataset), "packed": pack}
     return dataset
+
+
+def fit(ids: list[int], labels: list[int], seq_len: int) -> tuple[list[int], list[int]] | None:
+    """A rendered record within seq_len: cut from the right, or None (dropped) when no reply
+    token survives the cut."""
+    if len(ids) <= seq_len:
+        return ids, labels
+    ids, labels = ids[:seq_len], labels[:seq_len]
+    return None if all(label == IGNORE_INDEX for label in labels) else (ids, labels)
 
 
 def processes(num_proc: int, records: int) -> int:
@@ -326,7 +362,7 @@ def _render_share(bounds: tuple[int, int]) -> list[tuple[list[int], list[int]]]:
     return [render(tokenizer, record) for record in records[bounds[0]: bounds[1]]]
 
 
-def _one_per_row(records: list[tuple[list[int], list[int]]], seq_len: int, pad: int) -> TokenDataset:
+def one_per_row(records: list[tuple[list[int], list[int]]], seq_len: int, pad: int) -> TokenDataset:
     ids, attention = pad_rows([r[0] for r in records], seq_len, pad)
     labels = torch.full_like(ids, IGNORE_INDEX)
     for row, (_, record_labels) in enumerate(records):
@@ -340,17 +376,31 @@ def pack_rows(records: list[tuple[list[int], list[int]]], seq_len: int, pad: int
     the model's mask keeps records apart (Hugging Face reads packing from them only when there is
     no attention mask, so there is none); a row's unused tail is padding, one more segment of its
     own whose labels are -100, so it changes nothing the records compute."""
-    rows: list[list[tuple[list[int], list[int]]]] = [[]]
+    return packed_tensors(list(packed(records, seq_len)), seq_len, pad)
+
+
+def packed(records: Iterable[Rendered], seq_len: int) -> Iterator[list[Rendered]]:
+    """Records (each at most seq_len) gathered in order into rows: a record that does not fit
+    the current row starts the next. One at a time, so a stream packs as the whole set does."""
+    row, used = [], 0
     for record in records:
-        if sum(len(ids) for ids, _ in rows[-1]) + len(record[0]) > seq_len:
-            rows.append([])
-        rows[-1].append(record)
+        if used + len(record[0]) > seq_len:
+            yield row
+            row, used = [], 0
+        row.append(record)
+        used += len(record[0])
+    if row:
+        yield row
+
+
+def packed_tensors(rows: list[list[Rendered]], seq_len: int, pad: int) -> TokenDataset:
+    """Rows of packed records (`packed`) as tensors: ids, labels and positions restarting at each record."""
     ids = torch.full((len(rows), seq_len), pad, dtype=torch.long)
     labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
     positions = torch.zeros((len(rows), seq_len), dtype=torch.long)
-    for row, packed in enumerate(rows):
+    for row, records in enumerate(rows):
         start = 0
-        for record_ids, record_labels in packed:
+        for record_ids, record_labels in records:
             end = start + len(record_ids)
             ids[row, start:end] = torch.tensor(record_ids, dtype=torch.long)
             labels[row, start:end] = torch.tensor(record_labels, dtype=torch.long)

@@ -6,10 +6,13 @@ less than it holds gives a random subset, one drawn more repeats itself whole an
 subset. The drawn records are then interleaved in a seeded order, so packed rows and the first
 steps see every part. Which part gave how many is the mixture's `facts` (results.json's
 `data.mix`). Each part is read on its own (`read`), so each may have its own shape and form.
+A weight is positive and finite, and a part its weight would draw nothing of is refused: each a
+line naming the part.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -25,8 +28,10 @@ def training_records(cfg, read: Read) -> tuple[list, list[dict] | None]:
     d = cfg.data
     if not d.mix:
         return read(d.path, "data.path", d.split, d.name), None
+    weights = checked_weights(d.mix)  # here too: a caller of the API may not have run the config checks
     parts = [read(part.path, f"data.mix[{i}].path", part.split, part.name) for i, part in enumerate(d.mix)]
-    counts = shares([float(part.weight) for part in d.mix], sum(len(records) for records in parts))
+    counts = shares(weights, sum(len(records) for records in parts))
+    _check_every_part_drawn(d.mix, parts, counts)
     generator = torch.Generator().manual_seed(d.seed + 104_729)
     drawn = [item for records, count in zip(parts, counts, strict=True) for item in _draw(records, count, generator)]
     order = torch.randperm(len(drawn), generator=generator).tolist()
@@ -36,8 +41,11 @@ def training_records(cfg, read: Read) -> tuple[list, list[dict] | None]:
 
 
 def shares(weights: list[float], total: int) -> list[int]:
-    """`total` split in proportion to `weights` (largest remainders: the counts add up to it)."""
-    exact = [total * w / sum(weights) for w in weights]
+    """`total` split in proportion to `weights`, each positive and finite (largest remainders:
+    the counts add up to it)."""
+    largest = max(weights)  # scaled to at most 1 first, so that no sum of huge weights overflows
+    scaled = [w / largest for w in weights]
+    exact = [total * w / sum(scaled) for w in scaled]
     counts = [int(x) for x in exact]
     by_remainder = sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))
     for i in by_remainder[: total - sum(counts)]:
@@ -56,7 +64,24 @@ def check_mix(d) -> None:
     if d.path:
         raise ConfigError("data.path and data.mix both name the training records; keep data.mix (each part's "
                           "path and weight) or data.path")
-    for i, part in enumerate(d.mix):
-        if not float(part.weight) > 0:
-            raise ConfigError(f"data.mix[{i}].weight={part.weight} must be positive (a part's share of the drawn "
-                              f"records); drop the part instead of weighting it 0")
+    checked_weights(d.mix)
+
+
+def checked_weights(mix) -> list[float]:
+    """Each part's weight, positive and finite: a negative or zero share of the drawn records has
+    no meaning (and weights summing to zero would divide by it), nor has an infinite one."""
+    weights = [float(part.weight) for part in mix]
+    for i, weight in enumerate(weights):
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ConfigError(f"data.mix[{i}].weight={mix[i].weight} must be positive and finite (the part's share "
+                              f"of the drawn records); give it such a weight, or drop the part")
+    return weights
+
+
+def _check_every_part_drawn(mix, parts: list[list], counts: list[int]) -> None:
+    """A part the user listed but its weight draws nothing of is a weight mistaken, not a wish."""
+    total = sum(counts)
+    for i, (part, records, count) in enumerate(zip(mix, parts, counts, strict=True)):
+        if count == 0:
+            raise ConfigError(f"data.mix[{i}].weight={part.weight} draws none of its {len(records)} records (of "
+                              f"{total} drawn in all); raise its weight or drop the part")

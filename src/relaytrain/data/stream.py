@@ -4,20 +4,24 @@ on, never all in memory, for corpora larger than it.
 A streamed set (`StreamedSet`) is no rows but how to read them: every process opens the records
 itself (`datasets` in streaming mode: JSON lines, parquet, csv, text files, a glob, a hub id)
 and `StreamLoader` serves the minibatches the in-memory loader would: minibatch p is rows
-[p R, (p + 1) R) of the epoch (R = micro-batch rows x micro-batches), a record a row; an epoch
-ends where fewer than R records are left (they are dropped, as the in-memory loader drops the
-rows past its last whole minibatch), and the next starts again from the first record. In order
-(data.shuffle=false) a streamed run therefore trains on exactly the in-memory run's rows; with
-data.shuffle=true the records of each epoch pass through a shuffle buffer (data.shuffle_buffer
-records) drawn from (data.seed, epoch), so the order is random beyond the buffer's reach only.
+[p R, (p + 1) R) of the epoch (R = micro-batch rows x micro-batches); an epoch ends where fewer
+than R rows are left (they are dropped, as the in-memory loader drops the rows past its last
+whole minibatch), and the next starts again from the first record. The source says how records
+become rows (`StreamRows`): for jsonl a record is a row; for chat (`ChatRows`) a record is
+rendered, cut or dropped past data.seq_len, and one a row or packed, one at a time as the
+in-memory source does it for the whole set. In order (data.shuffle=false) a streamed run
+therefore trains on exactly the in-memory run's rows; with data.shuffle=true the records of each
+epoch pass through a shuffle buffer (data.shuffle_buffer records) drawn from (data.seed, epoch),
+so the order is random beyond the buffer's reach only.
 Each replica takes its share of every micro-batch's rows, as from the in-memory loader.
 
 Where to continue is the step, which the checkpoint holds already: a resumed run at step p skips
-the first p whole minibatches of records (over as many passes as they span; the buffer's draws
-are replayed; skipped records are read, not tokenized) and continues with the record after the
-last one trained, so a run stopped and resumed equals the uninterrupted one. Skipping reads the
-records before it again: a resume late in a long stream takes the time of reading (not
-tokenizing) that far.
+the first p whole minibatches of rows (over as many passes as they span; the buffer's draws
+are replayed) and continues with the record after the last one trained, so a run stopped and
+resumed equals the uninterrupted one. Skipping reads the records before it again: a resume late
+in a long stream takes the time of reading that far (jsonl tokenizes nothing it skips; chat
+renders what it skips, since whether a record is dropped, and where a packed row ends, is known
+only rendered).
 
 Every row is tokenized by the configured tokenizer (model.pretrained's or data.tokenizer): one
 trained here would need the whole corpus first. A bad record is one line naming its file and row
@@ -44,13 +48,34 @@ from relaytrain.errors import ConfigError
 from relaytrain.models.layered import Draw, MicroBatch
 
 
+class StreamRows:
+    """How a streamed source's records become rows, and a minibatch of rows tensors. This one,
+    data=jsonl's: a row is a record, tokenized only when its minibatch is encoded, so the
+    minibatches a resume skips are read, not tokenized. A source whose rows are made otherwise
+    (chat: rendered, cut or dropped, packed) gives its own."""
+
+    unit = "records"  # what a row is, for the line refusing a stream shorter than a minibatch
+
+    def tokenizer(self, cfg):
+        return find_tokenizer(cfg)
+
+    def rows(self, cfg, records: Iterator[tuple[Where, dict]], tokenizer) -> Iterator:
+        return records
+
+    def encode(self, cfg, rows: list, tokenizer) -> TokenDataset:
+        samples = [parse_sample(cfg, record, where) for where, record in rows]
+        return encode_rows(cfg, samples, tokenizer, always_mask=True)
+
+
 @dataclass
 class StreamedSet:
-    """A training set read as it is trained on: the config says where and how (picklable: every
-    process of a run opens the stream itself). `facts` as a TokenDataset's."""
+    """A training set read as it is trained on: the config says where and how, `rows` how its
+    records become rows (picklable: every process of a run opens the stream itself). `facts` as
+    a TokenDataset's."""
 
     cfg: object
     facts: dict = field(default_factory=dict)
+    rows: StreamRows = field(default_factory=StreamRows)
 
 
 def check_streaming(cfg) -> None:
@@ -78,31 +103,32 @@ class StreamLoader:
 
     def __init__(self, streamed: StreamedSet, microbatch_size: int, num_microbatches: int, shuffle: bool, seed: int,
                  dropout_seed: int = 0):
-        self.cfg = streamed.cfg
+        self.cfg, self.row_maker = streamed.cfg, streamed.rows
         self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
         self.shuffle, self.seed, self.dropout_seed = shuffle, seed, dropout_seed
         self.rows = microbatch_size * num_microbatches
         self._groups: Iterator[list] | None = None
         self._next = 0  # the position the open stream serves next
-        self._tokenizer = None
+        self._tokenizer = self.row_maker.tokenizer(self.cfg)
         self._check_one_minibatch()
 
     def _check_one_minibatch(self) -> None:
-        """A stream too short for one minibatch, found by reading that many records (no more)
+        """A stream too short for one minibatch, found by reading that many rows (no more)
         before any step, as the in-memory loader finds it by counting."""
         d = self.cfg.data
-        held = sum(1 for _ in islice(stream_rows(d.path, "data.path", d.split, d.name), self.rows))
+        rows = self.row_maker.rows(self.cfg, stream_rows(d.path, "data.path", d.split, d.name), self._tokenizer)
+        held = sum(1 for _ in islice(rows, self.rows))
         if held < self.rows:
-            raise ConfigError(f"the streamed data.path={d.path} holds {held} records, fewer than one minibatch "
-                              f"(strategy.microbatch_size x strategy.num_microbatches = {self.rows}); use more data "
-                              f"or a smaller batch")
+            raise ConfigError(f"the streamed data.path={d.path} holds {held} {self.row_maker.unit}, fewer than one "
+                              f"minibatch (strategy.microbatch_size x strategy.num_microbatches = {self.rows}); use "
+                              f"more data or a smaller batch")
 
     def minibatch(self, position: int) -> list[MicroBatch]:
         if self._groups is None or position != self._next:
             self._groups = islice(self._all_groups(), position, None)  # skipped groups are read, not tokenized
         group = next(self._groups)
         self._next = position + 1
-        batch = self._encode(group)
+        batch = self.row_maker.encode(self.cfg, group, self._tokenizer)
         return [dataclasses.replace(batch.take(torch.arange(k * self.microbatch_size, (k + 1) * self.microbatch_size)),
                                     draw=Draw(self.dropout_seed, position, k))
                 for k in range(self.num_microbatches)]
@@ -112,8 +138,8 @@ class StreamLoader:
         epoch = 0
         while True:
             served = 0
-            records = self._records(epoch)
-            while len(group := list(islice(records, self.rows))) == self.rows:
+            rows = self.row_maker.rows(self.cfg, self._records(epoch), self._tokenizer)
+            while len(group := list(islice(rows, self.rows))) == self.rows:
                 served += 1
                 yield group
             if not served:  # checked at the start: only a file shortened while training gets here
@@ -127,11 +153,6 @@ class StreamLoader:
             return records
         return _buffer_shuffled(records, d.shuffle_buffer, random.Random(self.seed * 1_000_003 + epoch))
 
-    def _encode(self, group: list[tuple[Where, dict]]) -> TokenDataset:
-        if self._tokenizer is None:
-            self._tokenizer = find_tokenizer(self.cfg)
-        samples = [parse_sample(self.cfg, record, where) for where, record in group]
-        return encode_rows(self.cfg, samples, self._tokenizer, always_mask=True)
 
 
 def _buffer_shuffled(records: Iterator, size: int, rng: random.Random) -> Iterator:
