@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from relaytrain import checkpoint
 from relaytrain.cli import main
-from tests.conftest import wait_for
+from relaytrain.errors import ConfigError
+from tests.conftest import TINY_BERT, TINY_LLAMA, wait_for
 
 # bert_tiny at this batch takes ~0.1 s a step on 2 cores: slow enough to kill mid-run.
 RUN = ["train", "train.steps=30", "train.untimed_steps=1", "strategy.microbatch_size=8",
@@ -62,6 +63,8 @@ def test_killed_run_resumes_to_the_same_weights_and_losses(uninterrupted, tmp_pa
 
     resumed = finish(run_dir, "train.checkpoint_every=5", "train.resume=auto")
     assert resumed["loss"] == whole["loss"]  # bit-for-bit, every step before and after the resume
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "finished" and "error" not in status  # the stop's line went with the stop
     ours, theirs = weights(run_dir), weights(whole_dir)
     assert ours.keys() == theirs.keys()
     for name in theirs:
@@ -203,3 +206,124 @@ def test_a_manifest_from_before_the_eps_state_rename_still_resumes_exactly(tmp_p
         {"format": checkpoint.FORMAT, "identity": checkpoint.identity(cfg), "step": 1, "strategy": "l2l",
          "layout": older}))
     assert checkpoint.read(tmp_path, cfg, "l2l", layout).exact
+
+
+# ------------------------------------------------------------------------------ resuming as the console says
+
+LORA = [*TINY_LLAMA, "adapter=lora", "train.steps=4", "train.untimed_steps=0", "strategy.microbatch_size=4",
+        "strategy.num_microbatches=1"]
+SMALL = ["train", *TINY_BERT, "train.untimed_steps=0", "strategy.microbatch_size=4", "strategy.num_microbatches=1"]
+
+
+def refused(*args: str, capsys) -> str:
+    """The one error line of a `relaytrain train` that is refused (exit code 2)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *args])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("relaytrain: error: "), err
+    return err[0].removeprefix("relaytrain: error: ")
+
+
+def test_a_checkpoint_resumes_from_its_path_alone_with_the_runs_own_config(tmp_path, capsys):
+    run_dir = tmp_path / "lora"
+    assert main(["train", *LORA, "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]) == 0
+    whole = json.loads((run_dir / "results.json").read_text())
+    half = checkpoint.checkpoint_dir(run_dir) / "step-00000002"
+    capsys.readouterr()
+
+    # As the SIGINT line prints it: the path and nothing else (the default config is bert_tiny, no adapter).
+    assert main(["train", f"train.resume={half}", f"hydra.run.dir={tmp_path / 'resumed'}"]) == 0
+    out = capsys.readouterr().out
+    read_back = f"train.resume: the run's own config read back from {run_dir / '.hydra' / 'overrides.yaml'}: "
+    assert read_back + " ".join([*LORA, "train.checkpoint_every=2"]) + "\n" in out
+    assert f"resuming from step 2 of {half}\n" in out
+    assert json.loads((tmp_path / "resumed" / "results.json").read_text())["loss"] == whole["loss"]  # exact
+
+    # The user's keys go on top: from the run directory's latest checkpoint (step 4), two more steps.
+    assert main(["train", f"train.resume={run_dir}", "train.steps=6", f"hydra.run.dir={tmp_path / 'longer'}"]) == 0
+    assert "; yours on top: train.steps=6\n" in capsys.readouterr().out
+    longer = json.loads((tmp_path / "longer" / "results.json").read_text())
+    assert longer["steps"] == 6 and longer["loss"][:4] == whole["loss"]
+
+
+def test_adapters_and_a_full_fine_tune_are_told_apart_on_resume(tmp_path):
+    from relaytrain.compose import compose_config
+
+    lora, full = compose_config(["model=llama_tiny", "adapter=lora"]), compose_config(["model=llama_tiny"])
+    for saved, config, held, fix in [
+        (lora, full, "holds lora adapters, but this config trains every weight", "adapter=lora"),
+        (full, lora, "holds a full fine-tune (every weight), but this config has adapter=lora", "adapter=none"),
+    ]:
+        (tmp_path / checkpoint.MANIFEST).write_text(json.dumps(
+            {"format": checkpoint.FORMAT, "identity": checkpoint.identity(saved), "step": 1, "strategy": "baseline",
+             "layout": {"processes": 1}}))
+        with pytest.raises(ConfigError) as refusal:
+            checkpoint.read(tmp_path, config, "baseline", {"processes": 1})
+        assert str(refusal.value) == f"checkpoint {tmp_path} {held}; resume with {fix}"
+
+
+# ------------------------------------------------------------------------------ a finished run stays finished
+
+
+def test_a_run_with_train_resume_keeps_its_final_state_so_more_steps_continue_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    auto = [*SMALL, "train.steps=2", "train.resume=auto", f"hydra.run.dir={run_dir}"]  # checkpoint_every=0
+    assert main(auto) == 0
+    first = json.loads((run_dir / "results.json").read_text())
+    assert [p.name for p in checkpoint.list_checkpoints(checkpoint.checkpoint_dir(run_dir))] == ["step-00000002"]
+    capsys.readouterr()
+    assert main([*auto, "train.steps=3"]) == 0
+    assert f"resuming from step 2 of {checkpoint.checkpoint_dir(run_dir) / 'step-00000002'}" in capsys.readouterr().out
+    longer = json.loads((run_dir / "results.json").read_text())
+    assert longer["steps"] == 3 and longer["loss"][:2] == first["loss"]
+
+
+def test_more_steps_never_train_again_over_a_finished_run(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main([*SMALL, "train.steps=2", f"hydra.run.dir={run_dir}"]) == 0  # checkpoint_every=0, no train.resume
+    kept = (run_dir / "results.json").read_text(), (run_dir / "status.json").read_text()
+    capsys.readouterr()
+
+    assert main([*SMALL, "train.steps=2", "train.resume=auto", f"hydra.run.dir={run_dir}"]) == 0  # a sweep relaunched
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"this run already finished its 2 steps ({run_dir / 'results.json'}); it kept no checkpoint of its last "
+        f"step (train.checkpoint_every=0), so it cannot train further here: start a longer run in another "
+        f"hydra.run.dir"]
+    assert refused(*SMALL[1:], "train.steps=3", "train.resume=auto", f"hydra.run.dir={run_dir}", capsys=capsys) == (
+        f"{run_dir} holds a run that finished 2 steps without a checkpoint of its last step; starting afresh here "
+        f"would train again over its results: give another hydra.run.dir")
+    assert ((run_dir / "results.json").read_text(), (run_dir / "status.json").read_text()) == kept
+
+
+@pytest.mark.slow  # the default suite refuses the start from step 0 (test_more_steps_never_train_again_over_a_finished_run)
+def test_a_finished_run_is_not_resumed_from_a_checkpoint_older_than_its_end(tmp_path, capsys):
+    # Stopped with a checkpoint at step 2, then run again there without train.resume, to step 3.
+    run_dir = tmp_path / "run"
+    assert main([*SMALL, "train.steps=2", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]) == 0
+    assert main([*SMALL, "train.steps=3", f"hydra.run.dir={run_dir}"]) == 0
+    kept = (run_dir / "results.json").read_text(), (run_dir / "status.json").read_text()
+    capsys.readouterr()
+    assert refused(*SMALL[1:], "train.steps=4", "train.resume=auto", f"hydra.run.dir={run_dir}", capsys=capsys) == (
+        f"{run_dir} holds a run that finished 3 steps without a checkpoint of its last step; resuming from step 2 "
+        f"here would train again over its results: give another hydra.run.dir")
+    older = checkpoint.checkpoint_dir(run_dir) / "step-00000002"
+    assert refused(*SMALL[1:], "train.steps=4", f"train.resume={run_dir}", f"hydra.run.dir={tmp_path / 'new'}",
+                   capsys=capsys) == (
+        f"train.resume={run_dir}: that run finished 3 steps without a checkpoint of its last step; to train again "
+        f"from step 2, give train.resume={older}")
+    assert ((run_dir / "results.json").read_text(), (run_dir / "status.json").read_text()) == kept
+
+
+def test_a_run_resumed_after_it_failed_ends_with_no_error_in_its_status(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    every = [*SMALL, "train.steps=3", "train.checkpoint_every=1", "train.resume=auto", f"hydra.run.dir={run_dir}"]
+    monkeypatch.setenv("RELAYTRAIN_FAILPOINTS", "loss:2=nan")  # step 2 diverges: step 1's checkpoint is the newest
+    with pytest.raises(SystemExit):
+        main(every)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and "the loss became nan at step 2" in status["error"]
+    monkeypatch.delenv("RELAYTRAIN_FAILPOINTS")
+    assert main(every) == 0
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "finished" and status["step"] == 3 and "error" not in status

@@ -1,5 +1,6 @@
 """The `relaytrain` command on good and bad input."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -81,6 +82,9 @@ def test_bad_input_is_one_line_exit_2_and_no_traceback(tmp_path):
         ("model=bert_huge", "model=bert_huge is not a known option"),
         ("strategy=nope", "strategy=nope is not a known option"),
         ("model.num_layerz=3", "unknown key model.num_layerz; did you mean model.num_layers?"),
+        ("optim.learning_rate=1e-3", "unknown key optim.learning_rate; did you mean optim.lr?"),  # its initials
+        ("optim=muon", "optim=muon is not a known option; choose one of: adamw, lamb, sgd"),  # no `_schema`
+        ("strategy=l2k", "did you mean strategy=l2l? choose one of: baseline, fsdp, l2l, l2l_stash_cpu, pipe_2bw,"),
         ("model.num_layers=abc", "model.num_layers=abc is not a valid integer"),
         ("train.save_model=maybe", "train.save_model"),
         ("model.hidden_size=0", "model.hidden_size=0 must be positive"),
@@ -149,6 +153,35 @@ def test_help_lists_commands_strategies_and_config_groups(tmp_path, capsys):
         assert word in proc.stdout
 
 
+def test_help_names_every_config_group_and_section(tmp_path, capsys):
+    """Every section of the schema is named: the groups with options (adapter too), and those set
+    key by key (log too); train --help stars each group's choice, qlora's as given."""
+    from relaytrain.config import RelayTrainConfig
+    from relaytrain.help import key_sections, option_groups
+
+    sections = [f.name for f in dataclasses.fields(RelayTrainConfig)]
+    assert sorted(option_groups() + key_sections()) == sorted(sections)
+    assert {"adapter", "model", "optim"} <= set(option_groups()) and {"log", "train"} <= set(key_sections())
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"Config groups (GROUP=OPTION): {', '.join(option_groups())}; experiments: +exp=NAME." in out
+    assert f"Keys only (KEY=VALUE): {', '.join(key_sections())}." in out
+    proc = relaytrain("train", "adapter=qlora", "--help", cwd=tmp_path, env_extra={"COLUMNS": "100"})
+    assert "  adapter    lora none *qlora" in proc.stdout and "  data       chat glue jsonl *synthetic" in proc.stdout
+    assert f"  {', '.join(key_sections())}: no options, keys only (below)" in proc.stdout
+    assert "log.tensorboard = False" in proc.stdout
+    groups = proc.stdout[proc.stdout.index("Config groups"):proc.stdout.index("Keys of this config")]
+    assert max(len(line) for line in groups.splitlines()) <= 100  # the options wrap to the terminal
+
+
+def test_plan_help_names_every_plan_key(capsys):
+    from relaytrain.config import PlanConfig
+
+    assert main(["plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert [f.name for f in dataclasses.fields(PlanConfig) if f"plan.{f.name}=" not in out] == []
+
+
 def test_unknown_command_exits_2(capsys):
     assert main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err
@@ -177,3 +210,45 @@ def test_a_short_run_measures_what_the_default_untimed_steps_leave(tmp_path, ste
 
     results = run(tiny_cfg("bert", f"train.steps={steps}", "train.untimed_steps=null"), tmp_path, table=False)
     assert results["measured_steps"] == measured
+
+
+@pytest.mark.parametrize(("key", "sweep"), [("hydra.run.dir", []), ("hydra.sweep.dir", ["-m", "optim.lr=1e-3,1e-4"])])
+def test_an_output_directory_that_cannot_be_made_is_one_line_exit_2(tmp_path, capsys, key, sweep):
+    # Under a file here; a read-only mount or a directory without write permission fails in the
+    # same mkdir (or the probe file after it), with its OS error named instead.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["train", *SMALL, *sweep, f"{key}={blocker / 'run'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"relaytrain: error: {key}={blocker / 'run'} cannot be made or written ({blocker} is a file); "
+        f"choose a directory you can write with {key}=DIR"]
+    assert list(tmp_path.iterdir()) == [blocker]
+
+
+def test_the_output_directory_check_leaves_nothing_behind_and_the_run_makes_it(tmp_path, monkeypatch):
+    from relaytrain.run_dirs import check_writable
+
+    monkeypatch.chdir(tmp_path)  # a relative directory is where the command runs
+    check_writable(["hydra.run.dir=a/b"])
+    assert list(tmp_path.iterdir()) == []  # Hydra makes it as it starts the run
+    assert main(["train", *SMALL, "hydra.run.dir=a/b"]) == 0
+    assert (tmp_path / "a" / "b" / "results.json").is_file()
+
+
+@pytest.mark.parametrize("strategy", ["baseline", pytest.param("pipe_flush", marks=pytest.mark.slow)])
+def test_a_run_whose_output_reader_went_away_trains_on_and_finishes(tmp_path, strategy):
+    """`relaytrain train | head`: the reader leaves, the run does not (nor does it say it failed)."""
+    run_dir = tmp_path / "run"
+    read, write = os.pipe()
+    os.close(read)  # gone before the first line: every write to stdout finds the pipe broken
+    try:
+        proc = subprocess.run([sys.executable, "-m", "relaytrain.cli", "train", *SMALL, f"strategy={strategy}",
+                               "train.log_every=1", f"hydra.run.dir={run_dir}"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "CI": "1"}, timeout=240)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "error" not in proc.stderr
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "finished" and "error" not in status
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 4

@@ -151,11 +151,29 @@ def test_a_chat_fine_tune_stops_generating_where_a_turn_ends(tmp_path, capsys):
     args = [f"model.pretrained={out}", f"prompt={PROMPT}", "max_new_tokens=6"]
     model, tokenizer = load(str(out))
     assert new_token_ids(parse_request(args), model, tokenizer).tolist() == [end_of_turn]
-    assert main(["generate", *args]) == 0 and capsys.readouterr().out == "\n"
+    capsys.readouterr()
+    assert main(["generate", *args]) == 0
+    captured = capsys.readouterr()  # the reply is empty: stdout holds nothing, stderr says why in one line
+    assert captured.out == "" and captured.err == (
+        "relaytrain: the model ended its turn at once: its first new token is <|im_end|> "
+        f"(id {end_of_turn}), where generation stops, so the reply is empty; a model trained little, or on "
+        "replies that are empty, does this\n")
     # Stopping only at the end of text, as the checkpoint did, runs on to max_new_tokens.
     ids = torch.tensor([tokenizer.encode(PROMPT)])
     assert model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
                           eos_token_id=end_of_text)[0, ids.shape[1]:].tolist() == [end_of_turn] * 6
+
+
+def test_a_reply_of_special_tokens_only_says_why_it_printed_nothing(tmp_path, capsys):
+    checkpoint = tiny_decoder(tmp_path / "llama", "llama", layers=2)
+    pad = chat_tokenizer().pad_token_id
+    force_every_token(checkpoint, pad)  # not a stop id: generation runs on, and nothing decodes
+    capsys.readouterr()
+    assert main(["generate", f"model.pretrained={checkpoint}", f"prompt={PROMPT}", "max_new_tokens=3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "relaytrain: the reply is empty: the model's 3 new token(s) are special tokens (<|pad|>), which print "
+        "as nothing\n")
 
 
 def test_a_chat_prompt_stops_at_the_end_of_turn_the_generation_config_lacks(tmp_path):

@@ -80,16 +80,6 @@ def test_tensorboard_events_with_log_tensorboard(tmp_path):
     assert "samples_per_s" in events.Tags()["scalars"]
 
 
-def test_without_tensorboard_log_tensorboard_is_refused_with_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(SystemExit) as stop:
-        main(["train", "+exp=tiny_baseline", "log.tensorboard=true", f"hydra.run.dir={tmp_path}"])
-    assert stop.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["relaytrain: error: log.tensorboard=true needs the tensorboard package: pip install "
-                   "'relaytrain[tensorboard]' (or pip install tensorboard), or set log.tensorboard=false"]
-
-
 def test_the_estimate_and_progress_inside_long_steps(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(StepProgress, "QUIET_S", 0.0)  # a line for every move inside a step
     monkeypatch.setenv("CI", "1")

@@ -422,11 +422,9 @@ def read(path: Path, cfg, strategy: str, layout: dict, base: str | None = None) 
         raise ConfigError(f"checkpoint {path} has no readable manifest ({type(err).__name__}); resume from another") from err
     if manifest.get("format") != FORMAT:
         raise ConfigError(f"checkpoint {path} is not a relaytrain checkpoint (format {FORMAT}); resume from another")
-    ours = identity(cfg)
-    diffs = [f"{k}: checkpoint {v} vs config {ours[k]}" for k, v in manifest["identity"].items() if ours.get(k) != v]
-    if diffs:
-        raise ConfigError(f"checkpoint {path} does not fit this config ({', '.join(diffs)}); "
-                          f"resume with the config it was saved with")
+    misfit = _misfit(manifest["identity"], identity(cfg))
+    if misfit:
+        raise ConfigError(f"checkpoint {path} {misfit}")
     if base is not None and not _same_base(manifest.get("base"), base):
         raise ConfigError(f"checkpoint {path} holds adapters trained on another base (fingerprint "
                           f"{manifest.get('base')}, this model.pretrained gives {base}); resume with the base it was made on")
@@ -435,6 +433,17 @@ def read(path: Path, cfg, strategy: str, layout: dict, base: str | None = None) 
                           f"raise train.steps to train further")
     exact = manifest["strategy"] == strategy and _renamed(manifest["layout"]) == layout
     return Checkpoint(path, manifest, exact)
+
+
+def _misfit(saved: dict, ours: dict) -> str | None:
+    """Why a checkpoint's identity does not fit this config's (None: it fits). Whether adapters
+    trained comes first: a full fine-tune's identity has no adapter keys at all."""
+    if ("adapter" in saved) != ("adapter" in ours):
+        if "adapter" in saved:
+            return f"holds {saved['adapter']} adapters, but this config trains every weight; resume with adapter={saved['adapter']}"
+        return f"holds a full fine-tune (every weight), but this config has adapter={ours['adapter']}; resume with adapter=none"
+    diffs = [f"{k}: checkpoint {v} vs config {ours.get(k)}" for k, v in saved.items() if ours.get(k) != v]
+    return f"does not fit this config ({', '.join(diffs)}); resume with the config it was saved with" if diffs else None
 
 
 def _same_base(written: str | None, base: str) -> bool:

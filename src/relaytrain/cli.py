@@ -5,6 +5,7 @@
     relaytrain report PATH...                           compare runs and sweeps
     relaytrain plan [KEY=VALUE ...]                     which strategy and shape fit your devices
     relaytrain generate model.pretrained=DIR prompt=... what a saved model answers to a prompt
+    relaytrain export model.pretrained=SRC out=DIR      an adapter merged, or a checkpoint, as a model directory
 
 Bad input never reaches the training code: the overrides are composed and checked first,
 and any problem ends with one line on stderr naming the key and the fix, exit code 2, no
@@ -34,10 +35,13 @@ Usage:
   relaytrain report PATH... [--sort KEY] [--json]     compare runs and sweeps: a table, summary.csv, plots
   relaytrain plan [KEY=VALUE ...] [--out DIR]         which strategy and shape fit your devices (predicted)
   relaytrain generate model.pretrained=DIR prompt=TEXT [KEY=VALUE ...]   what a saved model answers
+  relaytrain export model.pretrained=SRC out=DIR [KEY=VALUE ...]   an adapter merged into its base, or a
+                                                     training checkpoint, as a Hugging Face model directory
   relaytrain --version
 
 Strategies (strategy=NAME): {strategies}.
-Config groups: model, data, strategy, optim, precision; experiments: +exp=NAME.
+Config groups (GROUP=OPTION): {groups}; experiments: +exp=NAME.
+Keys only (KEY=VALUE): {sections}.
 `relaytrain train --help` lists every option and key with what it does; each command has --help.
 
 Examples:
@@ -49,6 +53,7 @@ Examples:
   relaytrain train strategy=l2l strategy.replicas=2
   relaytrain schedule strategy=pipe_2bw strategy.stages=4 strategy.num_microbatches=8 [--out t.svg]
   relaytrain generate model.pretrained=outputs/DATE/TIME/model prompt="What is 2+2?"
+  relaytrain export model.pretrained=outputs/DATE/TIME/model out=merged
 """
 
 SCHEDULE_USAGE = "relaytrain schedule [KEY=VALUE ...] [--schedule NAME] [--batches N] [--out FILE.svg|.png]"
@@ -92,6 +97,8 @@ Usage: {PLAN_USAGE}
   KEY=VALUE               the model and data of `relaytrain train` (model=bert_large data.seq_len=128 ...)
   plan.workers=N          devices (GPUs, or CPU worker processes) to plan for (default 1)
   plan.device_memory_gb=G memory of each device in GB (default: the GPU profile's, else 16)
+  plan.host_memory_gb=G   host memory of each machine in GB (default: this machine's with plan.device=this,
+                          else unlimited); decides where offloaded weights and stashes may go
   plan.batch_size=B       the global minibatch (default strategy.microbatch_size x strategy.num_microbatches)
   plan.device=NAME        `this` (profile this machine, default), a GPU profile ({{profiles}}) or a JSON file
   plan.strategies=[a,b]   strategies to consider (default: all)
@@ -158,9 +165,11 @@ examples:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
+        from relaytrain.help import key_sections, option_groups
         from relaytrain.strategies import choices
 
-        print(USAGE.format(strategies=", ".join(choices())), end="")
+        print(USAGE.format(strategies=", ".join(choices()), groups=", ".join(option_groups()),
+                           sections=", ".join(key_sections())), end="")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "--version":
@@ -168,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"relaytrain {__version__}")
         return 0
-    commands = {"train": _train, "schedule": _schedule, "report": _report, "plan": _plan, "generate": _generate}
+    commands = {"train": _train, "schedule": _schedule, "report": _report, "plan": _plan, "generate": _generate,
+                "export": _export}
     if command not in commands:
         _fail(f"unknown command {command!r}; use `relaytrain {'`, `relaytrain '.join(commands)}` "
               f"(see relaytrain --help)")
@@ -230,11 +240,19 @@ def _train(args: list[str]) -> int:
 
         print(train_help([a for a in args if not a.startswith("-")], compose), end="")
         return 0
+    from relaytrain.run_dirs import recorded_overrides
+    from relaytrain.stdio import outliving_readers
+    from relaytrain.world import under_torchrun
+
     hydra_flags = {"--hydra-help", "--info", "--cfg", "-c", "--resolve", "--shell-completion", "-sc"}
-    if not hydra_flags.intersection(args):
-        overrides = [a for a in args if not a.startswith("-")]
-        check_overrides(overrides, multirun="-m" in args or "--multirun" in args)
-    return _run_hydra(args)
+    with outliving_readers():  # `relaytrain train | head`: the run outlives its reader
+        if not hydra_flags.intersection(args):
+            overrides = [a for a in args if not a.startswith("-")]
+            say = (lambda line: None) if under_torchrun() and os.environ["RANK"] != "0" else print
+            recorded = recorded_overrides(overrides, say)  # train.resume=PATH: the run's own config first
+            args = [*recorded, *args]
+            check_overrides([*recorded, *overrides], multirun="-m" in args or "--multirun" in args)
+        return _run_hydra(args)
 
 
 def _run_hydra(args: list[str]) -> int:
@@ -252,7 +270,7 @@ def _run_hydra(args: list[str]) -> int:
         from hydra.types import RunMode
 
         from relaytrain.errors import Aborted, Interrupted
-        from relaytrain.train import finished_results, run
+        from relaytrain.train import finished_results, refuse_to_retrain_a_finished_run, run
         from relaytrain.world import pick_device
 
         hydra_cfg = HydraConfig.get()
@@ -260,6 +278,7 @@ def _run_hydra(args: list[str]) -> int:
         overrides = list(hydra_cfg.overrides.task)
         run_dir = hydra_cfg.runtime.output_dir
         try:
+            refuse_to_retrain_a_finished_run(cfg.train, Path(run_dir))  # before the estimate's line
             finished = finished_results(cfg.train, Path(run_dir)) is not None  # nothing to estimate
             device = pick_device(cfg.train.device)  # this job's, decided once
             run(cfg, run_dir, overrides, table=not in_sweep,
@@ -317,7 +336,9 @@ def check_overrides(overrides: list[str], multirun: bool = False) -> None:
     from relaytrain.compose import compose, validate
     from relaytrain.models.pretrained import explicit_overrides, resolve
     from relaytrain.preflight import check_can_start
+    from relaytrain.run_dirs import check_writable
     from relaytrain.strategies import strategy_class
+    from relaytrain.trackers import check_trackers
     from relaytrain.world import pick_device
 
     try:
@@ -329,6 +350,8 @@ def check_overrides(overrides: list[str], multirun: bool = False) -> None:
         cfg = resolve(compose(combo), explicit_overrides(combo))
         validate(cfg)
         check_can_start(cfg, strategy_class(cfg.strategy.name), pick_device(cfg.train.device))
+        check_trackers(cfg.log)
+    check_writable(list(next(iter(_combinations(parsed)))) if multirun else overrides, multirun)
 
 
 def _combinations(parsed) -> itertools.product:
@@ -440,7 +463,25 @@ def _generate(args: list[str]) -> int:
         return 0
     from relaytrain.generate import generate, parse_request
 
-    print(generate(parse_request(items)))
+    answer = generate(parse_request(items))
+    if answer.empty_because:  # stdout stays the answer alone: nothing; stderr says why
+        print(f"relaytrain: {answer.empty_because}", file=sys.stderr)
+    else:
+        print(answer.text)
+    return 0
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _export(args: list[str]) -> int:
+    from relaytrain.export_command import EXPORT_HELP, EXPORT_USAGE, export, parse_request
+
+    options, items = parse_args(args, EXPORT_USAGE)
+    if options.get("--help"):
+        print(EXPORT_HELP, end="")
+        return 0
+    print(export(parse_request(items)))
     return 0
 
 

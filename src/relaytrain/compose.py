@@ -7,7 +7,7 @@ strategy's and optimizer's typed schema, then checked across keys and by its str
   `ConfigError` line naming the key and the fix. OmegaConf's errors are read by type and
   attribute, not by their English: `ConfigAttributeError` + `object_type` gives the schema that
   lacks a key (and the registry the options that have it), `ValidationError` + the node's class
-  or enum type what was expected, and `difflib` the close match.
+  or enum type what was expected, and `difflib` (or the key's initials: `lr`) the close match.
 - `compose_config(overrides)` is the same without the translation (tests, scripts, notebooks).
 - `validate(cfg)` runs the shared checks (`config.check_shared`), a preset's fixed keys, what the
   precision and optimizer ask of the strategy's capabilities, and the strategy's own rules.
@@ -26,6 +26,7 @@ from relaytrain.optim import optimizer_schemas
 from relaytrain.strategies import check_preset, registry, strategy_class
 
 CONFIG_MODULE = "relaytrain.configs"
+SCHEMA_SUFFIX = "_schema"  # an option's typed schema in the ConfigStore: `optim/adamw_schema`
 _NODE_KINDS = {"IntegerNode": "integer", "FloatNode": "number", "BooleanNode": "boolean (true or false)",
                "StringNode": "string"}
 
@@ -35,14 +36,15 @@ def register_schema() -> None:
     store = ConfigStore.instance()
     store.store(name="relaytrain_schema", node=RelayTrainConfig)
     for name, schema in optimizer_schemas().items():
-        store.store(group="optim", name=f"{name}_schema", node=schema)
+        store.store(group="optim", name=f"{name}{SCHEMA_SUFFIX}", node=schema)
     for name, cls in registry().items():
-        store.store(group="strategy", name=f"{name}_schema", node=cls.Config)
+        store.store(group="strategy", name=f"{name}{SCHEMA_SUFFIX}", node=cls.Config)
 
 
-def compose_config(overrides: list[str] | tuple[str, ...] = ()):
+def compose_config(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bool = False):
     """The config `relaytrain train OVERRIDES...` would run with (no validation, no Hydra run
-    dir), Hydra's own exceptions on a bad override: for tests, benchmarks and notebooks."""
+    dir), Hydra's own exceptions on a bad override: for tests, benchmarks and notebooks. With
+    `return_hydra_config`, its `hydra` section too (`hydra.runtime.choices`: each group's option)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
@@ -51,18 +53,19 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=list(overrides))
+            return hydra_compose(config_name="config", overrides=list(overrides),
+                                 return_hydra_config=return_hydra_config)
     finally:
         GlobalHydra.instance().clear()
 
 
-def compose(overrides: list[str] | tuple[str, ...]):
+def compose(overrides: list[str] | tuple[str, ...], return_hydra_config: bool = False):
     """The config these overrides compose (no cross-key checks), or one ConfigError line."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return compose_config(overrides)
+        return compose_config(overrides, return_hydra_config)
     except MissingConfigException as err:
         raise ConfigError(_missing_option_message(err)) from err
     except ConfigCompositionException as err:
@@ -106,7 +109,8 @@ def _check_capabilities(cls, name, precision, optim) -> None:
 
 
 def _missing_option_message(err) -> str:
-    options = list(getattr(err, "options", None) or [])
+    # The ConfigStore lists the typed schemas (`adamw_schema`) beside the options: not choices.
+    options = [name for name in getattr(err, "options", None) or [] if not name.endswith(SCHEMA_SUFFIX)]
     group = getattr(err, "missing_cfg_file", "") or ""
     if "/" in group:
         group, option = group.rsplit("/", 1)
@@ -177,10 +181,24 @@ def _unknown_key_message(key: str, schema) -> str:
                 f"{'has' if len(owners) == 1 else 'have'} it (see relaytrain train --help)")
     known = ([f.name for f in dataclasses.fields(schema)] if schema is not None and dataclasses.is_dataclass(schema)
              else _keys_of(section))
-    hint = difflib.get_close_matches(leaf, known, n=1)
+    hint = _nearest_key(leaf, known)
     if hint:
-        return f"unknown key {key}; did you mean {section + '.' if section else ''}{hint[0]}?"
+        return f"unknown key {key}; did you mean {section + '.' if section else ''}{hint}?"
     return f"unknown key {key}; see `relaytrain train --help` for the keys"
+
+
+def _nearest_key(typed: str, known: list[str]) -> str | None:
+    """The known key a typo or a spelled-out name means: the closest by difflib (`num_layerz`),
+    else one whose initials the other spells (`learning_rate` for `lr`, which difflib rates far)."""
+    close = difflib.get_close_matches(typed, known, n=1)
+    if close:
+        return close[0]
+    return next((k for k in known if k == _initials(typed) or typed == _initials(k)), None)
+
+
+def _initials(key: str) -> str:
+    words = key.split("_")
+    return "".join(w[0] for w in words if w) if len(words) > 1 else ""
 
 
 def _options_with_key(section: str, leaf: str) -> list[str]:

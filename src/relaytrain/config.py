@@ -158,7 +158,7 @@ class MixConfig:
     """One part of a mixture (data.mix): records in any form data.path takes, and its weight."""
 
     path: str = MISSING
-    weight: float = 1.0  # its share of the drawn records, relative to the others'
+    weight: float = 1.0  # its share of the drawn records, relative to the others' (positive, finite)
     name: str | None = None  # a hub dataset's config
     split: str = "train"  # a hub dataset's or `datasets` directory's split
 
@@ -186,7 +186,7 @@ class DataConfig:
     cache: bool = True  # keep the tokenized set under data.cache_dir and reuse it while nothing it depends on changes
     cache_dir: str | None = None  # where; default: $XDG_CACHE_HOME/relaytrain/data (~/.cache/relaytrain/data)
     num_proc: int = 0  # chat: processes that render records (0: one per core, up to 8, for large sets)
-    streaming: bool = False  # jsonl: read and tokenize records as they are trained on, never all in memory
+    streaming: bool = False  # jsonl / chat: read and tokenize records as they are trained on, never all in memory
     shuffle_buffer: int = 10_000  # streaming with data.shuffle: records held in the seeded shuffle buffer
 
 
@@ -272,6 +272,11 @@ class PlanConfig:
 @dataclass
 class LogConfig:
     tensorboard: bool = False  # also write TensorBoard events to RUN_DIR/tensorboard (pip install 'relaytrain[tensorboard]')
+    mlflow: bool = False  # also log to an MLflow run: the config as params, every step's metrics, the results (pip install 'relaytrain[mlflow]')
+    mlflow_uri: str | None = None  # the MLflow tracking URI (a server, a database); unset: $MLFLOW_TRACKING_URI, else sqlite in RUN_DIR/mlruns
+    mlflow_experiment: str = "relaytrain"  # the MLflow experiment the run goes in (made when missing)
+    wandb: bool = False  # also log to a Weights & Biases run, the same figures (pip install 'relaytrain[wandb]')
+    wandb_project: str | None = None  # the W&B project, online with an API key (WANDB_API_KEY, wandb login); unset: offline in RUN_DIR/wandb
 
 
 @dataclass
@@ -481,7 +486,7 @@ def _check_dry_run(cfg) -> None:
                                   ("train.resume", cfg.train.resume),
                                   ("held-out data", has_held_out_data(cfg.data)),
                                   ("data.pack=true", cfg.data.pack),  # packed records' positions
-                                  ("log.tensorboard=true", cfg.log.tensorboard)) if on]
+                                  *((f"log.{k}=true", cfg.log[k]) for k in ("tensorboard", "mlflow", "wandb"))) if on]
     if valued:
         raise ConfigError(f"train.device=meta is a dry run (shapes, no values): drop {', '.join(valued)}")
 

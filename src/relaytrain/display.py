@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
@@ -127,17 +128,51 @@ def data_rows(data: dict | None) -> list[tuple[str, str]]:
 
 
 def adapter_rows(adapter: dict | None) -> list[tuple[str, str]]:
-    """What trained under adapters: their kind and rank, and the parameters that train."""
+    """What trained under adapters: their kind and rank, the base's 4 bits, the parameters that
+    train, and on a mixture the experts the adapters leave frozen, with the key that adapts them."""
     if not adapter:
         return []
-    return [("adapters", f"{adapter['name']} r={adapter['r']}: {si(adapter['trained_parameters'])} parameters train")]
+    base = f" over a 4-bit base ({adapter['quantize']})" if adapter.get("quantize") else ""
+    rows = [("adapters", f"{adapter['name']} r={adapter['r']}{base}: {si(adapter['trained_parameters'])} "
+                         f"parameters train")]
+    experts = adapter.get("experts")
+    if experts and experts["frozen"]:
+        rows.append(("  experts", escape(f"not adapted: {', '.join(experts['frozen'])} stay frozen; "
+                                         f"{experts['adapted_by']} adapts them")))  # its [...] is no markup
+    elif experts:
+        rows.append(("  experts", f"adapted: {', '.join(experts['names'])}"))
+    return rows
+
+
+SAVED_FORMS = {"model": "a Hugging Face model directory", "adapter": "a peft adapter over {base}",
+               "merged": "the adapter merged into its base (peft's merge_and_unload)"}
+
+
+def saved_model_rows(saved: dict | None) -> list[tuple[str, str]]:
+    """Where train.save_model wrote the model, and in what form and dtype."""
+    if not saved:
+        return []
+    return [("saved model", escape(f"{saved['path']}: {SAVED_FORMS[saved['form']].format(base=saved['base'])}, "
+                                   f"{saved['dtype']}"))]
+
+
+def saved_model_line(saved: dict | None) -> str:
+    """The line after the summary: where the model went, and the command that tries it."""
+    if not saved:
+        return ""
+    line = f"model saved to {saved['path']}"
+    if saved["generates"]:
+        line += f"; try: relaytrain generate model.pretrained={saved['path']} prompt=Hello"
+    if saved["form"] == "adapter":
+        line += f"; merge it into its base: relaytrain export model.pretrained={saved['path']} out=DIR"
+    return line
 
 
 def print_results_table(results: dict, path: Path) -> None:
     t = results["throughput"]
     table = Table(title=f"relaytrain · {results['strategy']} · {results['model']['name']}", show_header=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # a key or path longer than the column is wrapped whole, never cut short
     losses = [loss for loss in results["loss"] if loss is not None]
     rows = [
         ("parameters", si(results["model"]["parameters"])),
@@ -150,6 +185,7 @@ def print_results_table(results: dict, path: Path) -> None:
         *([("evaluation (held out)", f"after step {results['eval'][-1]['step']}: {format_eval(results['eval'][-1])}")]
           if results.get("eval") else []),
         *([("started from", results["model"]["pretrained"])] if results["model"].get("pretrained") else []),
+        *saved_model_rows(results.get("saved_model")),
         ("samples/s", si(t["samples_per_s"]) if t["samples_per_s"] is not None else "n/a (a dry run times nothing)"),
         ("tokens/s", si(t["tokens_per_s"])),
         ("step time (mean)", "n/a" if t["step_time_s"] is None else f"{t['step_time_s']:.3f} s"),
@@ -165,6 +201,8 @@ def print_results_table(results: dict, path: Path) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    if saved := saved_model_line(results.get("saved_model")):
+        console.print(saved, highlight=False, markup=False, soft_wrap=True)  # one line to copy, however narrow
 
 
 def _is_timing(key: str) -> bool:
@@ -193,4 +231,7 @@ def print_one_line(results: dict, path: Path) -> None:
     t, losses = results["throughput"], [loss for loss in results["loss"] if loss is not None]
     loss = f"loss {losses[0]:.4f} → {losses[-1]:.4f}" if losses else "no loss"
     rate = "n/a" if t["samples_per_s"] is None else si(t["samples_per_s"])
-    console.print(f"{results['strategy']} · {results['model']['name']}: {loss}, {rate} samples/s; {path}", highlight=False)
+    saved = results.get("saved_model")
+    model = f"; model saved to {saved['path']}" if saved else ""
+    console.print(f"{results['strategy']} · {results['model']['name']}: {loss}, {rate} samples/s; {path}{model}",
+                  highlight=False)

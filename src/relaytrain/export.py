@@ -15,6 +15,7 @@ import transformers
 from relaytrain.errors import ConfigError, first_line
 from relaytrain.models import adapter as adapters
 from relaytrain.models import build_model
+from relaytrain.objectives import objective
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,14 +30,21 @@ def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Pat
     # (a pipeline stage holds part of the model, a sharded strategy parts of every tensor).
     own = strategy.world.size == 1 and all(type(p.data) is torch.Tensor for p in strategy.model.parameters())
     model = strategy.model if own else build_model(cfg.model, cfg.train.seed, quiet=True, adapter=cfg.adapter)
+    return write_model(cfg, model, merged, run_dir, run_dir / "model")
+
+
+def write_model(cfg, model, weights: dict, run_dir: Path, out: Path, merge_key: str = "adapter.merge_on_save") -> Path:
+    """`model` (a layered model as `cfg` builds it) with `weights` (by Hugging Face name) written
+    into `out` as train.save_model writes it: a model directory, a peft adapter directory, or the
+    adapter merged (adapter.merge_on_save; `merge_key`: what the user set to ask for it); with
+    the tokenizer of the run in `run_dir`."""
     hf_model = model.hf_model
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
-            if name in merged:
-                p.copy_(merged[name])
+            if name in weights:
+                p.copy_(weights[name])
             elif p.requires_grad:  # a frozen base is the checkpoint's, as loaded; what trains must be there
                 raise ConfigError(f"no process holds the weights of {name}; the model cannot be saved")
-    out = run_dir / "model"
     tokenizer = _run_tokenizer(cfg, run_dir)
     if tokenizer is not None and hf_model.can_generate():
         _set_special_ids(hf_model.generation_config, tokenizer, hf_model.get_input_embeddings().weight.shape[0],
@@ -44,7 +52,7 @@ def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Pat
     dtype = save_dtype(cfg)
     transformers.utils.logging.disable_progress_bar()  # one shard of a small model: a bar is noise
     if adapters.enabled(cfg.adapter) and cfg.adapter.merge_on_save:
-        _save_merged(cfg, model, out, dtype)
+        _save_merged(cfg, model, out, dtype, merge_key)
     elif adapters.enabled(cfg.adapter):
         base = _base_source(cfg.model.pretrained) or _save_fresh_base(model.hf_model, out / FRESH_BASE, dtype, tokenizer)
         adapters.save_adapter(model, out, base, SAVE_DTYPES[dtype])
@@ -58,6 +66,34 @@ def save_model(cfg, strategy, gathered: list[dict | None], run_dir: Path) -> Pat
 FRESH_BASE = "base"  # under run_dir/model: the base of an adapter trained over a model made from scratch
 
 
+def saved_model_facts(m, a, t, run_dir: Path) -> dict:
+    """results.json's `saved_model` (train.save_model=true; `m`, `a`, `t`: the model, adapter and
+    train keys): where the model went and in what form (`model`, a peft `adapter` over `base`, or
+    the adapter `merged` into it), its dtype, and whether `relaytrain generate` answers with it."""
+    if not t.save_model:
+        return {}
+    out = (Path(run_dir) / "model").resolve()
+    form = ("merged" if a.merge_on_save else "adapter") if adapters.enabled(a) else "model"
+    base = (_base_source(m.pretrained) or str(out / FRESH_BASE)) if form == "adapter" else None
+    return {"saved_model": {"path": str(out), "form": form, "base": base, "dtype": dtype_to_save(t, m),
+                            "generates": objective(m.task).predicts_next_token}}
+
+
+def write_merged_adapter(adapter_dir: Path, base_hf, out: Path, dtype: str, tokenizer) -> None:
+    """`relaytrain export` of a peft adapter directory: peft's merge_and_unload of it on `base_hf`
+    (its base, loaded in fp32), saved in `dtype` with `tokenizer` (None: none) and a generation
+    config that stops where the tokenizer ends a turn."""
+    merged = adapters.merged_model(base_hf, adapter_dir, asked_by=f"model.pretrained={adapter_dir}",
+                                   otherwise="give the base it was trained on with base=DIR")
+    if tokenizer is not None and merged.can_generate():
+        _set_special_ids(merged.generation_config, tokenizer, merged.get_input_embeddings().weight.shape[0],
+                         inherited=True)
+    transformers.utils.logging.disable_progress_bar()
+    _save_pretrained(merged, merged.state_dict(), out, dtype)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
 def _save_pretrained(hf_model, state: dict, out: Path, dtype: str) -> None:
     hf_model.save_pretrained(out, state_dict=_cast_state(state, SAVE_DTYPES[dtype]))
     # save_pretrained records the dtype of the model in memory (the fp32 masters); the files hold `dtype`.
@@ -65,7 +101,7 @@ def _save_pretrained(hf_model, state: dict, out: Path, dtype: str) -> None:
     hf_model.config.save_pretrained(out)
 
 
-def _save_merged(cfg, model, out: Path, dtype: str) -> None:
+def _save_merged(cfg, model, out: Path, dtype: str, merge_key: str) -> None:
     """adapter.merge_on_save: peft's merge_and_unload of the trained adapter (saved in fp32 beside,
     then removed) on the exact base, built again as the run built it (`model.pretrained` in fp32,
     or the same seed's fresh model): never the strategy's in-memory base, which may be cast."""
@@ -75,7 +111,7 @@ def _save_merged(cfg, model, out: Path, dtype: str) -> None:
         base = build_model(cfg.model, cfg.train.seed, quiet=True).hf_model  # no adapter: never quantized
         merged = adapters.merged_model(base, staging)
         if getattr(model, "quantized", None):
-            print(f"adapter.merge_on_save: merged into the original (unquantized) weights of model.pretrained="
+            print(f"{merge_key}: merged into the original (unquantized) weights of model.pretrained="
                   f"{cfg.model.pretrained}; the adapter trained over their {model.quantized} quantization", flush=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -102,12 +138,17 @@ def _base_source(pretrained: str | None) -> str | None:
 
 
 def save_dtype(cfg) -> str:
-    """train.save_dtype with `auto` resolved: the checkpoint's dtype (users get back what they
-    started from, e.g. bfloat16), else float32, the dtype the masters trained in."""
-    chosen = str(cfg.train.save_dtype)
+    """The dtype the run's model is saved in (`dtype_to_save` of its train and model keys)."""
+    return dtype_to_save(cfg.train, cfg.model)
+
+
+def dtype_to_save(t, m) -> str:
+    """train.save_dtype (`t`: the train keys) with `auto` resolved: the checkpoint's dtype (users
+    get back what they started from, e.g. bfloat16), else float32, the dtype the masters trained in."""
+    chosen = str(t.save_dtype)
     if chosen != "auto":
         return chosen
-    return cfg.model.checkpoint_dtype if cfg.model.checkpoint_dtype in SAVE_DTYPES else "float32"
+    return m.checkpoint_dtype if m.checkpoint_dtype in SAVE_DTYPES else "float32"
 
 
 def _cast_state(tensors: dict, dtype: torch.dtype) -> dict:

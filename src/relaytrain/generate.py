@@ -42,14 +42,7 @@ class Request:
 
 def parse_request(items: list[str]) -> Request:
     """The KEY=VALUE arguments of `relaytrain generate`, each checked; a mistake is one line."""
-    given: dict[str, str] = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ConfigError(f"{item!r} is not KEY=VALUE; e.g. prompt=\"What is 2+2?\" (see relaytrain generate --help)")
-        if key not in KEYS:
-            raise ConfigError(f"unknown key {key!r} for relaytrain generate; keys: {', '.join(KEYS)}")
-        given[key] = value
+    given = key_values(items, KEYS, "generate", 'prompt="What is 2+2?"')
     if not given.get("model.pretrained"):
         raise ConfigError("model.pretrained=DIR is required: a run's model/ directory (train.save_model=true) "
                           "or another Hugging Face causal-LM directory")
@@ -70,6 +63,20 @@ def parse_request(items: list[str]) -> Request:
         seed=_number(given, "seed", int, 0, lambda v: v >= 0, "an integer >= 0"),
         chat=str(_choice(given, "chat", "auto", {c: c for c in CHAT})),
     )
+
+
+def key_values(items: list[str], keys: tuple[str, ...], command: str, example: str) -> dict[str, str]:
+    """A command's KEY=VALUE arguments by key (`keys`: those it takes); a mistake is one line
+    naming `relaytrain COMMAND` and an `example` argument."""
+    given: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"{item!r} is not KEY=VALUE; e.g. {example} (see relaytrain {command} --help)")
+        if key not in keys:
+            raise ConfigError(f"unknown key {key!r} for relaytrain {command}; keys: {', '.join(keys)}")
+        given[key] = value
+    return given
 
 
 def _number(given: dict, key: str, kind: type, default, valid, what: str):
@@ -112,13 +119,7 @@ def _load_adapted(path: str):
     from relaytrain.data.tokenizer import TOKENIZER_FILES
     from relaytrain.models import adapter
 
-    base = _base_beside(path) or adapter.adapter_base(path)
-    if not base:
-        raise ConfigError(f"model.pretrained={path} is a LoRA adapter that names no base model; train it with "
-                          f"adapter.merge_on_save=true, or set base_model_name_or_path in its adapter_config.json")
-    if Path(base).is_absolute() and not Path(base).exists():
-        raise ConfigError(f"model.pretrained={path} is a LoRA adapter whose base {base} does not exist; "
-                          f"put the base there, or set base_model_name_or_path in its adapter_config.json")
+    base = adapter_base_of(path)
     model, tokenizer = _load_model(base)
     if any((Path(path).expanduser() / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = load_tokenizer(path)
@@ -128,6 +129,20 @@ def _load_adapted(path: str):
     except (OSError, ValueError, RuntimeError) as err:
         raise ConfigError(f"model.pretrained={path}: the adapter does not fit its base {base} ({first_line(err)})") from err
     return model.eval(), tokenizer
+
+
+def adapter_base_of(path: str, remedy: str = "set base_model_name_or_path in its adapter_config.json") -> str:
+    """The base model of the adapter directory `path`: one a run saved beside it, else the one
+    adapter_config.json names; one line, ending with `remedy`, where it names none or one gone."""
+    from relaytrain.models import adapter
+
+    base = _base_beside(path) or adapter.adapter_base(path)
+    if not base:
+        raise ConfigError(f"model.pretrained={path} is a LoRA adapter that names no base model; {remedy}")
+    if Path(base).is_absolute() and not Path(base).exists():
+        raise ConfigError(f"model.pretrained={path} is a LoRA adapter whose base {base} does not exist; "
+                          f"put the base there, or {remedy}")
+    return base
 
 
 def _base_beside(path: str) -> str | None:
@@ -153,7 +168,7 @@ def _load_model(path: str):
         raise ConfigError(f"model.pretrained={path} holds a {', '.join(config.architectures or [config.model_type])} "
                           f"({task or 'no head'}); generate needs a causal language model (model.task={causal})")
     tokenizer = load_tokenizer(path)
-    quiet = _quiet_transformers()
+    quiet = quiet_transformers()
     try:
         model = AutoModelForCausalLM.from_pretrained(_local_or_id(path), dtype="auto")
     except (OSError, ValueError) as err:
@@ -184,7 +199,7 @@ def _local_or_id(path: str) -> str:
     return str(local) if local.exists() else path
 
 
-def _quiet_transformers():
+def quiet_transformers():
     """Hugging Face's loading bars and notices off (stdout carries only the answer); returns what restores them."""
     from transformers.utils import logging
 
@@ -277,8 +292,33 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def generate(request: Request) -> str:
+@dataclass(frozen=True)
+class Answer:
+    """What `relaytrain generate` prints: the new text, and when it is empty, why (for stderr)."""
+
+    text: str
+    empty_because: str = ""
+
+
+def generate(request: Request) -> Answer:
     """The model's answer to the prompt: only the new text, special tokens left out."""
     model, tokenizer = load(request.model)
     model.to(device())
-    return tokenizer.decode(new_token_ids(request, model, tokenizer), skip_special_tokens=True)
+    ids = new_token_ids(request, model, tokenizer)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if text.strip():
+        return Answer(text)
+    return Answer(text, why_empty(ids.tolist(), tokenizer, stop_ids(model.generation_config, tokenizer, request.chat)))
+
+
+def why_empty(ids: list[int], tokenizer, stops: list[int]) -> str:
+    """Why an answer printed as nothing: the model ended its turn at once (its first token is one
+    generation stops at), or what it generated decodes to no text (special tokens, white space)."""
+    first = tokenizer.convert_ids_to_tokens(ids[0])
+    if ids[0] in stops:
+        return (f"the model ended its turn at once: its first new token is {first} (id {ids[0]}), where generation "
+                f"stops, so the reply is empty; a model trained little, or on replies that are empty, does this")
+    special = set(tokenizer.all_special_ids)
+    what = "special tokens" if all(i in special for i in ids) else "white space and special tokens"
+    shown = ", ".join(dict.fromkeys(tokenizer.convert_ids_to_tokens(ids[:8])))
+    return f"the reply is empty: the model's {len(ids)} new token(s) are {what} ({shown}), which print as nothing"

@@ -18,7 +18,6 @@ from omegaconf import OmegaConf
 from relaytrain.config import RelayTrainConfig, field_docs
 from relaytrain.optim import optimizer_schemas
 
-GROUPS = ("model", "data", "strategy", "optim", "precision")
 HEADER = """\
 relaytrain train: train a layered transformer with one of relaytrain's strategies.
 
@@ -33,19 +32,41 @@ Usage: relaytrain train [GROUP=OPTION ...] [KEY=VALUE ...] [+exp=NAME] [-m]
 
 
 def train_help(overrides: list[str], compose) -> str:
-    cfg = compose(overrides)
-    lines = [HEADER, "Config groups (GROUP=OPTION; * marks this config's choice):"]
-    for group in (*GROUPS, "exp"):
-        chosen = str(cfg[group].name) if group in GROUPS else None
-        options = [("*" if name == chosen else "") + name for name in _options(group)]
-        lines.append(f"  {group:<10} {'+exp=NAME: ' if group == 'exp' else ''}{' '.join(options)}")
-    lines += ["", "Keys of this config (KEY=VALUE) and what they do:"]
+    cfg = compose(overrides, return_hydra_config=True)
     width = shutil.get_terminal_size((110, 24)).columns
+    lines = [HEADER, "Config groups (GROUP=OPTION; * marks this config's choice):"]
+    lines += _group_lines(cfg.hydra.runtime.choices, width)
+    lines += ["", "Keys of this config (KEY=VALUE) and what they do:"]
     for section, schema in _sections(cfg):
         docs = field_docs(schema)
         for f in dataclasses.fields(schema):
             lines.extend(_key_lines(f"{section}.{f.name}", cfg[section][f.name], docs.get(f.name, ""), f.type, width))
     return "\n".join(lines) + "\n"
+
+
+def _group_lines(choices, width: int) -> list[str]:
+    """Each group's options, wrapped to the terminal, the chosen one starred. `choices` is Hydra's
+    record of each group's option: adapter=qlora is starred, though its adapter.name is lora."""
+    lines = []
+    for group in (*option_groups(), "exp"):
+        options = [("*" if name == choices.get(group) else "") + name for name in _options(group)]
+        head = f"  {group:<10} {'+exp=NAME: ' if group == 'exp' else ''}"
+        lines += textwrap.wrap(" ".join(options), max(width, 60), initial_indent=head,
+                               subsequent_indent=" " * 13, break_on_hyphens=False)
+    lines.append(f"  {', '.join(key_sections())}: no options, keys only (below)")
+    return lines
+
+
+def option_groups() -> list[str]:
+    """The config sections picked by GROUP=OPTION: those with a folder of options in configs/."""
+    configs = resources.files("relaytrain.configs")
+    return [f.name for f in dataclasses.fields(RelayTrainConfig) if configs.joinpath(f.name).is_dir()]
+
+
+def key_sections() -> list[str]:
+    """The config sections set key by key only (train.steps=50): no folder of options."""
+    groups = option_groups()
+    return [f.name for f in dataclasses.fields(RelayTrainConfig) if f.name not in groups]
 
 
 def _options(group: str) -> list[str]:

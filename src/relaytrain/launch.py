@@ -48,6 +48,7 @@ import torch.multiprocessing as mp
 from relaytrain.checkpoint import continue_from
 from relaytrain.errors import Aborted, ConfigError, Interrupted, first_line
 from relaytrain.files import write_json
+from relaytrain.stdio import Outliving
 from relaytrain.units import duration
 from relaytrain.world import (
     LocalGroup,
@@ -447,6 +448,7 @@ def _spawned_worker(entry, rank, size, config, payload, run_dir, init_method, sh
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _die_with_launcher()
+    sys.stdout, sys.stderr = Outliving(sys.stdout), Outliving(sys.stderr)  # a reader gone ends no worker
     try:
         from omegaconf import OmegaConf
 

@@ -17,7 +17,7 @@ import torch
 from relaytrain import metrics
 from relaytrain.files import write_json
 from relaytrain.models import adapter as adapters
-from relaytrain.models import count_parameters, trained_parameters
+from relaytrain.models import count_parameters, frozen_experts, trained_parameters
 from relaytrain.preflight import estimate_host_bytes
 
 
@@ -79,13 +79,26 @@ def assemble_results(cfg, spec, history: dict, measured: list[float], reports: l
 
 
 def adapter_facts(cfg) -> dict | None:
-    """What trained under adapters (adapter=lora): its keys and the parameters that train; None
-    for a full fine-tune."""
-    a = cfg.adapter
+    """What trained under adapters (adapter=lora): its keys, the parameters that train, the base's
+    quantization (adapter=qlora), whether the saved adapter was merged into its base, and on a
+    mixture which experts it adapts; None for a full fine-tune."""
+    a, m = cfg.adapter, cfg.model
     if not adapters.enabled(a):
         return None
+    quantized = str(m.quantize) != "none"
     return {"name": str(a.name), "r": a.r, "alpha": a.alpha, "pretrained": a.pretrained,
-            "trained_parameters": trained_parameters(cfg.model, cfg.adapter)}
+            "trained_parameters": trained_parameters(m, a),
+            "quantize": (str(m.quantize) + ("-double" if m.quantize_double else "")) if quantized else None,
+            "merged": bool(cfg.train.save_model and a.merge_on_save), **experts_facts(m, a)}
+
+
+def experts_facts(m, a) -> dict:
+    """On a mixture: its fused experts, those the adapter leaves frozen, and the key that adapts them all."""
+    experts, frozen = frozen_experts(m, a)
+    if not experts:
+        return {}
+    return {"experts": {"names": experts, "frozen": frozen,
+                        "adapted_by": f"adapter.target_parameters=[{','.join(experts)}]"}}
 
 
 def memory(cls, cfg, reports: list[dict]) -> dict:

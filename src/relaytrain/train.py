@@ -18,16 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-from relaytrain import checkpoint, elastic, failpoints, metrics, runlog
+from relaytrain import checkpoint, elastic, failpoints, metrics, run_dirs, runlog, trackers
 from relaytrain import compile as compiling
 from relaytrain.compose import validate
 from relaytrain.config import untimed_steps
 from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
 from relaytrain.display import StepProgress, print_one_line, print_results_table
-from relaytrain.errors import Aborted, Interrupted, TrainingDiverged, first_line
+from relaytrain.errors import Aborted, ConfigError, Interrupted, TrainingDiverged, first_line
 from relaytrain.evaluation import better
-from relaytrain.export import save_model
+from relaytrain.export import save_model, saved_model_facts
 from relaytrain.launch import launch
 from relaytrain.memory import DeviceMemory
 from relaytrain.models import build_model
@@ -72,8 +73,9 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     if done is not None:
         if logs:
             print(f"this run already finished its {cfg.train.steps} steps ({run_dir / 'results.json'}); "
-                  f"raise train.steps to train further", flush=True)
+                  f"{_how_to_train_further(cfg.train.steps, run_dir)}", flush=True)
         return done
+    refuse_to_retrain_a_finished_run(cfg.train, run_dir)  # before the try: its status.json stays as it is
     try:
         results = _run(cfg, run_dir, overrides or [], logs, quiet, estimate.step_s if estimate else None,
                        device or pick_device(cfg.train.device))
@@ -101,14 +103,48 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
 def finished_results(t, run_dir: Path) -> dict | None:
     """With `train.resume=auto` (`t`: the train keys), a run directory whose run already finished
     `train.steps`: its results, so a relaunched sweep completes only what is missing. None
-    otherwise (asking for more steps continues from the final checkpoint)."""
-    if t.resume != "auto":
+    otherwise (asking for more steps continues from the final checkpoint, which a run with
+    `train.resume` set keeps)."""
+    if t.resume != "auto" or runlog.finished_steps(run_dir) != t.steps:
         return None
-    status = runlog.read_status(run_dir) or {}
-    results = Path(run_dir) / "results.json"
-    if status.get("status") != runlog.FINISHED or status.get("step") != t.steps or not results.is_file():
-        return None
-    return json.loads(results.read_text())
+    return json.loads((Path(run_dir) / "results.json").read_text())
+
+
+def _how_to_train_further(steps: int, run_dir: Path) -> str:
+    """What a finished run's line advises: more steps where it kept its last step's checkpoint."""
+    newest = checkpoint.latest(run_dir)
+    if newest is not None and _step_of(newest) == steps:
+        return "raise train.steps to train further"
+    return ("it kept no checkpoint of its last step (train.checkpoint_every=0), so it cannot train further "
+            "here: start a longer run in another hydra.run.dir")
+
+
+def refuse_to_retrain_a_finished_run(t, run_dir: Path) -> None:
+    """A resume (`t`: the train keys) that would go back behind a finished run's last step, in
+    one line: a run finished without a checkpoint of its last step (train.checkpoint_every=0)
+    and resumed with `auto` would train again from an older checkpoint, or from step 0, over its
+    results; `train.resume=RUN_DIR` of such a run would quietly start where that run did not end.
+    The finished run relaunched as it was is no resume (`finished_results`: `run` says so)."""
+    if t.resume is None or finished_results(t, run_dir) is not None:
+        return
+    given = Path(run_dir) if t.resume == "auto" else Path(t.resume).expanduser()
+    chosen = checkpoint.STEP.match(given.name) is not None  # a step-N directory: the user picked the step
+    newest = given if chosen else checkpoint.latest(given)
+    step = _step_of(newest) if newest is not None else 0
+    here = runlog.finished_steps(run_dir)
+    if here is not None and step < here:
+        how = f"resuming from step {step}" if newest is not None else "starting afresh"
+        raise ConfigError(f"{run_dir} holds a run that finished {here} steps without a checkpoint of its last "
+                          f"step; {how} here would train again over its results: give another hydra.run.dir")
+    there = None if chosen or t.resume == "auto" else runlog.finished_steps(run_dirs.run_dir_of(t.resume))
+    if there is not None and step < there:
+        fix = f"to train again from step {step}, give train.resume={newest}" if newest else "start a new run"
+        raise ConfigError(f"train.resume={t.resume}: that run finished {there} steps without a checkpoint of its "
+                          f"last step; {fix}")
+
+
+def _step_of(path: Path) -> int:
+    return int(checkpoint.STEP.match(path.name).group(1))
 
 
 def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, estimate_s: float | None,
@@ -118,10 +154,12 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, esti
     spec = describe_run(cfg)
     cls = spec.strategy
     check_can_start(cfg, cls, device)
+    trackers.check_trackers(cfg.log)
     resume = _find_resume(cfg, cls, run_dir)
     if logs:
         elastic.record_attempt(run_dir, resume)
-        runlog.write_status(run_dir, runlog.RUNNING, strategy=str(cfg.strategy.name), step=0)
+        runlog.write_status(run_dir, runlog.RUNNING, strategy=str(cfg.strategy.name),
+                            step=_step_of(resume) if resume is not None else 0)
     # Once, before any worker: data errors end here.
     dataset, eval_dataset = build_datasets(cfg, tokenizer_dir=str(run_dir))
     build_loader(cfg, dataset, spec.replicas)  # refuses a dataset smaller than one minibatch
@@ -174,7 +212,8 @@ class Trainer:
     """The loop: one `strategy.step` per minibatch, the same on every process.
 
     Whole steps are timed with the device synchronised. Checkpoints every
-    `train.checkpoint_every` steps and after the last, and on SIGINT/SIGTERM at a step every
+    `train.checkpoint_every` steps and after the last (with `train.resume` set, after the last
+    in any case), and on SIGINT/SIGTERM at a step every
     process agrees on (then raises Interrupted). A resumed run continues the loss history, data
     stream, RNG streams and LR schedule exactly where the checkpoint left them.
     """
@@ -211,10 +250,11 @@ class Trainer:
         title = f"{self.cfg.strategy.name} · {self.cfg.model.name}" + (" (dry run)" if self.world.simulated else "")
         progress = StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter and not self.job.quiet,
                                 first=step, estimate_s=self.job.estimate_s)
-        self.log = runlog.MetricsLog(self.job.run_dir, step, self.cfg.log.tensorboard) if self.reporter else None
+        self.log = runlog.MetricsLog(self.job.run_dir, step, self._open_trackers()) if self.reporter else None
         if self.reporter:
             self.strategy.on_progress = progress.inside
         self.world.stop.how_long = self._time_to_next_safe_point
+        results, outcome = None, runlog.FAILED
         try:
             with progress as self.progress:
                 while step < steps:
@@ -225,10 +265,22 @@ class Trainer:
                     step += 1
                     self._between_steps(step, last=step == steps)
                     self._log(step)
+            results, outcome = self._finish(), runlog.FINISHED
+        except (Interrupted, Aborted):
+            outcome = runlog.INTERRUPTED
+            raise
         finally:
-            if self.log is not None:
-                self.log.close()
-        return self._finish()
+            if self.log is not None:  # the trackers' runs end as the run does, with its results
+                self.log.close(outcome, results)
+        return results
+
+    def _open_trackers(self) -> list[trackers.Tracker]:
+        """The experiment trackers log.* asks for, started with the resolved config as their parameters."""
+        if not any(self.cfg.log[cls.key] for cls in trackers.TRACKERS):
+            return []
+        config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
+        say = (lambda line: None) if self.job.quiet else (lambda line: print(line, flush=True))
+        return trackers.open_trackers(self.cfg.log, self.job.run_dir, config, self.job.resume is not None, say)
 
     def _time_to_next_safe_point(self) -> str:
         """For the first stop signal's message: the rest of the step in flight, at the mean pace."""
@@ -259,10 +311,12 @@ class Trainer:
 
     def _between_steps(self, step: int, last: bool) -> None:
         """The evaluation and checkpoint due after `step` steps, on every process at once; after
-        the last step always an evaluation (with held-out data) and a checkpoint (when saving)."""
+        the last step always an evaluation (with held-out data) and a checkpoint (when saving,
+        or resuming: a run meant to be continued keeps its final state, whatever checkpoint_every)."""
         every_eval, every_save = self.cfg.eval.every, self.cfg.train.checkpoint_every
         evaluate = self.eval_batches is not None and (last or bool(every_eval) and step % every_eval == 0)
-        save = bool(every_save) and (last or step % every_save == 0)
+        keeps_final = bool(every_save) or self.cfg.train.resume is not None
+        save = (last and keeps_final) or (bool(every_save) and step % every_save == 0)
         if not (evaluate or save or last):
             return
         self.strategy.drain()
@@ -396,5 +450,6 @@ class Trainer:
         results.update(elastic.results_entry(self.job.run_dir))
         results.update(compiling.results_entry([r["compile"] for r in reports]))
         results.update(data_facts(self.job.dataset, self.job.eval_dataset))  # e.g. chat records cut or dropped
+        results.update(saved_model_facts(self.cfg.model, self.cfg.adapter, self.cfg.train, self.job.run_dir))
         write_results(self.job.run_dir, results)
         return results

@@ -12,6 +12,7 @@ from rich.console import Console
 from relaytrain import runlog
 from relaytrain.cli import main
 from relaytrain.report import command as report
+from relaytrain.report import table
 from relaytrain.report.command import compare_runs as summarize
 from relaytrain.report.runs import COLUMNS, swept_keys
 
@@ -128,9 +129,11 @@ def test_a_sweep_gives_one_row_per_job_failed_and_interrupted_ones_included(swee
 
     out = capsys.readouterr().out
     assert out.count("relaytrain report · 5 runs") == 1  # one table for the whole sweep
-    for text in ("failed", "interrupted", "pinned host memory exhausted", "acc 0.91 @ step 4", "n/a (CPU)",
+    for text in ("failed", "interrupted", "RuntimeError: pinned host", "acc 0.91 @ step 4", "n/a (CPU)",
                  "samples/s", "FLOP/s"):
         assert text in out
+    lines = out[:out.index("wrote summary.csv")].splitlines()
+    assert max(map(len, lines)) <= table.WIDE  # not a terminal: fitted to WIDE columns
     assert "wrote summary.csv, throughput_vs_memory.png, loss_curves.png" in out
 
 

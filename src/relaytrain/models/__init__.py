@@ -21,7 +21,8 @@ from relaytrain.objectives import objective
 from relaytrain.objectives.chunked import AUTO
 
 __all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "count_parameters", "families",
-           "check_adapter", "family_of", "family_spec", "hf_config", "part_parameters", "trained_parameters"]
+           "check_adapter", "family_of", "family_spec", "frozen_experts", "hf_config", "part_parameters",
+           "trained_parameters"]
 
 
 
@@ -139,10 +140,8 @@ def part_parameters(m, adapter=None, trained: bool = False) -> tuple[int, int, i
     describes (a tied weight counted once, with the embeddings), from a one-block model on the
     meta device: what the cost models and the profile scale by the number of blocks. With an
     `adapter` config its adapters are counted too, and `trained` counts only what trains."""
-    one_block = copy.deepcopy(m)
-    one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
     with torch.device("meta"):
-        model = build_model(one_block, quiet=True, adapter=adapter)
+        model = build_model(_one_block(m), quiet=True, adapter=adapter)
     seen: set[int] = set()
 
     def count(module) -> int:
@@ -153,6 +152,13 @@ def part_parameters(m, adapter=None, trained: bool = False) -> tuple[int, int, i
     return count(model.embed), count(model.blocks[0]), count(model.head)
 
 
+def _one_block(m):
+    """The `model` config `m` cut to one block of fresh weights: shapes for the meta device."""
+    one_block = copy.deepcopy(m)
+    one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
+    return one_block
+
+
 def trained_parameters(m, a) -> int | None:
     """How many parameters of the model `m` describes train under the adapter `a` (adapter=lora:
     the adapters'); None when every parameter trains."""
@@ -160,6 +166,20 @@ def trained_parameters(m, a) -> int | None:
         embed, block, head = part_parameters(m, a, trained=True)
         return embed + m.num_layers * block + head
     return None
+
+
+def frozen_experts(m, a) -> tuple[list[str], list[str]]:
+    """A mixture's fused expert tensors under the adapter `a`: their names in a block (e.g.
+    mlp.experts.gate_up_proj), and those `a` leaves frozen. LoRA's all-linear reaches linear
+    layers only; the experts are 3-D parameters, reached by name through adapter.target_parameters
+    (a continued adapter's own). ([], []) for a dense model or without an adapter."""
+    if not m.num_experts or not adapters.enabled(a):
+        return [], []
+    with torch.device("meta"):
+        layer = build_model(_one_block(m), quiet=True).blocks[0].layer
+    experts = [name for name, p in layer.named_parameters() if p.dim() == 3]
+    targets = adapters.saved_targets(a.pretrained) if a.pretrained else list(a.target_parameters)
+    return experts, [name for name in experts if not any(name == t or name.endswith("." + t) for t in targets)]
 
 
 def check_adapter(m, a, defaults) -> None:

@@ -53,7 +53,7 @@ STATE_KINDS = ("weights", "gradients", "optimizer state")  # of a dry run's brea
 @dataclass(frozen=True)
 class Request:
     """What the user asked: workers, each device's memory, the global batch, the profile,
-    strategies, and each machine's host memory (None: unlimited)."""
+    strategies, each machine's host memory (None: unlimited) and the tokens of each sample."""
 
     workers: int
     memory_bytes: float
@@ -62,12 +62,13 @@ class Request:
     strategies: tuple[str, ...]
     threads: int  # train.threads (0: cores shared out)
     host_memory_bytes: float | None = None
+    seq_len: int = 0  # data.seq_len: what a plan's answer depends on as much as on the batch
 
     def to_json(self) -> dict:
         host = None if self.host_memory_bytes is None else self.host_memory_bytes / GiB
         return {"workers": self.workers, "device_memory_gb": self.memory_bytes / GiB, "batch_size": self.batch,
-                "device": self.device, "strategies": list(self.strategies), "threads": self.threads,
-                "host_memory_gb": host}
+                "seq_len": self.seq_len, "device": self.device, "strategies": list(self.strategies),
+                "threads": self.threads, "host_memory_gb": host}
 
 
 # --------------------------------------------------------------------------- candidates

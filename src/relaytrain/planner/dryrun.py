@@ -33,6 +33,7 @@ from relaytrain.train import run
 DRY = (("train.device", "meta"), ("train.untimed_steps", 0), ("train.checkpoint_every", 0),
        ("train.save_model", False), ("train.resume", None), ("eval.every", 0), ("data.eval_fraction", 0.0),
        ("data.eval_path", None), ("data.eval_split", None), ("log.tensorboard", False),
+       ("log.mlflow", False), ("log.mlflow_uri", None), ("log.wandb", False), ("log.wandb_project", None),
        ("train.check_memory", False))
 
 

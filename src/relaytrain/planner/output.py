@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from relaytrain.files import write_json
-from relaytrain.planner.candidates import Candidate, GiB, variant
-from relaytrain.planner.plan import Plan
+from relaytrain.planner.candidates import Candidate, GiB, Request, variant
+from relaytrain.planner.plan import CHECKPOINT, Plan
 
 TABLE_ROWS = 24
 WIDE = 160  # columns of the table when the output is not a terminal (a file, a pipe)
@@ -28,18 +28,12 @@ def print_plan(plan: Plan, path: Path) -> None:
 
     console = Console() if Console().is_terminal else Console(width=WIDE)
     r, p = plan.request, plan.profile
-    console.print(f"profile: {p.device}; {p.source.split(': ')[0]} (details in plan.json)", highlight=False)
-    console.print(precision_line(plan), highlight=False)
-    if plan.ignored_overrides:
-        console.print(f"ignored (the planner decides these): {' '.join(plan.ignored_overrides)}", highlight=False)
-    if plan.batch_note:
-        console.print(f"batch: {plan.batch_note}", highlight=False)
-    if plan.positions_note:
-        console.print(f"positions: {plan.positions_note}", highlight=False)
+    _print_header(plan, console)
     best = plan.best
     host = "unlimited" if r.host_memory_bytes is None else f"{r.host_memory_bytes / GiB:g} GiB"
     table = Table(title=f"relaytrain plan: {r.workers} worker(s) x {r.memory_bytes / GiB:g} GiB, host {host} a machine, "
-                        f"batch {r.batch} (times predicted; memory simulated, host memory estimated)")
+                        f"batch {r.batch} x {r.seq_len} tokens (times predicted; memory simulated, host memory "
+                        f"estimated)")
     for column in ("", "strategy", "shape", "step s", "samples/s", "memory GiB", "closed form GiB", "host GiB", "fits",
                    "why not"):
         table.add_column(column, overflow="fold")
@@ -63,7 +57,30 @@ def print_plan(plan: Plan, path: Path) -> None:
                   f"{best.samples_per_s:.3g} samples/s, {best.memory_bytes / GiB:.2f} GiB of device memory "
                   f"(simulated)", highlight=False)
     console.print(f"run it: {plan.command(best)}", highlight=False, soft_wrap=True)
+    if plan.checkpoint_needed:
+        console.print(f"{CHECKPOINT}: your copy of the checkpoint of this shape, a Hugging Face directory (or a hub "
+                      f"id); the plan read only its shape, as published", highlight=False)
     console.print(f"wrote {path}", highlight=False)
+
+
+def _print_header(plan: Plan, console) -> None:
+    """What was planned for, before the table: the request (its batch and sequence length decide
+    the answer as much as the model does), the profile, the precision and what the planner changed."""
+    r, p = plan.request, plan.profile
+    console.print(request_line(r), highlight=False)
+    console.print(f"profile: {p.device}; {p.source.split(': ')[0]} (details in plan.json)", highlight=False)
+    console.print(precision_line(plan), highlight=False)
+    if plan.ignored_overrides:
+        console.print(f"ignored (the planner decides these): {' '.join(plan.ignored_overrides)}", highlight=False)
+    if plan.batch_note:
+        console.print(f"batch: {plan.batch_note}", highlight=False)
+    if plan.positions_note:
+        console.print(f"positions: {plan.positions_note}", highlight=False)
+
+
+def request_line(r: Request) -> str:
+    return (f"planned for: a batch of {r.batch} samples of {r.seq_len} tokens ({r.batch * r.seq_len:,} tokens "
+            f"a step; plan.batch_size, data.seq_len) on {r.workers} worker(s) of {r.memory_bytes / GiB:g} GiB")
 
 
 def precision_line(plan: Plan) -> str:
@@ -110,7 +127,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def infeasible_line(plan: Plan, where: Path) -> str:
     r = plan.request
-    asked = f"nothing fits {r.workers} x {r.memory_bytes / GiB:g} GiB for a batch of {r.batch}"
+    asked = f"nothing fits {r.workers} x {r.memory_bytes / GiB:g} GiB for a batch of {r.batch} x {r.seq_len} tokens"
     simulated = [c for c in plan.candidates if c.memory_bytes is not None]
     over_host = [c for c in plan.candidates if c.over_host]
     reasons = []

@@ -31,7 +31,7 @@ from relaytrain.cost.formulas import ModelFacts, powers_of_two_dividing
 from relaytrain.cost.profile import Profile, from_spec, load_spec, measure
 from relaytrain.errors import ConfigError
 from relaytrain.launch import keep_freed_host_memory
-from relaytrain.models import hf_config
+from relaytrain.models import adapter, hf_config
 from relaytrain.models.family import family_spec
 from relaytrain.models.pretrained import explicit_overrides, resolve
 from relaytrain.objectives import objective
@@ -68,7 +68,7 @@ def read_request(cfg, overrides: list[str], profile_memory: int | None) -> Reque
         raise ConfigError(f"plan.workers={p.workers}, plan.device_memory_gb={memory / GiB:g} and "
                           f"plan.batch_size={batch} must be positive")
     return Request(p.workers, float(memory), batch, str(p.device), tuple(_strategies(p.strategies)), cfg.train.threads,
-                   host_memory_budget(p))
+                   host_memory_budget(p), cfg.data.seq_len)
 
 
 def host_memory_budget(p) -> float | None:
@@ -178,6 +178,11 @@ class Plan:
         fitting = [c for c in self.candidates if c.fits]
         return min(fitting, key=lambda c: c.cost.step_s) if fitting else None
 
+    @property
+    def checkpoint_needed(self) -> bool:
+        """Whether the printed command names model.pretrained=CHECKPOINT (`shape_as_checkpoint`)."""
+        return f"model.pretrained={CHECKPOINT}" in self.kept_overrides
+
     def command(self, candidate: Candidate) -> str:
         return shlex.join(["relaytrain", "train", *self.kept_overrides, f"{PRECISION_KEY}={candidate.precision}",
                            *candidate.shape.overrides()])
@@ -250,20 +255,34 @@ def _plan_a_batch(planned: list[str], printed: list[str], overrides: list[str], 
 
 @contextmanager
 def shape_as_checkpoint(overrides: list[str]):
-    """(the overrides to plan with, those the planned command keeps). A 4-bit base of a named
-    shape (`model=llama3_70b model.quantize=nf4`, no model.pretrained) is planned over a checkpoint
-    of that shape as published (its config.json, bf16; planning reads no weights), since
-    model.quantize quantizes a checkpoint; the command names `model.pretrained=CHECKPOINT` for
-    the user's copy of it."""
-    m = compose(overrides).model
-    if str(m.quantize) == "none" or m.pretrained:
+    """(the overrides to plan with, those the planned command keeps). A frozen base of a named
+    shape (`model=llama3_70b adapter=lora`, or `model.quantize=nf4`, no model.pretrained) is
+    planned over a checkpoint of that shape as published (its config.json, bf16; planning reads no
+    weights): an adapter is worth training over a checkpoint only, and model.quantize quantizes
+    one. The command names `model.pretrained=CHECKPOINT` for the user's copy of it."""
+    cfg = compose(overrides)
+    m = cfg.model
+    if m.pretrained or not trains_over_a_frozen_base(cfg):
         yield overrides, overrides
         return
     with tempfile.TemporaryDirectory() as directory:
         config = hf_config(m)
-        config.dtype = torch.bfloat16  # as the named shapes' published checkpoints store them
+        config.dtype = _stored_dtype(m.checkpoint_dtype)
         config.save_pretrained(directory)
         yield [*overrides, f"model.pretrained={directory}"], [*overrides, f"model.pretrained={CHECKPOINT}"]
+
+
+def _stored_dtype(given: str | None) -> torch.dtype:
+    """The dtype model.checkpoint_dtype names, else bf16: as the named shapes' checkpoints store them."""
+    dtype = getattr(torch, given or "bfloat16", None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"model.checkpoint_dtype={given} is not a dtype; give bfloat16, float16 or float32")
+    return dtype
+
+
+def trains_over_a_frozen_base(cfg) -> bool:
+    """An adapter trains (LoRA, QLoRA), or the base is quantized: either way the base is frozen."""
+    return adapter.enabled(cfg.adapter) or str(cfg.model.quantize) != "none"
 
 
 def _make_plan(overrides: list[str], kept_in_command: list[str], max_simulations: int) -> Plan:

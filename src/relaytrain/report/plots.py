@@ -1,15 +1,17 @@
 """The plots of `relaytrain report`, with matplotlib (an optional dependency: `relaytrain[plot]`):
 PNGs of throughput against memory, loss curves and throughput against each numeric swept key,
-each written only when it has something to show.
+each written only when it has something to show. Every label stays inside its figure: a legend
+of many or long entries goes beside the axes, its entries wrapped, and the figure grows to hold it.
 """
 
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 from relaytrain import runlog
-from relaytrain.report.runs import GIB, Run, numeric_key, short_key, swept_keys, to_number
+from relaytrain.report.runs import GIB, Run, numeric_key, short_keys, swept_keys, to_number
 
 PLOT_STYLE = {
     "font.size": 11, "axes.titlesize": 13, "axes.labelsize": 12, "legend.fontsize": 9,
@@ -17,6 +19,11 @@ PLOT_STYLE = {
     "axes.spines.top": False, "axes.spines.right": False,
 }
 MARKERS = "osD^vP*X"
+LEGEND_INSIDE = 6  # entries a legend may have inside the axes, where it covers little
+LABEL_WIDTH = 40  # characters of a legend entry's line; a longer entry wraps (beside the axes)
+POINT_LABEL_WIDTH = 30  # a point's label longer than this is only the run's name (the legends say the rest)
+FIGURE_SIZE = (9, 5.5)  # inches; taller where a legend beside the axes needs it
+LEGEND_MARGIN = 0.3  # inches above and below a legend beside the axes
 _SAFE_NAME = re.compile(r"[^\w.=-]")  # what a swept key may keep in a file name
 
 
@@ -38,12 +45,24 @@ def write_plots(runs: list[Run], out: Path) -> list[Path] | None:
     written = []
     with matplotlib.rc_context(PLOT_STYLE):
         for name, draw in plots:
-            figure = Figure(figsize=(9, 5.5), layout="constrained")
+            figure = Figure(figsize=FIGURE_SIZE, layout="constrained")
             FigureCanvasAgg(figure)
             if draw(figure.subplots()):
+                _make_room_for_the_legends(figure)
                 figure.savefig(out / name, dpi=130)
                 written.append(out / name)
     return written
+
+
+def _make_room_for_the_legends(figure) -> None:
+    """Grow the figure where a legend beside the axes is taller than it: constrained layout makes
+    room beside the axes for it, but cannot make the figure taller."""
+    if not figure.legends:
+        return
+    renderer = figure.canvas.get_renderer()
+    needed = max(legend.get_window_extent(renderer).height / figure.dpi for legend in figure.legends)
+    if needed + LEGEND_MARGIN > figure.get_figheight():
+        figure.set_figheight(needed + LEGEND_MARGIN)
 
 
 def _plot_label(run: Run, varying: list[str], omit: tuple[str, ...] = ()) -> str:
@@ -54,7 +73,8 @@ def _plot_label(run: Run, varying: list[str], omit: tuple[str, ...] = ()) -> str
 
 
 def _swept_values(run: Run, keys: list[str]) -> list[str]:
-    return [f"{short_key(k)}={run.overrides[k]}" for k in keys if k in run.overrides]
+    names = short_keys(keys)
+    return [f"{names[k]}={run.overrides[k]}" for k in keys if k in run.overrides]
 
 
 def _by_strategy(runs: list[Run]) -> dict[str, list[Run]]:
@@ -84,11 +104,12 @@ def _throughput_vs_memory(ax, runs: list[Run], varying: list[str]) -> bool:
     middle = sum(ax.get_xlim()) / 2
     for run in points:  # labels point inwards, so none runs off the axes
         x = run.row[column] / GIB
-        ax.annotate(_plot_label(run, varying, omit=("strategy",)), (x, run.row["samples_per_s"]),
+        label = _plot_label(run, varying, omit=("strategy",))
+        ax.annotate(label if len(label) <= POINT_LABEL_WIDTH else run.label, (x, run.row["samples_per_s"]),
                     xytext=(-7 if x > middle else 7, 5), textcoords="offset points",
                     ha="right" if x > middle else "left", fontsize=8, color="0.3")
     ax.set(title=f"Throughput against {what}", xlabel=f"{what} (GiB)", ylabel="throughput (samples/s)")
-    ax.legend(title="strategy")
+    _legend(ax, "strategy")
     return True
 
 
@@ -108,7 +129,7 @@ def _loss_curves(ax, runs: list[Run], varying: list[str]) -> bool:
         return False
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(title="Training loss", xlabel="step", ylabel="loss (mean per item)")
-    _legend(ax, len(drawn), "run")
+    _legend(ax, "run")
     return True
 
 
@@ -133,13 +154,16 @@ def _throughput_vs_key(ax, runs: list[Run], key: str, varying: list[str]) -> boo
     ax.set_xticks(xs, [f"{x:g}" for x in xs])
     ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.05)
     ax.set(title=f"Throughput against {key}", xlabel=key, ylabel="throughput (samples/s)")
-    _legend(ax, len(series), ", ".join(["strategy", *map(short_key, others)]))
+    _legend(ax, ", ".join(["strategy", *short_keys(others).values()]))
     return True
 
 
-def _legend(ax, entries: int, title: str) -> None:
-    """Inside the axes while it is short; beside them once it would cover the lines."""
-    if entries > 6:
-        ax.legend(title=title, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    else:
+def _legend(ax, title: str) -> None:
+    """Inside the axes while it is short and narrow; else beside them, in the figure's margin that
+    constrained layout keeps for it, its entries wrapped at LABEL_WIDTH."""
+    handles, labels = ax.get_legend_handles_labels()
+    if len(labels) <= LEGEND_INSIDE and all(len(label) <= LABEL_WIDTH for label in [title, *labels]):
         ax.legend(title=title)
+        return
+    wrapped = [textwrap.fill(label, LABEL_WIDTH, break_on_hyphens=False) for label in labels]
+    ax.figure.legend(handles, wrapped, title=textwrap.fill(title, LABEL_WIDTH), loc="outside right upper")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,6 +192,12 @@ def shown_path(path: Path) -> str:
 def short_key(key: str) -> str:
     """A swept key as headers and legends show it: strategy.num_microbatches as num_microbatches."""
     return key.rpartition(".")[2]
+
+
+def short_keys(keys: list[str]) -> dict[str, str]:
+    """Each key by its `short_key`, or whole where two share it (model.dropout, adapter.dropout)."""
+    counts = Counter(map(short_key, keys))
+    return {k: short_key(k) if counts[short_key(k)] == 1 else k for k in keys}
 
 
 def numeric_key(runs: list[Run], key: str) -> bool:

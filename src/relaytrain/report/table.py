@@ -1,8 +1,9 @@
 """The table of `relaytrain report`: one row per run, without the columns no run has a value for.
 
-A log file or a pipe gets it whole; a terminal too narrow for it gets it fitted: the columns every
-run shares become one caption line, then the least telling columns are left out (summary.csv has
-them all). Every cell is plain text: a path or an override such as `[0.9,0.99]` is not markup.
+A table wider than the terminal (or than WIDE columns, in a log file or a pipe) is fitted: the
+columns every run shares become one caption line, the overrides that differ between runs one
+wrapped column, then the least telling columns are left out (summary.csv has them all). Every
+cell is plain text: a path or an override such as `[0.9,0.99]` is not markup.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relaytrain import runlog
-from relaytrain.report.runs import GIB, Run, cell_text, numeric_key, short_key, shown_path
+from relaytrain.report.runs import GIB, Run, cell_text, numeric_key, short_keys, shown_path
 from relaytrain.units import si
 
 STATUS_STYLE = {runlog.FINISHED: "green", runlog.FAILED: "bold red", runlog.INTERRUPTED: "yellow",
@@ -24,56 +25,88 @@ STATUS_STYLE = {runlog.FINISHED: "green", runlog.FAILED: "bold red", runlog.INTE
 # The table columns a narrow terminal loses first: derived or seldom decisive figures before the core ones.
 LEAVE_OUT_FIRST = ("tokens/s", "model\nFLOP/s", "workers", "params", "precision", "model", "host RSS\n(GiB)",
                    "batch", "device mem\n(GiB)", "last\neval")
-ERROR_WIDTH = 60  # an error line wraps at this width, or down to NARROW_ERROR_WIDTH on a narrow terminal
-NARROW_ERROR_WIDTH = 30
+WIDE = 160  # the widest table a log file or a pipe gets: wide enough for a sweep, narrow enough to read
+OVERRIDES = "overrides"  # the one column the differing overrides become when their own columns do not fit
+# The widest a wrapped column grows, and (narrow) the least it is squeezed to when fitting the table
+WRAP_WIDTH = {"error": 60, OVERRIDES: 40}
+NARROW_WRAP_WIDTH = {"error": 30, OVERRIDES: 24}
+WRAPPED = ("run", OVERRIDES, "last\neval", "error")  # text columns: they wrap rather than widen the table
 Column = tuple[str, str, Callable[[Run], str]]  # a table column: header, justification, cell text
 
 
 def print_table(runs: list[Run], swept: list[str], root: Path | None, console: Console) -> None:
-    """One table on `console`, without the columns no run has a value for. A log file or a pipe gets
-    it whole, rather than wrapped to 80 columns; a terminal too narrow for it gets it fitted (`_fit`)."""
+    """One table on `console`, without the columns no run has a value for, fitted (`_fit`) to the
+    terminal or, in a log file or a pipe (which Rich would wrap at 80 columns), to WIDE columns."""
+    width = console.width if console.is_terminal else WIDE
     columns = _table_columns(runs, swept)
     cells = [[cell(run) for _, _, cell in columns] for run in runs]
     kept = [i for i in range(len(columns)) if i == 0 or any(row[i] for row in cells)]
     notes = []
-    if console.is_terminal and not _fits(columns, cells, kept, console):
-        kept, notes = _fit(columns, cells, kept, console)
+    if not _fits(columns, cells, kept, console, width):
+        columns, cells, kept, notes = _fit(columns, cells, kept, swept, console, width)
     where = f" in {shown_path(root)}" if root is not None else ""
     title = f"relaytrain report · {len(runs)} run{'s' * (len(runs) != 1)}{where}"
     table = _table(title, columns, cells, kept, "\n".join(notes))
     if console.is_terminal:
         console.print(table)
-    else:
-        whole = Console(file=console.file, width=_natural_width(table, console), color_system=console.color_system)
-        whole.print(table)
+    else:  # as wide as the table, up to WIDE: past it, Rich wraps the text columns and shortens the rest
+        fitted = Console(file=console.file, width=min(_natural_width(table, console), width),
+                         color_system=console.color_system)
+        fitted.print(table)
 
 
-def _fit(columns: list[Column], cells: list[list[str]], kept: list[int],
-         console: Console) -> tuple[list[int], list[str]]:
-    """The columns every run shares become one caption line; then, while the table is still too wide,
-    the least telling columns are left out (summary.csv has them all). Returns the columns and notes."""
+def _fit(columns: list[Column], cells: list[list[str]], kept: list[int], swept: list[str], console: Console,
+         width: int) -> tuple[list[Column], list[list[str]], list[int], list[str]]:
+    """The columns every run shares become one caption line; the columns of the `swept` overrides
+    (after the run's) one wrapped column of KEY=VALUE where that is narrower; then, while the table
+    is still too wide, the least telling columns are left out (summary.csv has them all). Returns
+    the columns, cells, kept and notes."""
     shared = [i for i in kept[1:] if len(cells) > 1 and len({row[i] for row in cells}) == 1]
     kept = [i for i in kept if i not in shared]
     same = [f"{_flat(columns[i][0])} {cells[0][i]}" for i in shared]
     notes = [f"every run: {' · '.join(same)}"] if same else []
+    differing = {i: swept[i - 1] for i in kept if 1 <= i <= len(swept)}
+    if len(differing) > 1 and not _fits(columns, cells, kept, console, width):
+        merged = _overrides_in_one_column(columns, cells, kept, differing)
+        if _width(*merged, console, WRAP_WIDTH) < _width(columns, cells, kept, console, WRAP_WIDTH):
+            columns, cells, kept = merged
     headers = [columns[i][0] for i in kept]
     left_out = []
     for header in LEAVE_OUT_FIRST:
-        if _fits(columns, cells, kept, console):
+        if _fits(columns, cells, kept, console, width):
             break
         if header in headers:
             kept.remove(kept[headers.index(header)])
             headers.remove(header)
             left_out.append(_flat(header))
     if left_out:
-        notes.append(f"left out to fit the terminal (summary.csv has them): {', '.join(left_out)}")
-    return kept, notes
+        notes.append(f"left out to fit {'the terminal' if console.is_terminal else f'{width} columns'} "
+                     f"(summary.csv has them): {', '.join(left_out)}")
+    return columns, cells, kept, notes
 
 
-def _fits(columns: list[Column], cells: list[list[str]], kept: list[int], console: Console) -> bool:
-    """Whether the table fits the terminal with its error lines wrapped as narrow as they may be."""
-    table = _table("", columns, cells, kept, error_width=NARROW_ERROR_WIDTH)
-    return _natural_width(table, console) <= console.width
+def _overrides_in_one_column(columns: list[Column], cells: list[list[str]], kept: list[int],
+                             differing: dict[int, str]) -> tuple[list[Column], list[list[str]], list[int]]:
+    """The `differing` override columns (index: key) as one column in their place, each row
+    `KEY=VALUE ...` for the keys it sets, each key whole (its column's header was its last part)."""
+    def merged(row: list[str]) -> str:
+        return " ".join(f"{key}={row[i]}" for i, key in differing.items() if row[i])
+
+    at, first = len(columns), min(differing)
+    columns = [*columns, (OVERRIDES, "left", lambda run: "")]
+    cells = [[*row, merged(row)] for row in cells]
+    kept = [at if i == first else i for i in kept if i not in differing or i == first]
+    return columns, cells, kept
+
+
+def _fits(columns: list[Column], cells: list[list[str]], kept: list[int], console: Console, width: int) -> bool:
+    return _width(columns, cells, kept, console) <= width
+
+
+def _width(columns: list[Column], cells: list[list[str]], kept: list[int], console: Console,
+           wrap_width: dict[str, int] = NARROW_WRAP_WIDTH) -> int:
+    """The table's width, its errors and overrides wrapped at `wrap_width` (as narrow as they may be)."""
+    return _natural_width(_table("", columns, cells, kept, wrap_width=wrap_width), console)
 
 
 def _natural_width(table: Table, console: Console) -> int:
@@ -85,15 +118,14 @@ def _flat(header: str) -> str:
 
 
 def _table(title: str, columns: list[Column], cells: list[list[str]], kept: list[int], caption: str = "",
-           error_width: int = ERROR_WIDTH) -> Table:
+           wrap_width: dict[str, int] = WRAP_WIDTH) -> Table:
     """Title, caption and cells are plain text: a path or an override such as `[0.9,0.99]` is not markup."""
     table = Table(title=Text(title), caption=Text(caption) if caption else None, title_style="bold",
                   box=box.SIMPLE_HEAD, show_edge=False)
     for i in kept:
         header, justify, _ = columns[i]
-        if header in ("run", "last\neval", "error"):  # text: wraps when the terminal is narrow
-            width = error_width if header == "error" else None
-            table.add_column(header, justify=justify, overflow="fold", max_width=width)
+        if header in WRAPPED:  # text: wraps when the terminal is narrow
+            table.add_column(header, justify=justify, overflow="fold", max_width=wrap_width.get(header))
         else:  # a figure or a name: never broken across lines
             table.add_column(header, justify=justify, no_wrap=True)
     for row in cells:
@@ -109,8 +141,8 @@ def _table_columns(runs: list[Run], swept: list[str]) -> list[Column]:
 
     return [
         ("run", "left", lambda run: run.label),
-        *((short_key(k), "right" if numeric_key(runs, k) else "left", lambda run, k=k: cell_text(run.row[k]))
-          for k in swept),
+        *((header, "right" if numeric_key(runs, k) else "left", lambda run, k=k: cell_text(run.row[k]))
+          for k, header in short_keys(swept).items()),
         ("status", "left", lambda run: run.row["status"]),
         ("strategy", "left", lambda run: run.row["strategy"] or ""),
         ("model", "left", lambda run: run.row["model"] or ""),

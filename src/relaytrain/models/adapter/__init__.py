@@ -28,9 +28,9 @@ from relaytrain.models.adapter.files import (
 )
 from relaytrain.models.adapter.fingerprint import BaseFingerprint, base_fingerprint, same_base
 from relaytrain.models.adapter.inject import attach
-from relaytrain.models.adapter.keys import check, enabled, set_without_adapter
+from relaytrain.models.adapter.keys import check, enabled, saved_config, saved_targets, set_without_adapter
 from relaytrain.models.adapter.layers import ADAPTER, ALL_LINEAR, quiet_peft, trains
 
 __all__ = ["ADAPTER", "ALL_LINEAR", "CONFIG_FILE", "WEIGHTS_FILE", "BaseFingerprint", "adapter_base", "adapter_state",
            "attach", "base_fingerprint", "check", "enabled", "is_adapter_dir", "merged_model", "quiet_peft",
-           "same_base", "save_adapter", "set_without_adapter", "trains", "unwrapped_state"]
+           "same_base", "save_adapter", "saved_config", "saved_targets", "set_without_adapter", "trains", "unwrapped_state"]

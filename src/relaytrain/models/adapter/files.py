@@ -61,17 +61,24 @@ def save_adapter(model, out: Path, base: str | None, dtype: torch.dtype) -> None
     save_file(adapter_state(model.hf_model, dtype), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def merged_model(base_hf, adapter_dir: Path):
+def merged_model(base_hf, adapter_dir: Path, asked_by: str = "adapter.merge_on_save",
+                 otherwise: str = "save the adapter instead (adapter.merge_on_save=false)"):
     """peft's own merge: the adapter in `adapter_dir` loaded by PeftModel onto `base_hf` (the
-    exact base, a model of its own: it is changed) and folded in by `merge_and_unload`."""
+    exact base, a model of its own: it is changed) and folded in by `merge_and_unload`. Where
+    peft cannot, one line: what asked for the merge (`asked_by`) and what to do `otherwise`."""
     from peft import PeftModel
 
     try:
         with quiet_peft():
             return PeftModel.from_pretrained(base_hf, str(adapter_dir)).merge_and_unload()
     except (ValueError, RuntimeError) as err:
-        raise ConfigError(f"adapter.merge_on_save: peft could not merge the adapter ({first_line(err)}); "
-                          f"save the adapter instead (adapter.merge_on_save=false)") from err
+        raise ConfigError(f"{asked_by}: peft could not merge the adapter ({_why(err)}); {otherwise}") from err
+
+
+def _why(err: BaseException) -> str:
+    """What a peft error says: the first tensor that does not fit, where torch lists them after a header."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    return next((line for line in lines if line.startswith("size mismatch")), first_line(err))
 
 
 def unwrapped_state(hf_model) -> dict[str, torch.Tensor]:

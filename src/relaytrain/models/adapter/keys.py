@@ -65,6 +65,11 @@ def saved_config(directory: str) -> dict:
     return json.loads((Path(directory).expanduser() / CONFIG_FILE).read_text())
 
 
+def saved_targets(directory: str) -> list[str]:
+    """The parameters a saved adapter adapts by name (peft's target_parameters: a mixture's experts)."""
+    return list(saved_config(directory).get("target_parameters") or [])
+
+
 def _check_continued(a, defaults) -> None:
     """`adapter.pretrained` is a peft LoRA directory, and the run's keys do not contradict it:
     its rank, scaling, targets and extras are the adapter's own (a key left at its default takes
