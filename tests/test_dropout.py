@@ -26,6 +26,7 @@ from relaytrain.data import build_dataset, build_loader
 from relaytrain.errors import ConfigError
 from relaytrain.models import build_model
 from relaytrain.models.layered import HEAD_PART, Draw, MicroBatch, block_part, draw_seed
+from relaytrain.objectives.base import Divisor
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.base import replica_rows
 from relaytrain.strategies.pipeline.stage import StageModule
@@ -220,8 +221,8 @@ def test_pipeline_stages_draw_what_the_whole_model_draws_and_differ_from_each_ot
     stages = [StageModule(copy.deepcopy(model), blocks, first=s == 0, last=s == 1)
               for s, blocks in enumerate([range(0, 2), range(2, 4)])]
     staged = MaskRecorder([block for stage in stages for block in stage.model.blocks])
-    hidden = stages[0](mb, None, 1)
-    stages[1](mb, hidden, 1)
+    hidden = stages[0](mb, None, Divisor(1))
+    stages[1](mb, hidden, Divisor(1))
     staged.close()
     assert sorted(staged.masks) == [0, 1, 2, 3]
     for index, masks in whole.masks.items():

@@ -6,7 +6,8 @@ RUN_DIR/.hydra/overrides.yaml. Given a checkpoint (a step-N directory, its check
 directory or the run directory), `recorded_overrides` reads that run's overrides back, to go
 before the user's, so `relaytrain train train.resume=PATH` composes the config the run
 trained with (model.pretrained, adapter, strategy, data, ...), and a key the user gives again
-(train.steps=100, to train longer) replaces the recorded one. The checkpoint's manifest then
+(train.steps=100, to train longer) replaces the recorded one; a group the user chooses again
+(strategy=l2l, to resume a pipeline's checkpoint under L2L) drops the recorded keys of that group. The checkpoint's manifest then
 checks the result as it checks any config (`checkpoint.read`). A checkpoint whose run
 directory holds no record (one copied elsewhere) composes from the user's overrides alone.
 
@@ -51,7 +52,9 @@ def recorded_overrides(overrides: list[str], say=print) -> list[str]:
     run_dir = run_dir_of(resume)
     recorded, started_in = _record(run_dir)
     mine = {key for key, _, _ in given} | {"train.resume"}
-    kept = [_anchored(o, key, started_in) for key, o, _ in _keyed(recorded) or [] if key not in mine]
+    chosen = {key for key in mine if "." not in key}  # a group chosen again (strategy=l2l) starts afresh
+    kept = [_anchored(o, key, started_in) for key, o, _ in _keyed(recorded) or []
+            if key not in mine and key.split(".")[0] not in chosen]
     if not kept:
         return []
     yours = [o for key, o, _ in given if key != "train.resume" and not key.startswith("hydra.")]
