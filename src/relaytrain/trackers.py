@@ -29,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,7 +42,7 @@ from relaytrain.runlog import FAILED, FINISHED, INTERRUPTED
 TRACKERS_FILE = "trackers.json"
 
 
-class Tracker:
+class Tracker(ABC):
     """One destination of a run's figures. Subclasses start their run in `__init__(log, run_dir,
     config, saved, say)`: `log` the config's log keys, `config` the resolved config as nested
     dicts, `saved` what `identity` returned in an earlier attempt in this run directory (None:
@@ -56,15 +57,17 @@ class Tracker:
         """What trackers.json keeps so that a resumed run finds this run again."""
         return None
 
+    @abstractmethod
     def log_step(self, step: int, figures: dict[str, float]) -> None:
-        raise NotImplementedError
+        """One metrics.csv row's figures at `step`."""
 
     def log_results(self, results: dict) -> None:
         """The run's final numbers (results.json's), keyed `results/KEY` (`final_figures`)."""
         self.log_final(int(results["steps"]), final_figures(results))
 
+    @abstractmethod
     def log_final(self, step: int, figures: dict[str, float]) -> None:
-        raise NotImplementedError
+        """The run's final figures, at its last step."""
 
     def close(self, outcome: str) -> None:
         """End the run as `outcome` (FINISHED, FAILED or INTERRUPTED)."""
