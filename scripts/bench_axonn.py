@@ -40,13 +40,13 @@ import time
 from pathlib import Path
 
 from benchlib import headline
-from relaytrain.compose import compose_config
 from relaytrain.planner.dryrun import simulate
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from relaytrain.strategies.pipeline.executor import preferred
 from relaytrain.strategies.pipeline.jitter import ENV
 from relaytrain.strategies.pipeline.schedule import COMPUTE, Op, SlicePlan, build_schedule, stop_points
 from relaytrain.strategies.pipeline.validate import StageInvariants
-from relaytrain.train import run
 
 GPT2 = ["model=gpt2_tiny", "model.num_layers=6", "model.hidden_size=256", "model.num_heads=4",
         "model.intermediate_size=1024", "model.vocab_size=512", "model.dropout=0.0", "data.seq_len=64",
@@ -231,7 +231,7 @@ def _exposed(step_s: float, report: dict) -> dict:
 
 
 def bench_memory(args) -> dict:
-    out = {"command": "dry runs on the meta device: relaytrain.memory.simulate(cfg), 2 steps"}
+    out = {"command": "dry runs on the meta device: relaytrain.dryrun.memory.simulate(cfg), 2 steps"}
     for strategy in ("pipe_flush", "pipe_2bw"):
         for stages in (4, 8):
             for offload in ("none", "host"):

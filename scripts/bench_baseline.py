@@ -26,11 +26,11 @@ from unittest import mock
 import torch
 
 from benchlib import headline
-from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models import build_model, layered
-from relaytrain.optim import build_optimizer
+from relaytrain.run.compose import compose_config
+from relaytrain.run.launch import keep_freed_host_memory
+from relaytrain.step.optim import build_optimizer
 from relaytrain.strategies import build_strategy
 
 DEFAULT = [

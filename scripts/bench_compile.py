@@ -1,7 +1,7 @@
 """train.compile=true against eager: the bert_base baseline step, after warm-up (`compiled_vs_eager`).
 
 Two baselines of one model (same seed, data, threads and dropout), one with its blocks compiled
-(`relaytrain.compile`: one graph for every block), one eager. Each takes `--warmup` untimed steps
+(`relaytrain.models.compile`: one graph for every block), one eager. Each takes `--warmup` untimed steps
 first (the compiled one compiles there; its compile time is reported), then rounds alternate
 (eager, compiled, eager, ...) so drift on the machine hits both alike. Each round's figure is
 eager's median step time over compiled's: above 1, the compiled step is faster.
@@ -18,11 +18,11 @@ import torch
 
 from bench_baseline import time_steps, write_result
 from benchlib import OtherLoad, headline
-from relaytrain.compile import compile_blocks
-from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models import build_model
+from relaytrain.models.compile import compile_blocks
+from relaytrain.run.compose import compose_config
+from relaytrain.run.launch import keep_freed_host_memory
 from relaytrain.strategies import build_strategy
 
 DEFAULT = ["model=bert_base", "model.dropout=0.1", "data.seq_len=128", "strategy.microbatch_size=4",

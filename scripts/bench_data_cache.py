@@ -68,8 +68,8 @@ def make_data(directory: Path, records: int) -> tuple[Path, Path]:
 
 def child(data: str, tokenizer: str, cache_dir: str) -> None:
     """One start's preparation in this process: what results.json's `data` would say."""
-    from relaytrain.compose import compose_config
     from relaytrain.data import build_datasets
+    from relaytrain.run.compose import compose_config
 
     cfg = compose_config(["model=llama_tiny", f"model.vocab_size={VOCAB}", f"model.max_seq_len={SEQ_LEN}", "data=chat",
                           f"data.path={data}", f"data.tokenizer={tokenizer}", f"data.seq_len={SEQ_LEN}",

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from benchlib import headline
-from relaytrain.compose import compose_config
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 
 MODEL = [
     "model=bert_tiny", "model.num_layers=6", "model.hidden_size=512", "model.num_heads=8",

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from relaytrain.compose import compose_config
 from relaytrain.models import build_model
+from relaytrain.run.compose import compose_config
 
 
 def step_time(params: list[torch.nn.Parameter], repeats: int, gathered: list[torch.Tensor] | None = None) -> float:

@@ -128,8 +128,8 @@ def overrides(args, r: Run, checkpoint: Path | None = None) -> list[str]:
 def write_checkpoint(args, blocks: int, directory: Path) -> Path:
     """A Hugging Face checkpoint of the benchmark's shape, random weights saved in bf16 (how
     released bases ship), for the adapter rows: LoRA reads it as is, QLoRA quantizes it at load."""
-    from relaytrain.compose import compose_config
     from relaytrain.models import build_model
+    from relaytrain.run.compose import compose_config
 
     if not (directory / "config.json").exists():
         cfg = compose_config([*shape(args, blocks), "train.device=cpu"])
@@ -158,9 +158,9 @@ def row(name: str, blocks: int, results: dict) -> dict:
 
 
 def measure(args, r: Run, scratch: Path) -> dict:
-    from relaytrain.compose import compose_config
-    from relaytrain.errors import ConfigError, first_line
-    from relaytrain.train import run
+    from relaytrain.run.compose import compose_config
+    from relaytrain.run.train import run
+    from relaytrain.utils.errors import ConfigError, first_line
 
     base = {"strategy": r.label, "blocks": r.blocks}
     try:

@@ -51,12 +51,12 @@ from omegaconf import OmegaConf
 from torch.utils.data import StackDataset
 
 from benchlib import DECODER, OtherLoad, headline
-from relaytrain import metrics
-from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
-from relaytrain.optim import build_optimizer
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
+from relaytrain.step import metrics
+from relaytrain.step.optim import build_optimizer
 
 BATCH = ["data.seq_len=128", "strategy.microbatch_size=2", "strategy.num_microbatches=4"]
 QUICK_BATCH = ["model.vocab_size=512", "data.seq_len=32", "data.num_samples=256"]

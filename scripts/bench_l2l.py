@@ -30,14 +30,14 @@ import time
 import torch
 
 from benchlib import DECODER, headline
-from relaytrain import metrics
-from relaytrain.checkpoint import unique_named_parameters
-from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models import build_model
-from relaytrain.optim import build_optimizer, param_groups
-from relaytrain.precision import LossScaler
+from relaytrain.records.checkpoint import unique_named_parameters
+from relaytrain.run.compose import compose_config
+from relaytrain.run.launch import keep_freed_host_memory
+from relaytrain.step import metrics
+from relaytrain.step.optim import build_optimizer, param_groups
+from relaytrain.step.precision import LossScaler
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.eps import EagerParamServer, EpsStats
 from relaytrain.strategies.l2l import L2L, HeadLoss

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 from benchlib import headline
-from relaytrain.compose import compose_config
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 
 MODEL = [
     "strategy=l2l", "model=bert_tiny", "model.num_layers=6", "model.hidden_size=512", "model.num_heads=8",

@@ -36,8 +36,8 @@ import torch
 
 from bench_hf_trainer import compose, train_with_trainer
 from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, headline_line
-from relaytrain import metrics
-from relaytrain.train import run
+from relaytrain.run.train import run
+from relaytrain.step import metrics
 
 MODEL = ["model=llama_tiny", "model.num_layers=2", "model.hidden_size=256", "model.intermediate_size=688",
          "model.num_heads=4", "model.num_kv_heads=2", "model.vocab_size=128256", "model.dropout=0.0",

@@ -54,11 +54,11 @@ def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
     """One run in this process: what it held before the model, then the run's own figures."""
     import psutil
 
-    from relaytrain.compose import compose_config
     from relaytrain.cost.formulas import ModelFacts
     from relaytrain.models.pretrained import resolve
+    from relaytrain.run.compose import compose_config
+    from relaytrain.run.train import run
     from relaytrain.strategies import strategy_class
-    from relaytrain.train import run
 
     given = [f"model.pretrained={checkpoint}", f"adapter={adapter}", *RUN, f"train.steps={steps}",
              "train.untimed_steps=1"]

@@ -33,7 +33,7 @@ import torch
 import bench_hf_trainer
 import bench_l2l
 from benchlib import headline, headline_line
-from relaytrain.launch import keep_freed_host_memory
+from relaytrain.run.launch import keep_freed_host_memory
 
 MOE = ["model=qwen3_30b_a3b", "model.num_layers=8", "model.hidden_size=512", "model.num_heads=8",
        "model.num_kv_heads=2", "model.head_dim=64", "model.num_experts=8", "model.experts_per_token=2",

@@ -41,13 +41,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchlib import alternating_rounds, headline
-from relaytrain.compose import compose_config
 from relaytrain.cost.formulas import fill_and_drain_bubble
 from relaytrain.models.layered import MicroBatch
 from relaytrain.planner.plan import predict
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.pipeline.schedule import InterleavedSchedule
-from relaytrain.train import run
 
 MODEL = [
     "model=gpt2_tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
@@ -101,10 +101,10 @@ def _torch_worker(rank: int, world: int, cfg_dict: dict, port: int, out, tuned_a
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from relaytrain.data import build_dataset, build_loader
-    from relaytrain.launch import keep_freed_host_memory
     from relaytrain.models import build_model
     from relaytrain.objectives.base import Divisor
-    from relaytrain.optim import build_optimizer
+    from relaytrain.run.launch import keep_freed_host_memory
+    from relaytrain.step.optim import build_optimizer
     from relaytrain.strategies.base import minibatch_divisor
     from relaytrain.strategies.pipeline.stage import StageModule, partition
 

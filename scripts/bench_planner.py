@@ -29,9 +29,9 @@ from rich.console import Console
 from rich.table import Table
 
 from benchlib import OtherLoad, headline
-from relaytrain.compose import compose_config
 from relaytrain.planner.plan import make_plan
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 
 BERT = [
     "model=bert_tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",

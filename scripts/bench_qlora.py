@@ -85,10 +85,10 @@ def base_on_the_host(cfg) -> tuple[int, int, int]:
 
 def child(checkpoint: str, adapter: str, run_dir: str, steps: int) -> None:
     """One run in this process, then the base its strategy holds."""
-    from relaytrain.compose import compose_config
     from relaytrain.cost.formulas import ModelFacts
     from relaytrain.models.pretrained import resolve
-    from relaytrain.train import run
+    from relaytrain.run.compose import compose_config
+    from relaytrain.run.train import run
 
     given = [f"model.pretrained={checkpoint}", f"adapter={adapter}", *RUN, f"train.steps={steps}",
              "train.untimed_steps=1"]

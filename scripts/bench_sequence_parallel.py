@@ -39,8 +39,8 @@ def parse_args() -> argparse.Namespace:
 
 def child(workers: str, run_dir: str, steps: int) -> None:
     """One run started from this process; its throughput into RUN_DIR/bench.json."""
-    from relaytrain.compose import compose_config
-    from relaytrain.train import run
+    from relaytrain.run.compose import compose_config
+    from relaytrain.run.train import run
 
     cfg = compose_config([*RUN, f"strategy.sequence_parallel={workers}", f"train.steps={steps}",
                           "train.untimed_steps=2"])

@@ -17,8 +17,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from relaytrain.compose import compose_config
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 
 
 def main() -> None:

@@ -10,7 +10,7 @@
     python scripts/reproduce.py all [--images docs/images]
 
 Simulated figures are a dry run of the real strategy code on the meta device
-(`relaytrain.memory.simulate`); measured ones are runs on this machine. Every command prints a
+(`relaytrain.dryrun.memory.simulate`); measured ones are runs on this machine. Every command prints a
 Markdown table with the paper's figure beside ours.
 """
 
@@ -25,10 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from relaytrain.compose import compose_config
 from relaytrain.models import count_parameters
 from relaytrain.planner.dryrun import simulate
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 
 GIB = 2**30
 QUIET = ["train.log_every=100000"]
@@ -176,7 +176,7 @@ def _one_process_losses(cfg, delayed: bool) -> list[float]:
 
     from relaytrain.data import build_dataset, build_loader
     from relaytrain.models import build_model
-    from relaytrain.optim import build_optimizer, lr_at, set_lr
+    from relaytrain.step.optim import build_optimizer, lr_at, set_lr
     from relaytrain.strategies.base import minibatch_divisor
 
     model = build_model(cfg.model, cfg.train.seed, quiet=True)

@@ -22,8 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from relaytrain.compose import compose_config
 from relaytrain.planner.dryrun import simulate
+from relaytrain.run.compose import compose_config
 
 MODEL = ["model=bert_tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
          "model.intermediate_size=1024", "model.dropout=0.0", "data.seq_len=128", "data.num_samples=1024",
@@ -45,7 +45,7 @@ CONTESTANTS = {
 
 def train(name: str, overrides: list[str], runs: Path, steps: int) -> Path:
     run_dir = runs / name.replace(" ", "_").replace("(", "").replace(")", "").replace("=", "")
-    command = [sys.executable, "-m", "relaytrain.cli", "train", *MODEL, *overrides, f"train.steps={steps}",
+    command = [sys.executable, "-m", "relaytrain.commands.cli", "train", *MODEL, *overrides, f"train.steps={steps}",
                "train.untimed_steps=2", "train.log_every=1000", f"hydra.run.dir={run_dir}"]
     print(f"[{name}] {' '.join(command[3:])}", flush=True)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -54,7 +54,7 @@ def train(name: str, overrides: list[str], runs: Path, steps: int) -> Path:
 
 def report(run_dirs: list[Path], out: Path) -> None:
     """The user's view of the sweep: `relaytrain report` (its table, summary.csv and plots)."""
-    subprocess.run([sys.executable, "-m", "relaytrain.cli", "report", *map(str, run_dirs), "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "relaytrain.commands.cli", "report", *map(str, run_dirs), "--out", str(out)],
                    check=True)
 
 

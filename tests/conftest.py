@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaytrain.compose import compose_config
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.data import cache as _cache
 from relaytrain.models import build_model
-from relaytrain.optim import build_optimizer, lr_at, set_lr
+from relaytrain.run.compose import compose_config
+from relaytrain.step.optim import build_optimizer, lr_at, set_lr
 from relaytrain.strategies.base import minibatch_divisor, replica_rows
 
 # The tokenize cache of every run the tests start (and of the processes those start, and of

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relaytrain import checkpoint
-from relaytrain.cli import main
-from relaytrain.errors import ConfigError
+from relaytrain.commands.cli import main
+from relaytrain.records import checkpoint
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import TINY_BERT, TINY_LLAMA, wait_for
 
 # bert_tiny at this batch takes ~0.1 s a step on 2 cores: slow enough to kill mid-run.
@@ -24,7 +24,7 @@ RUN = ["train", "train.steps=30", "train.untimed_steps=1", "strategy.microbatch_
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "CI": "1"}
-    return subprocess.Popen([sys.executable, "-m", "relaytrain.cli", *RUN, f"hydra.run.dir={run_dir}", *extra],
+    return subprocess.Popen([sys.executable, "-m", "relaytrain.commands.cli", *RUN, f"hydra.run.dir={run_dir}", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -84,7 +84,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path)
     crash = (
         "import os, signal, sys\n"
         "from pathlib import Path\n"
-        "from relaytrain import checkpoint\n"
+        "from relaytrain.records import checkpoint\n"
         "def half_then_die(f):\n"
         "    f.write(b'x' * 1_000_000); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
         f"checkpoint.atomic_write(Path({str(staging / 'part-0.pt')!r}), half_then_die)\n"
@@ -94,10 +94,10 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path)
     assert any(p.name.endswith(".tmp") for p in staging.iterdir())  # the torn write is there ...
     latest, passed = checkpoint.find("auto", run_dir)
     assert latest.name == "step-00000007" and passed == []  # ... but nothing reads it
-    from relaytrain.compose import compose_config
+    from relaytrain.run.compose import compose_config
 
     cfg = compose_config([*RUN[1:], "train.steps=9"])
-    found = checkpoint.read(latest, cfg, "baseline", {"processes": 1})
+    found = checkpoint.read(latest, checkpoint.identity(cfg), cfg.train.steps, "baseline", {"processes": 1})
     assert found.step == 7 and found.exact and found.trainer()["step"] == 7
 
 
@@ -195,7 +195,7 @@ def test_a_finished_run_relaunched_says_so_and_more_steps_continue_it(tmp_path, 
 
 
 def test_a_manifest_from_before_the_eps_state_rename_still_resumes_exactly(tmp_path):
-    from relaytrain.compose import compose_config
+    from relaytrain.run.compose import compose_config
     from relaytrain.strategies import strategy_class
 
     cfg = compose_config(["strategy=l2l", "strategy.replicas=2", "strategy.eps_state=replicated"])
@@ -205,7 +205,7 @@ def test_a_manifest_from_before_the_eps_state_rename_still_resumes_exactly(tmp_p
     (tmp_path / checkpoint.MANIFEST).write_text(json.dumps(
         {"format": checkpoint.FORMAT, "identity": checkpoint.identity(cfg), "step": 1, "strategy": "l2l",
          "layout": older}))
-    assert checkpoint.read(tmp_path, cfg, "l2l", layout).exact
+    assert checkpoint.read(tmp_path, checkpoint.identity(cfg), cfg.train.steps, "l2l", layout).exact
 
 
 # ------------------------------------------------------------------------------ resuming as the console says
@@ -248,7 +248,7 @@ def test_a_checkpoint_resumes_from_its_path_alone_with_the_runs_own_config(tmp_p
 
 
 def test_adapters_and_a_full_fine_tune_are_told_apart_on_resume(tmp_path):
-    from relaytrain.compose import compose_config
+    from relaytrain.run.compose import compose_config
 
     lora, full = compose_config(["model=llama_tiny", "adapter=lora"]), compose_config(["model=llama_tiny"])
     for saved, config, held, fix in [
@@ -259,7 +259,7 @@ def test_adapters_and_a_full_fine_tune_are_told_apart_on_resume(tmp_path):
             {"format": checkpoint.FORMAT, "identity": checkpoint.identity(saved), "step": 1, "strategy": "baseline",
              "layout": {"processes": 1}}))
         with pytest.raises(ConfigError) as refusal:
-            checkpoint.read(tmp_path, config, "baseline", {"processes": 1})
+            checkpoint.read(tmp_path, checkpoint.identity(config), config.train.steps, "baseline", {"processes": 1})
         assert str(refusal.value) == f"checkpoint {tmp_path} {held}; resume with {fix}"
 
 

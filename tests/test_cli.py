@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from relaytrain.cli import main
+from relaytrain.commands.cli import main
 from relaytrain.strategies import registry
 
 SMALL = ["+exp=tiny_baseline"]
@@ -17,7 +17,7 @@ SMALL = ["+exp=tiny_baseline"]
 
 def relaytrain(*args, cwd, env_extra=None, check=True):
     env = {**os.environ, "CI": "1", **(env_extra or {})}
-    proc = subprocess.run([sys.executable, "-m", "relaytrain.cli", *args], cwd=cwd, env=env,
+    proc = subprocess.run([sys.executable, "-m", "relaytrain.commands.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=240)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
@@ -156,8 +156,8 @@ def test_help_lists_commands_strategies_and_config_groups(tmp_path, capsys):
 def test_help_names_every_config_group_and_section(tmp_path, capsys):
     """Every section of the schema is named: the groups with options (adapter too), and those set
     key by key (log too); train --help stars each group's choice, qlora's as given."""
-    from relaytrain.config import RelayTrainConfig
-    from relaytrain.help import key_sections, option_groups
+    from relaytrain.commands.help import key_sections, option_groups
+    from relaytrain.schema.config import RelayTrainConfig
 
     sections = [f.name for f in dataclasses.fields(RelayTrainConfig)]
     assert sorted(option_groups() + key_sections()) == sorted(sections)
@@ -175,7 +175,7 @@ def test_help_names_every_config_group_and_section(tmp_path, capsys):
 
 
 def test_plan_help_names_every_plan_key(capsys):
-    from relaytrain.config import PlanConfig
+    from relaytrain.schema.config import PlanConfig
 
     assert main(["plan", "--help"]) == 0
     out = capsys.readouterr().out
@@ -193,7 +193,7 @@ def test_configs_are_found_from_any_working_directory(tmp_path):
 
 
 def test_every_packaged_experiment_composes_and_passes_the_checks():
-    from relaytrain.compose import compose_config, validate
+    from relaytrain.run.compose import compose_config, validate
 
     experiments = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "exp").glob("*.yaml"))
     assert "bert_large_l2l" in experiments
@@ -205,7 +205,7 @@ def test_every_packaged_experiment_composes_and_passes_the_checks():
 def test_a_short_run_measures_what_the_default_untimed_steps_leave(tmp_path, steps, measured):
     """train.untimed_steps defaults to 2 where the run has a step left to measure, fewer in a
     shorter one: `train.steps=2` trains (it was refused), and an explicit value stays strict."""
-    from relaytrain.train import run
+    from relaytrain.run.train import run
     from tests.conftest import tiny_cfg
 
     results = run(tiny_cfg("bert", f"train.steps={steps}", "train.untimed_steps=null"), tmp_path, table=False)
@@ -226,7 +226,7 @@ def test_an_output_directory_that_cannot_be_made_is_one_line_exit_2(tmp_path, ca
 
 
 def test_the_output_directory_check_leaves_nothing_behind_and_the_run_makes_it(tmp_path, monkeypatch):
-    from relaytrain.run_dirs import check_writable
+    from relaytrain.run.dirs import check_writable
 
     monkeypatch.chdir(tmp_path)  # a relative directory is where the command runs
     check_writable(["hydra.run.dir=a/b"])
@@ -242,7 +242,7 @@ def test_a_run_whose_output_reader_went_away_trains_on_and_finishes(tmp_path, st
     read, write = os.pipe()
     os.close(read)  # gone before the first line: every write to stdout finds the pipe broken
     try:
-        proc = subprocess.run([sys.executable, "-m", "relaytrain.cli", "train", *SMALL, f"strategy={strategy}",
+        proc = subprocess.run([sys.executable, "-m", "relaytrain.commands.cli", "train", *SMALL, f"strategy={strategy}",
                                "train.log_every=1", f"hydra.run.dir={run_dir}"], stdout=write,
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "CI": "1"}, timeout=240)
     finally:

@@ -1,5 +1,5 @@
 """train.compile=true: the block function compiled once and shared by every block
-(`relaytrain.compile`).
+(`relaytrain.models.compile`).
 
 Through the trainer, dropout on, every strategy compiled ends with the weights its eager run
 ends with, to 1e-6 at fp32 (inductor fuses, so not bit for bit), and reports its compile time;
@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from relaytrain.cli import main
-from relaytrain.compile import compile_blocks
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.models import build_model
+from relaytrain.models.compile import compile_blocks
 from relaytrain.models.layered import Draw, MicroBatch
+from relaytrain.run.compose import compose_config
 from tests.conftest import TINY_BERT, TINY_LLAMA, tiny_cfg
 from tests.test_dropout import max_difference, trained
 

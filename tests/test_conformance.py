@@ -16,18 +16,18 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config, validate
+from relaytrain.commands.cli import main
 from relaytrain.cost.formulas import ModelFacts
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import from_spec, load_spec
-from relaytrain.errors import ConfigError
 from relaytrain.models import build_model, families
 from relaytrain.planner.candidates import PRUNE_FACTOR, candidate_config
 from relaytrain.planner.dryrun import simulate
 from relaytrain.planner.plan import make_plan
+from relaytrain.run.compose import compose_config, validate
 from relaytrain.strategies import Capabilities, Strategy, choices, register, registry, strategy_class
 from relaytrain.strategies.base import StepResult
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import TINY_BERT, TINY_GPT2, TINY_LLAMA, tiny_cfg, train_plain_loop
 
 STEPS = 2

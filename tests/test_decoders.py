@@ -31,10 +31,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from relaytrain import checkpoint
-from relaytrain.compose import compose_config
+from relaytrain.records import checkpoint
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from relaytrain.strategies import choices, strategy_class
-from relaytrain.train import run
 from tests.checkpoints import ARCHITECTURES, CORPUS, tiny_decoder
 from tests.conformance.references import (  # noqa: F401  (minibatches, reference_loop: tests.models import them from here)
     assert_same_weights,

@@ -21,16 +21,16 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from relaytrain import checkpoint as checkpoints
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.errors import ConfigError
 from relaytrain.models import build_model
 from relaytrain.models.layered import HEAD_PART, Draw, MicroBatch, block_part, draw_seed
 from relaytrain.objectives.base import Divisor
+from relaytrain.records import checkpoint as checkpoints
+from relaytrain.run.train import run
 from relaytrain.strategies import build_strategy
 from relaytrain.strategies.base import replica_rows
 from relaytrain.strategies.pipeline.stage import StageModule
-from relaytrain.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import tiny_cfg, train_plain_loop
 
 STEPS = 3

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relaytrain import elastic
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
+from relaytrain.run import elastic
+from relaytrain.run.compose import compose_config
 from tests.conftest import TINY_GPT2, wait_for
 
 CPU = torch.device("cpu")
@@ -26,8 +26,8 @@ CPU = torch.device("cpu")
 WORKER = """
 import os, sys, threading
 from pathlib import Path
-from relaytrain import train
-from relaytrain.cli import main
+from relaytrain.run import train
+from relaytrain.commands.cli import main
 
 hold = os.environ.get("HOLD_DIR")
 plain_step = train.Trainer._step
@@ -155,13 +155,13 @@ def test_two_launchers_as_two_nodes_equal_one_launcher(tmp_path):
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
          "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "-m", "relaytrain.cli", *RUN, *strategy, f"hydra.run.dir={tmp_path / 'two'}"],
+         "-m", "relaytrain.commands.cli", *RUN, *strategy, f"hydra.run.dir={tmp_path / 'two'}"],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     for node in nodes:
         finished(node)
     one = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "relaytrain.cli", *RUN, *strategy, f"hydra.run.dir={tmp_path / 'one'}"],
+         "-m", "relaytrain.commands.cli", *RUN, *strategy, f"hydra.run.dir={tmp_path / 'one'}"],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     finished(one)
     ours, theirs = weights(tmp_path / "two"), weights(tmp_path / "one")

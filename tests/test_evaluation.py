@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from relaytrain.evaluation import EvalStats, f1_positive, matthews_correlation, metric_names
 from relaytrain.objectives import objective
+from relaytrain.step.evaluation import EvalStats, f1_positive, matthews_correlation, metric_names
 
 
 def test_sums_over_any_split_equal_the_whole():

@@ -20,13 +20,14 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from relaytrain import checkpoint
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
-from relaytrain.display import print_results_table
+from relaytrain.commands.cli import main
 from relaytrain.models.pretrained import resolve
-from relaytrain.results import adapter_facts
-from relaytrain.train import run
+from relaytrain.records import checkpoint
+from relaytrain.records.display import print_results_table
+from relaytrain.run.compose import compose_config
+from relaytrain.run.resolve import describe_run
+from relaytrain.run.results import adapter_facts
+from relaytrain.run.train import run
 from tests.checkpoints import tiny_decoder, tiny_moe
 from tests.conformance.references import peft_adapter
 
@@ -252,19 +253,24 @@ def adapter_cfg(checkpoint_dir: Path, *overrides: str):
     return resolve(compose_config(given), given)
 
 
+def facts_of(cfg) -> dict | None:
+    """results.json's `adapter` of a run of `cfg`, from what the run resolves (`describe_run`)."""
+    return adapter_facts(cfg, describe_run(cfg))
+
+
 @pytest.fixture
 def wide_table(monkeypatch):
     """The summary table's rows on one line each, as on a wide terminal."""
-    from relaytrain import display
+    from relaytrain.records import display
 
     monkeypatch.setattr(display.console, "width", 400)
 
 
 def test_the_table_shows_a_4_bit_base_and_a_merged_adapter(base, capsys, wide_table):
-    facts = adapter_facts(adapter_cfg(base, "adapter=qlora", "model.quantize_double=true", "train.save_model=true",
+    facts = facts_of(adapter_cfg(base, "adapter=qlora", "model.quantize_double=true", "train.save_model=true",
                                       "adapter.merge_on_save=true"))
     assert (facts["quantize"], facts["merged"]) == ("nf4-double", True) and "experts" not in facts
-    assert not adapter_facts(adapter_cfg(base, "adapter=qlora", "adapter.merge_on_save=true"))["merged"]  # nothing saved
+    assert not facts_of(adapter_cfg(base, "adapter=qlora", "adapter.merge_on_save=true"))["merged"]  # nothing saved
     results = fake_results(facts, {"path": "/runs/q/model", "form": "merged", "base": None, "dtype": "float32",
                                    "generates": True})
     print_results_table(results, Path("/runs/q/results.json"))
@@ -274,7 +280,7 @@ def test_the_table_shows_a_4_bit_base_and_a_merged_adapter(base, capsys, wide_ta
 
 def test_lora_on_a_mixture_says_its_experts_are_not_adapted_and_which_key_adapts_them(tmp_path, capsys, wide_table):
     moe = tiny_moe(tmp_path / "moe", "qwen3_moe")
-    facts = adapter_facts(adapter_cfg(moe, "adapter=lora"))
+    facts = facts_of(adapter_cfg(moe, "adapter=lora"))
     names = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert facts["experts"] == {"names": names, "frozen": names,
                                 "adapted_by": "adapter.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"}
@@ -282,9 +288,9 @@ def test_lora_on_a_mixture_says_its_experts_are_not_adapted_and_which_key_adapts
     (row,) = [line for line in capsys.readouterr().out.splitlines() if "experts" in line]
     assert ("not adapted: mlp.experts.gate_up_proj, mlp.experts.down_proj stay frozen; adapter.target_parameters="
             "[mlp.experts.gate_up_proj,mlp.experts.down_proj] adapts them") in row
-    half = adapter_facts(adapter_cfg(moe, "adapter=lora", "adapter.target_parameters=[mlp.experts.down_proj]"))
+    half = facts_of(adapter_cfg(moe, "adapter=lora", "adapter.target_parameters=[mlp.experts.down_proj]"))
     assert half["experts"]["frozen"] == ["mlp.experts.gate_up_proj"]
-    every = adapter_facts(adapter_cfg(moe, "adapter=lora", f"adapter.target_parameters=[{','.join(names)}]"))
+    every = facts_of(adapter_cfg(moe, "adapter=lora", f"adapter.target_parameters=[{','.join(names)}]"))
     assert every["experts"]["frozen"] == []
 
 

@@ -2,7 +2,7 @@
 what the user sees (one line: which worker, when), what is kept on disk, and the weights after
 `train.resume=auto` against a run that never failed.
 
-Faults are injected at named points (relaytrain.failpoints): a held worker writes its pid and
+Faults are injected at named points (relaytrain.utils.failpoints): a held worker writes its pid and
 waits, and the test kills or stops it there, so nothing depends on the machine's speed.
 """
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relaytrain import failpoints
-from relaytrain.errors import ConfigError
+from relaytrain.utils import failpoints
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import TINY_GPT2, wait_for
 
 RUN = ["train", *[o for o in TINY_GPT2 if not o.startswith("model.dropout")], "model.dropout=0.1",
@@ -42,7 +42,7 @@ def start(run_dir: Path, strategy: str, faults: str = "", marks: Path | None = N
     if marks is not None:
         marks.mkdir(exist_ok=True)
         env[failpoints.MARKS] = str(marks)
-    cmd = [sys.executable, "-m", "relaytrain.cli", *RUN, *STRATEGIES[strategy], *extra, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "relaytrain.commands.cli", *RUN, *STRATEGIES[strategy], *extra, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(cmd, env=env, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

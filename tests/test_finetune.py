@@ -19,12 +19,12 @@ from transformers import (
     GPT2LMHeadModel,
 )
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.data import build_datasets
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import resolve
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from tests.conftest import train_plain_loop
 
 STEPS = 3
@@ -187,7 +187,7 @@ def test_eval_max_batches_limits_the_held_out_items(checkpoints, tmp_path):
 
 
 def test_keep_best_keeps_the_best_evaluated_checkpoint_beside_the_latest(tmp_path):
-    from relaytrain import checkpoint
+    from relaytrain.records import checkpoint
 
     assert main(["train", "+exp=tiny_baseline", "train.steps=8", "data.eval_fraction=0.1", "eval.every=2",
                  "train.checkpoint_every=2", "train.keep_checkpoints=1", "train.keep_best=loss",

@@ -16,12 +16,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
-from relaytrain.generate import device, load, new_token_ids, parse_request, stop_ids
+from relaytrain.commands.cli import main
+from relaytrain.commands.generate import device, load, new_token_ids, parse_request, stop_ids
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import resolve
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from tests.checkpoints import CHATML, chat_tokenizer, tiny_decoder
 from tests.conftest import train_plain_loop
 

@@ -21,8 +21,8 @@ import torch
 
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
+from relaytrain.run.train import run
 from relaytrain.strategies import build_strategy, choices, strategy_class
-from relaytrain.train import run
 from tests.conformance.references import assert_same_weights
 from tests.test_conformance import conformance_cfg, plain_reference, saved_weights
 
@@ -119,7 +119,7 @@ def test_lora_on_a_bf16_base_continues_a_peft_adapter_on_cuda(name, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from relaytrain.compose import compose_config
+    from relaytrain.run.compose import compose_config
     from tests.checkpoints import tiny_decoder
     from tests.models.test_lora import RUN_KEYS, adapters_of, peft_adapter, peft_reference
 
@@ -152,7 +152,7 @@ def test_qlora_quantizes_and_dequantizes_on_cuda_as_the_cpu_round_trip(name, tmp
 def test_a_mixture_of_experts_trains_on_cuda_as_the_plain_hugging_face_loop(arch, name, tmp_path):
     """A Hugging Face mixture on cuda (its routing, experts and balancing loss as transformers
     computes them there) ends with the weights of the plain loop on the CPU."""
-    from relaytrain.compose import compose_config
+    from relaytrain.run.compose import compose_config
     from tests.checkpoints import tiny_moe
     from tests.models.test_moe import RUN_KEYS, VARIANTS, trains_as_hugging_face
 

@@ -7,10 +7,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from relaytrain import optim
-from relaytrain.checkpoint import load_optimizer_state, optimizer_state
-from relaytrain.flat import flatten
-from relaytrain.optim import AdamWConfig, DeepSpeedAdamW, FlatAdamW, build_optimizer
+from relaytrain.records.checkpoint import load_optimizer_state, optimizer_state
+from relaytrain.step import optim
+from relaytrain.step.flat import flatten
+from relaytrain.step.optim import AdamWConfig, DeepSpeedAdamW, FlatAdamW, build_optimizer
 from tests.strategies.test_l2l import assert_same_weights, l2l_cfg, train
 
 NAMES = ["w", "b", "table"]

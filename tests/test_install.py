@@ -29,7 +29,7 @@ def test_wheel_install_finds_its_configs_from_any_directory(tmp_path):
     where = subprocess.run([sys.executable, "-c", "import relaytrain; print(relaytrain.__file__)"], cwd=tmp_path,
                            env=env, capture_output=True, text=True, check=True)
     assert where.stdout.startswith(str(target))  # the wheel, not the checkout
-    cfg = subprocess.run([sys.executable, "-m", "relaytrain.cli", "train", "+exp=tiny_baseline", "--cfg", "job"],
+    cfg = subprocess.run([sys.executable, "-m", "relaytrain.commands.cli", "train", "+exp=tiny_baseline", "--cfg", "job"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert cfg.returncode == 0, cfg.stderr
     assert "num_layers: 2" in cfg.stdout and "name: bert_tiny" in cfg.stdout

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relaytrain import failpoints
-from relaytrain.errors import ConfigError
-from relaytrain.launch import START_METHOD, _worker_context
-from relaytrain.train import run
-from relaytrain.world import threads_per_process
+from relaytrain.placement.world import threads_per_process
+from relaytrain.run.launch import START_METHOD, _worker_context
+from relaytrain.run.train import run
+from relaytrain.utils import failpoints
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import THREADS, tiny_cfg
 
 
@@ -57,7 +57,7 @@ def test_workers_share_out_the_cores_the_process_may_use_not_the_machines():
     """Under taskset, a container's cpuset or a batch scheduler's allocation, a process may use
     fewer cores than the machine has: one thread per allowed core, not per installed one."""
     allowed = sorted(os.sched_getaffinity(0))[:1]
-    code = "from relaytrain.world import threads_per_process as t; print(t(0, 1), t(3, 1))"
+    code = "from relaytrain.placement.world import threads_per_process as t; print(t(0, 1), t(3, 1))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          preexec_fn=lambda: os.sched_setaffinity(0, allowed)).stdout.split()
     assert out == ["1", "3"]  # the configured train.threads is kept as given
@@ -70,7 +70,7 @@ def test_workers_share_out_the_cores_the_process_may_use_not_the_machines():
 def test_omp_num_threads_asks_for_fewer_threads_but_torchruns_default_does_not(env, expected):
     """On 2 cores: one worker, two workers, train.threads=3. torchrun sets OMP_NUM_THREADS=1 for
     every worker of a machine that runs several: not the user's choice, left out."""
-    code = "from relaytrain.world import threads_per_process as t; print(t(0, 1, 2), t(0, 2, 2), t(3, 1, 2))"
+    code = "from relaytrain.placement.world import threads_per_process as t; print(t(0, 1, 2), t(0, 2, 2), t(3, 1, 2))"
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**clean, **env}).stdout.split()

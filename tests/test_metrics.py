@@ -6,13 +6,13 @@ import sys
 import pytest
 import torch
 
-from relaytrain import metrics
+from relaytrain.step import metrics
 
 # In a process of its own: a run earlier in the test process (launch.keep_freed_host_memory) may
 # have made glibc keep freed memory, which the 256 MiB below would then reuse without growing the RSS.
 PEAK_RESET = """
 import torch
-from relaytrain import metrics
+from relaytrain.step import metrics
 host = metrics.HostMemory()
 host.reset_peak()
 before = host.peak_bytes()

@@ -8,12 +8,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain import checkpoint
-from relaytrain.config import OptimConfig
-from relaytrain.optim import Lamb, LambConfig, build_optimizer, lr_at
-from relaytrain.precision import LossScaler
+from relaytrain.records import checkpoint
+from relaytrain.run.train import run
+from relaytrain.schema.config import OptimConfig
+from relaytrain.step.optim import Lamb, LambConfig, build_optimizer, lr_at
+from relaytrain.step.precision import LossScaler
 from relaytrain.strategies.baseline import Baseline
-from relaytrain.train import run
 from tests.conftest import tiny_cfg
 
 

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from relaytrain.models import build_model
-from relaytrain.train import run
+from relaytrain.run.train import run
 from tests.conftest import tiny_cfg
 
 

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from relaytrain import failpoints, trackers
-from relaytrain.cli import main
-from relaytrain.compose import compose, validate
-from relaytrain.errors import ConfigError
-from relaytrain.runlog import MetricsLog, read_metrics
-from relaytrain.train import run
+from relaytrain.commands.cli import main
+from relaytrain.records import trackers
+from relaytrain.records.runlog import MetricsLog, read_metrics
+from relaytrain.run.compose import compose, validate
+from relaytrain.run.train import run
+from relaytrain.utils import failpoints
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import TINY, tiny_cfg, wait_for
 
 
@@ -207,7 +208,7 @@ def killed_at_step(run_dir: Path, step: int, *overrides: str) -> None:
     marks = run_dir.parent / "marks"
     marks.mkdir()
     env = {**os.environ, failpoints.VARIABLE: f"step:{step}=hold", failpoints.MARKS: str(marks)}
-    proc = subprocess.Popen([sys.executable, "-m", "relaytrain.cli", "train", *TINY["bert"], *overrides,
+    proc = subprocess.Popen([sys.executable, "-m", "relaytrain.commands.cli", "train", *TINY["bert"], *overrides,
                              f"hydra.run.dir={run_dir}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_for(marks / f"step-{step}-0", proc)
     proc.kill()

@@ -15,21 +15,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaytrain import checkpoint
-from relaytrain.cli import main
-from relaytrain.compose import compose as checked_config
-from relaytrain.compose import compose_config
-from relaytrain.config import field_docs
-from relaytrain.display import StepProgress
-from relaytrain.runlog import COLUMNS, read_metrics, read_status
+from relaytrain.commands.cli import main
+from relaytrain.records import checkpoint
+from relaytrain.records.display import StepProgress
+from relaytrain.records.runlog import COLUMNS, read_metrics, read_status
+from relaytrain.run.compose import compose as checked_config
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
+from relaytrain.schema.config import field_docs
 from relaytrain.strategies import registry
-from relaytrain.train import run
 from tests.conftest import tiny_cfg, wait_for
 
 
 def test_every_key_of_every_strategy_and_optimizer_has_a_description():
-    from relaytrain.config import RelayTrainConfig
-    from relaytrain.optim import optimizer_schemas
+    from relaytrain.schema.config import RelayTrainConfig
+    from relaytrain.step.optim import optimizer_schemas
 
     schemas = [f.default_factory for f in fields(RelayTrainConfig) if f.name not in ("strategy", "optim")]
     schemas += [cls.Config for cls in registry().values()] + list(optimizer_schemas().values())
@@ -107,7 +107,7 @@ def test_a_config_meant_for_a_gpu_says_so_before_it_starts():
 HELD_RUN = """
 import sys, threading
 from pathlib import Path
-from relaytrain.cli import main
+from relaytrain.commands.cli import main
 from relaytrain.strategies.baseline import Baseline
 
 marks, steps = Path(sys.argv[1]), []
@@ -155,15 +155,16 @@ def test_two_sigints_end_a_long_step_at_once_naming_the_latest_checkpoint(tmp_pa
     assert lines[-1] == (f"relaytrain: SIGINT again: stopped at once; the latest complete checkpoint is {latest}; "
                          f"continue with train.resume={latest}")
     cfg = compose_config(args[1:-1])
-    assert checkpoint.read(latest, cfg, "baseline", {"processes": 1}).trainer()["step"] >= 1
+    assert checkpoint.read(latest, checkpoint.identity(cfg), cfg.train.steps, "baseline",
+                           {"processes": 1}).trainer()["step"] >= 1
     assert read_status(tmp_path)["status"] == "interrupted"
     assert not list(Path(checkpoint.checkpoint_dir(tmp_path)).glob("*.parts"))  # nothing half-published
 
 
 def test_a_run_stopped_by_ctrl_c_says_in_status_json_the_step_its_checkpoint_holds(tmp_path, monkeypatch):
     """status.json of a stopped run names the step the stop saved (a watcher reads how far it got)."""
-    from relaytrain import train
-    from relaytrain.errors import Interrupted
+    from relaytrain.run import train
+    from relaytrain.utils.errors import Interrupted
 
     saved = tmp_path / "checkpoints" / "step-00000056"
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def relaytrain(*args: str, cwd: Path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "relaytrain.cli", *args], cwd=cwd, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "relaytrain.commands.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "CI": "1"})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from relaytrain.compose import compose_config
 from relaytrain.models.pretrained import resolve
+from relaytrain.run.compose import compose_config
 from relaytrain.strategies import choices
 from tests.conftest import TINY_BERT
 

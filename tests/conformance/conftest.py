@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from relaytrain import checkpoint
-from relaytrain.train import run
+from relaytrain.records import checkpoint
+from relaytrain.run.train import run
 from tests.checkpoints import tiny_decoder
 from tests.conformance.cells import DECODERS, LAYERS, Bases, Cell, cell_cfg, cell_params
 from tests.conformance.references import gpt2_checkpoint, peft_adapter

@@ -17,7 +17,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from relaytrain import checkpoint
+from relaytrain.records import checkpoint
 from tests.conformance.cells import STEPS, Cell
 from tests.conformance.references import (
     adapters_of,

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.models.pretrained import resolve
-from relaytrain.optim import lr_at
+from relaytrain.step.optim import lr_at
 from relaytrain.strategies import strategy_class
 from tests.conftest import train_plain_loop
 

@@ -1,6 +1,6 @@
 """One count of a block's and the head's work (`cost.work`): the spec-sheet profile times it,
 the pipelines' balanced layout cuts by it (`formulas.part_costs`) and a run's model FLOP/s
-divides by it (`metrics.model_flops_per_token`). They agree with each other and with a hand
+divides by it (`cost.work.model_flops_per_token`). They agree with each other and with a hand
 count for each kind of head: BERT's MLM head has a transform layer (h x h) before the
 vocabulary projection, GPT-2's and the decoders' LM heads have none, and a classification head
 is a pooler (h x h) and a classifier (h x labels) on one position a sample."""
@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from relaytrain.compose import compose_config
 from relaytrain.cost.formulas import BYTE_FLOPS, ModelFacts, logits_bytes, part_costs
 from relaytrain.cost.profile import from_spec, load_spec
-from relaytrain.cost.work import block_forward_flops, block_shape, model_work
-from relaytrain.metrics import model_flops_per_token
+from relaytrain.cost.work import block_forward_flops, block_shape, model_flops_per_token, model_work
+from relaytrain.run.compose import compose_config
 from tests.conftest import TINY_BERT, TINY_GPT2, TINY_LLAMA
 
 H, V, S, LABELS = 32, 300, 16, 4  # the tiny models' hidden size, vocabulary, sequence, classes

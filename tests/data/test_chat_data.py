@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.data import build_datasets
 from relaytrain.data.chat import end_of_turn_id
-from relaytrain.errors import ConfigError
 from relaytrain.models import build_model
 from relaytrain.models.layered import eval_mode
 from relaytrain.models.pretrained import resolve
 from relaytrain.objectives.base import Divisor
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import CHATML, chat_tokenizer, tiny_decoder
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -11,12 +11,13 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from relaytrain.config import ModelConfig, RelayTrainConfig
 from relaytrain.data import build_dataset, load_source
 from relaytrain.data.labels import IGNORE_INDEX
 from relaytrain.data.synthetic import CLS_ID, MASK_ID
 from relaytrain.data.tokenizer import find_tokenizer, load_tokenizer
-from relaytrain.errors import ConfigError
+from relaytrain.models.family import family_spec
+from relaytrain.schema.config import ModelConfig, RelayTrainConfig
+from relaytrain.utils.errors import ConfigError
 
 # `make test-gpu`'s machine has no datasets (relaytrain imports it lazily): skipped there, as are
 # the modules that import this one.
@@ -192,7 +193,8 @@ def test_label_is_not_needed_for_language_modelling(tmp_path):
 
 def test_trained_tokenizer_reloads_with_auto_tokenizer(tmp_path):
     cfg = make_cfg(path=write_jsonl(tmp_path / "train.jsonl", text_records()))
-    trained = load_tokenizer(cfg, [sentence(i) for i in range(40)], str(tmp_path / "run"))
+    trained = load_tokenizer(cfg, [sentence(i) for i in range(40)], str(tmp_path / "run"),
+                             family_spec(cfg.model.family))
     reloaded = AutoTokenizer.from_pretrained(tmp_path / "run" / "tokenizer")
 
     text = sentence(3)
@@ -209,7 +211,8 @@ def test_trained_tokenizer_reloads_with_auto_tokenizer(tmp_path):
 
 def test_gpt2_tokenizer_is_byte_level_and_reloads(tmp_path):
     cfg = make_cfg("gpt2", "causal_lm")
-    trained = load_tokenizer(cfg, [sentence(i) for i in range(40)], str(tmp_path / "run"))
+    trained = load_tokenizer(cfg, [sentence(i) for i in range(40)], str(tmp_path / "run"),
+                             family_spec(cfg.model.family))
     reloaded = AutoTokenizer.from_pretrained(tmp_path / "run" / "tokenizer")
     unseen = "Zebra ünïcode ☃"  # byte-level: nothing is unknown
     assert reloaded.decode(reloaded(unseen)["input_ids"]) == unseen
@@ -220,13 +223,13 @@ def test_gpt2_tokenizer_is_byte_level_and_reloads(tmp_path):
 def test_tokenizer_training_is_reproducible(family):
     """The same corpus must give the same ids, or runs of one config would not be comparable."""
     corpus = [sentence(i) + " Ünïcode, done!" for i in range(80)]
-    vocabs = [load_tokenizer(make_cfg(family), corpus, None).get_vocab() for _ in range(5)]
+    vocabs = [load_tokenizer(make_cfg(family), corpus, None, family_spec(family)).get_vocab() for _ in range(5)]
     assert all(vocab == vocabs[0] for vocab in vocabs)
 
 
 def test_saved_tokenizer_is_used_through_data_tokenizer(tmp_path):
     corpus = [sentence(i) for i in range(40)]
-    load_tokenizer(make_cfg(), corpus, str(tmp_path / "first"))
+    load_tokenizer(make_cfg(), corpus, str(tmp_path / "first"), family_spec("bert"))
     cfg = make_cfg(tokenizer=str(tmp_path / "first" / "tokenizer"))
     found = find_tokenizer(cfg)
     assert found is not None and found(corpus[0])["input_ids"][0] == CLS_ID
@@ -235,7 +238,7 @@ def test_saved_tokenizer_is_used_through_data_tokenizer(tmp_path):
 def test_pretrained_dir_without_tokenizer_files_falls_through(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    load_tokenizer(make_cfg(), [sentence(i) for i in range(40)], str(tmp_path / "saved"))
+    load_tokenizer(make_cfg(), [sentence(i) for i in range(40)], str(tmp_path / "saved"), family_spec("bert"))
 
     cfg = make_cfg()
     cfg.model.pretrained = str(tmp_path / "model")
@@ -251,7 +254,7 @@ def test_pretrained_dir_without_tokenizer_files_falls_through(tmp_path):
 def test_tokenizer_larger_than_the_model_vocab_is_a_config_error(tmp_path):
     cfg = make_cfg("gpt2", "causal_lm", vocab_size=100)  # byte-level BPE alone needs 257 ids
     with pytest.raises(ConfigError, match=r"has 257 tokens but model\.vocab_size=100"):
-        load_tokenizer(cfg, [sentence(i) for i in range(10)], None)
+        load_tokenizer(cfg, [sentence(i) for i in range(10)], None, family_spec("gpt2"))
 
 
 # --------------------------------------------------------------------------- glue / wikitext (local)

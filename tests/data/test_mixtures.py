@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config, validate
+from relaytrain.commands.cli import main
 from relaytrain.data import build_datasets
 from relaytrain.data.mixture import shares
-from relaytrain.errors import ConfigError
 from relaytrain.models.pretrained import resolve
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config, validate
+from relaytrain.run.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import chat_tokenizer, tiny_decoder
 from tests.data.test_record_forms import as_messages, as_sharegpt, write_form
 

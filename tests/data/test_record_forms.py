@@ -12,13 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.data import build_datasets, load_source
 from relaytrain.data.reading import quiet_datasets
-from relaytrain.errors import ConfigError
 from relaytrain.models.pretrained import resolve
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import chat_tokenizer, tiny_decoder
 from tests.data.test_data_sources import make_cfg, sentence
 

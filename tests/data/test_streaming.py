@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relaytrain.compose import compose_config, validate
 from relaytrain.data import build_datasets, build_loader
-from relaytrain.errors import ConfigError
 from relaytrain.models.pretrained import resolve
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config, validate
+from relaytrain.run.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder
 from tests.data.test_data_sources import sentence
 

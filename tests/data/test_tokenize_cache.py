@@ -14,15 +14,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relaytrain.compose import compose_config
 from relaytrain.data import build_datasets, cache
 from relaytrain.data.cache import default_dir as unpatched_default_dir  # conftest patches cache.default_dir
 from relaytrain.data.chat import encode_records, read_conversations
 from relaytrain.data.reading import read_records
 from relaytrain.data.sources import source
-from relaytrain.display import data_rows
+from relaytrain.models.family import family_spec
 from relaytrain.models.pretrained import resolve
-from relaytrain.train import run
+from relaytrain.objectives import objective
+from relaytrain.records.display import data_rows
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from tests.checkpoints import chat_tokenizer, tiny_decoder
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -39,6 +41,13 @@ def chat_cfg(*overrides: str):
     return compose_config([*FRESH_LLAMA, "data=chat", f"data.path={EXAMPLES / 'chat.jsonl'}", "data.seq_len=64",
                            "strategy.microbatch_size=2", "strategy.num_microbatches=2", "train.steps=2",
                            "train.untimed_steps=1", "train.save_model=true", *overrides])
+
+
+def entry_key(cfg) -> dict:
+    """The tokenize cache's key of a data=chat run of `cfg`, as `build_datasets` makes it."""
+    chat = source("chat")
+    return cache.cache_key(cfg, chat.inputs(cfg), chat.chat_template, objective(cfg.model.task),
+                           family_spec(cfg.model.family))
 
 
 def weights(run_dir: Path) -> dict:
@@ -80,17 +89,17 @@ def test_a_changed_byte_misses_and_a_touched_file_hits(tmp_path):
 
 def test_the_key_follows_the_tokenizer_and_the_rows_keys_but_not_the_order(llama, tmp_path):
     base = [f"model.pretrained={llama}", "data=chat", f"data.path={EXAMPLES / 'chat.jsonl'}"]
-    key = cache.entry_name(cache.cache_key(resolve(compose_config(base)), source("chat")))
+    key = cache.entry_name(entry_key(resolve(compose_config(base))))
     same = ["data.shuffle=false", "data.eval_fraction=0.1", "data.num_proc=2", "data.seed=9"]
     other = ["data.seq_len=32", "data.pack=true", "data.roles={bot: assistant}"]
     for override in same + other:
-        changed = cache.entry_name(cache.cache_key(resolve(compose_config([*base, override])), source("chat")))
+        changed = cache.entry_name(entry_key(resolve(compose_config([*base, override]))))
         assert (changed == key) == (override in same), override
     templated = chat_tokenizer()
     templated.chat_template = templated.chat_template.replace("<|im_start|>", "<|im_start|> ")
     templated.save_pretrained(tmp_path / "other_template")
     cfg = resolve(compose_config([*base, f"data.tokenizer={tmp_path / 'other_template'}"]))
-    assert cache.entry_name(cache.cache_key(cfg, source("chat"))) != key
+    assert cache.entry_name(entry_key(cfg)) != key
 
 
 def test_cache_off_tokenizes_afresh_and_keeps_nothing(tmp_path):
@@ -102,7 +111,7 @@ def test_cache_off_tokenizes_afresh_and_keeps_nothing(tmp_path):
 
 def test_what_a_crashed_writer_left_is_cleared_and_prepared_again(tmp_path):
     cfg = chat_cfg(f"data.cache_dir={tmp_path / 'cache'}")
-    entry = tmp_path / "cache" / cache.entry_name(cache.cache_key(cfg, source("chat")))
+    entry = tmp_path / "cache" / cache.entry_name(entry_key(cfg))
     (tmp_path / "cache" / f"{entry.name}.staging-999999").mkdir(parents=True)  # a writer killed mid-way
     entry.mkdir()  # an entry without its data.pt
     assert build_datasets(cfg)[0].facts["cache"] == "miss"
@@ -115,7 +124,7 @@ def test_an_unreadable_entry_is_said_in_one_line_and_prepared_again(tmp_path, ca
     """A data.pt cut short (a full disk, an interrupted copy), emptied or overwritten: one line
     on stderr, then the set is tokenized again into the same rows, and the next start hits."""
     cfg = chat_cfg(f"data.cache_dir={tmp_path / 'cache'}")
-    entry = tmp_path / "cache" / cache.entry_name(cache.cache_key(cfg, source("chat")))
+    entry = tmp_path / "cache" / cache.entry_name(entry_key(cfg))
     first = build_datasets(cfg)[0]
     stored = (entry / "data.pt").read_bytes()
     damaged = {"truncated": stored[: len(stored) // 2], "empty": b"", "garbage": bytes(range(256)) * 4}
@@ -133,7 +142,7 @@ def test_an_unreadable_entry_is_said_in_one_line_and_prepared_again(tmp_path, ca
 @pytest.mark.slow
 def test_an_unreadable_entry_is_rebuilt_through_the_command(tmp_path, capsys):
     """As a user meets it: `relaytrain train` over a cut cache file says so and trains (exit 0)."""
-    from relaytrain.cli import main
+    from relaytrain.commands.cli import main
 
     args = ["train", *FRESH_LLAMA, "data=chat", f"data.path={EXAMPLES / 'chat.jsonl'}", "data.seq_len=64",
             "train.steps=1", "train.untimed_steps=0", f"data.cache_dir={tmp_path / 'cache'}"]
@@ -159,14 +168,14 @@ def _prepare(cfg, counter: Path, out: Path, others: int) -> None:
     chat = source("chat")
     original = chat.load.__func__
 
-    def counted(cls, cfg, tokenizer_dir=None):
+    def counted(cls, cfg, tokenizer_dir=None, *resolved):
         with open(counter, "a") as f:
             f.write(f"{os.getpid()}\n")
         deadline = time.monotonic() + 240  # a bound on a hang (a process that died), not on speed
         while _waiting_on(Path(cfg.data.cache_dir) / "locks") < others:
             assert time.monotonic() < deadline, "the other processes never waited on the lock"
             time.sleep(0.01)
-        return original(cls, cfg, tokenizer_dir)
+        return original(cls, cfg, tokenizer_dir, *resolved)
 
     chat.load = classmethod(counted)
     train, _ = build_datasets(cfg)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.models import MicroBatch, build_model, count_parameters, families, family_spec
 from relaytrain.models.pretrained import resolve
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from tests.checkpoints import ARCHITECTURES, tiny_decoder
 from tests.conformance.references import assert_same_weights, hf_reference, hf_saved
 from tests.models.equality import assert_layered_equals_hf, padded_batch

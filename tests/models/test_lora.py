@@ -22,10 +22,10 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from relaytrain import checkpoint
-from relaytrain.compose import compose_config
-from relaytrain.errors import ConfigError
-from relaytrain.train import run
+from relaytrain.records import checkpoint
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder
 from tests.conformance.references import (  # noqa: F401  (adapters_of, peft_reference: tests import them from here)
     adapters_of,
@@ -113,8 +113,8 @@ def test_frozen_means_frozen_in_the_param_server_and_the_optimizer(bases, tmp_pa
     """L2L's EPS holds the adapters' masters and state only; the planner counts what trains."""
     from relaytrain.models import build_model
     from relaytrain.models.pretrained import resolve
+    from relaytrain.placement.world import World
     from relaytrain.strategies import strategy_class
-    from relaytrain.world import World
 
     base, adapter = bases("llama")
     cfg = resolve(lora_cfg(base, adapter, "l2l"))
@@ -141,7 +141,7 @@ def test_frozen_means_frozen_in_the_param_server_and_the_optimizer(bases, tmp_pa
     ("adapter.target_modules=[nothing_here]", "matches no linear layer of the blocks"),
 ])
 def test_bad_adapter_keys_are_one_line(override, message, bases, tmp_path, capsys):
-    from relaytrain.cli import main
+    from relaytrain.commands.cli import main
 
     base, _ = bases("llama")
     capsys.readouterr()  # what making the checkpoint printed
@@ -164,8 +164,8 @@ def test_a_lora_chat_fine_tune_saves_merges_loads_and_generates(tmp_path, capsys
     """As a new user: their bf16 checkpoint, the example chat file, adapter=lora under L2L; the
     adapter directory answers through `relaytrain generate`, the merged model through
     AutoModelForCausalLM, and both give the same greedy answer."""
-    from relaytrain.cli import main
-    from relaytrain.generate import load, new_token_ids, parse_request
+    from relaytrain.commands.cli import main
+    from relaytrain.commands.generate import load, new_token_ids, parse_request
 
     base = tiny_decoder(tmp_path / "base", "llama", dtype=torch.bfloat16)
     common = [f"model.pretrained={base}", "adapter=lora", "data=chat", "data.path=examples/chat.jsonl",

@@ -19,8 +19,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from relaytrain.errors import ConfigError
-from relaytrain.train import run
+from relaytrain.run.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder
 from tests.models.test_lora import DELAYED, gpt2_checkpoint, lora_cfg
 from tests.test_decoders import reference_loop
@@ -137,8 +137,8 @@ def test_a_half_precision_relay_leaves_the_fp32_base_bit_for_bit(llama, adapters
     """precision=cmp_bf16 under l2l: the device computes with a bf16 copy; the base on the host is the loaded one."""
     from relaytrain.models import build_model
     from relaytrain.models.pretrained import resolve
+    from relaytrain.placement.world import World
     from relaytrain.strategies import strategy_class
-    from relaytrain.world import World
     from tests.test_decoders import minibatches
 
     cfg = resolve(lora_cfg(llama, adapters("together"), "l2l", "precision=cmp_bf16"))
@@ -168,7 +168,7 @@ def test_a_run_dropout_is_honoured_when_continuing_and_said_in_one_line(llama, a
 
 
 def one_line_refusal(args: list[str], tmp_path, capsys) -> str:
-    from relaytrain.cli import main
+    from relaytrain.commands.cli import main
 
     capsys.readouterr()
     assert main(["train", *args, "train.steps=1", f"hydra.run.dir={tmp_path}"]) == 2
@@ -229,7 +229,7 @@ def test_the_fingerprint_sees_a_one_row_edit_and_reads_old_checkpoints(llama, ad
 
 
 def test_an_adapter_over_a_fresh_model_saves_its_base_beside_it(tmp_path, capsys):
-    from relaytrain.cli import main
+    from relaytrain.commands.cli import main
 
     assert main(["train", "model=llama_tiny", "adapter=lora", "data=chat", "data.path=examples/chat.jsonl",
                  "data.seq_len=32", "train.steps=1", "train.untimed_steps=0", "train.save_model=true",
@@ -254,7 +254,7 @@ def test_classification_trains_its_head_in_full_beside_the_adapters_as_peft_seq_
     SEQ_CLS), the saved adapter loaded by peft over the base saved beside it, its head trained."""
     from transformers import AutoModelForSequenceClassification
 
-    from relaytrain.compose import compose_config
+    from relaytrain.run.compose import compose_config
 
     cfg = compose_config(["model=bert_tiny", "model.task=classification", "adapter=lora", "train.steps=2",
                           "train.untimed_steps=0", "train.save_model=true", "data.seq_len=16", "data.num_samples=64",

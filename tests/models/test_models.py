@@ -55,7 +55,7 @@ def test_parameter_count_from_config_matches_the_built_model(family):
 
 
 def test_bert_large_preset_is_the_l2l_papers_table_1():
-    from relaytrain.compose import compose_config
+    from relaytrain.run.compose import compose_config
 
     m = compose_config(["model=bert_large"]).model
     assert (m.num_layers, m.hidden_size, m.intermediate_size, m.num_heads, m.max_seq_len) == (24, 1024, 4096, 16, 512)

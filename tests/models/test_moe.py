@@ -25,19 +25,19 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from relaytrain import checkpoint
-from relaytrain.compose import compose_config, validate
 from relaytrain.cost.work import block_matmul_flops, block_shape
 from relaytrain.data import build_datasets, eval_batches
-from relaytrain.errors import ConfigError
 from relaytrain.models import build_model, count_parameters, part_parameters
 from relaytrain.models.family import family_of
 from relaytrain.models.pretrained import resolve
-from relaytrain.optim import lr_at
-from relaytrain.runlog import read_metrics
+from relaytrain.records import checkpoint
+from relaytrain.records.runlog import read_metrics
+from relaytrain.run.compose import compose_config, validate
+from relaytrain.run.train import run
+from relaytrain.step.optim import lr_at
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.base import replica_rows
-from relaytrain.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import MOE_ARCHITECTURES, tiny_moe
 from tests.conformance.references import (
     adapters_of,

@@ -16,17 +16,17 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from relaytrain.compose import compose, compose_config
 from relaytrain.cost.formulas import ModelFacts
-from relaytrain.errors import ConfigError
 from relaytrain.models import build_model, hf_config
 from relaytrain.models.pretrained import resolve
 from relaytrain.models.quantize import Layout, NF4Linear, bitsandbytes, dequantize
 from relaytrain.planner.dryrun import simulate
 from relaytrain.planner.plan import CHECKPOINT, make_plan
+from relaytrain.run.compose import compose, compose_config
+from relaytrain.run.train import run
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.whole_model_cost import GATHERED_BLOCKS, gathered_bytes
-from relaytrain.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder
 from tests.models.test_lora import RUN_KEYS, adapters_of, peft_adapter, peft_reference
 
@@ -107,7 +107,7 @@ def test_the_adapter_loads_over_the_original_base_and_merging_uses_the_original_
 
 
 def test_resume_over_an_nf4_base_is_exact(llama, tmp_path):
-    from relaytrain import checkpoint
+    from relaytrain.records import checkpoint
 
     base, adapter, _ = llama
     keys = ("train.checkpoint_every=1", "train.keep_checkpoints=0", "train.steps=2", "model.quantize_double=true")
@@ -300,8 +300,8 @@ def test_a_qlora_chat_fine_tune_saves_merges_and_generates(tmp_path, capsys):
     """As a new user (the issue's last check): their bf16 checkpoint, the example chat file,
     adapter=qlora under L2L; the adapter over the original base and the merge into it give the
     same greedy answer, and `relaytrain generate` answers from the adapter directory."""
-    from relaytrain.cli import main
-    from relaytrain.generate import load, new_token_ids, parse_request
+    from relaytrain.commands.cli import main
+    from relaytrain.commands.generate import load, new_token_ids, parse_request
 
     base = tiny_decoder(tmp_path / "base", "llama", dtype=torch.bfloat16)
     common = [f"model.pretrained={base}", "adapter=qlora", "data=chat", "data.path=examples/chat.jsonl",

@@ -15,9 +15,10 @@ import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from relaytrain.errors import ConfigError
 from relaytrain.models import family_of, family_spec
 from relaytrain.models.decoder import PROVEN
+from relaytrain.objectives import objective
+from relaytrain.utils.errors import ConfigError
 from tests.models.equality import assert_layered_equals_hf, padded_batch
 
 CAUSAL_TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -109,7 +110,7 @@ def test_a_proven_type_trains_what_hugging_face_computes(model_type):
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, attn_implementation=DECODER.attention(config, "sdpa"))
     reference.train()
-    model = DECODER.layered(reference, "causal_lm")
+    model = DECODER.layered(reference, objective("causal_lm"))
     assert model.routing is None or (model.routing.balances and model.routing.coef == 0.5), model_type
     ids, mask, labels = padded_batch(rows=2, length=12, vocab=VOCAB)
     assert_layered_equals_hf(model, reference, ids, mask, labels, what=model_type)

@@ -11,16 +11,16 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from relaytrain.compose import compose_config
 from relaytrain.cost.formulas import ModelFacts
-from relaytrain.errors import ConfigError
 from relaytrain.models import family_spec
 from relaytrain.models.layered import MicroBatch
 from relaytrain.objectives import objective
 from relaytrain.objectives.chunked import Chunking, auto_chunk_tokens
 from relaytrain.planner.dryrun import simulate
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from relaytrain.strategies import strategy_class
-from relaytrain.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import TINY_LLAMA, train_plain_loop
 from tests.models.equality import assert_layered_equals_hf, padded_batch
 from tests.models.test_type_survey import VOCAB, tiny_config
@@ -42,7 +42,7 @@ def _layered(model_type: str, chunk: int | str = CHUNK, **extra):
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, attn_implementation=DECODER.attention(config, "sdpa"))
     reference.train()
-    model = DECODER.layered(reference, "causal_lm")
+    model = DECODER.layered(reference, objective("causal_lm"))
     model.loss_chunks = dataclasses.replace(model.loss_chunks, setting=chunk)
     return model, reference
 
@@ -75,7 +75,7 @@ def test_gpt2_s_tied_head_chunked_is_hugging_face_s():
                         embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     reference = GPT2LMHeadModel(config).train()
-    model = family_spec("gpt2").layered(reference, "causal_lm")
+    model = family_spec("gpt2").layered(reference, objective("causal_lm"))
     model.loss_chunks = dataclasses.replace(model.loss_chunks, setting=CHUNK)
     seen = _rows_the_head_saw(model)
     ids, mask, labels = padded_batch(rows=2, length=12, vocab=VOCAB)
@@ -176,7 +176,7 @@ def test_auto_chunks_where_the_whole_sequence_s_logits_would_take_more():
 
 
 def test_a_chunk_setting_that_is_not_one_is_refused_in_one_line():
-    from relaytrain.compose import validate
+    from relaytrain.run.compose import validate
 
     with pytest.raises(ConfigError) as err:
         validate(compose_config(["model=llama_tiny", "model.loss_chunk_tokens=half"]))

@@ -13,15 +13,15 @@ import pytest
 import torch
 from torch import nn
 
-from relaytrain.errors import ConfigError
 from relaytrain.models import families
 from relaytrain.models.layered import MicroBatch
 from relaytrain.models.pretrained import checkpoint_task
 from relaytrain.objectives import objective, objective_of_architecture, objectives, register_objective
 from relaytrain.objectives.base import LossTerms
 from relaytrain.objectives.cross_entropy import CausalLM
+from relaytrain.run.train import run
 from relaytrain.strategies import choices, strategy_class
-from relaytrain.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.test_conformance import conformance_cfg, plain_reference, saved_weights
 
 

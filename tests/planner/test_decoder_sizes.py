@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import pytest
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.cost.formulas import ModelFacts, block_activation_bytes
 from relaytrain.cost.profile import load_spec, spec_names
-from relaytrain.cost.work import attention_flops, block_matmul_flops, block_shape, model_work, query_width
-from relaytrain.metrics import model_flops_per_token
+from relaytrain.cost.work import (
+    attention_flops,
+    block_matmul_flops,
+    block_shape,
+    model_flops_per_token,
+    model_work,
+    query_width,
+)
 from relaytrain.models import count_parameters
 from relaytrain.models.family import BlockShape
 from relaytrain.planner import plan as planning
 from relaytrain.planner.candidates import GiB
 from relaytrain.planner.dryrun import simulate
 from relaytrain.planner.plan import make_plan
+from relaytrain.run.compose import compose_config
 from relaytrain.strategies import strategy_class
 from tests.conftest import TINY_BERT
 

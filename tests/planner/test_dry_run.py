@@ -8,16 +8,16 @@ import time
 import pytest
 import torch
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.errors import ConfigError
-from relaytrain.memory import DeviceMemory
+from relaytrain.dryrun.memory import DeviceMemory
 from relaytrain.models import build_model
+from relaytrain.placement.world import LocalGroup
 from relaytrain.planner.dryrun import simulate
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from relaytrain.strategies import build_strategy, choices, strategy_class
-from relaytrain.train import run
-from relaytrain.world import LocalGroup
+from relaytrain.utils.errors import ConfigError
 
 TINY = ["+exp=tiny_baseline", "model.dropout=0.0"]
 STRATEGIES = choices()  # every strategy= option, from the registry
@@ -256,10 +256,10 @@ def test_a_dry_run_reports_the_host_memory_a_real_run_would_refuse(tmp_path, mon
     """A dry run plans for the target machine: this one's free memory does not stop it."""
     import collections
 
-    import relaytrain.preflight
+    import relaytrain.run.preflight
 
     little = collections.namedtuple("Memory", "available")(2**20)  # 1 MiB free: no real run fits
-    monkeypatch.setattr(relaytrain.preflight.psutil, "virtual_memory", lambda: little)
+    monkeypatch.setattr(relaytrain.run.preflight.psutil, "virtual_memory", lambda: little)
     cfg = compose_config([*TINY, "train.steps=1", "train.untimed_steps=0"])
     with pytest.raises(ConfigError, match="GiB of host memory"):
         run(cfg, tmp_path / "real", quiet=True)

@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config, validate
+from relaytrain.commands.cli import main
 from relaytrain.cost.formulas import ModelFacts, Shape
 from relaytrain.cost.profile import PartTimes, Profile, Timings, load_spec, measure, spec_names
 from relaytrain.planner.candidates import GiB, candidate_config
 from relaytrain.planner.dryrun import simulate
 from relaytrain.planner.plan import make_plan, predict
+from relaytrain.run.compose import compose_config, validate
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.l2l_cost import paper_step_s as l2l_paper_step_s
 from relaytrain.strategies.l2l_cost import paper_transfer_overhead as l2l_transfer_overhead

@@ -8,11 +8,11 @@ import shlex
 
 import pytest
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config, validate
+from relaytrain.commands.cli import main
 from relaytrain.models import hf_config
 from relaytrain.models.pretrained import explicit_overrides, resolve
 from relaytrain.planner.plan import CHECKPOINT, make_plan
+from relaytrain.run.compose import compose_config, validate
 from tests.conftest import TINY_LLAMA
 
 ON_A_GPU = ["plan.device=a100_80gb", "plan.workers=1", "plan.batch_size=4", "plan.strategies=[l2l]"]

@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from relaytrain import meta_autocast
-from relaytrain.compose import compose, compose_config, validate
 from relaytrain.cost.formulas import ModelFacts
 from relaytrain.cost.profile import from_spec, load_spec
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.memory import DeviceMemory
+from relaytrain.dryrun import meta_autocast
+from relaytrain.dryrun.memory import DeviceMemory
 from relaytrain.models import build_model
 from relaytrain.models.quantize import Layout
 from relaytrain.planner.dryrun import simulate
 from relaytrain.planner.plan import make_plan
+from relaytrain.run.compose import compose, compose_config, validate
 from relaytrain.strategies import build_strategy, strategy_class
 
 TINY_BERT = ["+exp=tiny_baseline", "model.dropout=0.0"]

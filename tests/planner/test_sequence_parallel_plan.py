@@ -11,10 +11,9 @@ import shlex
 import pytest
 import torch
 
-from relaytrain.compose import compose_config, validate
-from relaytrain.config import SequenceParallelConfig
 from relaytrain.cost.formulas import ModelFacts, Shape
 from relaytrain.cost.profile import PartTimes, Profile, Timings
+from relaytrain.models import count_parameters
 from relaytrain.planner.candidates import (
     PRUNE_FACTOR,
     GiB,
@@ -27,7 +26,8 @@ from relaytrain.planner.dryrun import simulate
 from relaytrain.planner.estimate import estimate
 from relaytrain.planner.output import print_plan
 from relaytrain.planner.plan import make_plan
-from relaytrain.preflight import estimate_host_bytes
+from relaytrain.run.compose import compose_config, validate
+from relaytrain.schema.config import SequenceParallelConfig
 from relaytrain.strategies import registry, strategy_class
 from tests.conftest import TINY_BERT, TINY_LLAMA
 
@@ -151,6 +151,11 @@ def test_a_cut_step_is_half_the_compute_plus_attentions_all_to_alls_and_every_wo
 # --------------------------------------------------------------------------- host memory
 
 
+def preflight_host_bytes(cfg, cls, device_type: str) -> int:
+    """The host memory the run's pre-launch check (`preflight.check_can_start`) holds against the machine."""
+    return cls.cost_model.estimate_host_bytes(cfg, count_parameters(cfg.model), device_type)
+
+
 @pytest.mark.parametrize("strategy", CUTTING)
 def test_the_host_checks_count_every_worker_of_a_cut_run(strategy):
     """R x S workers: a cut replica's two workers hold what two replicas' do (on a GPU machine,
@@ -166,9 +171,9 @@ def test_the_host_checks_count_every_worker_of_a_cut_run(strategy):
     on_cpu = profile("cpu")
     planned = {shape: host_bytes(cls, cfg, facts, on_cpu, shape) for shape, cfg in cfgs.items()}
     assert planned[one_cut] == planned[two_replicas] > planned[one]
-    gpu = {shape: estimate_host_bytes(cfg, cls, torch.device("cuda")) for shape, cfg in cfgs.items()}
+    gpu = {shape: preflight_host_bytes(cfg, cls, "cuda") for shape, cfg in cfgs.items()}
     assert gpu[one_cut] == gpu[two_replicas] > gpu[one]
-    cpu = {shape: estimate_host_bytes(cfg, cls, torch.device("cpu")) for shape, cfg in cfgs.items()}
+    cpu = {shape: preflight_host_bytes(cfg, cls, "cpu") for shape, cfg in cfgs.items()}
     assert cpu[one_cut] > cpu[one]
 
 

@@ -7,9 +7,9 @@ import io
 import pytest
 from rich.console import Console
 
-from relaytrain.report import command as report
-from relaytrain.report import table
-from relaytrain.report.command import compare_runs
+from relaytrain.commands.report import command as report
+from relaytrain.commands.report import table
+from relaytrain.commands.report.command import compare_runs
 from tests.report.test_report import results, write_run
 
 MIXED = [  # six runs' overrides, each differing in its own keys, as a user's folder of tries holds them

@@ -9,12 +9,12 @@ import pytest
 import yaml
 from rich.console import Console
 
-from relaytrain import runlog
-from relaytrain.cli import main
-from relaytrain.report import command as report
-from relaytrain.report import table
-from relaytrain.report.command import compare_runs as summarize
-from relaytrain.report.runs import COLUMNS, swept_keys
+from relaytrain.commands.cli import main
+from relaytrain.commands.report import command as report
+from relaytrain.commands.report import table
+from relaytrain.commands.report.command import compare_runs as summarize
+from relaytrain.commands.report.runs import COLUMNS, swept_keys
+from relaytrain.records import runlog
 
 GIB = 2**30
 SWEPT = ["strategy.num_microbatches", "strategy.stages"]

@@ -14,7 +14,7 @@ TINY = ["+exp=tiny_baseline", "train.steps=4", "train.untimed_steps=1", "data.ev
 
 
 def relaytrain(*args: str, cwd: Path, ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "relaytrain.cli", *args], cwd=cwd, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "relaytrain.commands.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "CI": "1", "COLUMNS": "200"})
     if ok:
         assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,7 @@ import torch
 
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
-from relaytrain.optim import lr_at
+from relaytrain.step.optim import lr_at
 from relaytrain.strategies import build_strategy
 from tests.conftest import tiny_cfg
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain import checkpoint
-from relaytrain.compose import compose_config
 from relaytrain.models import build_model
 from relaytrain.planner.dryrun import simulate
-from relaytrain.train import run
+from relaytrain.records import checkpoint
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from tests.conftest import TINY_BERT, tiny_cfg, train_plain_loop
 
 STEPS = 3

@@ -8,9 +8,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from relaytrain.checkpoint import load_optimizer_state, optimizer_state
-from relaytrain.optim import build_optimizer, optimizer_schemas
-from relaytrain.precision import LossScaler
+from relaytrain.records.checkpoint import load_optimizer_state, optimizer_state
+from relaytrain.step.optim import build_optimizer, optimizer_schemas
+from relaytrain.step.precision import LossScaler
 from relaytrain.strategies.eps import EagerParamServer
 from relaytrain.strategies.eps.worker import Worker
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.cost.formulas import ModelFacts
 from relaytrain.cost.profile import from_spec, load_spec
 from relaytrain.planner.dryrun import simulate
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.stash import HostStash
 from relaytrain.strategies.transfers import Transfers
-from relaytrain.train import run
 from tests.conftest import TINY_LLAMA, train_plain_loop
 from tests.strategies.test_fsdp import assert_same, saved_model
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from relaytrain.cli import main
+from relaytrain.commands.cli import main
 from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.strategies import build_strategy, strategy_class
@@ -228,7 +228,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
 def test_cli_trains_with_l2l_and_writes_the_report(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "relaytrain.cli", "train", "+exp=tiny_l2l", "strategy=l2l_stash_cpu",
+        [sys.executable, "-m", "relaytrain.commands.cli", "train", "+exp=tiny_l2l", "strategy=l2l_stash_cpu",
          "train.steps=3", "train.untimed_steps=1", f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env={**os.environ, "CI": "1"}, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr

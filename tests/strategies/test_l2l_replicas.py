@@ -19,9 +19,9 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from relaytrain.cli import main
+from relaytrain.commands.cli import main
 from relaytrain.models import build_model
-from relaytrain.train import run
+from relaytrain.run.train import run
 from tests.conftest import tiny_cfg, train_plain_loop, wait_for
 
 STEPS = 4
@@ -94,7 +94,7 @@ def test_a_killed_two_replica_run_resumes_bit_for_bit(tmp_path):
               "train.checkpoint_every=5", "train.resume=auto"]
 
     def start(run_dir: Path) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "relaytrain.cli", *common, f"hydra.run.dir={run_dir}"],
+        return subprocess.Popen([sys.executable, "-m", "relaytrain.commands.cli", *common, f"hydra.run.dir={run_dir}"],
                                 env={**os.environ, "CI": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
 

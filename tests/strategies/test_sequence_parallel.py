@@ -17,16 +17,16 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from relaytrain import checkpoint
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.errors import ConfigError
-from relaytrain.evaluation import IGNORE_INDEX
 from relaytrain.models import build_model
 from relaytrain.models.layered import MicroBatch
 from relaytrain.models.pretrained import resolve as resolve_pretrained
 from relaytrain.planner.dryrun import simulate
+from relaytrain.records import checkpoint
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
+from relaytrain.step.evaluation import IGNORE_INDEX
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.sequence_parallel import (
     SequenceCut,
@@ -35,7 +35,7 @@ from relaytrain.strategies.sequence_parallel import (
     own_tokens,
     whole_sequence,
 )
-from relaytrain.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder
 from tests.conftest import tiny_cfg, train_plain_loop
 from tests.strategies.test_baseline_replicas import saved_model

@@ -1,5 +1,5 @@
-"""What every strategy's cost model is made of: the candidate (`Shape`), the model's sizes
-(`ModelFacts`), the prediction (`StepCost`), and the formulas more than one strategy uses.
+"""What every strategy's cost model is made of: the candidate (`Shape`, `cost.shape`'s), the
+model's sizes (`ModelFacts`, a worker's share of them under a placement), the prediction (`StepCost`), and the formulas more than one strategy uses.
 
 Each strategy composes its own step time and device memory from these pieces
 (`Strategy.step_cost`, `Strategy.device_bytes`); nothing here knows a strategy by name. The
@@ -27,69 +27,24 @@ from dataclasses import asdict, dataclass, field
 
 from relaytrain.cost.profile import PartTimes, Timings
 from relaytrain.cost.quantized import QuantizedPart, quantized_parts
-from relaytrain.cost.work import PartWork, block_shape, key_value_width, model_work, query_width
+from relaytrain.cost.shape import LOOPS_ALWAYS as LOOPS_ALWAYS  # the cost models import both from here
+from relaytrain.cost.shape import Shape as Shape
+from relaytrain.cost.work import (
+    PartWork,
+    block_matrix_weights,
+    block_shape,
+    key_value_width,
+    model_work,
+    query_width,
+)
 from relaytrain.models import adapter as adapters
 from relaytrain.models import part_parameters, trained_parameters
 from relaytrain.models.family import BlockShape
 from relaytrain.objectives import objective
 from relaytrain.objectives.chunked import LOGIT_COPIES, Chunking
-from relaytrain.optim import state_words
+from relaytrain.step.optim import state_words
 
 FP32 = 4
-LOOPS_ALWAYS = "always"  # a shape's `recompute` when the strategy always recomputes (the L2L relay)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """How a candidate runs: its strategy, the micro-batch size b and count m per worker, and
-    the strategy keys the planner varies (`options`, e.g. l2l's stash). Replicas w and stages d
-    make w x d workers."""
-
-    strategy: str
-    microbatch_size: int  # per worker (strategy.microbatch_size)
-    num_microbatches: int  # m, or the L2L relay's inner loop u
-    replicas: int = 1  # w: data-parallel width
-    stages: int = 1  # d: pipeline depth
-    recompute: str = "none"  # none/block (baseline), none/block/stage (pipelines), always (L2L)
-    options: tuple[tuple[str, str], ...] = ()  # further strategy.* keys this shape sets
-    sequence_parallel: int = 1  # S: workers sharing every sequence of a replica (strategy.sequence_parallel)
-
-    @property
-    def workers(self) -> int:
-        return self.replicas * self.stages * self.sequence_parallel
-
-    @property
-    def batch(self) -> int:
-        """Samples per step (the global minibatch)."""
-        return self.microbatch_size * self.num_microbatches * self.replicas
-
-    def overrides(self) -> list[str]:
-        """The `relaytrain train` overrides that run this shape: a pipeline's every key, otherwise
-        the keys that differ from one worker without recompute."""
-        pipeline = self.stages > 1
-        out = [f"strategy={self.strategy}", f"strategy.microbatch_size={self.microbatch_size}",
-               f"strategy.num_microbatches={self.num_microbatches}"]
-        if pipeline:
-            out.append(f"strategy.stages={self.stages}")
-        if pipeline or self.replicas > 1 or self.sequence_parallel > 1:
-            out.append(f"strategy.replicas={self.replicas}")
-        if pipeline or self.recompute not in ("none", LOOPS_ALWAYS):
-            out.append(f"strategy.recompute={self.recompute}")
-        if self.sequence_parallel > 1:
-            out.append(f"strategy.sequence_parallel={self.sequence_parallel}")
-        return out + [f"strategy.{key}={value}" for key, value in self.options]
-
-    def describe(self) -> str:
-        """Short: w=2 d=4 b=8 m=16 rc=none (sp=2: each sequence cut over 2 workers). A relay (it
-        always recomputes) loops u micro-batches per part."""
-        pipeline = self.stages > 1
-        width = f"w={self.replicas} " if self.replicas > 1 or pipeline else ""
-        width += f"sp={self.sequence_parallel} " if self.sequence_parallel > 1 else ""
-        depth = f"d={self.stages} " if pipeline else ""
-        relay = self.recompute == LOOPS_ALWAYS
-        redo = "" if relay else f" rc={self.recompute}"
-        extra = "".join(f" {key}={value}" for key, value in self.options)
-        return f"{width}{depth}b={self.microbatch_size} {'u' if relay else 'm'}={self.num_microbatches}{redo}{extra}"
 
 
 @dataclass(frozen=True)
@@ -120,6 +75,8 @@ class ModelFacts:
     quantized: tuple[QuantizedPart, QuantizedPart, QuantizedPart] | None = None
     # strategy.sequence_parallel=S: a worker holds 1/S of every sequence's tokens (`cut`)
     sequence_parallel: int = 1
+    # strategy.tensor_parallel=T: a worker holds 1/T of every block's matrices and heads (`split`)
+    tensor_parallel: int = 1
 
     @classmethod
     def of(cls, cfg) -> ModelFacts:
@@ -143,6 +100,33 @@ class ModelFacts:
         tokens (1/S of each sequence, padded up to a share) are what it computes, keeps and
         stashes; attention still spans the whole sequence (for 1/S of the heads)."""
         return self if size == self.sequence_parallel else dataclasses.replace(self, sequence_parallel=size)
+
+    def split(self, size: int) -> ModelFacts:
+        """These facts for one of `size` tensor ranks sharing every block (Megatron's column/row
+        split): 1/T of each block's matrices (their weights, gradients and optimizer state), of
+        its heads and MLP width (so of the activations inside attention and the MLP) and of its
+        work (`part_times`, `optimizer_s`); the block's input and output, its norms and biases,
+        the embeddings and the head whole on every rank. From whole facts only."""
+        if size == self.tensor_parallel:
+            return self
+        if self.tensor_parallel != 1:
+            raise ValueError(f"facts split over {self.tensor_parallel} tensor ranks cannot be split over {size}")
+        matrices = block_matrix_weights(self.shape)
+        block = self.block_params - matrices + matrices // size
+        trained = self.trained_parts
+        if trained is not None:  # an adapter's share of the block, as before
+            trained = (trained[0], trained[1] * block // max(self.block_params, 1), trained[2])
+        s = self.shape
+        shape = dataclasses.replace(s, num_heads=s.num_heads // size, num_kv_heads=s.num_kv_heads // size,
+                                    intermediate=s.intermediate // size)
+        return dataclasses.replace(self, block_params=block, trained_parts=trained, shape=shape, tensor_parallel=size)
+
+    def placed(self, strategy) -> ModelFacts:
+        """These facts for one worker of a run placed as the `strategy` config node says: its
+        share of every sequence (`cut`) and of every block (`split`); a strategy without one of
+        the keys places nothing that way."""
+        return self.cut(int(getattr(strategy, "sequence_parallel", 1))).split(
+            int(getattr(strategy, "tensor_parallel", 1)))
 
     @property
     def tokens(self) -> int:
@@ -240,9 +224,12 @@ class ModelFacts:
         of b/S whole ones (as many tokens through its matmuls, and attention over whole sequences
         for 1/S of the heads), timed at that micro-batch. Less than one sequence's tokens (b < S)
         cost their share of one whole sequence's time: no profile times a fraction of one, and a
-        device they fill less well would only be slower."""
-        whole = max(b // self.sequence_parallel, 1)
-        return t.part(part, whole).scaled(b / self.sequence_parallel / whole)
+        device they fill less well would only be slower. A tensor rank's block is the same: 1/T
+        of the block's FLOPs in matmuls 1/T as wide, timed as the whole block on b/T sequences
+        (a device fills no better for the split; the norms it repeats are not counted)."""
+        spread = self.sequence_parallel * (self.tensor_parallel if part == "block" else 1)
+        whole = max(b // spread, 1)
+        return t.part(part, whole).scaled(b / spread / whole)
 
     @property
     def trained_share(self) -> float:
@@ -447,13 +434,14 @@ def both(p: PartTimes) -> float:
 
 def optimizer_s(t: Timings, facts: ModelFacts, blocks: int, embed: bool, head: bool) -> float:
     """One optimizer step over `blocks` blocks and maybe the embeddings and the head, from the
-    profiled steps (one block's; the ends' split between them by parameters); under adapters
-    only what trains steps."""
+    profiled steps (one block's, 1/T of it on a tensor rank; the ends' split between them by
+    parameters); under adapters only what trains steps."""
+    block = t.optimizer_block_s / facts.tensor_parallel
     if embed and head:
-        return (blocks * t.optimizer_block_s + t.optimizer_ends_s) * facts.trained_share
+        return (blocks * block + t.optimizer_ends_s) * facts.trained_share
     share = (facts.embed_params if embed else 0) + (facts.head_params if head else 0)
     ends = t.optimizer_ends_s / max(facts.embed_params + facts.head_params, 1) * share
-    return (blocks * t.optimizer_block_s + ends) * facts.trained_share
+    return (blocks * block + ends) * facts.trained_share
 
 
 # --------------------------------------------------------------------------- shapes

@@ -26,12 +26,14 @@ def allreduce_bandwidth(replicas: int, profile: Profile) -> float:
     return profile.allreduce_bytes_per_s if replicas <= profile.devices_per_node else profile.inter_node_bytes_per_s
 
 
-def allreduce_s(nbytes: float, replicas: int, profile: Profile, messages: int = 1) -> float:
+def allreduce_s(nbytes: float, replicas: int, profile: Profile, messages: int = 1, span: int | None = None) -> float:
     """A ring all-reduce of `nbytes` over `replicas` in `messages` pieces: 2 (w - 1) / w of the
-    bytes cross each link, 2 (w - 1) hops of latency per piece."""
+    bytes cross each link, 2 (w - 1) hops of latency per piece. `span`: the consecutive workers
+    the replicas are spread over (a replica of T tensor ranks: every T-th), whose node links
+    carry it while they fit in one node (None: the replicas themselves)."""
     if replicas == 1:
         return 0.0
-    bw = allreduce_bandwidth(replicas, profile)
+    bw = allreduce_bandwidth(span or replicas, profile)
     return 2 * (replicas - 1) / replicas * nbytes / bw + 2 * (replicas - 1) * profile.link_latency_s * messages
 
 

@@ -5,7 +5,10 @@ Each strategy names its cost model's class once (`cost_model = L2LCost`); every 
 gets its own instance, bound to it (`Strategy.__init_subclass__`: `L2L.cost_model.strategy is
 L2L`), so one model serves several strategies that differ only in what the class says (the
 pipelines' schedule, chunks and stage blocks). Registering refuses a strategy without a cost
-model, or with one that leaves `shapes`, `step_cost` or `device_bytes` unanswered.
+model, or with one that leaves `shapes`, `step_cost` or `device_bytes` unanswered. Every way of
+spreading a replica over several workers (cutting sequences, splitting blocks; experts next)
+is asked of it the same way: which sizes it takes (`degrees`) and the shapes with them
+(`placed_shapes`); the closed forms read the degrees from `cfg` as a run does.
 
 `cfg` below is a whole config with the shape's keys set (`candidates.candidate_config`), so a
 cost model reads the keys the run reads; `facts` the model's sizes; `profile` the machine.
@@ -14,17 +17,22 @@ Every figure is a prediction, composed from `cost.formulas`' shared formulas.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 from abc import ABC, abstractmethod
+
+from omegaconf import OmegaConf
 
 from relaytrain.cost.formulas import (
     ModelFacts,
-    Shape,
     StepCost,
     cpu_activation_bytes,
     weights_grads_optimizer_bytes,
 )
 from relaytrain.cost.profile import Profile
+from relaytrain.cost.shape import Shape
+from relaytrain.utils.errors import ConfigError
 
 
 class CostModel(ABC):
@@ -41,11 +49,46 @@ class CostModel(ABC):
         """Every shape of the strategy that trains `batch` samples a step on at most `workers`
         workers (devices) for a model of `num_layers` blocks: what the planner may try."""
 
-    def cut_shapes(self, workers: int, batch: int, num_layers: int, size: int) -> list[Shape]:
-        """The shapes whose replicas each cut their sequences over `size` workers
-        (`strategy.sequence_parallel`; R x S <= `workers`): none for a strategy that cannot
-        (`strategies.sequence_parallel.CutSequenceCost` offers them)."""
-        return []
+    def degrees(self, cfg, workers: int, family) -> dict[str, list[int]]:
+        """The placements that spread one of this strategy's replicas over several workers
+        (`cost.shape.DEGREES`: sequence_parallel, tensor_parallel), each with its sizes above 1
+        that divide `workers` and that a run of `cfg`'s model (of `family`, the run's resolved
+        `models.family.Family`) takes: what the planner combines with replicas (`placed_shapes`).
+        A placement's cost model adds its own to its parent's (`{**super().degrees(...), key:
+        sizes}`); none here."""
+        return {}
+
+    def refusal(self, cfg, family, **keys) -> str | None:
+        """The one line a run of `cfg` under this strategy, its defaults but for `keys`
+        (tensor_parallel=4), is refused with by the strategy's own checks (`check_config`); None
+        where they let it through. No size a run would refuse is offered (`degrees`), and the
+        plan says why a placement was offered at no size with it. A placement's cost model adds
+        the checks its run makes of the built model."""
+        node = OmegaConf.structured(self.strategy.Config)
+        for key, value in keys.items():
+            node[key] = value  # checked and converted as a run's override is ("2", "host")
+        trial = copy.deepcopy(cfg)
+        OmegaConf.update(trial, "strategy", node, merge=False)
+        try:
+            self.strategy.check_config(trial)
+        except ConfigError as refused:
+            return str(refused)
+        return None
+
+    def placed_shapes(self, workers: int, batch: int, num_layers: int, degrees: dict[str, int]) -> list[Shape]:
+        """The shapes whose replicas each span the product P of `degrees` workers (R x P <=
+        `workers`), those degrees set: the strategy's shapes on `workers` // P replicas
+        (`shapes_to_place`); with no degree, its `shapes`."""
+        spread = math.prod(degrees.values())
+        if spread == 1:
+            return self.shapes(workers, batch, num_layers)
+        return [dataclasses.replace(shape, **degrees)
+                for shape in self.shapes_to_place(workers // spread, batch, num_layers, degrees)]
+
+    def shapes_to_place(self, replicas: int, batch: int, num_layers: int, degrees: dict[str, int]) -> list[Shape]:
+        """The shapes on at most `replicas` replicas that `placed_shapes` spreads by `degrees`:
+        the strategy's own `shapes` (FSDP's start at one replica where the spread shards)."""
+        return self.shapes(replicas, batch, num_layers)
 
     @abstractmethod
     def step_cost(self, cfg, facts: ModelFacts, profile: Profile) -> StepCost:

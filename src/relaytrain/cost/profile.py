@@ -32,16 +32,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relaytrain import metrics
-from relaytrain.checkpoint import unique_named_parameters
 from relaytrain.cost.work import model_work
-from relaytrain.errors import ConfigError
 from relaytrain.models import build_model, part_parameters
 from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.objectives import objective
-from relaytrain.optim import build_optimizer, state_words
-from relaytrain.precision import Precision
-from relaytrain.world import threads_per_process, usable_cores
+from relaytrain.placement.world import threads_per_process, usable_cores
+from relaytrain.records.checkpoint import unique_named_parameters
+from relaytrain.step import metrics
+from relaytrain.step.optim import build_optimizer, state_words
+from relaytrain.step.precision import Precision
+from relaytrain.utils.errors import ConfigError
 
 REPEATS = 5  # timed repetitions per figure, after one warm-up; the median is kept
 PART_BUDGET_S = 0.4  # a block's forward + backward slower than this: larger sizes are extrapolated

@@ -10,12 +10,11 @@ Both are read off the quantized layers of a one-block model on the meta device, 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 
-from relaytrain.models import build_model
+from relaytrain.cost.work import one_block_on_meta
 from relaytrain.models.quantize import NF4Linear
 
 
@@ -37,10 +36,7 @@ def quantized_parts(m, adapter) -> tuple[QuantizedPart, QuantizedPart, Quantized
     one-block model built on the meta device as a run builds it (the adapter injected after)."""
     if adapter is None or str(getattr(m, "quantize", "none")) == "none":
         return None
-    one_block = copy.deepcopy(m)
-    one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
-    with torch.device("meta"):
-        model = build_model(one_block, quiet=True, adapter=adapter)
+    model = one_block_on_meta(m, adapter=adapter)
     return tuple(_quantized_in(part) for part in (model.embed, model.blocks[0], model.head))
 
 

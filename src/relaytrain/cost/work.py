@@ -1,6 +1,6 @@
 """The work of one block and of the head: the one count of FLOPs that the spec-sheet profile
 times (`profile.from_spec`), the pipelines' balanced layout cuts by (`formulas.part_costs`) and
-a run reports its model FLOP/s with (`metrics.model_flops_per_token`).
+a run reports its model FLOP/s with (`model_flops_per_token` below).
 
 A part's forward FLOPs are its weight matmuls, 2 per weight per position they are applied to,
 and in a block attention's scores and weighted sum. Biases, norms, activations and softmax are
@@ -79,12 +79,18 @@ def mlp_projections(shape: BlockShape) -> int:
     return 3 if shape.gated_mlp else 2
 
 
-def block_matmul_flops(shape: BlockShape) -> int:
-    """Forward FLOPs of one block's weight matmuls per token: 2 x (the query, key, value and
-    output projections, h x q + 2 h x kv + q x h, and the MLP's 2 or 3 matrices of h x i): 24 h^2
-    for BERT's and GPT-2's (q = kv = h, i = 4 h)."""
+def block_matrix_weights(shape: BlockShape) -> int:
+    """Weights of one block's attention and MLP matrices: the query, key, value and output
+    projections, h x q + 2 h x kv + q x h, and the MLP's 2 or 3 matrices of h x i (what tensor
+    parallelism splits; not the norms, biases or a router)."""
     h, q, kv = shape.hidden, query_width(shape), key_value_width(shape)
-    return 2 * (h * q + 2 * h * kv + q * h + mlp_projections(shape) * h * shape.intermediate + h * shape.router_outputs)
+    return h * q + 2 * h * kv + q * h + mlp_projections(shape) * h * shape.intermediate
+
+
+def block_matmul_flops(shape: BlockShape) -> int:
+    """Forward FLOPs of one block's weight matmuls per token: 2 x its matrices' weights
+    (`block_matrix_weights`) and a router's: 24 h^2 for BERT's and GPT-2's (q = kv = h, i = 4 h)."""
+    return 2 * (block_matrix_weights(shape) + shape.hidden * shape.router_outputs)
 
 
 def attention_flops(shape: BlockShape, seq_len: int) -> int:
@@ -99,6 +105,16 @@ def block_forward_flops(shape: BlockShape, seq_len: int) -> int:
     return block_matmul_flops(shape) + attention_flops(shape, seq_len)
 
 
+def one_block_on_meta(m, **build):
+    """The model the `model` section `m` describes with one block, built on the meta device
+    (shapes only; no checkpoint read): what the cost models read a part's shapes off. `build`:
+    more of `build_model`'s keywords (an adapter, the run's resolved family)."""
+    one_block = copy.deepcopy(m)
+    one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
+    with torch.device("meta"):
+        return build_model(one_block, quiet=True, **build)
+
+
 # --------------------------------------------------------------------------- the head
 
 _head_weights: dict[str, int] = {}  # the planner asks for the same model many times
@@ -109,10 +125,16 @@ def head_weights(m) -> int:
     a tied one included), from the model built with one block on the meta device."""
     key = OmegaConf.to_yaml(m) if OmegaConf.is_config(m) else repr(m)
     if key not in _head_weights:
-        one_block = copy.deepcopy(m)
-        one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
-        with torch.device("meta"):
-            model = build_model(one_block, quiet=True)
+        model = one_block_on_meta(m)
         _head_weights[key] = sum(layer.in_features * layer.out_features for layer in model.head.modules()
                                  if isinstance(layer, nn.Linear))
     return _head_weights[key]
+
+
+def model_flops_per_token(m, seq_len: int) -> float:
+    """Training FLOPs per token of the model the `model` config describes, without recompute:
+    forward and backward through every block and the head, as this module counts a part's work
+    (the one count the planner's profiles and layouts use too). An estimate from the model's
+    shape, the usual "model FLOPs" convention: recomputation is work the strategy chose to do,
+    not work the model needs."""
+    return model_work(m, seq_len).training_flops_per_token(m.num_layers, seq_len)

@@ -1,6 +1,8 @@
 """Data sources -> a `TokenDataset` -> a `MicroBatchLoader` of minibatches.
 
-`data.source` picks the source, a class registered by name in `data/sources/` (`source(name)`):
+`data.source` picks the source, a class registered by name in `data/sources/` (`source(name)`,
+looked up once for a run: `relaytrain.run.resolve`, which hands it over with the objective and
+family, `build_datasets`):
 `synthetic` (the embedded default), `jsonl` (text or token records), `chat` (conversations or
 instructions), both from data.path in any form (`reading.py`) or a mixture (data.mix), `glue` /
 `wikitext` (the Hugging Face hub, or a local copy via data.path). What a source shares with the
@@ -12,36 +14,49 @@ tokenize cache every source but the generated one goes through; `stream.py`, dat
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from relaytrain.data.cache import prepared
 from relaytrain.data.dataset import MicroBatchLoader, TokenDataset, eval_batches, hold_out
-from relaytrain.data.sources import source
+from relaytrain.data.sources import DataSource
+from relaytrain.data.sources import source as named_source
 from relaytrain.data.stream import StreamedSet, StreamLoader
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from relaytrain.models.family import Family
+    from relaytrain.objectives.base import Objective
 
 __all__ = ["MicroBatchLoader", "TokenDataset", "build_dataset", "build_datasets", "build_loader", "data_facts",
            "eval_batches", "load_source"]
 
 
-def build_datasets(cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+def build_datasets(cfg, tokenizer_dir: str | None = None, source: type[DataSource] | None = None,
+                   objective: Objective | None = None, family: Family | None = None
+                   ) -> tuple[TokenDataset, TokenDataset | None]:
     """The training set `cfg.data` describes, tokenized for `cfg.model` (or read from the tokenize
     cache, `data/cache.py`), and its held-out set (None without one): the source's own
     (data.eval_path, data.eval_split), or data.eval_fraction of the samples, held out by a seeded draw.
 
     `tokenizer_dir`: where a tokenizer trained here is saved (the run directory), so that a
-    saved model ships with the tokenizer it was trained with. The training set's `facts` say what
-    preparing it found and took (results.json's `data`, `data_facts`).
+    saved model ships with the tokenizer it was trained with. `source`, `objective`, `family`:
+    the run's, resolved (`relaytrain.run.resolve`); looked up by name when not given (a caller
+    that holds only the config). The training set's `facts` say what preparing it found and took
+    (results.json's `data`, `data_facts`).
     """
     d = cfg.data
     start = time.perf_counter()
-    chosen = source(d.source)
+    chosen, objective, family = _named(cfg, source, objective, family)
     if d.streaming:  # read as it trains (data/stream.py): nothing to cache, nothing counted ahead
-        train, held_out = chosen.stream(cfg, tokenizer_dir)
+        train, held_out = chosen.stream(cfg, tokenizer_dir, objective, family)
         train.facts = {**train.facts, "cache": "off", "prepare_s": round(time.perf_counter() - start, 3)}
         if held_out is not None:
             held_out.facts = _counted(held_out)
         return train, held_out
-    train, held_out, status = prepared(cfg, chosen, tokenizer_dir, lambda directory: chosen.load(cfg, directory))
+    inputs = chosen.inputs(cfg)  # what the tokenize cache fingerprints (generated data: nothing)
+    train, held_out, status = prepared(cfg, inputs, chosen.chat_template, tokenizer_dir,
+                                       lambda directory: chosen.load(cfg, directory, objective, family),
+                                       objective, family)
     if held_out is None and d.eval_fraction > 0:
         train, held_out = hold_out(train, d.eval_fraction, d.seed)
     if held_out is not None and len(held_out) == 0:
@@ -53,6 +68,16 @@ def build_datasets(cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset,
     return train, held_out
 
 
+def _named(cfg, source, objective, family) -> tuple[type[DataSource], Objective, Family]:
+    """The run's source, objective and family as given, else as the config names them (for a
+    caller without the run's resolved ones: tests, scripts, notebooks)."""
+    from relaytrain.models.family import family_spec
+    from relaytrain.objectives import objective as objective_named
+
+    return (source or named_source(cfg.data.source), objective or objective_named(cfg.model.task),
+            family or family_spec(cfg.model.family))
+
+
 def _counted(dataset: TokenDataset) -> dict:
     """The source's facts with the counts every set reports (records, tokens, truncated, dropped),
     taken from the rows where the source counted none (generated data)."""
@@ -62,7 +87,8 @@ def _counted(dataset: TokenDataset) -> dict:
 
 def load_source(cfg, tokenizer_dir: str | None = None) -> TokenDataset:
     """The training set exactly as the source reads it (nothing held out by data.eval_fraction, no cache)."""
-    return source(cfg.data.source).load(cfg, tokenizer_dir)[0]
+    chosen, objective, family = _named(cfg, None, None, None)
+    return chosen.load(cfg, tokenizer_dir, objective, family)[0]
 
 
 def build_dataset(cfg, tokenizer_dir: str | None = None) -> TokenDataset:

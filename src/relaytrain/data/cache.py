@@ -9,13 +9,13 @@ data keys that shape rows (data.seq_len, data.pack, fields, roles, mixture weigh
 model's task asks of the labels, and `FORMAT`, raised whenever the code makes rows differently.
 Keys that only order or split the rows afterwards (data.shuffle, data.eval_fraction) are not in it.
 
-An entry holds the training and held-out sets as tensors (ids in int32), their facts, and the
-tokenizer the source used, so a hit also gives the run the tokenizer a saved model ships with.
-It is written to a staging directory and renamed into place whole; a file lock on the key makes
-every other process of the run (torchrun starts each with the same config) wait for the first to
-prepare it and then read it, so a set is tokenized once. An entry that cannot be read back (a
-file cut short, damaged) is said in one line on stderr and prepared again. Set data.cache=false
-to tokenize afresh and keep nothing.
+An entry holds the training and held-out sets as tensors, one a row field (`schema/row.py`,
+integers in int32), their facts, and the tokenizer the source used, so a hit also gives the run
+the tokenizer a saved model ships with. It is written to a staging directory and renamed into
+place whole; a file lock on the key makes every other process of the run (torchrun starts each
+with the same config) wait for the first to prepare it and then read it, so a set is tokenized
+once. An entry that cannot be read back (a file cut short, damaged) is said in one line on
+stderr and prepared again. Set data.cache=false to tokenize afresh and keep nothing.
 """
 
 from __future__ import annotations
@@ -28,20 +28,25 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from relaytrain.data.dataset import TokenDataset
-from relaytrain.data.reading import fingerprint
-from relaytrain.data.tokenizer import tokenizer_identity
-from relaytrain.errors import ConfigError, first_line
-from relaytrain.files import write_json
+from relaytrain.data.reading import Input, fingerprint
+from relaytrain.data.tokenizer import tokenizer_identity, tokenizer_location
+from relaytrain.schema.row import FIELDS, Field
+from relaytrain.utils.errors import ConfigError, first_line
+from relaytrain.utils.files import write_json
+
+if TYPE_CHECKING:
+    from relaytrain.models.family import Family
+    from relaytrain.objectives.base import Objective
 
 FORMAT = 2  # raise when rows are made differently from the same inputs, or inputs once taken are refused
 # (2: a chat file holds records of one form), so that old entries miss
 # Data keys that do not change the tokenized rows: how they are ordered, held out or cached.
 NOT_IN_KEY = ("shuffle", "shuffle_buffer", "eval_fraction", "cache", "cache_dir", "num_proc", "streaming", "seed")
-FIELDS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
 ENV_DIR = "RELAYTRAIN_DATA_CACHE"  # the cache's folder where data.cache_dir is unset (a shared disk, a CI's scratch)
@@ -58,24 +63,27 @@ def cache_dir(d) -> Path:
     return Path(d.cache_dir).expanduser() if d.cache_dir else default_dir()
 
 
-def cache_key(cfg, source) -> dict:
-    """Everything the tokenized sets depend on, as a JSON-able dict (hashed into the entry's name)."""
+def cache_key(cfg, inputs: list[Input], chat: bool, objective: Objective, family: Family) -> dict:
+    """Everything the tokenized sets depend on, as a JSON-able dict (hashed into the entry's name):
+    the source's `inputs` (`DataSource.inputs`), its tokenizer (`chat`: one with a chat template),
+    the data keys, and what the run's `objective` and model (of `family`) ask of the labels."""
     from omegaconf import OmegaConf
 
     from relaytrain.data import labels
 
     data = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k not in NOT_IN_KEY}
     m = cfg.model
-    if labels.masked_token_labels(m):
+    if labels.masked_token_labels(objective):
         data["seed"] = cfg.data.seed  # which tokens are masked
+    location = tokenizer_location(m.pretrained, cfg.data.tokenizer, chat)
     return {
         "format": FORMAT,
-        "inputs": [fingerprint(given) for given in source.inputs(cfg)],
-        "tokenizer": tokenizer_identity(cfg, chat=source.chat_template),
+        "inputs": [fingerprint(given) for given in inputs],
+        "tokenizer": tokenizer_identity(location, family, m.vocab_size, m.max_seq_len, chat),
         "data": data,
-        "labels": {"classes": labels.class_labels(m), "next_token": labels.next_token_labels(m),
-                   "masked": labels.masked_token_labels(m), "num_labels": m.num_labels, "vocab_size": m.vocab_size,
-                   "family": str(m.family), "max_seq_len": m.max_seq_len},
+        "labels": {"classes": labels.class_labels(objective), "next_token": labels.next_token_labels(objective),
+                   "masked": labels.masked_token_labels(objective), "num_labels": m.num_labels,
+                   "vocab_size": m.vocab_size, "family": family.name, "max_seq_len": m.max_seq_len},
     }
 
 
@@ -83,14 +91,16 @@ def entry_name(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def prepared(cfg, source, tokenizer_dir: str | None, load) -> tuple[TokenDataset, TokenDataset | None, str]:
-    """The source's training and held-out sets, and "hit", "miss" or "off": read from the cache,
-    or `load(tokenizer_dir)` and kept there. The tokenizer the source used is copied to
+def prepared(cfg, inputs: list[Input], chat: bool, tokenizer_dir: str | None, load, objective: Objective,
+             family: Family) -> tuple[TokenDataset, TokenDataset | None, str]:
+    """A source's training and held-out sets, and "hit", "miss" or "off": read from the cache,
+    or `load(tokenizer_dir)` and kept there (`inputs`, `chat`, `objective`, `family`: what
+    `cache_key` keys them by). The tokenizer the source used is copied to
     `<tokenizer_dir>/tokenizer` either way."""
-    if not cfg.data.cache or not source.inputs(cfg):
+    if not cfg.data.cache or not inputs:
         train, held_out = load(tokenizer_dir)
         return train, held_out, "off"
-    key = cache_key(cfg, source)
+    key = cache_key(cfg, inputs, chat, objective, family)
     root = cache_dir(cfg.data)
     entry = root / entry_name(key)
     try:
@@ -143,10 +153,15 @@ def _write_entry(entry: Path, key: dict, load) -> None:
 
 
 def _stored(dataset: TokenDataset) -> dict:
-    """Tensors at half the width (token ids and -100 fit int32), and the facts."""
-    tensors = {name: None if getattr(dataset, name) is None else getattr(dataset, name).to(torch.int32)
-               for name in FIELDS}
+    """Every row field by name (`relaytrain.schema.row.FIELDS`), integers at half the width
+    (token ids and -100 fit int32), and the facts."""
+    tensors = {f.name: None if (t := getattr(dataset, f.name)) is None else t.to(_stored_dtype(f))
+               for f in FIELDS}
     return {**tensors, "facts": dataset.facts}
+
+
+def _stored_dtype(f: Field) -> torch.dtype:
+    return torch.int32 if f.dtype == torch.long else f.dtype
 
 
 def _cached(entry: Path) -> tuple[TokenDataset, TokenDataset | None] | None:
@@ -175,5 +190,10 @@ def _read_entry(entry: Path) -> tuple[TokenDataset, TokenDataset | None]:
 
 
 def _dataset(stored: dict) -> TokenDataset:
-    return TokenDataset(*(None if stored[name] is None else stored[name].long() for name in FIELDS),
-                        facts=stored["facts"])
+    """The stored set; an optional field the entry lacks (one written before the field was
+    defined, when no set had it) is None."""
+    def tensor(f: Field) -> torch.Tensor | None:
+        t = stored.get(f.name) if f.optional else stored[f.name]
+        return None if t is None else t.to(f.dtype)
+
+    return TokenDataset(**{f.name: tensor(f) for f in FIELDS}, facts=stored["facts"])

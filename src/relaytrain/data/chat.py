@@ -48,7 +48,7 @@ from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.encode import pad_rows, special_ids
 from relaytrain.data.labels import IGNORE_INDEX
 from relaytrain.data.reading import Records, Where
-from relaytrain.errors import ConfigError, first_line
+from relaytrain.utils.errors import ConfigError, first_line
 
 ROLES = ("system", "user", "assistant")
 TOOL = "tool"  # accepted where the chat template renders it (checked per record)
@@ -367,7 +367,7 @@ def one_per_row(records: list[tuple[list[int], list[int]]], seq_len: int, pad: i
     labels = torch.full_like(ids, IGNORE_INDEX)
     for row, (_, record_labels) in enumerate(records):
         labels[row, : len(record_labels)] = torch.tensor(record_labels, dtype=torch.long)
-    return TokenDataset(ids, labels, attention)
+    return TokenDataset(input_ids=ids, labels=labels, attention_mask=attention)
 
 
 def pack_rows(records: list[tuple[list[int], list[int]]], seq_len: int, pad: int) -> TokenDataset:
@@ -407,4 +407,4 @@ def packed_tensors(rows: list[list[Rendered]], seq_len: int, pad: int) -> TokenD
             positions[row, start:end] = torch.arange(len(record_ids))
             start = end
         positions[row, start:] = torch.arange(seq_len - start)
-    return TokenDataset(ids, labels, None, positions)
+    return TokenDataset(input_ids=ids, labels=labels, position_ids=positions)

@@ -5,29 +5,36 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import field
 
 import torch
 
-from relaytrain.errors import ConfigError
-from relaytrain.evaluation import IGNORE_INDEX
 from relaytrain.models.layered import Draw, MicroBatch
+from relaytrain.schema.row import FIELDS, Field, row_values, with_row_fields
+from relaytrain.utils.errors import ConfigError
 
 
-@dataclass
+@with_row_fields
 class TokenDataset:
-    """`input_ids` [N, S]; `labels` [N] (classification) or [N, S] (LM, -100 = ignored);
-    `attention_mask` [N, S] or None when no sample is padded; `position_ids` [N, S] when rows
-    hold packed records (positions restart at 0 where each starts), else None.
+    """Every field of a row (`relaytrain.schema.row.FIELDS`) for all N rows: `input_ids` [N, S];
+    `labels` [N] (classification) or [N, S] (LM, -100 = ignored); `attention_mask` [N, S] or None
+    when no sample is padded; `position_ids` [N, S] when rows hold packed records (positions
+    restart at 0 where each starts), else None.
 
     `facts`: what reading the source found that a run should report (records truncated or
     dropped); it goes to results.json's `data`."""
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    attention_mask: torch.Tensor | None = None
-    position_ids: torch.Tensor | None = None
     facts: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """A field filled in the wrong shape is said where it is made, not steps later in a loss."""
+        rows, seq_len = self.input_ids.shape
+        for f in FIELDS:
+            t = getattr(self, f.name)
+            if (t is None and not f.optional) or (t is not None and not f.fits(t, rows, seq_len)):
+                shape = "missing" if t is None else tuple(t.shape)
+                raise ValueError(f"{f.name} is {shape} in a set of {rows} rows of {seq_len} tokens; a row's "
+                                 f"{f.name} is {f.per.value}")
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -36,16 +43,16 @@ class TokenDataset:
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
-    def _rows(self, index: torch.Tensor) -> list[torch.Tensor | None]:
-        return [None if t is None else t[index]
-                for t in (self.input_ids, self.labels, self.attention_mask, self.position_ids)]
+    def _rows(self, index: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        return {name: None if t is None else t[index] for name, t in row_values(self).items()}
 
-    def take(self, index: torch.Tensor) -> MicroBatch:
-        return MicroBatch(*self._rows(index))
+    def take(self, index: torch.Tensor, draw: Draw | None = None) -> MicroBatch:
+        """These rows as a micro-batch, keyed by `draw` (a training micro-batch's)."""
+        return MicroBatch(**self._rows(index), draw=draw)
 
     def subset(self, index: torch.Tensor) -> TokenDataset:
         """These rows; `facts` stay with the whole (they describe reading the source)."""
-        return TokenDataset(*self._rows(index))
+        return TokenDataset(**self._rows(index))
 
 
 def hold_out(dataset: TokenDataset, fraction: float, seed: int) -> tuple[TokenDataset, TokenDataset]:
@@ -65,7 +72,8 @@ def eval_batches(dataset: TokenDataset, microbatch_size: int, group: int, max_mi
     """The held-out set in order, as micro-batches of `microbatch_size` rows grouped `group` at a
     time (what a strategy runs per relay or pipeline pass). The last micro-batch is filled up to
     full size with copies of its first row labelled -100 (no item: they count nowhere), so every
-    micro-batch has the shape the strategies' buffers expect."""
+    micro-batch has the shape the strategies' buffers expect. (Every target field, not only the
+    labels, takes its pad value there; see `relaytrain.schema.row.Field`.)"""
     count = math.ceil(len(dataset) / microbatch_size)
     if max_microbatches:
         count = min(count, max_microbatches)
@@ -81,13 +89,15 @@ def eval_batches(dataset: TokenDataset, microbatch_size: int, group: int, max_mi
 
 def _padded(mb: MicroBatch, rows: int) -> MicroBatch:
     missing = rows - mb.num_samples
-    labels = torch.full((missing, *mb.labels.shape[1:]), IGNORE_INDEX, dtype=mb.labels.dtype)
 
-    def filled(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else torch.cat([t, t[:1].expand(missing, *t.shape[1:])])
+    def filled(f: Field) -> torch.Tensor | None:
+        t = getattr(mb, f.name)
+        if t is None:
+            return None
+        shape = (missing, *t.shape[1:])
+        return torch.cat([t, torch.full(shape, f.pad, dtype=t.dtype) if f.target else t[:1].expand(shape)])
 
-    return MicroBatch(filled(mb.input_ids), torch.cat([mb.labels, labels]), filled(mb.attention_mask),
-                      filled(mb.position_ids))
+    return dataclasses.replace(mb, **{f.name: filled(f) for f in FIELDS})
 
 
 class MicroBatchLoader:
@@ -129,13 +139,9 @@ class MicroBatchLoader:
         epoch, slot = divmod(position, self.minibatches_per_epoch)
         order = self._order(epoch)
         start = slot * self.microbatch_size * self.num_microbatches
-        return [
-            dataclasses.replace(
-                self.dataset.take(order[start + k * self.microbatch_size : start + (k + 1) * self.microbatch_size]),
-                draw=Draw(self.dropout_seed, position, k),
-            )
-            for k in range(self.num_microbatches)
-        ]
+        return [self.dataset.take(order[start + k * self.microbatch_size : start + (k + 1) * self.microbatch_size],
+                                  draw=Draw(self.dropout_seed, position, k))
+                for k in range(self.num_microbatches)]
 
     def __iter__(self) -> Iterator[list[MicroBatch]]:
         return self

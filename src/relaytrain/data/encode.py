@@ -8,6 +8,7 @@ Pre-tokenized input without a configured tokenizer follows the synthetic data's 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,7 +18,11 @@ from relaytrain.data.labels import IGNORE_INDEX
 from relaytrain.data.samples import Sample
 from relaytrain.data.synthetic import FIRST_TOKEN, MASK_ID, MLM_MASK_RATE
 from relaytrain.data.tokenizer import find_tokenizer, load_tokenizer
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from relaytrain.models.family import Family
+    from relaytrain.objectives.base import Objective
 
 
 @dataclass(frozen=True)
@@ -30,26 +35,23 @@ class SpecialIds:
 DEFAULT_SPECIAL_IDS = SpecialIds(pad=0, mask=MASK_ID, special=tuple(range(FIRST_TOKEN)))
 
 
-def encode_samples(cfg, groups: list[list[Sample]], tokenizer_dir: str | None) -> list[TokenDataset]:
-    """Each group of samples (training, then held-out) -> padded tensors with labels for
-    cfg.model.task, one sample per row, all with one tokenizer: the configured one, or one
-    trained on the first group's text."""
+def encode_samples(cfg, groups: list[list[Sample]], tokenizer_dir: str | None, objective: Objective,
+                   family: Family) -> list[TokenDataset]:
+    """Each group of samples (training, then held-out) -> padded tensors with labels for the
+    run's `objective`, one sample per row, all with one tokenizer: the configured one, or one
+    trained on the first group's text (the kind the model's `family` trains)."""
     texts = [s.text for s in groups[0] if s.input_ids is None]
     if texts or any(s.input_ids is None for group in groups[1:] for s in group):
-        tokenizer = load_tokenizer(cfg, (t for text in texts for t in text), tokenizer_dir)
+        tokenizer = load_tokenizer(cfg, (t for text in texts for t in text), tokenizer_dir, family)
     else:
         tokenizer = find_tokenizer(cfg)  # only for its special ids: pre-tokenized data needs no training
-    return [_encode(cfg, samples, tokenizer) for samples in groups]
+    return [encode_rows(cfg, samples, tokenizer, objective) for samples in groups]
 
 
-def _encode(cfg, samples: list[Sample], tokenizer) -> TokenDataset:
-    return encode_rows(cfg, samples, tokenizer)
-
-
-def encode_rows(cfg, samples: list[Sample], tokenizer, always_mask: bool = False) -> TokenDataset:
-    """The samples as padded rows with labels, one a row, and the facts of encoding them;
-    `always_mask`: an attention mask even where nothing is padded (a stream's minibatch, whose
-    neighbours may be)."""
+def encode_rows(cfg, samples: list[Sample], tokenizer, objective: Objective, always_mask: bool = False) -> TokenDataset:
+    """The samples as padded rows with labels for the run's `objective`, one a row, and the facts
+    of encoding them; `always_mask`: an attention mask even where nothing is padded (a stream's
+    minibatch, whose neighbours may be)."""
     seq_len = cfg.data.seq_len
     texts = [s.text for s in samples if s.input_ids is None]
     encoded = _tokenize(tokenizer, texts, seq_len) if texts else []
@@ -59,8 +61,8 @@ def encode_rows(cfg, samples: list[Sample], tokenizer, always_mask: bool = False
     ids, attention = pad_rows(rows, seq_len, specials.pad)
     if always_mask and attention is None:
         attention = torch.ones_like(ids)
-    class_ids = [s.label for s in samples] if labels.class_labels(cfg.model) else None
-    dataset = with_labels(cfg, ids, attention, specials, class_ids)
+    class_ids = [s.label for s in samples] if labels.class_labels(objective) else None
+    dataset = with_labels(cfg, ids, attention, specials, class_ids, objective)
     cut = sum(len(s.input_ids) > seq_len for s in samples if s.input_ids is not None)
     dataset.facts = {"records": len(samples), "tokens": sum(len(row) for row in rows),
                      "truncated": cut + _cut_texts(tokenizer, texts, encoded, seq_len), "dropped": 0}
@@ -102,16 +104,18 @@ def pad_rows(rows: list[list[int]], seq_len: int, pad_id: int) -> tuple[torch.Te
     return ids, None if bool(attention.all()) else attention
 
 
-def with_labels(cfg, ids, attention, specials: SpecialIds, class_ids: list[int] | None) -> TokenDataset:
-    """The dataset with labels for cfg.model.task."""
-    if labels.class_labels(cfg.model):
-        return TokenDataset(ids, torch.tensor(class_ids, dtype=torch.long), attention)
-    if labels.next_token_labels(cfg.model):
-        return TokenDataset(ids, causal_labels(ids, attention), attention)
+def with_labels(cfg, ids, attention, specials: SpecialIds, class_ids: list[int] | None,
+                objective: Objective) -> TokenDataset:
+    """The dataset with labels for the run's `objective` (masked tokens drawn from data.seed)."""
+    if labels.class_labels(objective):
+        classes = torch.tensor(class_ids, dtype=torch.long)
+        return TokenDataset(input_ids=ids, labels=classes, attention_mask=attention)
+    if labels.next_token_labels(objective):
+        return TokenDataset(input_ids=ids, labels=causal_labels(ids, attention), attention_mask=attention)
     if specials.mask is None:
         raise ConfigError("model.task=masked_lm needs a tokenizer with a mask token; this one has none")
     masked, masked_labels = mask_tokens(ids, attention, specials, cfg.data.seed)
-    return TokenDataset(masked, masked_labels, attention)
+    return TokenDataset(input_ids=masked, labels=masked_labels, attention_mask=attention)
 
 
 def causal_labels(ids: torch.Tensor, attention: torch.Tensor | None) -> torch.Tensor:

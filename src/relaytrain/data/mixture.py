@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
 
 # read(location, key, split, name) -> the checked records at that location
 Read = Callable[[str, str, str, "str | None"], list]
@@ -28,7 +28,7 @@ def training_records(cfg, read: Read) -> tuple[list, list[dict] | None]:
     d = cfg.data
     if not d.mix:
         return read(d.path, "data.path", d.split, d.name), None
-    weights = checked_weights(d.mix)  # here too: a caller of the API may not have run the config checks
+    weights = checked_weights([part.weight for part in d.mix])  # here too: a caller of the API may not have run the config checks
     parts = [read(part.path, f"data.mix[{i}].path", part.split, part.name) for i, part in enumerate(d.mix)]
     counts = shares(weights, sum(len(records) for records in parts))
     _check_every_part_drawn(d.mix, parts, counts)
@@ -59,23 +59,24 @@ def _draw(records: list, count: int, generator: torch.Generator) -> list:
     return records * whole + [records[i] for i in subset]
 
 
-def check_mix(d) -> None:
-    """data.mix's own rules (its parts' locations are checked by the source)."""
-    if d.path:
+def check_mix(path: str | None, weights: list) -> None:
+    """data.mix's own rules, from data.path and the parts' weights (their locations are checked
+    by the source)."""
+    if path:
         raise ConfigError("data.path and data.mix both name the training records; keep data.mix (each part's "
                           "path and weight) or data.path")
-    checked_weights(d.mix)
+    checked_weights(weights)
 
 
-def checked_weights(mix) -> list[float]:
-    """Each part's weight, positive and finite: a negative or zero share of the drawn records has
-    no meaning (and weights summing to zero would divide by it), nor has an infinite one."""
-    weights = [float(part.weight) for part in mix]
-    for i, weight in enumerate(weights):
+def checked_weights(weights: list) -> list[float]:
+    """Each part's weight (as given), positive and finite: a negative or zero share of the drawn
+    records has no meaning (and weights summing to zero would divide by it), nor has an infinite one."""
+    for i, given in enumerate(weights):
+        weight = float(given)
         if not (weight > 0 and math.isfinite(weight)):
-            raise ConfigError(f"data.mix[{i}].weight={mix[i].weight} must be positive and finite (the part's share "
+            raise ConfigError(f"data.mix[{i}].weight={given} must be positive and finite (the part's share "
                               f"of the drawn records); give it such a weight, or drop the part")
-    return weights
+    return [float(weight) for weight in weights]
 
 
 def _check_every_part_drawn(mix, parts: list[list], counts: list[int]) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from relaytrain.errors import ConfigError, first_line
+from relaytrain.utils.errors import ConfigError, first_line
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 # File endings -> the `datasets` builder that reads them.

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from relaytrain.data import labels
 from relaytrain.data.reading import Where
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from relaytrain.objectives.base import Objective
 
 MISSING = object()  # a record without the field (None may be a value)
 
@@ -80,8 +84,9 @@ def short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def parse_sample(cfg, record, where) -> Sample:
-    """One record (jsonl's: text or input_ids, and a label for classification) as a checked `Sample`."""
+def parse_sample(cfg, record, where, objective: Objective) -> Sample:
+    """One record (jsonl's: text or input_ids, and a label where the run's `objective`
+    classifies) as a checked `Sample`."""
     if not isinstance(record, dict):
         raise ConfigError(
             f"{where}: expected a JSON object, got a {type(record).__name__}; "
@@ -92,7 +97,7 @@ def parse_sample(cfg, record, where) -> Sample:
         sample.input_ids = checked_token_ids(record["input_ids"], where, cfg.model.vocab_size)
     else:
         sample.text = _record_text(record, where, cfg.data.text_field)
-    if labels.class_labels(cfg.model):
+    if labels.class_labels(objective):
         value = record.get(cfg.data.label_field)
         sample.label = checked_label(MISSING if value is None else value, where, cfg.data.label_field,
                                      cfg.model.num_labels)

@@ -30,11 +30,11 @@ when the stream reaches it.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,8 +44,11 @@ from relaytrain.data.encode import encode_rows
 from relaytrain.data.reading import Where, stream_rows
 from relaytrain.data.samples import parse_sample
 from relaytrain.data.tokenizer import find_tokenizer
-from relaytrain.errors import ConfigError
 from relaytrain.models.layered import Draw, MicroBatch
+from relaytrain.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from relaytrain.objectives.base import Objective
 
 
 class StreamRows:
@@ -56,6 +59,9 @@ class StreamRows:
 
     unit = "records"  # what a row is, for the line refusing a stream shorter than a minibatch
 
+    def __init__(self, objective: Objective | None = None):
+        self.objective = objective  # the run's: what a record's labels are (data=jsonl's rows need it)
+
     def tokenizer(self, cfg):
         return find_tokenizer(cfg)
 
@@ -63,8 +69,8 @@ class StreamRows:
         return records
 
     def encode(self, cfg, rows: list, tokenizer) -> TokenDataset:
-        samples = [parse_sample(cfg, record, where) for where, record in rows]
-        return encode_rows(cfg, samples, tokenizer, always_mask=True)
+        samples = [parse_sample(cfg, record, where, self.objective) for where, record in rows]
+        return encode_rows(cfg, samples, tokenizer, self.objective, always_mask=True)
 
 
 @dataclass
@@ -78,23 +84,23 @@ class StreamedSet:
     rows: StreamRows = field(default_factory=StreamRows)
 
 
-def check_streaming(cfg) -> None:
-    """What a stream cannot do, refused before any work (one line each)."""
-    from relaytrain.data.tokenizer import tokenizer_location
-
-    d = cfg.data
-    refused = [(d.mix, "data.mix (a mixture draws from every part's whole set)"),
-               (d.eval_fraction > 0, "data.eval_fraction (it holds out a share of the whole set; give data.eval_path)"),
-               (labels.masked_token_labels(cfg.model), f"model.task={cfg.model.task} (its masks are drawn over the "
-                                                        f"whole set; stream causal_lm or classification)")]
+def check_streaming(*, mixes: bool, eval_fraction: float, shuffle_buffer: int, objective: Objective,
+                    tokenizer: tuple[str, str] | None) -> None:
+    """What a stream cannot do, refused before any work (one line each), from the data keys'
+    values (`mixes`: data.mix is set), the run's `objective` and the configured `tokenizer` it
+    tokenizes with (`tokenizer.tokenizer_location`: None when one would be trained here)."""
+    refused = [(mixes, "data.mix (a mixture draws from every part's whole set)"),
+               (eval_fraction > 0, "data.eval_fraction (it holds out a share of the whole set; give data.eval_path)"),
+               (labels.masked_token_labels(objective), f"model.task={objective.name} (its masks are drawn over the "
+                                                       f"whole set; stream causal_lm or classification)")]
     for on, what in refused:
         if on:
             raise ConfigError(f"data.streaming=true cannot take {what}; drop data.streaming or it")
-    if tokenizer_location(cfg) is None:
+    if tokenizer is None:
         raise ConfigError("data.streaming=true tokenizes as it reads, so it needs a tokenizer made beforehand: set "
                           "model.pretrained or data.tokenizer=DIR")
-    if d.shuffle_buffer < 1:
-        raise ConfigError(f"data.shuffle_buffer={d.shuffle_buffer} must be positive (records held to shuffle a stream)")
+    if shuffle_buffer < 1:
+        raise ConfigError(f"data.shuffle_buffer={shuffle_buffer} must be positive (records held to shuffle a stream)")
 
 
 class StreamLoader:
@@ -129,8 +135,8 @@ class StreamLoader:
         group = next(self._groups)
         self._next = position + 1
         batch = self.row_maker.encode(self.cfg, group, self._tokenizer)
-        return [dataclasses.replace(batch.take(torch.arange(k * self.microbatch_size, (k + 1) * self.microbatch_size)),
-                                    draw=Draw(self.dropout_seed, position, k))
+        return [batch.take(torch.arange(k * self.microbatch_size, (k + 1) * self.microbatch_size),
+                           draw=Draw(self.dropout_seed, position, k))
                 for k in range(self.num_microbatches)]
 
     def _all_groups(self) -> Iterator[list]:

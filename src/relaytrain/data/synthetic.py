@@ -10,10 +10,15 @@ It is learnable, so the loss visibly falls within a few dozen steps:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from relaytrain.data import labels
 from relaytrain.data.dataset import TokenDataset
+
+if TYPE_CHECKING:
+    from relaytrain.objectives.base import Objective
 
 FIRST_TOKEN = 5  # ids below this are left for special tokens ([PAD], [CLS], [SEP], [MASK], [UNK])
 CLS_ID, MASK_ID = 1, 3
@@ -22,14 +27,16 @@ SIGNALS_PER_CLASS = 4
 MLM_MASK_RATE = 0.15
 
 
-def synthetic_dataset(model, num_samples: int, seq_len: int, seed: int) -> TokenDataset:
-    """`num_samples` samples of `seq_len` tokens below model.vocab_size, labelled for model.task."""
+def synthetic_dataset(objective: Objective, vocab_size: int, num_labels: int, num_samples: int, seq_len: int,
+                      seed: int) -> TokenDataset:
+    """`num_samples` samples of `seq_len` tokens below `vocab_size`, labelled for the run's
+    `objective` (`num_labels` classes where it classifies)."""
     g = torch.Generator().manual_seed(seed)
-    window = min(model.vocab_size - FIRST_TOKEN, 4096)
-    if labels.class_labels(model):
-        return _classification(num_samples, seq_len, window, model.num_labels, g)
+    window = min(vocab_size - FIRST_TOKEN, 4096)
+    if labels.class_labels(objective):
+        return _classification(num_samples, seq_len, window, num_labels, g)
     ids = _progressions(num_samples, seq_len, window, g)
-    if labels.next_token_labels(model):
+    if labels.next_token_labels(objective):
         return TokenDataset(ids, ids.clone())
     return _mask_tokens(ids, g)
 

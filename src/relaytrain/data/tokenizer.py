@@ -21,11 +21,14 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from relaytrain.errors import ConfigError, first_line
-from relaytrain.models.family import family_spec
+from relaytrain.utils.errors import ConfigError, first_line
+
+if TYPE_CHECKING:
+    from relaytrain.models.family import Family
 
 # Ids 0..4, in the order synthetic.py reserves them ([PAD]=0, [CLS]=1, [SEP]=2, [MASK]=3, [UNK]=4).
 BERT_SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]")
@@ -42,17 +45,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 
 
 def load_tokenizer(
-    cfg, corpus: Iterable[str], tokenizer_dir: str | None, chat: bool = False
+    cfg, corpus: Iterable[str], tokenizer_dir: str | None, family: Family, chat: bool = False
 ) -> PreTrainedTokenizerFast:
-    """The tokenizer for `cfg`, trained on `corpus` when none is configured; saved under tokenizer_dir.
-    `chat`: it must have a chat template (see the module's docstring)."""
+    """The tokenizer for `cfg`, trained on `corpus` when none is configured (of the kind the run's
+    model `family` trains); saved under tokenizer_dir. `chat`: it must have a chat template (see
+    the module's docstring)."""
     tokenizer = find_tokenizer(cfg, chat)
     if tokenizer is None:
-        kind = family_spec(cfg.model.family).tokenizer
-        tokenizer = train_tokenizer(corpus, kind, cfg.model.vocab_size, cfg.model.max_seq_len, chat)
-        check_vocab_size(
-            tokenizer, cfg.model.vocab_size, f"the tokenizer trained for model.family={cfg.model.family}"
-        )
+        tokenizer = train_tokenizer(corpus, family.tokenizer, cfg.model.vocab_size, cfg.model.max_seq_len, chat)
+        check_vocab_size(tokenizer, cfg.model.vocab_size, f"the tokenizer trained for model.family={family.name}")
     if tokenizer_dir:
         tokenizer.save_pretrained(str(Path(tokenizer_dir) / "tokenizer"))
     return tokenizer
@@ -61,7 +62,7 @@ def load_tokenizer(
 def find_tokenizer(cfg, chat: bool = False) -> PreTrainedTokenizerFast | None:
     """The configured tokenizer (model.pretrained's, else data.tokenizer; for `chat` data.tokenizer
     first, and it must have a chat template), or None when there is none."""
-    configured = tokenizer_location(cfg, chat)
+    configured = tokenizer_location(cfg.model.pretrained, cfg.data.tokenizer, chat)
     if configured is None:
         return None
     key, location = configured
@@ -75,10 +76,10 @@ def find_tokenizer(cfg, chat: bool = False) -> PreTrainedTokenizerFast | None:
     return tokenizer
 
 
-def tokenizer_location(cfg, chat: bool = False) -> tuple[str, str] | None:
-    """Which configured tokenizer a run uses, as (its key, its location), without loading it;
-    None when one is trained here (see the module's docstring for the order)."""
-    pretrained, configured = cfg.model.pretrained, cfg.data.tokenizer
+def tokenizer_location(pretrained: str | None, configured: str | None, chat: bool = False) -> tuple[str, str] | None:
+    """Which configured tokenizer a run uses, as (its key, its location), without loading it:
+    `pretrained`'s (model.pretrained) or `configured` (data.tokenizer); None when one is trained
+    here (see the module's docstring for the order)."""
     if pretrained and may_hold_tokenizer(pretrained) and not (chat and configured):
         return "model.pretrained", pretrained
     if configured:
@@ -91,19 +92,19 @@ def tokenizer_location(cfg, chat: bool = False) -> tuple[str, str] | None:
     return None
 
 
-def tokenizer_identity(cfg, chat: bool = False) -> dict:
+def tokenizer_identity(location: tuple[str, str] | None, family: Family, vocab_size: int, max_seq_len: int,
+                       chat: bool = False) -> dict:
     """What decides the tokenizer a run uses, for the tokenize cache's key: a local tokenizer's
     files (vocabulary, merges, special tokens and chat template all live in them), a hub id as
-    named, or what a tokenizer trained here is made from (the corpus is the data, keyed apart)."""
-    configured = tokenizer_location(cfg, chat)
-    if configured is None:
-        m = cfg.model
-        return {"trained": family_spec(m.family).tokenizer, "vocab_size": m.vocab_size,
-                "max_seq_len": m.max_seq_len, "chat": chat}
-    key, location = configured
-    path = Path(location).expanduser()
+    named, or, with none configured (`location`: `tokenizer_location`'s), what a tokenizer
+    trained here is made from: the kind the model's `family` trains, its size and length (the
+    corpus is the data, keyed apart)."""
+    if location is None:
+        return {"trained": family.tokenizer, "vocab_size": vocab_size, "max_seq_len": max_seq_len, "chat": chat}
+    key, where = location
+    path = Path(where).expanduser()
     if not path.is_dir():
-        return {key: location}
+        return {key: where}
     digest = hashlib.blake2b(digest_size=16)
     for file in sorted(path.iterdir()):
         if file.is_file() and (file.name.startswith(("tokenizer", "special_tokens", "added_tokens", "chat_template",

@@ -1,4 +1,10 @@
-"""Build a layered model from the `model` config: a fresh one, or `model.pretrained`'s weights."""
+"""Build a layered model from the `model` config: a fresh one, or `model.pretrained`'s weights.
+
+The run hands the builder what the config's names name, looked up once (`relaytrain.run.resolve`):
+the family and the objective (`family=`, `objective=`). A caller that holds only a config (a
+test, a script, a notebook, the planner's cost estimates) passes neither, and `_family` and
+`_objective` look them up by name.
+"""
 
 from __future__ import annotations
 
@@ -9,40 +15,50 @@ from pathlib import Path
 import torch
 import transformers
 
-from relaytrain.errors import ConfigError, first_line
-
 # The families register themselves when their modules are imported: every one is imported here.
 from relaytrain.models import adapter as adapters
 from relaytrain.models import bert, decoder, gpt2, moe, quantize  # noqa: F401
 from relaytrain.models.family import Family, families, family_of, family_spec
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 from relaytrain.models.pretrained import load_hf_config
-from relaytrain.objectives import objective
+from relaytrain.objectives import objective as objective_named
 from relaytrain.objectives.chunked import AUTO
+from relaytrain.schema.config import Quantize
+from relaytrain.utils.errors import ConfigError, first_line
 
-__all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "count_parameters", "families",
-           "check_adapter", "family_of", "family_spec", "frozen_experts", "hf_config", "part_parameters",
+__all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "check_model", "count_parameters",
+           "families", "check_adapter", "family_of", "family_spec", "frozen_experts", "hf_config", "part_parameters",
            "trained_parameters"]
 
 
+def _family(m, family: Family | None) -> Family:
+    """`family`, or for a caller without the run's resolved one, the family `model.family` names."""
+    return family if family is not None else family_spec(m.family)
 
-def auto_class(m):
-    """transformers' auto class of the model whose head `model.task`'s objective trains."""
-    return getattr(transformers, objective(m.task).head)
+
+def _objective(m, objective):
+    """`objective`, or for a caller without the run's resolved one, the one `model.task` names."""
+    return objective if objective is not None else objective_named(m.task)
 
 
-def hf_config(m):
+def auto_class(objective):
+    """transformers' auto class of the model whose head `objective` trains."""
+    return getattr(transformers, objective.head)
+
+
+def hf_config(m, family: Family | None = None):
     """The Hugging Face config that the `model` keys describe (no weights), as the family maps
     them, with the attention kernel it will run (`model.attn_implementation` where the
     architecture has it)."""
-    family = family_spec(m.family)
+    family = _family(m, family)
     config = family.hf_config(m)
     config._attn_implementation = family.attention(config, m.attn_implementation)
     return config
 
 
 def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | None = None,
-                adapter=None, compact_base: bool = False) -> LayeredModel:
+                adapter=None, compact_base: bool = False, family: Family | None = None,
+                objective=None) -> LayeredModel:
     """A layered model on the CPU in fp32; strategies move what they need to the device.
 
     With `model.pretrained` (after `pretrained.resolve` made the config agree with it) the
@@ -52,14 +68,16 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     With an `adapter` config (adapter=lora) its adapters are injected and the rest is frozen
     (with `model.quantize=nf4` the blocks' linear weights first become NF4, `models.quantize`);
     `compact_base` then keeps the frozen base in the checkpoint's own half precision (a param
-    server that keeps it on the host: half the bytes, every value as stored).
+    server that keeps it on the host: half the bytes, every value as stored). `family`,
+    `objective`: the run's, resolved (see the module's docstring).
     """
     torch.manual_seed(seed)
-    auto = auto_class(m)
+    family, objective = _family(m, family), _objective(m, objective)
+    auto = auto_class(objective)
     if device is not None and device.type == "meta":
         from relaytrain.models import dry_attention  # registers the dry run's attention
 
-        config = hf_config(m)
+        config = hf_config(m, family)
         attention = config._attn_implementation
         experts = {"experts_implementation": moe.DRY_EXPERTS} if moe.expert_count(config) else {}  # grouped_mm's footprint
         with torch.device("meta"):
@@ -68,17 +86,18 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     elif m.pretrained:
         adapted = adapter is not None and adapters.enabled(adapter)
         half = m.checkpoint_dtype in ("bfloat16", "float16") and adapted and compact_base
-        hf_model, fresh = _load_pretrained(m, auto, getattr(torch, m.checkpoint_dtype) if half else torch.float32)
+        hf_model, fresh = _load_pretrained(m, auto, family, objective,
+                                           getattr(torch, m.checkpoint_dtype) if half else torch.float32)
         if fresh and not quiet:
             shown = ", ".join(fresh[:4]) + (f" and {len(fresh) - 4} more" if len(fresh) > 4 else "")
             print(f"model.pretrained={m.pretrained}: a new {m.task} head"
-                  f"{f' with {m.num_labels} labels' if objective(m.task).classifies else ''}; "
+                  f"{f' with {m.num_labels} labels' if objective.classifies else ''}; "
                   f"freshly initialised: {shown}", flush=True)
     else:
-        config = hf_config(m)
+        config = hf_config(m, family)
         hf_model = auto.from_config(config, attn_implementation=config._attn_implementation)
     hf_model.train()
-    model = family_spec(m.family).layered(hf_model, str(m.task))
+    model = family.layered(hf_model, objective)
     model.loss_chunks = dataclasses.replace(model.loss_chunks, setting=getattr(m, "loss_chunk_tokens", AUTO))
     if adapter is not None and adapters.enabled(adapter):
         if str(getattr(m, "quantize", "none")) == quantize.NF4:  # the frozen base in 4 bits, before peft wraps it
@@ -87,15 +106,14 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     return model
 
 
-def _load_pretrained(m, auto, dtype: torch.dtype = torch.float32) -> tuple:
+def _load_pretrained(m, auto, family: Family, objective, dtype: torch.dtype = torch.float32) -> tuple:
     """The checkpoint under `auto`'s head, with the run's dropout and number of labels, in
     `dtype`; and the names of the weights the checkpoint did not have (initialised here)."""
     config = load_hf_config(m.pretrained, m.trust_remote_code)
-    family = family_spec(m.family)
     family.set_dropout(config, m.dropout)
     family.run_settings(config, m)
     attention = family.attention(config, m.attn_implementation)
-    if objective(m.task).classifies:
+    if objective.classifies:
         config.num_labels = m.num_labels
     local = Path(m.pretrained).expanduser()
     source = str(local) if local.exists() else m.pretrained
@@ -127,21 +145,22 @@ def _no_progress_bars():
     return logging.enable_progress_bar
 
 
-def count_parameters(m) -> int:
+def count_parameters(m, family: Family | None = None, objective=None) -> int:
     """Parameters of the model the config describes, computed on the meta device (no memory)."""
     with torch.device("meta"):
-        hf_model = auto_class(m).from_config(hf_config(m))
+        hf_model = auto_class(_objective(m, objective)).from_config(hf_config(m, family))
     unique = {id(p): p.numel() for p in hf_model.parameters()}
     return sum(unique.values())
 
 
-def part_parameters(m, adapter=None, trained: bool = False) -> tuple[int, int, int]:
+def part_parameters(m, adapter=None, trained: bool = False, family: Family | None = None,
+                    objective=None) -> tuple[int, int, int]:
     """Parameters of the embeddings, of one block and of the head of the model the config
     describes (a tied weight counted once, with the embeddings), from a one-block model on the
     meta device: what the cost models and the profile scale by the number of blocks. With an
     `adapter` config its adapters are counted too, and `trained` counts only what trains."""
     with torch.device("meta"):
-        model = build_model(_one_block(m), quiet=True, adapter=adapter)
+        model = build_model(_one_block(m), quiet=True, adapter=adapter, family=family, objective=objective)
     seen: set[int] = set()
 
     def count(module) -> int:
@@ -159,16 +178,16 @@ def _one_block(m):
     return one_block
 
 
-def trained_parameters(m, a) -> int | None:
+def trained_parameters(m, a, family: Family | None = None, objective=None) -> int | None:
     """How many parameters of the model `m` describes train under the adapter `a` (adapter=lora:
     the adapters'); None when every parameter trains."""
     if adapters.enabled(a):
-        embed, block, head = part_parameters(m, a, trained=True)
+        embed, block, head = part_parameters(m, a, trained=True, family=family, objective=objective)
         return embed + m.num_layers * block + head
     return None
 
 
-def frozen_experts(m, a) -> tuple[list[str], list[str]]:
+def frozen_experts(m, a, family: Family | None = None, objective=None) -> tuple[list[str], list[str]]:
     """A mixture's fused expert tensors under the adapter `a`: their names in a block (e.g.
     mlp.experts.gate_up_proj), and those `a` leaves frozen. LoRA's all-linear reaches linear
     layers only; the experts are 3-D parameters, reached by name through adapter.target_parameters
@@ -176,17 +195,55 @@ def frozen_experts(m, a) -> tuple[list[str], list[str]]:
     if not m.num_experts or not adapters.enabled(a):
         return [], []
     with torch.device("meta"):
-        layer = build_model(_one_block(m), quiet=True).blocks[0].layer
+        layer = build_model(_one_block(m), quiet=True, family=family, objective=objective).blocks[0].layer
     experts = [name for name, p in layer.named_parameters() if p.dim() == 3]
     targets = adapters.saved_targets(a.pretrained) if a.pretrained else list(a.target_parameters)
     return experts, [name for name in experts if not any(name == t or name.endswith("." + t) for t in targets)]
 
 
-def check_adapter(m, a, defaults) -> None:
+def check_model(m, a, family: Family, objective, defaults) -> None:
+    """What the builder says of the model keys `m` and the adapter keys `a` (`defaults`: an
+    AdapterConfig, to tell the keys a run sets), with the run's `family` and `objective`: the
+    keys describe a model the family takes, the adapter's keys fit it, a quantized base has an
+    adapter and a checkpoint. ConfigError, one line, on the first problem."""
+    if not m.pretrained:  # the keys must describe a model the family takes (a checkpoint's config was asked)
+        family.hf_config(m)
+    stray = adapters.set_without_adapter(a, defaults)
+    if stray:
+        raise ConfigError(f"{' and '.join(stray)} set, but adapter=none trains every weight in full; "
+                          f"add adapter=lora, or drop the adapter.* keys")
+    check_adapter(m, a, defaults, family, objective)
+    _check_quantize(str(m.quantize), bool(m.quantize_double), adapted=adapters.enabled(a), pretrained=m.pretrained,
+                    trust_remote_code=m.trust_remote_code, merge_on_save=a.merge_on_save)
+
+
+def check_adapter(m, a, defaults, family: Family | None = None, objective=None) -> None:
     """The adapter keys `a` on their own and against the model `m` describes: named target
     modules against its layers, built on the meta device (shapes, no weights). `defaults`: an
     AdapterConfig, to tell the keys a run sets. ConfigError, one line, on the first problem."""
     named = adapters.enabled(a) and not a.pretrained and (adapters.ALL_LINEAR not in a.target_modules
                                                           or bool(a.target_parameters))  # a mixture's fused experts
-    shapes = build_model(m, quiet=True, device=torch.device("meta")) if named else None
+    shapes = build_model(m, quiet=True, device=torch.device("meta"), family=family, objective=objective) if named else None
     adapters.check(a, m, shapes, defaults=defaults)
+
+
+def _check_quantize(quantize: str, double: bool, *, adapted: bool, pretrained: str | None, trust_remote_code: bool,
+                    merge_on_save: bool) -> None:
+    """A quantized base (model.quantize, model.quantize_double) is frozen: it needs an adapter
+    to train (`adapted`), and a checkpoint (model.pretrained) to quantize."""
+    if quantize == str(Quantize.none):
+        if double:
+            raise ConfigError("model.quantize_double=true set, but model.quantize=none; add model.quantize=nf4 "
+                              "(or adapter=qlora), or drop model.quantize_double")
+        return
+    if not adapted:
+        raise ConfigError(f"model.quantize={quantize}: a full fine-tune cannot train {quantize} weights "
+                          f"(adapter=none); add adapter=lora (or use adapter=qlora), or drop model.quantize")
+    if not pretrained:
+        raise ConfigError(f"model.quantize={quantize} quantizes the weights of model.pretrained; give one "
+                          f"(a model made from scratch has no base worth keeping frozen)")
+    saved_quantized = getattr(load_hf_config(pretrained, trust_remote_code), "quantization_config", None) is not None
+    if merge_on_save and saved_quantized:
+        raise ConfigError(f"adapter.merge_on_save=true: model.pretrained={pretrained} holds only 4-bit weights, no "
+                          f"original to merge into; save the adapter (merge_on_save=false), or train over the "
+                          f"bf16/fp32 checkpoint with model.quantize=nf4")

@@ -9,7 +9,7 @@ from transformers.masking_utils import create_bidirectional_mask
 
 from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import LayeredModel, MicroBatch
-from relaytrain.objectives import objective
+from relaytrain.objectives.base import Objective
 from relaytrain.objectives.cross_entropy import Classification, MaskedLM
 
 
@@ -45,13 +45,13 @@ class BertMLMHead(nn.Module):
 class LayeredBert(LayeredModel):
     family = "bert"
 
-    def __init__(self, hf_model: nn.Module, task: str):
+    def __init__(self, hf_model: nn.Module, objective: Objective):
         bert = hf_model.bert
-        if objective(task).classifies:
+        if objective.classifies:
             head = BertClassifierHead(bert.pooler, hf_model.dropout, hf_model.classifier)
         else:
             head = BertMLMHead(hf_model.cls)
-        super().__init__(hf_model, BertEmbed(bert.embeddings), list(bert.encoder.layer), head, task)
+        super().__init__(hf_model, BertEmbed(bert.embeddings), list(bert.encoder.layer), head, objective)
 
     def shared_context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
         mask = create_bidirectional_mask(config=self.hf_config, inputs_embeds=hidden, attention_mask=mb.attention_mask)
@@ -88,10 +88,18 @@ def _facts(c) -> dict:
 
 
 
+# Megatron's split of a BERT layer over the tensor ranks (`placement/tensor_parallel.py`): the query,
+# key, value and intermediate projections column-wise (whole heads, a share of the MLP's width),
+# the attention's and the layer's output projections row-wise; the layer norms and the hidden
+# dropout after each output projection act on whole (replicated) tensors.
+TP_PLAN = {"attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
+           "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}
+
+
 register_family(Family(
     name="bert", layered=LayeredBert, objectives=(Classification, MaskedLM), tokenizer="wordpiece",
     hf_config=_hf_config, facts=_facts, block_shape=BlockShape.multi_head,
     refuses=lambda c: None if c.model_type == "bert" else "not bert",
-    dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"), tp_plan=lambda c: TP_PLAN,
     description="BERT (classification, masked LM)",
 ))

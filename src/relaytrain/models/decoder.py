@@ -33,9 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from relaytrain.errors import ConfigError, first_line
-from relaytrain.evaluation import EvalStats
-from relaytrain.models.family import BlockShape, Family, register_family
+from relaytrain.models.family import BlockShape, Family, register_family, transformers_block_plan
 from relaytrain.models.layered import NO_CACHE, Block, LayeredModel, MicroBatch
 from relaytrain.models.moe import (
     PROVEN_MOE,
@@ -54,6 +52,8 @@ from relaytrain.models.moe import (
 )
 from relaytrain.objectives.base import LossTerms
 from relaytrain.objectives.cross_entropy import CausalLM
+from relaytrain.step.evaluation import EvalStats
+from relaytrain.utils.errors import ConfigError, first_line
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MASKS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
@@ -480,7 +480,7 @@ SPEC = register_family(Family(
     name="decoder", layered=LayeredDecoder, objectives=(CausalLM,), tokenizer="byte_bpe",
     hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses, attention=attention_for,
     dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout"),
-    run_settings=run_settings, rotary_positions=True,
+    run_settings=run_settings, rotary_positions=True, tp_plan=transformers_block_plan,
     description="decoders of the Llama layout of a proven model type (Llama, Qwen2/3, Mistral, Gemma, Phi-3, "
                 "Granite, Cohere, OLMo, ...; mixtures of experts: Qwen2/3-MoE, Mixtral, OLMoE; causal LM)",
 ))

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from relaytrain import meta_autocast
+from relaytrain.dryrun import meta_autocast
 
 NAME = "relaytrain_dry_run"
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -69,15 +69,20 @@ class Family:
     # as Hugging Face's model computes it (only past the length the checkpoint was trained on), so
     # raising model.max_seq_len is the user's to choose; a learned table has no row to give.
     rotary_positions: bool = False
+    # A block's tensor-parallel plan (`placement/tensor_parallel.py`): each linear layer, by its
+    # path inside a block's Hugging Face layer, split "colwise" or "rowwise" over the tensor ranks,
+    # or a norm "replicated_with_grad_allreduce" (transformers' names); None: the family has none.
+    tp_plan: Callable = staticmethod(lambda hf_config: None)
 
     @property
     def tasks(self) -> tuple[str, ...]:
         """The names (`model.task`) of its objectives, the bare body's first."""
         return tuple(cls.name for cls in self.objectives)
 
-    def past_positions_remedy(self, m, seq_len: int) -> str:
-        """What a user can do about a sequence longer than the model section `m`'s positions."""
-        if m.pretrained:  # the checkpoint's config decides them (models.pretrained.resolve)
+    def past_positions_remedy(self, seq_len: int, pretrained: bool) -> str:
+        """What a user can do about a sequence of `seq_len` tokens, longer than the model's
+        positions (`pretrained`: a checkpoint's model, whose config decides them)."""
+        if pretrained:  # the checkpoint's config decides them (models.pretrained.resolve)
             return ("lower data.seq_len (the checkpoint's config says how many positions it has; a longer "
                     "context needs a checkpoint configured for it)")
         if self.rotary_positions:  # rotary: the positions extend, as in Hugging Face's model
@@ -95,6 +100,17 @@ class Family:
         for key in self.dropout_keys:
             if hasattr(hf_config, key):
                 setattr(hf_config, key, p)
+
+
+def transformers_block_plan(hf_config) -> dict[str, str] | None:
+    """A block's tensor-parallel plan as transformers gives it (`base_model_tp_plan` of the config,
+    e.g. Llama's {"layers.*.self_attn.q_proj": "colwise", ...}): its entries under `layers.*.`,
+    keyed by their path inside the layer; the embeddings' entries left out (they stay whole). None
+    where the config carries no plan for its layers."""
+    prefix = "layers.*."
+    plan = getattr(hf_config, "base_model_tp_plan", None) or {}
+    block = {key.removeprefix(prefix): style for key, style in plan.items() if key.startswith(prefix)}
+    return block or None
 
 
 _FAMILIES: dict[str, Family] = {}

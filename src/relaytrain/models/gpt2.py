@@ -10,6 +10,7 @@ from transformers.masking_utils import create_causal_mask
 from relaytrain.models.family import BlockShape, Family, register_family
 from relaytrain.models.layered import NO_CACHE, LayeredModel, MicroBatch
 from relaytrain.objectives.cross_entropy import CausalLM
+from relaytrain.utils.errors import ConfigError
 
 
 class GPT2Embed(nn.Module):
@@ -83,10 +84,15 @@ def _facts(c) -> dict:
 
 
 
+def _no_tp_plan(c):
+    raise ConfigError("strategy.tensor_parallel: GPT-2 packs its query, key and value projections into one Conv1D "
+                      "(c_attn), which a column split would cut across them; set strategy.tensor_parallel=1")
+
+
 register_family(Family(
     name="gpt2", layered=LayeredGPT2, objectives=(CausalLM,), tokenizer="byte_bpe",
     hf_config=_hf_config, facts=_facts, block_shape=BlockShape.multi_head,
     refuses=lambda c: None if c.model_type == "gpt2" else "not gpt2",
-    dropout_keys=("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    dropout_keys=("resid_pdrop", "embd_pdrop", "attn_pdrop"), tp_plan=_no_tp_plan,
     description="GPT-2 (causal LM)",
 ))

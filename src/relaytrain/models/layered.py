@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from relaytrain.errors import ConfigError
-from relaytrain.evaluation import EvalStats
-from relaytrain.objectives import objective
-from relaytrain.objectives.base import Divisor, LossTerms
+from relaytrain.objectives.base import Divisor, LossTerms, Objective
 from relaytrain.objectives.chunked import Chunking
+from relaytrain.schema.row import row_values, with_row_fields
+from relaytrain.step.evaluation import EvalStats
+from relaytrain.utils.errors import ConfigError
 
 # The mask builders' "no KV cache" argument: `cache=None` from transformers 5.24 on, where
 # `past_key_values` is deprecated; `past_key_values=None` before (the GPU images carry 5.17).
@@ -46,21 +46,18 @@ class Draw:
     replica: int = 0
 
 
-@dataclass
+@with_row_fields
 class MicroBatch:
-    input_ids: torch.Tensor  # [batch, seq] int64
-    labels: torch.Tensor  # [batch] for classification, [batch, seq] for LM (-100 = ignore)
-    attention_mask: torch.Tensor | None = None  # [batch, seq], 1 = real token
-    # [batch, seq]: each token's position in its own record, set when records are packed into
-    # one row (positions restart at 0 where a record starts; decoders then keep records apart).
-    position_ids: torch.Tensor | None = None
+    """A micro-batch's rows: every field of a row (`relaytrain.schema.row.FIELDS`: input_ids,
+    labels, attention_mask, position_ids, ...) as [batch, ...] tensors, then its draw key."""
+
     # The key of its dropout masks, set by the loader for every training micro-batch. None (a
     # micro-batch made by hand, an evaluation batch): the parts draw from torch's global stream.
     draw: Draw | None = None
 
     def _map(self, fn) -> MicroBatch:
         """`fn` of every tensor; the draw key carried along."""
-        tensors = {name: None if (t := getattr(self, name)) is None else fn(t) for name in _TENSOR_FIELDS}
+        tensors = {name: None if t is None else fn(t) for name, t in row_values(self).items()}
         return dataclasses.replace(self, **tensors)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
@@ -84,9 +81,6 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel() if self.attention_mask is None else int(self.attention_mask.sum())
-
-
-_TENSOR_FIELDS = tuple(f.name for f in dataclasses.fields(MicroBatch) if f.name != "draw")
 
 
 # --------------------------------------------------------------------------- keyed draws
@@ -182,7 +176,7 @@ class Block(nn.Module):
         self.layer = layer
         self.index = index
 
-    # train.compile=true: `relaytrain.compile.run_compiled`, `run_layer` compiled once for every
+    # train.compile=true: `relaytrain.models.compile.run_compiled`, `run_layer` compiled once for every
     # block (a plain attribute: the copies strategies make keep it); None runs it eagerly.
     compiled = None
 
@@ -217,7 +211,8 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
     # sequence's context (`token_context`): sequence parallelism, strategies/sequence_parallel.py.
     cuts_sequences: bool = False
 
-    def __init__(self, hf_model: nn.Module, embed: nn.Module, blocks: list[nn.Module], head: nn.Module, task: str):
+    def __init__(self, hf_model: nn.Module, embed: nn.Module, blocks: list[nn.Module], head: nn.Module,
+                 objective: Objective):
         super().__init__()
         # Kept outside the module tree: its parameters are reachable through the parts,
         # and registering it too would list every parameter under two names.
@@ -227,8 +222,7 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         self.embed = embed
         self.blocks = nn.ModuleList(self.block_class(layer, index) for index, layer in enumerate(blocks))
         self.head = head
-        self.task = task
-        self.objective = objective(task)  # the loss, its items and the evaluation sums
+        self.objective = objective  # the run's (`model.task`, resolved): the loss, its items and the evaluation sums
         # How a causal LM's head and loss are cut into chunks of tokens (model.loss_chunk_tokens,
         # set by `build_model`; auto where it saves memory).
         self.loss_chunks = Chunking(vocab=getattr(self.hf_config, "vocab_size", 0) or 0)

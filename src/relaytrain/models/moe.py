@@ -48,7 +48,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
 
 ROUTER = "router"  # the shared-context entry holding the micro-batch's RouterTally
 # The sparse-MLP types whose whole forward the layered decoder computes as Hugging Face does

@@ -19,10 +19,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.family import family_of, family_spec
 from relaytrain.models.quantize import stored_quantization
 from relaytrain.objectives import objective, objective_of_architecture
+from relaytrain.objectives.base import Objective
+from relaytrain.utils.errors import ConfigError, first_line
 
 # ... and the router's balancing loss of a mixture of experts (`models/moe.py`): on or off, its coefficient.
 FINE_TUNABLE = ("task", "num_labels", "dropout", "output_router_logits", "router_aux_loss_coef")
@@ -69,13 +70,19 @@ def _remote_code(local: Path) -> str | None:
     return model_type if "auto_map" in raw or model_type not in CONFIG_MAPPING else None
 
 
-def checkpoint_task(hf_config) -> str | None:
-    """The objective (its name) of the checkpoint's head, None for a bare body (e.g. BertModel)."""
+def checkpoint_objective(hf_config) -> Objective | None:
+    """The objective of the checkpoint's head, None for a bare body (e.g. BertModel)."""
     for arch in hf_config.architectures or []:
         spec = objective_of_architecture(arch)
         if spec is not None:
-            return spec.name
+            return spec
     return None
+
+
+def checkpoint_task(hf_config) -> str | None:
+    """The name (`model.task`) of the checkpoint's head's objective, None for a bare body."""
+    found = checkpoint_objective(hf_config)
+    return None if found is None else found.name
 
 
 def facts(hf_config) -> dict:

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from relaytrain.errors import ConfigError
 from relaytrain.models.adapter.layers import is_conv1d
+from relaytrain.utils.errors import ConfigError
 
 NF4 = "nf4"
 BLOCK = 64  # weights per absmax scale (the QLoRA paper's)

@@ -18,8 +18,8 @@ import difflib
 import importlib
 from typing import TYPE_CHECKING
 
-from relaytrain.discovery import import_modules_of
-from relaytrain.errors import ConfigError, first_line
+from relaytrain.utils.discovery import import_modules_of
+from relaytrain.utils.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
     from relaytrain.objectives.base import Objective

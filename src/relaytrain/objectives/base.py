@@ -21,7 +21,7 @@ from torch import nn
 from relaytrain.objectives.chunked import Chunking
 
 if TYPE_CHECKING:
-    from relaytrain.evaluation import EvalStats
+    from relaytrain.step.evaluation import EvalStats
 
 
 class Batch(Protocol):

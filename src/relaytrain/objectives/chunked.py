@@ -39,8 +39,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.func import functional_call
 
-from relaytrain import meta_autocast
-from relaytrain.errors import ConfigError
+from relaytrain.dryrun import meta_autocast
+from relaytrain.utils.errors import ConfigError
 
 AUTO = "auto"
 LOSS_CHUNK_BYTES = 2**28  # auto: one chunk's fp32 logits take at most this (256 MiB)

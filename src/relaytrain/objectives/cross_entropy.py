@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from relaytrain.evaluation import IGNORE_INDEX, EvalStats
 from relaytrain.objectives import register_objective
 from relaytrain.objectives.base import Batch, LossTerms, Objective
 from relaytrain.objectives.chunked import Chunking, chunked_head_loss, chunks_of
+from relaytrain.step.evaluation import IGNORE_INDEX, EvalStats
 
 
 def sum_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

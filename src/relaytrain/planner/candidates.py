@@ -5,9 +5,14 @@
    workers given (`CostModel.shapes`, asked of each strategy's `cost_model`: the baseline's micro-batch size b and count m = B / b,
    with or without block recompute; L2L's b, inner loop u, replicas w and stash; a pipeline's
    width w x depth d = workers, b, m = B / (w b) and recompute none/block/stage). Micro-batch
-   sizes are powers of two. Where the strategy can cut sequences (`CostModel.cut_shapes`) and
-   the model can be cut S ways (`sequence_parallel.can_cut`), its shapes again with each
-   replica's sequences cut over S workers, for every S > 1 dividing the workers: R x S in all.
+   sizes are powers of two. Every placement that spreads a replica over several workers is
+   asked the same way: the strategy's cost model says which it takes and at which sizes the
+   model can take them (`CostModel.degrees`: sequences cut over S workers, blocks split over T
+   tensor ranks; each size dividing the workers), and its shapes come again for every
+   combination of them that divides the workers (`spreads`), each replica spanning their
+   product (`CostModel.placed_shapes`): R x S x T workers in all; but a spread shape the run's
+   checks refuse (`CostModel.refusal`: two placements together, FSDP's offload with split
+   blocks) is not offered.
 3. **Time**: each candidate's step by its strategy's cost model (`CostModel.step_cost`, made of
    the shared formulas in `relaytrain.cost.formulas`).
 4. **Host memory**: each candidate's host memory on one machine, estimated from its strategy's
@@ -29,18 +34,21 @@ the cost model it names (`cost_model`).
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from relaytrain.compose import validate
-from relaytrain.cost.formulas import ModelFacts, Shape, StepCost
+from relaytrain.cost.formulas import ModelFacts, StepCost
 from relaytrain.cost.profile import Profile
-from relaytrain.errors import ConfigError
+from relaytrain.cost.shape import DEGREES, Shape
 from relaytrain.planner.dryrun import simulate
-from relaytrain.preflight import HEADROOM, check_can_start
+from relaytrain.run.compose import validate
+from relaytrain.run.preflight import HEADROOM, check_can_start
+from relaytrain.run.resolve import choose
 from relaytrain.strategies import presets, strategy_class
-from relaytrain.strategies.sequence_parallel import can_cut
+from relaytrain.utils.errors import ConfigError
 
 GiB = 2**30
 PRUNE_FACTOR = 1.5  # closed-form memory above this many budgets: hopeless, not simulated
@@ -74,26 +82,79 @@ class Request:
 # --------------------------------------------------------------------------- candidates
 
 
+@dataclass
+class Offer:
+    """The shapes of a request, and why each placement the strategies take but offered at no
+    size was not (by strategy key: the first such strategy's reason)."""
+
+    shapes: list[Shape]
+    unplaced: dict[str, str]
+
+
 def enumerate_shapes(request: Request, cfg) -> list[Shape]:
+    return offer(request, cfg).shapes
+
+
+def offer(request: Request, cfg) -> Offer:
     """Every shape of every requested strategy that trains exactly `request.batch` samples a step
-    of `cfg`'s model, whole sequences or cut (a preset: its strategy's shapes that keep the keys
-    it fixes)."""
-    shapes = []
+    of `cfg`'s model, each replica on one worker or spread by the strategy's placements (a
+    preset: its strategy's shapes that keep the keys it fixes), and why a placement a strategy
+    takes was offered at no size."""
+    family, shapes, unplaced = choose(cfg).family, [], {}
     for name in request.strategies:
         cls = strategy_class(name)
-        offered = cls.cost_model.shapes(request.workers, request.batch, cfg.model.num_layers)
-        offered += [shape for size in cut_sizes(request.workers, cfg)
-                    for shape in cls.cost_model.cut_shapes(request.workers, request.batch, cfg.model.num_layers, size)]
+        model, refused = cls.cost_model, Refusals(cls.cost_model, cfg, family)
+        taken = model.degrees(cfg, request.workers, family)
+        placed = [shape for degrees in spreads(taken, request.workers)
+                  for shape in model.placed_shapes(request.workers, request.batch, cfg.model.num_layers, degrees)]
+        offered = [shape for shape in placed if not shape.placement or refused(shape) is None]
         preset = presets().get(name)
-        shapes += offered if preset is None else _keeping(offered, preset.fixed, cls)
-    return list(dict.fromkeys(shapes))  # a strategy and its preset offer some shapes twice
+        offered = offered if preset is None else _keeping(offered, preset.fixed, cls)
+        shapes += offered
+        for key in taken if request.workers > 1 else ():
+            if not any(key in shape.placement for shape in offered):
+                why = refused.first(key) or _why_unplaced(model, cfg, family, key, request.workers)
+                unplaced.setdefault(key, f"{name}: {why}")
+    return Offer(list(dict.fromkeys(shapes)), unplaced)  # a strategy and its preset offer some shapes twice
 
 
-def cut_sizes(workers: int, cfg) -> list[int]:
-    """The S > 1 dividing `workers` that `cfg`'s model can cut its sequences over (its heads,
-    family and the rest as a run checks them)."""
-    return [size for size in range(2, workers + 1)
-            if workers % size == 0 and can_cut(cfg.model, bool(cfg.train.compile), size)]
+class Refusals:
+    """The run's checks (`CostModel.refusal`) of spread shapes: their placements with their other
+    keys (FSDP's offload, its replicas), each set of keys asked once; `None` where they pass."""
+
+    def __init__(self, model, cfg, family):
+        self.model, self.cfg, self.family = model, cfg, family
+        self.said: dict[tuple, str | None] = {}
+
+    def __call__(self, shape: Shape) -> str | None:
+        keys = tuple(tuple(override.removeprefix("strategy.").split("=", 1)) for override in shape.overrides()[1:]
+                     if not override.startswith(BATCH_KEYS))
+        if keys not in self.said:
+            self.said[keys] = self.model.refusal(self.cfg, self.family, **dict(keys))
+        return self.said[keys]
+
+    def first(self, key: str) -> str | None:
+        """The first refusal of a shape spread by the placement `key`, None if none was refused."""
+        return next((why for keys, why in self.said.items() if why and any(k == key for k, _ in keys)), None)
+
+
+BATCH_KEYS = ("strategy.microbatch_size=", "strategy.num_microbatches=")  # what the checks of a placement never read
+
+
+def _why_unplaced(model, cfg, family, key: str, workers: int) -> str:
+    """Why `model`'s strategy offered `key` at no size: the run's refusal at the smallest."""
+    smallest = min(size for size in range(2, workers + 1) if workers % size == 0)
+    return model.refusal(cfg, family, **{key: smallest}) or f"no size dividing plan.workers={workers} fits the model"
+
+
+def spreads(degrees: dict[str, list[int]], workers: int) -> list[dict[str, int]]:
+    """Every way to spread a replica that `degrees` (`CostModel.degrees`: each placement's sizes)
+    allow on `workers` workers: each placement unused or at one of its sizes, their product
+    dividing the workers; by strategy key, the unused left out ({} first: one worker a replica)."""
+    keys = list(degrees)
+    combinations = itertools.product(*([1, *degrees[key]] for key in keys))
+    return [{key: size for key, size in zip(keys, sizes, strict=True) if size > 1}
+            for sizes in combinations if workers % math.prod(sizes) == 0]
 
 
 def _keeping(shapes: list[Shape], fixed: dict, cls) -> list[Shape]:
@@ -132,7 +193,7 @@ class Candidate:
         s = self.shape
         return {
             "strategy": s.strategy, "microbatch_size": s.microbatch_size, "num_microbatches": s.num_microbatches,
-            "replicas": s.replicas, "stages": s.stages, "sequence_parallel": s.sequence_parallel,
+            "replicas": s.replicas, "stages": s.stages, **{key: getattr(s, key) for key in DEGREES},
             "recompute": s.recompute, "workers": s.workers,
             "precision": self.precision,
             "predicted": None if self.cost is None else {"step_time_s": self.cost.step_s,
@@ -220,8 +281,8 @@ class MemoryWalk:
 
     def __init__(self, budget: float, max_simulations: int):
         self.budget, self.max_simulations = budget, max_simulations
-        self.too_big: dict[tuple, int] = {}  # (strategy, options, w, d, S, recompute) -> smallest b that did not fit
-        self.state: dict[tuple, int] = {}  # (strategy, options, w, d, S) -> simulated weights + gradients + optimizer state
+        self.too_big: dict[tuple, int] = {}  # (strategy, options, w, d, S/T, recompute) -> smallest b that did not fit
+        self.state: dict[tuple, int] = {}  # (strategy, options, w, d, S/T) -> simulated weights + gradients + optimizer state
         self.runs: dict[str, int] = {}  # dry runs per variant
         self.found: set[str] = set()  # variants with a candidate that fits
 
@@ -255,16 +316,17 @@ class MemoryWalk:
 
 
 def variant(shape: Shape) -> str:
-    """A strategy with the options its shapes vary (l2l, l2l stash=host) and its cut (l2l
-    sequence_parallel=2): each gets its own fastest."""
-    cut = [f"sequence_parallel={shape.sequence_parallel}"] if shape.sequence_parallel > 1 else []
-    return " ".join([shape.strategy, *cut, *(f"{key}={value}" for key, value in shape.options)])
+    """A strategy with the options its shapes vary (l2l, l2l stash=host) and its placements (l2l
+    sequence_parallel=2, baseline tensor_parallel=4): each gets its own fastest."""
+    spread = [f"{key}={degree}" for key, degree in shape.placement.items()]
+    return " ".join([shape.strategy, *spread, *(f"{key}={value}" for key, value in shape.options)])
 
 
 def _footprint(shape: Shape) -> tuple:
     """What fixes a shape's memory but for its micro-batch (all but the last, its state key: but
     for b and recompute). Not a model family, nor a `strategy.layout`."""
-    return shape.strategy, shape.options, shape.replicas, shape.stages, shape.sequence_parallel, shape.recompute
+    spread = tuple(shape.placement.items())
+    return shape.strategy, shape.options, shape.replicas, shape.stages, spread, shape.recompute
 
 
 def _simulate(c: Candidate, base, budget: float) -> None:

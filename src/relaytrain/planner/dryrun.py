@@ -2,8 +2,8 @@
 process of it (alike ones once), a couple of steps, nothing printed, and its simulated device
 memory back.
 
-It drives `relaytrain.train.run` like any caller; the trainer does not know the planner, so
-nothing here is called back from a run. The accounting itself is `relaytrain.memory`.
+It drives `relaytrain.run.train.run` like any caller; the trainer does not know the planner, so
+nothing here is called back from a run. The accounting itself is `relaytrain.dryrun.memory`.
 
 Alike processes run once. Where the strategy says a rank's dry run is exactly another's
 (`Strategy.dry_run_stand_in`: a replica of the baseline, FSDP or a replicated-EPS L2L is
@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from relaytrain.data.sources import Origin, source
-from relaytrain.launch import dry_run_stand_ins
-from relaytrain.run_spec import describe_run
-from relaytrain.strategies import strategy_class
-from relaytrain.train import run
+from relaytrain.data.sources import Origin
+from relaytrain.run.launch import dry_run_stand_ins
+from relaytrain.run.resolve import choose, minibatch_samples
+from relaytrain.run.train import run
 
 # What a dry run leaves out: it computes nothing, so nothing that needs values.
 DRY = (("train.device", "meta"), ("train.untimed_steps", 0), ("train.checkpoint_every", 0),
@@ -77,11 +76,12 @@ def simulate(cfg, steps: int = 2, alike_once: bool = True) -> Simulation:
     dry = copy.deepcopy(cfg)
     for key, value in (*DRY, ("train.steps", steps)):
         OmegaConf.update(dry, key, value, merge=False)
-    if source(dry.data.source).origin is Origin.generated:  # only what the steps take: at 32 k tokens the
+    chosen = choose(dry)
+    cls = chosen.strategy
+    if chosen.source.origin is Origin.generated:  # only what the steps take: at 32 k tokens the
         # default 4,096 synthetic samples are a gigabyte of ids drawn for nothing
-        OmegaConf.update(dry, "data.num_samples", steps * describe_run(dry).minibatch_samples, merge=False)
-    cls = strategy_class(dry.strategy.name)
-    token = dry_run_stand_ins.set(_stand_in if alike_once else None)
+        OmegaConf.update(dry, "data.num_samples", steps * minibatch_samples(dry, cls), merge=False)
+    token = dry_run_stand_ins.set(cls.dry_run_stand_in if alike_once else None)
     try:
         with tempfile.TemporaryDirectory() as run_dir:
             results = run(dry, run_dir, quiet=True)
@@ -92,14 +92,11 @@ def simulate(cfg, steps: int = 2, alike_once: bool = True) -> Simulation:
     # In rank order; a rank stood in for carries a copy of its stand-in's report, rank and all.
     return Simulation([ProcessMemory(rank, cls.describe_process(dry, rank) if len(per_process) > 1 else p["process"],
                                      p["device"]["peak_allocated_bytes"] or 0, p["device"].get("by_kind", {}),
-                                     _whose(dry, rank, alike_once))
+                                     _whose(cls, dry, rank, alike_once))
                        for rank, p in enumerate(per_process)])
 
 
-def _stand_in(cfg, rank: int) -> int:
-    return strategy_class(cfg.strategy.name).dry_run_stand_in(cfg, rank)
-
-
-def _whose(cfg, rank: int, alike_once: bool) -> int | None:
-    stand_in = _stand_in(cfg, rank) if alike_once else rank
+def _whose(cls, cfg, rank: int, alike_once: bool) -> int | None:
+    """The rank whose dry run stood in for `rank`'s (strategy `cls`), None for its own."""
+    stand_in = cls.dry_run_stand_in(cfg, rank) if alike_once else rank
     return None if stand_in == rank else stand_in

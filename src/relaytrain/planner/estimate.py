@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from relaytrain import metrics
-from relaytrain.errors import ConfigError
+from relaytrain.cost.work import model_flops_per_token
 from relaytrain.planner.plan import predict
-from relaytrain.units import duration
+from relaytrain.utils.errors import ConfigError
+from relaytrain.utils.units import duration
 
 LONG_RUN_S = 3600.0
 GiB = 2**30
@@ -46,12 +46,12 @@ class Estimate:
 
 
 def step_flops(cfg, cls) -> float:
-    """Model FLOPs of a step (`metrics.model_flops_per_token`: every block and the head, forward
+    """Model FLOPs of a step (`cost.work.model_flops_per_token`: every block and the head, forward
     and backward), and one forward more (forward + 2 x backward + forward: 4/3) where the
     strategy recomputes in backward."""
     m, s = cfg.model, cfg.strategy
     tokens = s.microbatch_size * s.num_microbatches * cls.replicas(cfg) * cfg.data.seq_len
-    per_token = metrics.model_flops_per_token(m, cfg.data.seq_len)
+    per_token = model_flops_per_token(m, cfg.data.seq_len)
     return per_token * tokens * (4 / 3 if cls.cost_model.recomputes(cfg) else 1.0)
 
 

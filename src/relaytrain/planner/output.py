@@ -2,7 +2,9 @@
 `relaytrain.planner.plan`), from a finished `Plan`.
 
 6. **Answer**: a table, the best candidate that fits, the `relaytrain train` command that runs
-   it, and plan.json. Every time figure is a prediction and says so. When nothing fits, one
+   it, and plan.json. Every time figure is a prediction and says so. A placement that spreads a
+   replica over several workers (cut sequences, split blocks) which was offered and which the
+   best does not use gets one line saying why not (`placement_notes`). When nothing fits, one
    line says what came closest and where every candidate is (`infeasible_line`).
 """
 
@@ -10,16 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relaytrain.files import write_json
+from relaytrain.cost.shape import DEGREES
 from relaytrain.planner.candidates import Candidate, GiB, Request, variant
 from relaytrain.planner.plan import CHECKPOINT, Plan
+from relaytrain.utils.files import write_json
 
 TABLE_ROWS = 24
 WIDE = 160  # columns of the table when the output is not a terminal (a file, a pipe)
 
 
 def write_plan(plan: Plan, out_dir: Path) -> Path:
-    return write_json(Path(out_dir) / "plan.json", plan.to_json(), indent=2)
+    return write_json(Path(out_dir) / "plan.json", {**plan.to_json(), "placements": placement_notes(plan)}, indent=2)
 
 
 def print_plan(plan: Plan, path: Path) -> None:
@@ -48,8 +51,11 @@ def print_plan(plan: Plan, path: Path) -> None:
     console.print(table)
     if len(shown) < len(plan.candidates):
         console.print(f"{len(plan.candidates) - len(shown)} more candidates in {path}", highlight=False)
-    for name, why in _refused_variants(plan).items():
+    notes = placement_notes(plan)
+    for name, why in _refused_variants(plan, folded=set(notes)).items():
         console.print(f"not considered: {name} ({why})", highlight=False)
+    for note in notes.values():
+        console.print(note, highlight=False)
     if p.device_type == "cpu":
         console.print("CPU: no host<->device transfer; workers share the cores; a row's memory adds the state "
                       "its strategy keeps on the host (an eager param server's: the same memory)", highlight=False)
@@ -111,14 +117,51 @@ def _rows_to_show(plan: Plan) -> list[Candidate]:
     return [c for c in plan.candidates if id(c) in shown]
 
 
-def _refused_variants(plan: Plan) -> dict[str, str]:
-    """The variants none of whose candidates passed the checks, with the first reason."""
+def _refused_variants(plan: Plan, folded: set[str] = frozenset()) -> dict[str, str]:
+    """The variants none of whose candidates passed the checks, with the first reason; but those
+    of a placement in `folded` none of whose candidates passed (its note says so, once)."""
     timed = {variant(c.shape) for c in plan.candidates if c.cost is not None}
+    placed_and_timed = {key for c in plan.candidates if c.cost is not None for key in c.shape.placement}
     refused: dict[str, str] = {}
     for c in plan.candidates:
-        if variant(c.shape) not in timed:
+        said = (folded - placed_and_timed) & c.shape.placement.keys()
+        if variant(c.shape) not in timed and not said:
             refused.setdefault(variant(c.shape), c.why_not)
     return refused
+
+
+def placement_notes(plan: Plan) -> dict[str, str]:
+    """By strategy key, one line for each placement (`cost.shape.DEGREES`) that the strategies
+    take and the best does not use: its fastest candidate that fits and how much slower it is
+    predicted, or why none of them fits or was tried, or why it was offered at no size."""
+    notes, best = {}, plan.best
+    for key in DEGREES:
+        offered = [c for c in plan.candidates if key in c.shape.placement]  # fastest first
+        if best is None or key in best.shape.placement:
+            continue
+        if offered:
+            notes[key] = f"strategy.{key} not chosen: {_why_not_placed(offered, best)}"
+        elif key in plan.unplaced:
+            notes[key] = f"strategy.{key} not offered: {plan.unplaced[key]}"
+    return notes
+
+
+def _why_not_placed(offered: list[Candidate], best: Candidate) -> str:
+    timed = [c for c in offered if c.cost is not None]
+    if not timed:
+        return f"every candidate with it was refused ({offered[0].why_not})"
+    fitting = [c for c in timed if c.fits]
+    if fitting:
+        c = fitting[0]
+        return (f"its fastest candidate that fits, {c.shape.strategy} {c.shape.describe()}, is predicted "
+                f"{c.cost.step_s:.3g} s a step, {c.cost.step_s / best.cost.step_s:.2f} x the best's")
+    refused = [c for c in timed if c.fits is False]
+    if refused:  # the closest to fitting says most: even it does not
+        c = min(refused, key=lambda c: c.closed_form_bytes if c.memory_bytes is None else c.memory_bytes)
+        return f"none of its candidates fits; the smallest, {c.shape.strategy} {c.shape.describe()}: {c.why_not}"
+    c = timed[0]
+    return (f"none of its candidates was found to fit; the fastest, {c.shape.strategy} {c.shape.describe()} "
+            f"({c.cost.step_s:.3g} s a step, predicted): {c.why_not or 'not simulated'}")
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -20,21 +20,17 @@ import shlex
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain.compose import compose
 from relaytrain.cost.formulas import ModelFacts, powers_of_two_dividing
 from relaytrain.cost.profile import Profile, from_spec, load_spec, measure
-from relaytrain.errors import ConfigError
-from relaytrain.launch import keep_freed_host_memory
 from relaytrain.models import adapter, hf_config
-from relaytrain.models.family import family_spec
 from relaytrain.models.pretrained import explicit_overrides, resolve
-from relaytrain.objectives import objective
+from relaytrain.placement.world import pick_device
 from relaytrain.planner.candidates import (
     MAX_SIMULATIONS,
     Candidate,
@@ -42,11 +38,14 @@ from relaytrain.planner.candidates import (
     Request,
     check_candidate,
     decide_memory,
-    enumerate_shapes,
+    offer,
 )
 from relaytrain.planner.dryrun import simulate
+from relaytrain.run.compose import compose
+from relaytrain.run.launch import keep_freed_host_memory
+from relaytrain.run.resolve import choose
 from relaytrain.strategies import registry, strategy_class
-from relaytrain.world import pick_device
+from relaytrain.utils.errors import ConfigError
 
 PLANNER_KEYS = ("strategy", "plan", "hydra")  # override sections the planner decides or consumes
 IGNORED_KEYS = ("strategy", "hydra")  # of those, the ones a user's value is dropped from
@@ -145,7 +144,7 @@ def plan_precision(cfg, overrides: list[str], spec: dict | None) -> PlanPrecisio
     given = [o.split("=", 1)[1] for o in overrides if _key(o) == PRECISION_KEY]
     if given:
         return PlanPrecision(given[-1])
-    if spec is not None and objective(cfg.model.task).predicts_next_token and spec["peak_tflops"].get("bf16"):
+    if spec is not None and choose(cfg).objective.predicts_next_token and spec["peak_tflops"].get("bf16"):
         return PlanPrecision(DECODER_ON_A_GPU, f"precision={DECODER_ON_A_GPU}, the default for a decoder on a GPU "
                                                f"profile (give precision=fp32 or another to plan in it)")
     return PlanPrecision(str(cfg.precision.name))
@@ -172,6 +171,7 @@ class Plan:
     precision: PlanPrecision = PlanPrecision("fp32")
     batch_note: str = ""  # where the planner chose a smaller batch than the default one, why
     positions_note: str = ""  # where the planned command raises the model's positions to the length, why
+    unplaced: dict = field(default_factory=dict)  # by strategy key: why a placement was offered at no size
 
     @property
     def best(self) -> Candidate | None:
@@ -229,7 +229,7 @@ def positions_for_the_length(overrides: list[str]) -> tuple[list[str], str]:
     cfg = resolve(compose(overrides), explicit_overrides(overrides))
     m, seq_len = cfg.model, cfg.data.seq_len
     given = any(_key(o) == "model.max_seq_len" for o in overrides)  # the user's own limit stays theirs
-    if seq_len <= m.max_seq_len or given or m.pretrained or not family_spec(m.family).rotary_positions:
+    if seq_len <= m.max_seq_len or given or m.pretrained or not choose(cfg).family.rotary_positions:
         return overrides, ""  # a checkpoint's positions are its config's: the run's refusal says so
     note = (f"model.max_seq_len raised from {m.max_seq_len} to data.seq_len={seq_len} (rotary positions extend "
             f"past the length the model was trained on; long-context fine-tunes usually set model.rope_scaling too)")
@@ -294,7 +294,8 @@ def _make_plan(overrides: list[str], kept_in_command: list[str], max_simulations
     device = None if spec else _this_device(cfg)  # decided once: profiled, and every candidate checked on it
     request = read_request(cfg, overrides, int(spec["memory_gb"] * GiB) if spec else _device_memory(device))
     kept = passthrough(overrides)
-    shapes = enumerate_shapes(request, cfg)
+    offered = offer(request, cfg)
+    shapes = offered.shapes
     bases = {name: resolve(compose([*kept, f"strategy={name}",
                                     f"{PRECISION_KEY}={precision_for(strategy_class(name), precision.name)}"]),
                            explicit_overrides(kept))
@@ -311,7 +312,7 @@ def _make_plan(overrides: list[str], kept_in_command: list[str], max_simulations
                   for shape in shapes for base in [bases[shape.strategy]]]
     candidates.sort(key=lambda c: (c.cost is None, c.cost.step_s if c.cost else 0.0))
     ignored = [o for o in overrides if _section(o) in IGNORED_KEYS and _key(o) != RUN_DIR_KEY]
-    plan = Plan(request, profile, candidates, kept_in_command, ignored, precision)
+    plan = Plan(request, profile, candidates, kept_in_command, ignored, precision, unplaced=offered.unplaced)
     decide_memory(candidates, bases, request, profile, max_simulations)
     return plan
 
@@ -363,7 +364,7 @@ def predict(cfg) -> Prediction:
     """Predict `cfg`'s step on this machine with its strategy's cost model, profiling one block
     briefly at the config's micro-batch size (and gloo, when it has several workers). Device
     memory: the meta-device dry run on a CUDA device; None on a CPU (no separate device)."""
-    cls, s = strategy_class(cfg.strategy.name), cfg.strategy
+    cls, s = choose(cfg).strategy, cfg.strategy
     device = _this_device(cfg)
     # Every power of two up to b: the profile stops timing where a block's forward and backward
     # would pass PART_BUDGET_S and extrapolates from there, so a large model costs seconds, not minutes.

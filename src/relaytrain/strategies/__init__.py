@@ -23,10 +23,10 @@ import torch
 import yaml
 
 from relaytrain.cost.model import CostModel
-from relaytrain.discovery import import_modules_of
-from relaytrain.errors import ConfigError
+from relaytrain.placement.world import World
 from relaytrain.strategies.base import Capabilities, StepResult, Strategy
-from relaytrain.world import World
+from relaytrain.utils.discovery import import_modules_of
+from relaytrain.utils.errors import ConfigError
 
 __all__ = ["Capabilities", "Preset", "StepResult", "Strategy", "build_strategy", "check_preset", "choices", "presets",
            "register", "registry", "strategy_class"]
@@ -134,9 +134,9 @@ def check_preset(s) -> None:
 
 def build_strategy(model, cfg, device: str | torch.device = "cpu") -> Strategy:
     """A one-process strategy, here in this process, on `device` (for tests, benchmarks and
-    notebooks); `relaytrain.train.run` is the way to run any strategy, several processes included."""
+    notebooks); `relaytrain.run.train.run` is the way to run any strategy, several processes included."""
     cls = strategy_class(cfg.strategy.name)
     if cls.processes(cfg) != 1:
         raise ConfigError(f"strategy={cfg.strategy.name} runs {cls.processes(cfg)} processes; "
-                          f"run it with relaytrain.train.run")
+                          f"run it with relaytrain.run.train.run")
     return cls(model, cfg, World(device=torch.device(device)))

@@ -2,7 +2,8 @@
 the planner need to know about a way of training, in one class per strategy.
 
 A strategy owns *where the weights live* and *in what order work runs*. The class answers,
-before any process starts, what a run needs (`processes`, `replicas`, `check_config`,
+before any process starts, what a run needs (`rank_layout`: where each of its processes sits,
+hence `processes` and `replicas`; `check_config`,
 `state_layout`, `capabilities`) and, through the cost model it names (`cost_model`, a
 `cost.model.CostModel`), what the planner and the host-memory check ask (`shapes`, `step_cost`,
 `device_bytes`, `host_state_bytes`, `estimate_host_bytes`, `recomputes`); an instance, one per process,
@@ -10,7 +11,7 @@ does the work (`step`, `evaluate`, `drain`) and hands over its state (`state_dic
 `load_state_dict`, `weights`) and figures (`report`, then the class's `combine_reports` over
 every process's report).
 
-The trainer (`relaytrain.train`) and the planner (`relaytrain.planner.plan`) drive every strategy
+The trainer (`relaytrain.run.train`) and the planner (`relaytrain.planner.plan`) drive every strategy
 through this interface alone: neither asks for a strategy's name. A new strategy is one
 module with a registered subclass, its config file in `configs/strategy/`, and its tests;
 registering refuses a class that leaves a question of the contract unanswered.
@@ -25,15 +26,16 @@ from typing import ClassVar
 
 import torch
 
-from relaytrain import metrics
-from relaytrain.config import StrategyConfig
 from relaytrain.cost.model import CostModel
-from relaytrain.errors import ConfigError
-from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.objectives.base import Divisor
-from relaytrain.precision import Precision
-from relaytrain.world import World
+from relaytrain.placement.layout import Layout
+from relaytrain.placement.world import World
+from relaytrain.schema.config import StrategyConfig
+from relaytrain.step import metrics
+from relaytrain.step.evaluation import EvalStats
+from relaytrain.step.precision import Precision
+from relaytrain.utils.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -80,14 +82,20 @@ class Strategy(ABC):
 
     # -- what it needs: class level, no process and no tensor --------------------------------
     @classmethod
+    def rank_layout(cls, cfg) -> Layout:
+        """Where each process of the run sits (`placement.layout`): its degrees of parallelism
+        from the config. One process unless the strategy says otherwise."""
+        return Layout()
+
+    @classmethod
     def processes(cls, cfg) -> int:
         """Worker processes a run starts (one launcher starts them all)."""
-        return 1
+        return cls.rank_layout(cfg).size
 
     @classmethod
     def replicas(cls, cfg) -> int:
         """Data-parallel width: each step trains on `replicas` minibatches of the config's shape."""
-        return 1
+        return cls.rank_layout(cfg).data_parallel
 
     @classmethod
     def reporter(cls, cfg) -> int:
@@ -111,7 +119,8 @@ class Strategy(ABC):
 
     @classmethod
     def describe_process(cls, cfg, rank: int) -> str:
-        return f"rank {rank}"
+        """How messages name process `rank`: its place in the layout ("rank 1 (stage 1 of 2)")."""
+        return cls.rank_layout(cfg).describe(rank)
 
     @classmethod
     def dry_run_stand_in(cls, cfg, rank: int) -> int:
@@ -132,6 +141,11 @@ class Strategy(ABC):
         self.model = model
         self.cfg = cfg
         self.world = world
+        # The layout is the strategy's, not the World's: the launcher makes the World knowing only
+        # a number of processes, and the meshes the layout makes live as long as this run's
+        # process groups, which the strategy makes and closes.
+        self.layout = self.rank_layout(cfg)
+        self.place = self.layout.coordinates(world.rank)  # this process's coordinates
         self.device = world.device
         self.precision = Precision.from_name(str(cfg.precision.name))
         self.timer = metrics.PhaseTimer()  # phases of the measured steps: the trainer resets it after warm-up
@@ -234,16 +248,12 @@ class Strategy(ABC):
 
 class ReplicatedStrategy(Strategy):
     """A strategy whose every process is a data-parallel worker: `strategy.replicas` of them,
-    each on its share of every micro-batch (the baseline, FSDP, L2L)."""
+    each on its share of every micro-batch (the baseline, FSDP, L2L), and with sequence
+    parallelism S workers sharing each replica's sequences (R x S in all)."""
 
     @classmethod
-    def processes(cls, cfg) -> int:
-        # With sequence parallelism, S workers share each replica's sequences: R x S in all.
-        return cfg.strategy.replicas * getattr(cfg.strategy, "sequence_parallel", 1)
-
-    @classmethod
-    def replicas(cls, cfg) -> int:
-        return cfg.strategy.replicas
+    def rank_layout(cls, cfg) -> Layout:
+        return Layout(replicate=cfg.strategy.replicas, sequence=getattr(cfg.strategy, "sequence_parallel", 1))
 
     @classmethod
     def check_config(cls, cfg) -> None:

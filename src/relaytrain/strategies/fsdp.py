@@ -1,8 +1,10 @@
-"""FSDP: torch's fully sharded data parallelism (FSDP2, `fully_shard`; ZeRO stage 3) as a strategy.
+"""`strategy=fsdp`: the whole-model strategy (whole_model.py) with every weight sharded, by
+torch's fully sharded data parallelism (FSDP2, `fully_shard`; ZeRO stage 3).
 
 R workers each train on their share of every micro-batch, as the baseline's replicas do, but
 none holds the whole model: every parameter, its gradient and its optimizer state are split
-in R shards along their first dimension. `fully_shard` is applied to each block and then to
+in R shards along their first dimension (the layout's shard dim; with sequence parallelism
+all R x S workers of its shard and sequence dims shard between them). `fully_shard` is applied to each block and then to
 the root (the embeddings and the head together, so a tied embedding and LM head stay one
 parameter): before a unit computes, its parameters are all-gathered; after it, they are
 dropped again (`strategy.reshard_after_forward=true`: gathered once more for the backward,
@@ -37,59 +39,56 @@ baseline resumes from FSDP's. With one worker the strategy makes a process group
 A dry run cannot run FSDP's collectives on the meta device: it runs the same model unsharded
 and reports its activations as tracked, with weights, gradients and optimizer state divided
 by R and the gathered units added by FSDP's closed form, labelled so.
+
+With `strategy.tensor_parallel=T` (R x T workers, a 2-D mesh as torchtitan's): the blocks are
+split over the tensor dim first (placement/tensor_parallel.py), then `fully_shard` shards every
+parameter over the shard dim's submesh, so a split weight is a DTensor over both dims (each
+worker 1/(R x T) of it) and the rest over the shard dim alone. Checkpoints stay DCP directories
+of whole tensors by name, so they resume at any R and T and under any strategy. T > 1 needs R > 1
+(with one worker per tensor part there is nothing to shard: that is the baseline's
+`strategy.tensor_parallel`) and no host offload (untried with split weights).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from relaytrain.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state, sharded_contents
-from relaytrain.config import Offload, Recompute, SequenceParallelConfig, StrategyConfig, WorkersConfig
 from relaytrain.cost.formulas import Shape
-from relaytrain.errors import ConfigError
-from relaytrain.evaluation import EvalStats
-from relaytrain.models.layered import MicroBatch
-from relaytrain.optim import build_optimizer, set_lr
-from relaytrain.precision import LossScaler
+from relaytrain.placement.layout import Layout
+from relaytrain.placement.tensor_parallel import local as _local
+from relaytrain.placement.tensor_parallel import tensor_parallel
+from relaytrain.placement.tensor_parallel import whole as _whole
+from relaytrain.records.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state, sharded_contents
+from relaytrain.schema.config import (
+    Offload,
+    Recompute,
+    SequenceParallelConfig,
+    StrategyConfig,
+    TensorParallelConfig,
+    WorkersConfig,
+)
+from relaytrain.step.optim import set_lr
 from relaytrain.strategies import register
-from relaytrain.strategies.base import (
-    ReplicatedStrategy,
-    StepResult,
-    minibatch_divisor,
-    optimizer_tensors,
-    replica_rows,
-    scalar,
-)
-from relaytrain.strategies.baseline import (
-    Baseline,
-    MicrobatchLoss,
-    check_stash,
-    evaluate_replicated,
-    host_stash_transfers,
-)
-from relaytrain.strategies.sequence_parallel import (
-    CutSequenceCost,
-    check_sequence_parallel,
-    cut_sequences,
-    sequence_parallel,
-    uninstall,
-)
+from relaytrain.strategies.base import optimizer_tensors
+from relaytrain.strategies.sequence_parallel import CutSequenceCost, sequence_parallel
 from relaytrain.strategies.stash import Stash
-from relaytrain.strategies.whole_model_cost import FsdpCost, gathered_params, recomputes_blocks, unit_bytes
+from relaytrain.strategies.whole_model import STATE, WholeModel
+from relaytrain.strategies.whole_model_cost import FsdpCost, gathered_params, unit_bytes
+from relaytrain.utils.errors import ConfigError
 
 
 @dataclass
-class FsdpConfig(SequenceParallelConfig, WorkersConfig, StrategyConfig):
+class FsdpConfig(TensorParallelConfig, SequenceParallelConfig, WorkersConfig, StrategyConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True  # true: ZeRO-3, parameters gathered again for backward; false: kept from forward to backward
     offload: Offload = Offload.none  # host: parameter, gradient and optimizer shards in host memory (needs a CUDA device)
@@ -106,19 +105,28 @@ class FsdpSequenceCost(CutSequenceCost, FsdpCost):
 
 
 @register("fsdp")
-class Fsdp(ReplicatedStrategy):
+class Fsdp(WholeModel):
     """One worker of R, holding 1/R of every parameter, gradient and optimizer state."""
 
     Config = FsdpConfig
     cost_model = FsdpSequenceCost  # what the planner asks: whole_model_cost.py's closed forms
 
     @classmethod
+    def rank_layout(cls, cfg) -> Layout:
+        s = cfg.strategy
+        return Layout(shard=s.replicas, sequence=sequence_parallel(s), tensor=tensor_parallel(s))
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         super().check_config(cfg)
-        if cfg.strategy.recompute == Recompute.stage:
-            raise ConfigError("strategy.recompute=stage is for pipelines; use strategy.recompute=block")
-        check_stash(cfg)
-        check_sequence_parallel(cfg.strategy, cfg.model, cfg.train.compile)
+        s, size = cfg.strategy, tensor_parallel(cfg.strategy)
+        if size > 1 and s.replicas == 1:
+            raise ConfigError(f"strategy=fsdp strategy.tensor_parallel={size} with strategy.replicas=1 has no dim to "
+                              f"shard over; use strategy=baseline strategy.tensor_parallel={size}, or "
+                              f"strategy.replicas=2 or more")
+        if size > 1 and s.offload == Offload.host:
+            raise ConfigError(f"strategy.offload=host with strategy.tensor_parallel={size} is not supported yet; "
+                              f"drop one")
 
     @classmethod
     def check_device(cls, cfg, device: torch.device) -> None:
@@ -128,35 +136,19 @@ class Fsdp(ReplicatedStrategy):
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
-        return {"processes": cls.processes(cfg), "sharded": True}
+        return {**super().state_layout(cfg), "sharded": True}
 
-    @classmethod
-    def describe_process(cls, cfg, rank: int) -> str:
-        return f"rank {rank} (shard {rank} of {cls.processes(cfg)})"
-
-    # -- one worker -------------------------------------------------------------------------------
-    def __init__(self, model, cfg, world):
-        super().__init__(model, cfg, world)
-        s = cfg.strategy
-        self.replica, self.num_replicas = world.rank // sequence_parallel(cfg.strategy), s.replicas
+    # -- the placement: 1/(R x S) of everything on each worker ------------------------------------
+    def _place_weights(self) -> None:
         # Sequence parallelism: every worker holds a shard (the mesh is all R x S of them, each
         # gradient summed over all), and its tokens of its replica's sequences.
-        self.num_shards = self.processes(cfg)
-        split = cut_sequences(model, world, cfg.strategy)
-        self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
-                                 cfg.precision.growth_interval)
-        self.hf_names = {name: model.hf_name(p) for name, p in model.named_parameters()}  # before sharding
-        self.net = MicrobatchLoss(model, recomputes_blocks(cfg), self.precision,  # amp_*: autocast, as the baseline
-                                  host_stash_transfers(cfg, self.device), split)
-        self.sharded = not world.simulated
+        self.num_shards = self.layout.shard * self.layout.sequence
+        self.sharded = not self.world.simulated
         self.own_group = False
         if self.sharded:
-            self._shard(model, cfg)
+            self._shard(self.model, self.cfg)
         else:
-            model.to(self.device)
-        self.params = [p for p in self.net.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer([(self.hf_names[n], p) for n, p in self.net.model.named_parameters()],
-                                         cfg.optim)
+            self.model.to(self.device)
 
     def _shard(self, model, cfg) -> None:
         """fully_shard every block, then the root; a process group of one where the run has none."""
@@ -167,7 +159,7 @@ class Fsdp(ReplicatedStrategy):
         offloaded = cfg.strategy.offload == Offload.host
         if not offloaded:
             model.to(self.device)
-        mesh = init_device_mesh(self.device.type, (self.num_shards,))
+        mesh = self.layout.submesh(self.device.type, "shard", "sequence")
         policy = dict(mesh=mesh, reshard_after_forward=bool(cfg.strategy.reshard_after_forward),
                       offload_policy=CPUOffloadPolicy() if offloaded else None)
         for block in model.blocks:
@@ -180,48 +172,15 @@ class Fsdp(ReplicatedStrategy):
             if on_gloo:  # see ReduceScatterByAllReduce
                 unit.set_custom_reduce_scatter(ReduceScatterByAllReduce())
 
-    # -- one step ---------------------------------------------------------------------------------
-    def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
-        divisor = minibatch_divisor(self.model, minibatch, self.num_replicas)  # every worker's rows
-        mine = replica_rows(minibatch, self.replica, self.num_replicas)
-        loss_sum = torch.zeros((), device=self.device)
-        with self.timer.phase("forward+backward"):
-            for u, mb in enumerate(mine):
-                self.progress(f"micro-batch {u + 1}/{len(mine)}")
-                if self.sharded:  # one reduce-scatter a step: with the last micro-batch's backward
-                    last = u == len(mine) - 1
-                    self.net.set_requires_gradient_sync(last)
-                    if not self.cfg.strategy.reshard_after_forward:  # and one all-gather (see the module)
-                        self.net.set_reshard_after_backward(last)
-                loss = self.net(mb.to(self.device, non_blocking=True), divisor)
-                self.scaler.scale_loss(loss).backward()
-                loss_sum += loss.detach()
-        self.sum_over_replicas(loss_sum)
-        with self.timer.phase("optimizer"):
-            skipped = self._update(lr)
-        return StepResult(loss=scalar(loss_sum), skipped=skipped)
+    def _microbatch(self, last: bool) -> contextlib.AbstractContextManager:
+        if self.sharded:  # one reduce-scatter a step: with the last micro-batch's backward
+            self.net.set_requires_gradient_sync(last)
+            if not self.cfg.strategy.reshard_after_forward:  # and one all-gather (see the module)
+                self.net.set_reshard_after_backward(last)
+        return contextlib.nullcontext()
 
-    def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
-        if self.sharded and self.num_shards > 1:
-            dist.all_reduce(values)
-        return values
-
-    _update = Baseline._update  # the same step; only what a worker holds and agrees on differs
-    report_phases = Baseline.report
-
-    def _overflowed(self, grads: list[torch.Tensor]) -> bool:
-        """Unscale this worker's shards; an overflow anywhere skips the step everywhere."""
-        overflow = self.scaler.unscale_and_check([_local(g) for g in grads])
-        if self.sharded and self.scaler.enabled:
-            flag = torch.tensor([int(overflow)], device=self.device)
-            dist.all_reduce(flag, dist.ReduceOp.MAX)
-            overflow = bool(flag)
-        return overflow
-
-    def evaluate(self, batches: list[list[MicroBatch]]) -> EvalStats:
-        """Through the root's forward (it gathers the embeddings and the head); each worker its rows."""
-        return evaluate_replicated(self.net, batches, self.replica, self.num_replicas, self.device,
-                                   self.world.control if self.world.distributed and self.sharded else None)
+    def _holds_parts(self) -> bool:
+        return self.sharded  # its shards: an overflow anywhere skips the step everywhere
 
     # -- state ------------------------------------------------------------------------------------
     def parameter_names(self) -> list[str]:
@@ -319,33 +278,35 @@ class Fsdp(ReplicatedStrategy):
                 "optimizer state": [_local(t) for t in optimizer_tensors([self.optimizer])]}
 
     def simulated_memory(self, tracker) -> dict:
-        """The dry run ran the model unsharded: its activations as tracked, its weights, gradients
-        and optimizer state as FSDP holds them (1/(R x S) each; none with offload) plus the units
-        gathered at once: FSDP's closed form, said so."""
+        """The dry run ran the model unsharded (and unsplit): its activations as tracked, its
+        weights, gradients and optimizer state as FSDP holds them (1/(R x S) each, of a tensor
+        rank's share under T; none with offload) plus the units gathered at once: FSDP's closed
+        form, said so."""
         figures = tracker.figures()
-        by_kind = dict(figures["by_kind"])
-        state = ("weights", "gradients", "optimizer state")
-        whole = sum(by_kind[k] for k in state)
         offloaded = self.cfg.strategy.offload == Offload.host
-        for kind in state:
-            by_kind[kind] = 0 if offloaded else by_kind[kind] // self.num_shards
+        by_kind, peak = self._kept_state(figures, shards=self.num_shards)
+        if offloaded:
+            peak -= sum(by_kind[kind] for kind in STATE)
+            by_kind.update(dict.fromkeys(STATE, 0))
         param_bytes = self.precision.weight_dtype.itemsize  # fp32 gathers under amp_* (see the module)
         ends = sum(unit_bytes(part, param_bytes) for part in (self.model.embed, self.model.head))
-        block = unit_bytes(self.model.blocks[0], param_bytes)
+        block = int(unit_bytes(self.model.blocks[0], param_bytes) * self.kept["block"])  # a tensor rank's share
         by_kind["parameters gathered"] = gathered_params(self.cfg, ends, block, len(self.model.blocks))
-        peak = figures["peak_allocated_bytes"] - whole + sum(by_kind[k] for k in (*state, "parameters gathered"))
-        return {**figures, "peak_allocated_bytes": peak, "by_kind": by_kind, "closed_form": True,
-                "note": "simulated activations (a dry run of the unsharded model on the meta device); weights, "
-                        "gradients and optimizer state as FSDP shards them and the gathered units by its closed form "
-                        "(the meta device runs no collectives)"}
+        split = (f", each tensor rank's 1/{self.layout.tensor} of the blocks' split layers"
+                 if self.layout.tensor > 1 else "")
+        return {**figures, "peak_allocated_bytes": peak + by_kind["parameters gathered"], "by_kind": by_kind,
+                "closed_form": True,
+                "note": f"simulated activations (a dry run of the unsharded{' and unsplit' if split else ''} model on "
+                        f"the meta device); weights, gradients and optimizer state as FSDP shards them{split}, and the "
+                        f"gathered units by its closed form (the meta device runs no collectives)"}
 
     def report(self) -> dict:
-        s, out = self.cfg.strategy, self.report_phases()
+        s, out = self.cfg.strategy, super().report()
         shards = f"{s.replicas} workers, reshard after forward: {s.reshard_after_forward}, offload: {s.offload}"
         return {**out, "summary": {"shards": shards, **out["summary"]}}
 
     def close(self) -> None:
-        uninstall(self.model)
+        super().close()
         if self.own_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -365,16 +326,6 @@ class ReduceScatterByAllReduce(DefaultAllocMixin, ReduceScatter):
         n = output_tensor.numel()
         output_tensor.copy_(input_tensor.view(-1).narrow(0, dist.get_rank(group) * n, n).view_as(output_tensor))
         return None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A worker's own part of a sharded tensor; a plain tensor is its own."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (gathered from every worker: a collective)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _is_whole(value, like: torch.Tensor) -> bool:

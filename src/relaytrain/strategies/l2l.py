@@ -40,19 +40,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from relaytrain import metrics
-from relaytrain.checkpoint import (
+from relaytrain.models.layered import Draw, LayeredModel, MicroBatch, eval_mode
+from relaytrain.objectives.base import Divisor, LossTerms
+from relaytrain.records.checkpoint import (
     load_model_state,
     model_state,
     trained_named_parameters,
     unique_named_parameters,
 )
-from relaytrain.config import SequenceParallelConfig, StrategyConfig, WorkersConfig
-from relaytrain.errors import ConfigError
-from relaytrain.evaluation import EvalStats
-from relaytrain.models.layered import Draw, LayeredModel, MicroBatch, eval_mode
-from relaytrain.objectives.base import Divisor, LossTerms
-from relaytrain.precision import LossScaler
+from relaytrain.schema.config import SequenceParallelConfig, StrategyConfig, WorkersConfig
+from relaytrain.step import metrics
+from relaytrain.step.evaluation import EvalStats
+from relaytrain.step.precision import LossScaler
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
     Capabilities,
@@ -69,11 +68,10 @@ from relaytrain.strategies.sequence_parallel import (
     CutSequenceCost,
     check_sequence_parallel,
     cut_sequences,
-    describe_worker,
-    sequence_parallel,
     uninstall,
 )
 from relaytrain.strategies.transfers import Transfers
+from relaytrain.utils.errors import ConfigError
 
 
 class EmbedInput(nn.Module):
@@ -148,15 +146,11 @@ class L2L(ReplicatedStrategy):
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
-        s, workers = cfg.strategy, cls.processes(cfg)
-        layout = {"replicas": s.replicas, "eps_state": str(s.eps_state) if workers > 1 else "local"}
-        if sequence_parallel(cfg.strategy) > 1:  # the EPS's peers are every worker: its shards follow their number
-            layout["sequence_parallel"] = sequence_parallel(cfg.strategy)
-        return layout
-
-    @classmethod
-    def describe_process(cls, cfg, rank: int) -> str:
-        return describe_worker(rank, cfg.strategy.replicas, sequence_parallel(cfg.strategy))
+        layout = cls.rank_layout(cfg)
+        state = {"replicas": layout.replicate, "eps_state": str(cfg.strategy.eps_state) if layout.size > 1 else "local"}
+        if layout.sequence > 1:  # the EPS's peers are every worker: its shards follow their number
+            state["sequence_parallel"] = layout.sequence
+        return state
 
     @classmethod
     def dry_run_stand_in(cls, cfg, rank: int) -> int:
@@ -185,11 +179,11 @@ class L2L(ReplicatedStrategy):
     def __init__(self, model, cfg, world):
         super().__init__(model, cfg, world)
         s = cfg.strategy
-        self.replica, self.num_replicas = world.rank // sequence_parallel(cfg.strategy), s.replicas
+        self.replica, self.num_replicas = self.layout.row_share(world.rank), self.layout.data_parallel
         # Sequence parallelism: this worker's tokens of every sequence (the groups made before the
         # EPS's); every worker is one of the EPS's peers, so each part's gradients are summed over
         # all R x S of them.
-        self.split = cut_sequences(model, world, cfg.strategy)
+        self.split = cut_sequences(model, world, self.layout)
         self.stash_host = stash_on_host(cfg.strategy)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
                                  cfg.precision.growth_interval)

@@ -10,7 +10,6 @@ tests hold the model to. Every figure is a prediction; the shared formulas are
 
 from __future__ import annotations
 
-from relaytrain.config import Choice
 from relaytrain.cost.formulas import (
     FP32,
     LOOPS_ALWAYS,
@@ -27,8 +26,9 @@ from relaytrain.cost.links import allreduce_s, upload_s
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile, Timings
 from relaytrain.models import trained_parameters
-from relaytrain.optim import state_words
-from relaytrain.precision import Precision
+from relaytrain.schema.config import Choice
+from relaytrain.step.optim import state_words
+from relaytrain.step.precision import Precision
 from relaytrain.strategies.stash import Stash, stash_on_host  # noqa: F401 - the stash's one rule, l2l.py's too
 from relaytrain.strategies.whole_model_cost import WORKER_OVERHEAD_BYTES
 

@@ -31,8 +31,9 @@ What is right across the cut, and why:
 A sequence whose length S does not divide is padded at its end (after every real token, so causal
 attention keeps it from them, and unlabelled); in a row of packed records the padding is no
 attention mask, which would keep transformers from reading the records apart from their positions
-(`models.decoder.attention_mask`), so every record still sees only itself. Rank r of R x S workers is replica r // S and holds part
-r % S of that replica's sequences.
+(`models.decoder.attention_mask`), so every record still sees only itself. Which part of its
+replica's sequences a worker holds, and who shares them, is its strategy's layout's `sequence`
+dim (`placement.layout`: rank r of R x S is replica r // S, part r % S).
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from relaytrain.config import SequenceParallelConfig
-from relaytrain.cost.formulas import Shape, StepCost
+from relaytrain.cost.formulas import StepCost
 from relaytrain.cost.links import all_to_all_s
-from relaytrain.errors import ConfigError
-from relaytrain.evaluation import IGNORE_INDEX
 from relaytrain.models import dry_attention
 from relaytrain.models.family import families, family_spec
 from relaytrain.models.layered import LayeredModel, MicroBatch
+from relaytrain.placement.layout import Layout
+from relaytrain.schema.config import SequenceParallelConfig
+from relaytrain.step.evaluation import IGNORE_INDEX
+from relaytrain.utils.errors import ConfigError
 
 # The attention kernels the decoder family runs (`decoder.attention_for`), and a dry run's.
 KERNELS = ("sdpa", "eager", dry_attention.NAME)
@@ -65,12 +67,6 @@ def sequence_parallel(strategy) -> int:
     """S, from the `strategy` config node: workers per sequence (1: none cut; a strategy without
     the key cuts none)."""
     return int(getattr(strategy, "sequence_parallel", 1))
-
-
-def describe_worker(rank: int, replicas: int, size: int) -> str:
-    """How an error names worker `rank` of `replicas` x `size`."""
-    where = f"replica {rank // size} of {replicas}"
-    return f"rank {rank} ({where}, sequence part {rank % size} of {size})" if size > 1 else f"rank {rank} ({where})"
 
 
 # --------------------------------------------------------------------------- config checks
@@ -117,21 +113,17 @@ class CutSequenceCost:
     the facts of one worker (`ModelFacts.cut`: its 1/S of every sequence's tokens computed, kept
     and stashed; attention over whole sequences for 1/S of the heads, the same work); this adds
     attention's all-to-alls (`attention_exchanges_s`), which nothing overlaps, and offers the cut
-    shapes (`cut_shapes`)."""
+    sizes to the planner (`degrees`, as every placement does: `CostModel.placed_shapes` makes the shapes)."""
 
-    def cut_shapes(self, workers: int, batch: int, num_layers: int, size: int) -> list[Shape]:
-        """The shapes of R x S <= `workers` workers, each replica's sequences cut over S = `size`."""
-        return [dataclasses.replace(shape, sequence_parallel=size)
-                for shape in self.shapes_to_cut(workers // size, batch, num_layers)]
-
-    def shapes_to_cut(self, replicas: int, batch: int, num_layers: int) -> list[Shape]:
-        """The strategy's shapes on at most `replicas` replicas, to be cut: its own `shapes`
-        (FSDP's start at one replica here, whose S workers shard)."""
-        return self.shapes(replicas, batch, num_layers)
+    def degrees(self, cfg, workers: int, family) -> dict[str, list[int]]:
+        """Every S > 1 dividing `workers` that the model's sequences can be cut over (`can_cut`)."""
+        sizes = [size for size in range(2, workers + 1)
+                 if workers % size == 0 and can_cut(cfg.model, bool(cfg.train.compile), size)]
+        return {**super().degrees(cfg, workers, family), "sequence_parallel": sizes}
 
     def step_cost(self, cfg, facts, profile):
         size = sequence_parallel(cfg.strategy)
-        worker = facts.cut(size)
+        worker = facts.placed(cfg.strategy)  # its tokens (and, blocks split, its heads: what its all-to-alls carry)
         cost = super().step_cost(cfg, worker, profile)
         if size == 1:
             return cost
@@ -180,18 +172,20 @@ class SequenceCut:
         return slice(self.part * share, (self.part + 1) * share)
 
 
-def sequence_cut(world, size: int) -> SequenceCut:
-    """This process's cut: every process makes every sequence group (torch requires each group be
-    made by all, in one order), ranks r*S .. r*S+S-1 being replica r's."""
+def sequence_cut(world, layout: Layout) -> SequenceCut:
+    """This process's cut: its part along the layout's `sequence` dim, and the group of the
+    workers sharing its sequences. Every process makes every sequence group (torch requires
+    each group be made by all, in one order)."""
+    size = layout.sequence
     if size == 1:
         return SequenceCut()
-    part = world.rank % size
+    part = layout.coordinates(world.rank).sequence
     if not world.distributed or world.simulated:
         return SequenceCut(size, part)
     mine = None
-    for first in range(0, world.size, size):
-        group = dist.new_group(list(range(first, first + size)), timeout=world.timeout)
-        if first <= world.rank < first + size:
+    for ranks in layout.groups("sequence"):
+        group = dist.new_group(ranks, timeout=world.timeout)
+        if world.rank in ranks:
             mine = group
     return SequenceCut(size, part, mine)
 
@@ -388,12 +382,12 @@ def split_for(cut: SequenceCut) -> WholeSequence:
     return WholeSequence() if cut.size == 1 else SequenceSplit(cut)
 
 
-def cut_sequences(model: LayeredModel, world, strategy) -> WholeSequence:
-    """What a strategy that cuts sequences does when it starts (`strategy`: its config node): this
+def cut_sequences(model: LayeredModel, world, layout: Layout) -> WholeSequence:
+    """What a strategy that cuts sequences does when it starts (`layout`: its run's): this
     process's sequence group made (by every process, before any other group), the model's
     attention routed through it, and the split its micro-batches pass through (`uninstall` at
     its end). One worker a sequence: the model as it is, and every sequence whole."""
-    cut = sequence_cut(world, sequence_parallel(strategy))
+    cut = sequence_cut(world, layout)
     install(model, cut)
     return split_for(cut)
 

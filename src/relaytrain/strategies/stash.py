@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from relaytrain.config import Choice
+from relaytrain.schema.config import Choice
 from relaytrain.strategies.relay import ActivationStash
 from relaytrain.strategies.transfers import Transfers
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from relaytrain.memory import on_host
+from relaytrain.dryrun.memory import on_host
 
 
 @dataclass

@@ -7,11 +7,19 @@ model and all-reduces its gradients once a step, FSDP keeps 1/R of everything an
 units before they compute. Each is a cost model of its own (`BaselineCost`, `FsdpCost`), which
 its strategy class names (`cost_model = BaselineCost`): the runtime and the prediction each have
 their own file. Every figure is a prediction; the shared formulas are `relaytrain.cost.formulas`'s.
+
+Both take tensor parallelism (`strategy.tensor_parallel=T`, `WholeModelCost`): a worker is then
+one of T tensor ranks of its replica, priced with the facts of one (`ModelFacts.split`: 1/T of
+every block's matrices, their state and work, and of the activations inside attention and the
+MLP), plus the two all-reduces of a block's activations each way that the split adds
+(`tensor_allreduces_s`). The gradient sums and FSDP's shards then run over the R (or R x S)
+workers that hold the same part of a block, not over every worker (`data_workers`).
 """
 
 from __future__ import annotations
 
-from relaytrain.config import Offload, Recompute
+from omegaconf import OmegaConf
+
 from relaytrain.cost.formulas import (
     FP32,
     ModelFacts,
@@ -28,8 +36,13 @@ from relaytrain.cost.formulas import (
 from relaytrain.cost.links import allreduce_s, upload_s
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import PartTimes, Profile
-from relaytrain.optim import state_words
+from relaytrain.cost.work import one_block_on_meta
+from relaytrain.models import adapter as adapters
+from relaytrain.placement.tensor_parallel import block_plan, tensor_parallel
+from relaytrain.schema.config import Offload, Recompute
+from relaytrain.step.optim import state_words
 from relaytrain.strategies.stash import Stash, stash_on_host
+from relaytrain.utils.errors import ConfigError
 
 WORKER_OVERHEAD_BYTES = int(0.5 * 2**30)  # Python, torch and transformers in each worker process
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket: one all-reduce message each
@@ -84,10 +97,79 @@ def _extra_workers_bytes(workers: int) -> int:
     return workers * WORKER_OVERHEAD_BYTES if workers > 1 else 0
 
 
+# --------------------------------------------------------------------------- tensor parallelism
+
+
+class WholeModelCost(CostModel):
+    """What the whole-model placements share: each replica's blocks split over T tensor ranks."""
+
+    def degrees(self, cfg, workers: int, family) -> dict[str, list[int]]:
+        """Every T > 1 dividing `workers` that the model's blocks split over (`split_refusal`; the
+        strategy's checks of each shape's keys come after, `refusal`)."""
+        sizes = [size for size in range(2, workers + 1) if workers % size == 0 and split_refusal(cfg, family, size) is None]
+        return {**super().degrees(cfg, workers, family), "tensor_parallel": sizes}
+
+    def refusal(self, cfg, family, **keys) -> str | None:
+        """Blocks split: the run's check of the model's blocks (`split_refusal`), then the
+        strategy's checks."""
+        size = int(keys.get("tensor_parallel", 1))
+        return (split_refusal(cfg, family, size) if size > 1 else None) or super().refusal(cfg, family, **keys)
+
+    def data_workers(self, cfg) -> int:
+        """The workers holding the same part of every block, whose gradients are summed (FSDP:
+        among which it shards): the run's processes but a replica's other tensor ranks."""
+        return self.strategy.processes(cfg) // tensor_parallel(cfg.strategy)
+
+
+def split_refusal(cfg, family, size: int) -> str | None:
+    """Why a run of `cfg` cannot split its blocks over `size` tensor ranks, in the run's own words
+    (`placement.tensor_parallel.block_plan`: a plan for the family, whole heads, key/value heads
+    and MLP width on every rank, no experts, asked of the model built with one block on the meta
+    device; `family`: the run's, resolved); None where it can. An adapter or a 4-bit base is
+    refused as the run refuses their wrapped layers."""
+    m = cfg.model
+    if adapters.enabled(cfg.adapter) or str(getattr(m, "quantize", "none")) != "none":
+        return "strategy.tensor_parallel does not split adapter-wrapped or 4-bit layers yet; set it to 1"
+    try:
+        block_plan(_one_block(m, family), family, size)
+    except ConfigError as refused:
+        return str(refused)
+    return None
+
+
+_last_block: dict[str, object] = {}  # the last model asked of (`split_refusal`): the planner asks it per size
+
+
+def _one_block(m, family):
+    key = f"{family.name}\n{OmegaConf.to_yaml(m)}"
+    if key not in _last_block:
+        _last_block.clear()
+        _last_block[key] = one_block_on_meta(m, family=family)
+    return _last_block[key]
+
+
+def tensor_allreduces_s(cfg, facts: ModelFacts, profile: Profile) -> float:
+    """A tensor rank's all-reduces in a step (Megatron's f and g): per micro-batch and block, two
+    in the forward (attention's and the MLP's partial outputs summed) and two in the backward
+    (their inputs' gradients), two more where the block is recomputed; each of the block's
+    activations for the micro-batch (b x tokens x hidden at the activations' bytes) over the T
+    ranks at the collectives' rate (`allreduce_s`). The next layer waits for each: exposed."""
+    s = cfg.strategy
+    passes = s.num_microbatches * facts.num_layers * (3 if recomputes_blocks(cfg) else 2)
+    activations = s.microbatch_size * facts.tokens * facts.hidden * facts.activation_bytes
+    return passes * 2 * allreduce_s(activations, facts.tensor_parallel, profile)
+
+
+def add_tensor_allreduces(parts: dict[str, float], cfg, facts: ModelFacts, profile: Profile) -> None:
+    """A step's parts, with the all-reduces of a tensor rank (`tensor_allreduces_s`) where blocks split."""
+    if facts.tensor_parallel > 1:
+        parts["tensor all-reduces"] = tensor_allreduces_s(cfg, facts, profile)
+
+
 # --------------------------------------------------------------------------- the baseline
 
 
-class BaselineCost(CostModel):
+class BaselineCost(WholeModelCost):
     """The baseline's answers (`strategies/baseline.py`): Algorithm 1 on every replica."""
 
     def shapes(self, workers: int, batch: int, num_layers: int) -> list[Shape]:
@@ -106,25 +188,30 @@ class BaselineCost(CostModel):
         forward and backward (block recompute: one more forward per block); then one optimizer
         step over the whole model. With replicas, the all-reduce of every gradient, in buckets
         during the last micro-batch's backward: what outlasts that backward is exposed (on a
-        CPU all of it: the cores that compute also sum)."""
-        n, workers = facts.num_layers, self.strategy.processes(cfg)  # R, or R x S cutting sequences
+        CPU all of it: the cores that compute also sum). Split blocks: a tensor rank's share,
+        its gradients summed over the workers holding the same share, and its all-reduces."""
+        facts = facts.placed(cfg.strategy)
+        n, workers = facts.num_layers, self.strategy.processes(cfg)  # R, or R x S (x T)
         compute, t, (embed, block, head), recompute = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg),
                                                                           workers)
         optimizer = optimizer_s(t, facts, n, embed=True, head=True)
         parts = {"compute": compute, "optimizer": optimizer}
         if stash_on_host(cfg.strategy):
             parts["stash transfers (exposed)"] = host_stash_s(cfg, facts, profile, block)
-        if workers > 1:
+        summed = self.data_workers(cfg)
+        if summed > 1:
             nbytes = facts.trained_params * FP32  # the gradients: of what trains
-            sums = allreduce_s(nbytes, workers, profile, messages=-(-nbytes // BUCKET_BYTES))
+            sums = allreduce_s(nbytes, summed, profile, messages=-(-nbytes // BUCKET_BYTES), span=workers)
             last_backward = embed.backward_s + n * (block.backward_s + recompute) + head.backward_s
             parts["gradient sums (exposed)"] = sums if profile.device_type == "cpu" else max(
-                allreduce_s(min(nbytes, BUCKET_BYTES), workers, profile), sums - last_backward)
+                allreduce_s(min(nbytes, BUCKET_BYTES), summed, profile, span=workers), sums - last_backward)
+        add_tensor_allreduces(parts, cfg, facts, profile)
         return StepCost(sum(parts.values()), parts)
 
     def device_bytes(self, cfg, facts: ModelFacts) -> int:
         """The whole model as one stage with one micro-batch in flight (a host stash: the block
-        inputs in transit)."""
+        inputs in transit); split blocks: a tensor rank's share of them."""
+        facts = facts.placed(cfg.strategy)
         return stage_bytes(facts, cfg.strategy.microbatch_size, facts.num_layers, facts.params, last=True,
                            in_flight=1, versions=1, recompute=str(cfg.strategy.recompute),
                            stashed_inputs=stashed_inputs(cfg))
@@ -147,7 +234,7 @@ class BaselineCost(CostModel):
 # --------------------------------------------------------------------------- FSDP
 
 
-class FsdpCost(CostModel):
+class FsdpCost(WholeModelCost):
     """FSDP's answers (`strategies/fsdp.py`): the baseline's compute on 1/R of the state, and the
     gathers and reduce-scatters that sharding adds."""
 
@@ -156,6 +243,13 @@ class FsdpCost(CostModel):
         every micro-batch size of a worker's share, with and without block recompute (its inputs on
         the device or the host), resharding after forward or not, the shards on the device or the host."""
         return self.sharded_shapes(range(2, workers + 1), batch)
+
+    def shapes_to_place(self, replicas: int, batch: int, num_layers: int, degrees: dict[str, int]) -> list[Shape]:
+        """From one replica up where sequences are cut (its S workers shard the model between
+        them); from two where only blocks split (a replica's tensor ranks hold different parts:
+        FSDP shards among the replicas)."""
+        first = 1 if degrees.get("sequence_parallel", 1) > 1 else 2
+        return self.sharded_shapes(range(first, replicas + 1), batch)
 
     def sharded_shapes(self, replicas: range, batch: int) -> list[Shape]:
         """`shapes` for each of these numbers of replicas."""
@@ -176,17 +270,20 @@ class FsdpCost(CostModel):
         the gathers overlap the compute of the unit before them (prefetch): what outlasts the
         compute is exposed, and one unit's gather at least; on a CPU the cores that compute also
         move the bytes: all of it counts. Offload adds each gather's upload of the shards and the
-        optimizer step on the host."""
-        s, n = cfg.strategy, facts.num_layers
-        w = self.strategy.processes(cfg)  # the shards: R, or R x S cutting sequences
-        compute, t, (_, block, _), _ = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg), w)
+        optimizer step on the host. Split blocks: a tensor rank's share, sharded among the workers
+        holding the same share, and its all-reduces."""
+        s = cfg.strategy
+        facts = facts.placed(s)
+        n, processes, w = facts.num_layers, self.strategy.processes(cfg), self.data_workers(cfg)  # w: R, or R x S
+        compute, t, (_, block, _), _ = whole_model_compute(cfg, facts, profile, recomputes_blocks(cfg), processes)
         # A ring all-gather or reduce-scatter moves half an all-reduce's bytes (NCCL). gloo's
         # all-gather takes its all-reduce's time, measured, and its reduce-scatter runs as one
         # (ReduceScatterByAllReduce): on a CPU each costs a whole all-reduce.
         share = 1.0 if profile.device_type == "cpu" else 0.5
-        gather = allreduce_s(facts.whole(facts.device_part_bytes), w, profile, messages=n + 1) * share
+        gather = allreduce_s(facts.whole(facts.device_part_bytes), w, profile, messages=n + 1, span=processes) * share
         gathers = 2 * s.num_microbatches if s.reshard_after_forward else 1
-        traffic = gathers * gather + allreduce_s(facts.trained_params * FP32, w, profile, messages=n + 1) * share
+        traffic = gathers * gather + allreduce_s(facts.trained_params * FP32, w, profile, messages=n + 1,
+                                                 span=processes) * share
         offloaded = s.offload == Offload.host
         if offloaded:
             traffic += gathers * upload_s(facts.built_bytes(compact_base=False) / w, profile)
@@ -199,17 +296,19 @@ class FsdpCost(CostModel):
         parts = {"compute": compute, "gathers and reduce-scatters (exposed)": exposed, "optimizer": optimizer}
         if stash_on_host(cfg.strategy):
             parts["stash transfers (exposed)"] = host_stash_s(cfg, facts, profile, block)
+        add_tensor_allreduces(parts, cfg, facts, profile)
         return StepCost(sum(parts.values()), parts)
 
     def device_bytes(self, cfg, facts: ModelFacts) -> int:
         """1/R of the weights, gradients and optimizer state (none with offload), the units
         gathered at once (the root's embeddings and head and the blocks around the one computing;
         without resharding every block, from its forward to its backward), and one micro-batch's
-        activations as the baseline keeps them."""
+        activations as the baseline keeps them; split blocks: of a tensor rank's share."""
         s = cfg.strategy
+        facts = facts.placed(s)
         activations = stage_bytes(facts, s.microbatch_size, facts.num_layers, 0, last=True, in_flight=1,
                                   versions=0, recompute=str(s.recompute), stashed_inputs=stashed_inputs(cfg))
-        shards = 0 if s.offload == Offload.host else _sharded_state_bytes(facts) / self.strategy.processes(cfg)
+        shards = 0 if s.offload == Offload.host else _sharded_state_bytes(facts) / self.data_workers(cfg)
         return int(shards + gathered_bytes(cfg, facts) + activations)
 
     def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
@@ -218,7 +317,7 @@ class FsdpCost(CostModel):
         stash = host_stash_bytes(cfg, facts)
         if cfg.strategy.offload != Offload.host:
             return stash
-        return int(_sharded_state_bytes(facts) / self.strategy.processes(cfg)) + stash
+        return int(_sharded_state_bytes(facts.placed(cfg.strategy)) / self.data_workers(cfg)) + stash
 
     def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
         """Every worker builds the whole model once before sharding it; then it keeps its shards

@@ -14,13 +14,13 @@ from datetime import timedelta
 import pytest
 import torch
 
-from relaytrain.errors import ConfigError
-from relaytrain.metrics import PhaseTimer
+from relaytrain.step.metrics import PhaseTimer
 from relaytrain.strategies.pipeline.comms import Watcher
 from relaytrain.strategies.pipeline.executor import MessageDrivenExecutor
 from relaytrain.strategies.pipeline.jitter import StageJitter
 from relaytrain.strategies.pipeline.schedule import COMPUTE, Op, build_schedule, stop_points
 from relaytrain.strategies.pipeline.validate import StageInvariants
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import train_plain_loop
 from tests.strategies.pipeline.test_runtime import (
     STEPS,

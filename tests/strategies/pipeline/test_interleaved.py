@@ -15,15 +15,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
-from relaytrain.errors import ConfigError
+from relaytrain.commands.cli import main
 from relaytrain.models import build_model
 from relaytrain.planner.dryrun import simulate
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.pipeline.schedule import COMPUTE, FlushSchedule, InterleavedSchedule, Op
 from relaytrain.strategies.pipeline.validate import check_schedule
-from relaytrain.train import run
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import TINY_GPT2, tiny_cfg, train_plain_loop
 
 SHAPES = [(d, v, m) for d in (2, 3, 4) for v in (1, 2, 3) for m in (d, 2 * d, 3 * d)]

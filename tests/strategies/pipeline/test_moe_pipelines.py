@@ -19,9 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from relaytrain.compose import compose_config
 from relaytrain.models.pretrained import resolve
-from relaytrain.train import run
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
 from tests.checkpoints import tiny_moe
 from tests.conformance.references import (
     assert_same_weights,

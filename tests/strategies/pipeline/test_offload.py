@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relaytrain.checkpoint import checkpoint_dir
-from relaytrain.compose import compose_config
 from relaytrain.models import build_model
 from relaytrain.planner.dryrun import simulate
+from relaytrain.records.checkpoint import checkpoint_dir
+from relaytrain.run.compose import compose_config
 from relaytrain.strategies.pipeline.offload import HostVersions
 from relaytrain.strategies.pipeline.stage import StageModule
 from relaytrain.strategies.pipeline.weights import WeightVersions
@@ -174,7 +174,7 @@ def test_offload_takes_optimizer_state_off_the_device_in_a_dry_run(strategy):
 
 
 def test_the_stage_report_shows_its_simulated_device_peak(tmp_path):
-    from relaytrain.train import run
+    from relaytrain.run.train import run
 
     cfg = compose_config([*MODEL, "strategy=pipe_2bw", OFFLOAD, "train.device=meta", "train.steps=2",
                           "train.untimed_steps=0"])

@@ -17,19 +17,19 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain import failpoints
-from relaytrain.cli import main
+from relaytrain.commands.cli import main
 from relaytrain.data import build_dataset, build_loader
-from relaytrain.errors import ConfigError
-from relaytrain.launch import failure
 from relaytrain.models import build_model
-from relaytrain.optim import lr_at
+from relaytrain.placement.layout import Layout
+from relaytrain.run.launch import failure
+from relaytrain.run.train import run
+from relaytrain.step.optim import lr_at
 from relaytrain.strategies import build_strategy
-from relaytrain.strategies.pipeline.comms import Topology
 from relaytrain.strategies.pipeline.config import SEGMENT_VARIABLE
 from relaytrain.strategies.pipeline.runtime import WeightVersions
 from relaytrain.strategies.pipeline.stage import StageModule
-from relaytrain.train import run
+from relaytrain.utils import failpoints
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import tiny_cfg, train_plain_loop
 
 STEPS = 4
@@ -186,14 +186,14 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error_in_bounded_time(tmp_pa
     assert time.monotonic() - killed_at[0] < 300, "the run waited for the transfer timeout"
     message = str(failed.value)
     assert "\n" not in message
-    assert message.startswith("worker rank 1 (stage 1 of 2, replica 0) was killed by SIGKILL during step 3")
+    assert message.startswith("worker rank 1 (stage 1 of 2) was killed by SIGKILL during step 3")
     assert not [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
 
 
 def test_the_first_error_is_the_one_reported(tmp_path):
     """A rank that raised is the cause; the peers that lost it failed later. A user's error
     (a ConfigError, e.g. a NaN loss) is shown as it is."""
-    topology = Topology(stages=3, replicas=1)
+    layout = Layout(stage=3)
     records = ((2, 5.0, "RuntimeError", "Connection closed by peer", False), (1, 4.0, "ValueError", "boom", False))
     for rank, when, error, message, user in records:
         record = {"rank": rank, "time": when, "error": error, "message": message, "user_error": user}
@@ -203,11 +203,11 @@ def test_the_first_error_is_the_one_reported(tmp_path):
         exitcode = 1
 
     def explain(failed):
-        return str(failure([Exited(), Exited(), Exited()], failed, topology.describe, tmp_path,
+        return str(failure([Exited(), Exited(), Exited()], failed, layout.describe, tmp_path,
                            when=lambda rank: "during step 5", latest=tmp_path / "step-00000004", timeout_s=60))
 
     line = explain([1, 2])
-    assert line.startswith("worker rank 1 (stage 1 of 3, replica 0) failed during step 5: ValueError: boom")
+    assert line.startswith("worker rank 1 (stage 1 of 3) failed during step 5: ValueError: boom")
     assert line.endswith(f"the newest complete checkpoint is {tmp_path / 'step-00000004'}: "
                          f"continue with train.resume={tmp_path / 'step-00000004'}")
     record = {"rank": 0, "time": 1.0, "error": "TrainingDiverged", "message": "the loss became nan at step 3",
@@ -242,7 +242,7 @@ def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
     import sys
 
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "relaytrain.cli", "train", "strategy=pipe_flush", "train.steps=100000",
+        [sys.executable, "-m", "relaytrain.commands.cli", "train", "strategy=pipe_flush", "train.steps=100000",
          "train.untimed_steps=1", f"hydra.run.dir={tmp_path}"],
         env={**os.environ, "CI": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relaytrain import checkpoint
-from relaytrain.checkpoint import checkpoint_dir
-from relaytrain.cli import main
-from relaytrain.errors import ConfigError
+from relaytrain.commands.cli import main
+from relaytrain.records import checkpoint
+from relaytrain.records.checkpoint import checkpoint_dir
 from relaytrain.strategies.pipeline.schedule import Op, build_schedule, schedules, stop_points
 from relaytrain.strategies.pipeline.validate import check_schedule
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import wait_for
 
 TINY = ["model.num_layers=3", "model.hidden_size=32", "model.num_heads=4", "model.intermediate_size=64",
@@ -36,7 +36,7 @@ TWO_BW = ["model=gpt2_tiny", "strategy=pipe_2bw"]  # GPT-2: the tied wte/lm_head
 
 
 def start(run_dir: Path, *extra: str, run: list[str] = RUN) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "relaytrain.cli", *run, *extra, f"hydra.run.dir={run_dir}"],
+    return subprocess.Popen([sys.executable, "-m", "relaytrain.commands.cli", *run, *extra, f"hydra.run.dir={run_dir}"],
                             env={**os.environ, "CI": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 

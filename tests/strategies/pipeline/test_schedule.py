@@ -10,9 +10,8 @@ import sys
 import pytest
 from rich.console import Console
 
-from relaytrain.cli import main
+from relaytrain.commands.cli import main
 from relaytrain.cost.formulas import fill_and_drain_bubble as bubble_formula
-from relaytrain.errors import ConfigError
 from relaytrain.strategies.pipeline.schedule import (
     COMPUTE,
     Action,
@@ -34,6 +33,7 @@ from relaytrain.strategies.pipeline.view import (
     render_grid,
     render_svg,
 )
+from relaytrain.utils.errors import ConfigError
 
 SHAPES = [(d, m) for d in range(1, 7) for m in range(1, 11)]
 
@@ -360,7 +360,7 @@ def test_colour_grid_never_merges_ids():
 
 def test_piped_command_prints_plain_boxes():
     command = ["schedule", "strategy=pipe_2bw", "strategy.stages=2", "strategy.num_microbatches=4"]
-    script = f"import sys; from relaytrain.cli import main; sys.exit(main({command!r}))"
+    script = f"import sys; from relaytrain.commands.cli import main; sys.exit(main({command!r}))"
     env = {"PATH": "", "COLUMNS": "80", "TERM": "xterm-256color"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     assert "\x1b[" not in done.stdout

@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-from relaytrain.cli import main
-from relaytrain.compose import compose_config
+from relaytrain.commands.cli import main
 from relaytrain.cost.formulas import ModelFacts, part_costs
+from relaytrain.run.compose import compose_config
 from relaytrain.strategies import strategy_class
 from relaytrain.strategies.pipeline.stage import balanced_layout, partition
 from tests.conftest import train_plain_loop

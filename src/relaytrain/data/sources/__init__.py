@@ -3,9 +3,10 @@
 Each source is a class registered by name (`@register_source("jsonl")`) in a module of this
 package; `source(name)` finds it. Modules are discovered, not listed: a new source is a new
 module (plus its config file and tests), and nothing here changes. A source answers two
-questions: `check(cfg)`, its rules for the data keys (which it needs, which it refuses), run
-with every config check before any work; and `load(cfg, tokenizer_dir)`, the training set and
-the held-out set it names itself.
+questions: `check(cfg, objective)`, its rules for the data keys (which it needs, which it
+refuses) for the run's objective, run with every config check before any work; and `load(cfg, tokenizer_dir, objective, family)`, the
+training set and the held-out set it names itself, for the run's objective and model family
+(resolved once: `relaytrain.run.resolve`).
 
 Most rules follow from where a source's samples come from (`Origin`): a record source needs
 data.path (or a mixture, data.mix) and may name held-out records (data.eval_path); a Hugging Face
@@ -20,13 +21,19 @@ from __future__ import annotations
 import abc
 import difflib
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.mixture import check_mix
 from relaytrain.data.reading import Input, check_location, locate
 from relaytrain.data.stream import check_streaming
-from relaytrain.discovery import import_modules_of
-from relaytrain.errors import ConfigError
+from relaytrain.data.tokenizer import tokenizer_location
+from relaytrain.utils.discovery import import_modules_of
+from relaytrain.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from relaytrain.models.family import Family
+    from relaytrain.objectives.base import Objective
 
 __all__ = ["DataSource", "Origin", "held_out_options", "register_source", "source", "source_names", "sources"]
 
@@ -46,25 +53,31 @@ class DataSource(abc.ABC):
     origin: Origin
     packs: bool = False  # data.pack: short records packed into rows of data.seq_len
     chat_template: bool = False  # renders records with the tokenizer's chat template (which tokenizer it picks)
-    streams: bool = False  # data.streaming: it answers `stream(cfg, tokenizer_dir)` (see data/stream.py)
+    streams: bool = False  # data.streaming: it answers `stream(cfg, tokenizer_dir, objective, family)` (data/stream.py)
 
     @classmethod
     @abc.abstractmethod
-    def load(cls, cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+    def load(cls, cfg, tokenizer_dir: str | None, objective: Objective, family: Family
+             ) -> tuple[TokenDataset, TokenDataset | None]:
         """The training set cfg.data describes, tokenized for cfg.model, and the held-out set the
         source itself names (None without one). `tokenizer_dir`: where a tokenizer used for text is
-        saved (`<tokenizer_dir>/tokenizer`), so that a saved model ships with it."""
+        saved (`<tokenizer_dir>/tokenizer`), so that a saved model ships with it. `objective`,
+        `family`: the run's (what its labels are, which tokenizer a run trains, whether packed
+        records stay apart)."""
 
     @classmethod
-    def check(cls, cfg) -> None:
-        """Its rules for cfg.data (ConfigError, one line); a source with more extends it."""
-        if cfg.data.streaming:
+    def check(cls, cfg, objective: Objective) -> None:
+        """Its rules for cfg.data, for the run's `objective` (ConfigError, one line); a source with
+        more extends it."""
+        d = cfg.data
+        if d.streaming:
             if not cls.streams:
                 streaming = [name for name, s in sources().items() if s.streams]
                 raise ConfigError(f"data.streaming=true streams data={' or '.join(streaming)} records; data={cls.name} "
                                   f"reads its whole set (tokenized once, then cached): drop data.streaming")
-            check_streaming(cfg)
-        cls._check_path(cfg.data)
+            check_streaming(mixes=bool(d.mix), eval_fraction=d.eval_fraction, shuffle_buffer=d.shuffle_buffer,
+                            objective=objective, tokenizer=tokenizer_location(cfg.model.pretrained, d.tokenizer))
+        cls._check_path(d)
         cls._check_pack(cfg.data)
         cls._check_held_out(cfg.data)
 
@@ -86,9 +99,10 @@ class DataSource(abc.ABC):
         return (parts or [Input(d.path, "data.path", d.split, d.name)]) + held_out
 
     @classmethod
-    def benchmark_task(cls, cfg) -> str | None:
+    def benchmark_task(cls, name: str | None) -> str | None:
         """The benchmark task whose own metric evaluation reports beside loss and accuracy
-        (`evaluation.metric_names`); None for data that is no benchmark."""
+        (`evaluation.metric_names`) for the dataset `data.name` names; None for data that is
+        no benchmark."""
         return None
 
     @classmethod
@@ -97,7 +111,7 @@ class DataSource(abc.ABC):
             raise ConfigError(f"data.mix mixes record sets for data={' or '.join(source_names(Origin.file))}; "
                               f"data={cls.name} reads one dataset: drop data.mix")
         if cls.origin is Origin.file and d.mix:
-            check_mix(d)
+            check_mix(d.path, [part.weight for part in d.mix])
             for i, part in enumerate(d.mix):
                 check_location(part.path, f"data.mix[{i}].path")
         elif cls.origin is Origin.file:

@@ -33,8 +33,7 @@ from relaytrain.data.reading import Where, read_records, stream_rows
 from relaytrain.data.sources import DataSource, Origin, register_source
 from relaytrain.data.stream import StreamedSet, StreamRows, streamed_facts
 from relaytrain.data.tokenizer import find_tokenizer, load_tokenizer
-from relaytrain.errors import ConfigError
-from relaytrain.models.family import family_spec
+from relaytrain.utils.errors import ConfigError
 
 
 @register_source("chat")
@@ -45,8 +44,8 @@ class ChatSource(DataSource):
     streams = True
 
     @classmethod
-    def check(cls, cfg) -> None:
-        super().check(cfg)
+    def check(cls, cfg, objective) -> None:
+        super().check(cfg, objective)
         roles = cfg.data.roles
         if roles is not None and not isinstance(roles, Mapping):
             raise ConfigError(f"data.roles={roles} must be a mapping of names to roles, e.g. data.roles={{bot: assistant}}")
@@ -56,15 +55,15 @@ class ChatSource(DataSource):
                                   f"or tool")
 
     @classmethod
-    def load(cls, cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+    def load(cls, cfg, tokenizer_dir, objective, family) -> tuple[TokenDataset, TokenDataset | None]:
         """The training records (data.path or data.mix) and the held-out ones (None without any),
         rendered with one tokenizer: the configured one, or ChatML trained on the training records."""
-        _check_model(cfg)
+        _check_model(cfg, objective, family)
         d = cfg.data
         train, mix = training_records(cfg, lambda *where: _read(d, *where))
         groups = [("data.mix" if mix else "data.path", train), *_held_out(d)]
         corpus = (text for record in train for m in record.messages for text in (m["role"], m["content"]))
-        tokenizer = load_tokenizer(cfg, corpus, tokenizer_dir, chat=True)
+        tokenizer = load_tokenizer(cfg, corpus, tokenizer_dir, family, chat=True)
         check_generation_prompt(tokenizer, train[0])
         datasets = [encode_records(records, tokenizer, d.seq_len, d.pack, key, d.num_proc) for key, records in groups]
         if mix:
@@ -72,12 +71,12 @@ class ChatSource(DataSource):
         return datasets[0], (datasets[1] if len(datasets) > 1 else None)
 
     @classmethod
-    def stream(cls, cfg, tokenizer_dir: str | None = None) -> tuple[StreamedSet, TokenDataset | None]:
+    def stream(cls, cfg, tokenizer_dir, objective, family) -> tuple[StreamedSet, TokenDataset | None]:
         """data.streaming: the training records as a stream rendered as it is read (`ChatRows`),
         the held-out ones in memory, both with the configured tokenizer, saved with the run."""
-        _check_model(cfg)
+        _check_model(cfg, objective, family)
         d = cfg.data
-        tokenizer = load_tokenizer(cfg, iter(()), tokenizer_dir, chat=True)
+        tokenizer = load_tokenizer(cfg, iter(()), tokenizer_dir, family, chat=True)
         first = stream_rows(d.path, "data.path", d.split, d.name)
         for record in parse_records(islice(first, 1), dict(d.roles or {})):
             check_generation_prompt(tokenizer, record)  # on the first record, as for the whole set
@@ -127,11 +126,12 @@ def _held_out(d) -> list[tuple[str, list]]:
     return []
 
 
-def _check_model(cfg) -> None:
+def _check_model(cfg, objective, family) -> None:
+    """The run's model (its `objective` and `family`) trains on chat records, packed if asked."""
     m = cfg.model
-    if not labels.next_token_labels(m):
+    if not labels.next_token_labels(objective):
         raise ConfigError(f"data=chat trains a causal LM on the assistant's replies, not model.task={m.task}; "
                           f"use model.task=causal_lm with a model that has it (e.g. model=llama_tiny)")
-    if cfg.data.pack and not family_spec(m.family).layered.packs_records:
+    if cfg.data.pack and not family.layered.packs_records:
         raise ConfigError(f"data.pack=true needs a model that keeps packed records apart by their positions, "
                           f"which model.family={m.family} does not; drop data.pack")

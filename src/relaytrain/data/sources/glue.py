@@ -10,7 +10,7 @@ from relaytrain.data.encode import encode_samples
 from relaytrain.data.reading import load_split, require_columns
 from relaytrain.data.samples import Sample, checked_label, checked_text, text_fields
 from relaytrain.data.sources import DataSource, Origin, register_source
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
 
 
 @register_source("glue")
@@ -19,23 +19,24 @@ class GlueSource(DataSource):
     hub_dataset = "glue"  # the hub's name for it
 
     @classmethod
-    def load(cls, cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+    def load(cls, cfg, tokenizer_dir, objective, family) -> tuple[TokenDataset, TokenDataset | None]:
         splits = [cfg.data.split] + ([cfg.data.eval_split] if cfg.data.eval_split else [])
-        datasets = encode_samples(cfg, [cls.samples(cfg, split) for split in splits], tokenizer_dir)
+        datasets = encode_samples(cfg, [cls.samples(cfg, split, labels.class_labels(objective)) for split in splits],
+                                  tokenizer_dir, objective, family)
         return datasets[0], (datasets[1] if len(datasets) > 1 else None)
 
     @classmethod
-    def benchmark_task(cls, cfg) -> str | None:
-        return cfg.data.name
+    def benchmark_task(cls, name: str | None) -> str | None:
+        return name  # the GLUE task is the dataset's name (sst2, mrpc, ...)
 
     @classmethod
-    def samples(cls, cfg, name: str) -> list[Sample]:
-        """The samples of one split (data.split for training, data.eval_split held out)."""
+    def samples(cls, cfg, name: str, labelled: bool) -> list[Sample]:
+        """The samples of one split (data.split for training, data.eval_split held out), each with
+        its class id when `labelled` (the run's objective classifies)."""
         d = cfg.data
         split = load_split(cfg, cls.hub_dataset, name)
         origin = d.path or f"{cls.hub_dataset}/{d.name}"
         fields = text_fields(d.text_field)
-        labelled = labels.class_labels(cfg.model)
         require_columns(split, fields + ([d.label_field] if labelled else []), origin)
         texts = zip(*(list(split[field]) for field in fields), strict=True)
         class_ids = list(split[d.label_field]) if labelled else None

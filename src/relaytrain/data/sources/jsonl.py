@@ -6,15 +6,20 @@ mixed from several (data.mix); held-out records at data.eval_path (or data.eval_
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.data.encode import encode_rows, encode_samples
 from relaytrain.data.mixture import training_records
 from relaytrain.data.reading import read_records
 from relaytrain.data.samples import Sample, parse_sample
 from relaytrain.data.sources import DataSource, Origin, register_source
-from relaytrain.data.stream import StreamedSet, streamed_facts
+from relaytrain.data.stream import StreamedSet, StreamRows, streamed_facts
 from relaytrain.data.tokenizer import load_tokenizer
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
+
+if TYPE_CHECKING:
+    from relaytrain.objectives.base import Objective
 
 
 @register_source("jsonl")
@@ -23,24 +28,24 @@ class JsonlSource(DataSource):
     streams = True
 
     @classmethod
-    def stream(cls, cfg, tokenizer_dir: str | None = None) -> tuple[StreamedSet, TokenDataset | None]:
+    def stream(cls, cfg, tokenizer_dir, objective, family) -> tuple[StreamedSet, TokenDataset | None]:
         """data.streaming: the training records as a stream (`data/stream.py`), the held-out ones
         (data.eval_path) in memory, both with the configured tokenizer, saved with the run."""
         d = cfg.data
-        tokenizer = load_tokenizer(cfg, iter(()), tokenizer_dir)
+        tokenizer = load_tokenizer(cfg, iter(()), tokenizer_dir, family)
         held_out = None
         if d.eval_path or d.eval_split:
             location, key, split = (d.eval_path, "data.eval_path", d.split) if d.eval_path else (
                 d.path, "data.path", d.eval_split)
-            held_out = encode_rows(cfg, read_samples(cfg, location, key, split, d.name), tokenizer)
-        return StreamedSet(cfg, streamed_facts(cls.name)), held_out
+            held_out = encode_rows(cfg, read_samples(cfg, objective, location, key, split, d.name), tokenizer, objective)
+        return StreamedSet(cfg, streamed_facts(cls.name), StreamRows(objective)), held_out
 
     @classmethod
-    def load(cls, cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+    def load(cls, cfg, tokenizer_dir, objective, family) -> tuple[TokenDataset, TokenDataset | None]:
         d = cfg.data
 
         def read(location: str, key: str, split: str, name: str | None) -> list[Sample]:
-            return read_samples(cfg, location, key, split, name)
+            return read_samples(cfg, objective, location, key, split, name)
 
         train, mix = training_records(cfg, read)
         groups = [train]
@@ -48,18 +53,18 @@ class JsonlSource(DataSource):
             groups.append(read(d.eval_path, "data.eval_path", d.split, d.name))
         elif d.eval_split:
             groups.append(read(d.path, "data.path", d.eval_split, d.name))
-        datasets = encode_samples(cfg, groups, tokenizer_dir)
+        datasets = encode_samples(cfg, groups, tokenizer_dir, objective, family)
         if mix:
             datasets[0].facts["mix"] = mix
         return datasets[0], (datasets[1] if len(datasets) > 1 else None)
 
 
-def read_samples(cfg, location: str, key: str = "data.path", split: str = "train",
+def read_samples(cfg, objective: Objective, location: str, key: str = "data.path", split: str = "train",
                  name: str | None = None) -> list[Sample]:
-    """Every record at `location` as a checked `Sample`."""
+    """Every record at `location` as a checked `Sample` (labelled where the run's `objective` classifies)."""
     records = read_records(location, key, split, name, "data.eval_split" if split == cfg.data.eval_split else
                            "data.split")
-    samples = [parse_sample(cfg, record, where) for where, record in records.rows()]
+    samples = [parse_sample(cfg, record, where, objective) for where, record in records.rows()]
     if not samples:
         raise ConfigError(
             f"{key}={location} holds no samples (it is empty or blank); write one record per line, "

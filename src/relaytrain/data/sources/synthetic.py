@@ -13,6 +13,7 @@ class SyntheticSource(DataSource):
     origin = Origin.generated
 
     @classmethod
-    def load(cls, cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+    def load(cls, cfg, tokenizer_dir, objective, family) -> tuple[TokenDataset, TokenDataset | None]:
         d = cfg.data
-        return synthetic_dataset(cfg.model, d.num_samples, d.seq_len, d.seed), None
+        m = cfg.model
+        return synthetic_dataset(objective, m.vocab_size, m.num_labels, d.num_samples, d.seq_len, d.seed), None

@@ -13,7 +13,7 @@ from relaytrain.data.reading import load_split, require_columns
 from relaytrain.data.samples import text_fields
 from relaytrain.data.sources import DataSource, Origin, register_source
 from relaytrain.data.tokenizer import load_tokenizer
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
 
 TOKENIZE_BATCH = 10_000  # lines per tokenizer call when streaming a large corpus
 
@@ -24,9 +24,9 @@ class WikitextSource(DataSource):
     hub_dataset = "wikitext"  # the hub's name for it
 
     @classmethod
-    def load(cls, cfg, tokenizer_dir: str | None = None) -> tuple[TokenDataset, TokenDataset | None]:
+    def load(cls, cfg, tokenizer_dir, objective, family) -> tuple[TokenDataset, TokenDataset | None]:
         d = cfg.data
-        if labels.class_labels(cfg.model):
+        if labels.class_labels(objective):
             raise ConfigError(
                 "data=wikitext has no labels for model.task=classification; "
                 "use model.task=masked_lm, or a GPT-2 model (model=gpt2_tiny) for causal_lm"
@@ -39,13 +39,13 @@ class WikitextSource(DataSource):
         origin = d.path or f"{cls.hub_dataset}/{d.name}"
         splits = [split for split in [d.split, d.eval_split] if split]
         lines = [cls.lines(cfg, fields[0], split, origin) for split in splits]
-        tokenizer = load_tokenizer(cfg, lines[0], tokenizer_dir)  # trained on the training text only
+        tokenizer = load_tokenizer(cfg, lines[0], tokenizer_dir, family)  # trained on the training text only
         specials = special_ids(tokenizer)
-        wrap = _cls_sep(tokenizer) if labels.masked_token_labels(cfg.model) else None
+        wrap = _cls_sep(tokenizer) if labels.masked_token_labels(objective) else None
         datasets = []
         for text, split in zip(lines, splits, strict=True):
             blocks = chunk_blocks(_token_stream(tokenizer, text), d.seq_len, wrap, f"{origin} split={split}")
-            dataset = with_labels(cfg, blocks, None, specials, None)
+            dataset = with_labels(cfg, blocks, None, specials, None, objective)
             # Lines run on into each other: none is cut or dropped, only the last partial block is.
             dataset.facts = {"records": len(text), "tokens": blocks.numel(), "truncated": 0, "dropped": 0}
             datasets.append(dataset)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.adapter.keys import CONFIG_FILE
 from relaytrain.models.adapter.layers import ADAPTER, quiet_peft, trains
+from relaytrain.utils.errors import ConfigError, first_line
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what PeftModel adds before the base model's names in its files

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from relaytrain.errors import ConfigError, first_line
 from relaytrain.models.adapter.files import read_adapter_weights
 from relaytrain.models.adapter.fingerprint import base_fingerprint
 from relaytrain.models.adapter.fused import use_fused_forward
 from relaytrain.models.adapter.layers import ADAPTER, is_conv1d, quiet_peft, short_names, target_names, trains
+from relaytrain.utils.errors import ConfigError, first_line
 
 # What peft's SEQ_CLS task adds to modules_to_save: the classification head, trained in full.
 CLASSIFIER_NAMES = ("classifier", "score")

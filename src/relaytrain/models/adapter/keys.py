@@ -6,8 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from relaytrain.errors import ConfigError
 from relaytrain.models.adapter.layers import ALL_LINEAR, target_names
+from relaytrain.utils.errors import ConfigError
 
 CONFIG_FILE = "adapter_config.json"
 # Our key -> peft's LoraConfig field: what a continued adapter fixes and a run may not contradict.

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
 
 ALL_LINEAR = "all-linear"
 ADAPTER = "default"  # peft's adapter name: the one adapter a run trains

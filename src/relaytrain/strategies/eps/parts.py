@@ -7,7 +7,7 @@ Face model always holds the trained weights), one optimizer built by `build_opti
 stepping part by part gives exactly the whole-model step) and a *wire* copy: what travels
 to the device (the master itself for fp32, a half copy for cross mixed precision).
 
-Flat buffers (`relaytrain.flat`). A part's own masters live in one contiguous buffer,
+Flat buffers (`relaytrain.step.flat`). A part's own masters live in one contiguous buffer,
 `Part.buffer`, in param-group order; each parameter's `.data` is a view into it, so the
 model, checkpoints and `save_pretrained` see the same parameters as before. The part's
 optimizer is the flat variant of the configured one (`build_optimizer(flat=True)`): its
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from relaytrain.flat import flatten
-from relaytrain.optim import param_groups
+from relaytrain.step.flat import flatten
+from relaytrain.step.optim import param_groups
 
 
 @dataclass

@@ -20,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from relaytrain.placement.world import DoneWork
 from relaytrain.strategies.eps.parts import Part
-from relaytrain.world import DoneWork
 
 
 class Peers:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from relaytrain.optim import build_optimizer, set_lr
-from relaytrain.precision import LossScaler
+from relaytrain.step.optim import build_optimizer, set_lr
+from relaytrain.step.precision import LossScaler
 from relaytrain.strategies.eps.parts import Part, accumulate, build_parts, flat_masters, refresh_wires
 from relaytrain.strategies.eps.peers import Peers
 from relaytrain.strategies.eps.table import ELEMENTWISE, HeldRows

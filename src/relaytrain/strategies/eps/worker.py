@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from relaytrain import memory
+from relaytrain.dryrun import memory
 
 
 @dataclass

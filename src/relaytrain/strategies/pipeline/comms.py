@@ -1,6 +1,7 @@
 """Who talks to whom: ranks laid out as replicas x stages, point-to-point transfers, gradient sums.
 
-Rank r = replica * stages + stage: each pipeline (replica) is a run of consecutive ranks.
+Where a rank sits is the run's layout's (`placement.layout`, its `replicate` and `stage` dims):
+rank r = replica * stages + stage, so each pipeline (replica) is a run of consecutive ranks.
 Activations flow to the next rank, gradients to the previous one (round the ring under an
 interleaved schedule, where the last stage's chunk feeds the first stage's next chunk); each
 boundary between virtual stages is a message stream of its own (`route`). Gradients of a stage are
@@ -16,52 +17,31 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from relaytrain.placement.layout import Layout
+from relaytrain.placement.world import DoneWork
 from relaytrain.strategies.pipeline.schedule import Action, Op, message
-from relaytrain.world import DoneWork
 
 POLL_S = (5e-5, 1e-3)  # NCCL: how often a watcher asks whether a transfer has completed (backing off)
 CLOSE_S = 5.0  # how long closing waits for a watcher thread (they are idle unless a transfer hangs)
 
 
-@dataclass(frozen=True)
-class Topology:
-    stages: int
-    replicas: int
-
-    @property
-    def world_size(self) -> int:
-        return self.stages * self.replicas
-
-    def rank(self, stage: int, replica: int) -> int:
-        return replica * self.stages + stage
-
-    def position(self, rank: int) -> tuple[int, int]:
-        """(stage, replica) of a rank."""
-        replica, stage = divmod(rank, self.stages)
-        return stage, replica
-
-    def describe(self, rank: int) -> str:
-        stage, replica = self.position(rank)
-        return f"rank {rank} (stage {stage} of {self.stages}, replica {replica})"
-
-
 class Comms:
     """This rank's links: neighbours for transfers, process groups for gradient sums."""
 
-    def __init__(self, topology: Topology, rank: int, has_tied_weights: bool, timeout_s: float, dry: bool = False,
+    def __init__(self, layout: Layout, rank: int, has_tied_weights: bool, timeout_s: float, dry: bool = False,
                  lanes: bool = False):
-        self.topology = topology
+        self.layout, self.rank = layout, rank
         self.dry = dry  # a dry run on the meta device: the same buffers, nothing sent
-        self.stage, self.replica = topology.position(rank)
+        place = layout.coordinates(rank)
+        self.stage, self.replica = place.stage, place.replicate
         # Neighbours round the ring of this replica's stages (the ends meet only when interleaved).
-        self.prev = topology.rank((self.stage - 1) % topology.stages, self.replica)
-        self.next = topology.rank((self.stage + 1) % topology.stages, self.replica)
+        self.prev = layout.rank_of(stage=(self.stage - 1) % layout.stage, replicate=self.replica)
+        self.next = layout.rank_of(stage=(self.stage + 1) % layout.stage, replicate=self.replica)
         self.timeout = timedelta(seconds=timeout_s)
         self.replica_group = self._replica_group()
         self.tied_group = self._tied_group() if has_tied_weights else None
@@ -77,7 +57,7 @@ class Comms:
         gloo = dry or dist.get_backend() == "gloo"
         self.act_group = self.grad_group = None  # None: the default group
         if lanes and not gloo:
-            everyone = list(range(topology.world_size))
+            everyone = list(range(layout.size))
             self.act_group, self.grad_group = self._new_group(everyone), self._new_group(everyone)
         self.async_p2p = gloo or self.act_group is not None  # receives may be posted ahead
         self.poll = not gloo  # NCCL: a transfer's completion is a CUDA event, seen by polling
@@ -85,36 +65,34 @@ class Comms:
         # the last stage; each sends its gradient to the other, which adds it (a + b == b + a
         # exactly, so both copies get bit-identical sums, as the all-reduce gives them).
         self.tied_peer = None
-        if gloo and has_tied_weights and self.tied_group is not None and topology.replicas == 1:
-            self.tied_peer = topology.rank(topology.stages - 1 if self.stage == 0 else 0, 0)
+        if gloo and has_tied_weights and self.tied_group is not None and layout.replicate == 1:
+            self.tied_peer = layout.rank_of(stage=layout.stage - 1 if self.stage == 0 else 0)
 
     def _replica_group(self):
-        # Every rank must create every group, in the same order (torch.distributed's rule).
-        mine = None
-        if self.topology.replicas == 1:
+        """This stage's copies in every replica, summing its gradients."""
+        if self.layout.replicate == 1:
             return None
-        for stage in range(self.topology.stages):
-            ranks = [self.topology.rank(stage, r) for r in range(self.topology.replicas)]
+        mine = None
+        for ranks in self.layout.groups("replicate"):  # every rank makes every group, in one order (torch's rule)
             group = self._new_group(ranks)
-            if stage == self.stage:
+            if self.rank in ranks:
                 mine = group
         return mine
 
     def _tied_group(self):
-        last = self.topology.stages - 1
+        last = self.layout.stage - 1
         if last == 0:
             return None
-        ranks = sorted(self.topology.rank(s, r) for s in (0, last) for r in range(self.topology.replicas))
+        ranks = sorted(self.layout.rank_of(stage=s, replicate=r) for s in (0, last) for r in range(self.layout.replicate))
         group = self._new_group(ranks)
         return group if self.stage in (0, last) else None
 
     def _loss_group(self):
         """The last stages of every replica, summing each batch's loss (gloo: a CPU scalar)."""
-        if self.topology.replicas == 1:
+        if self.layout.replicate == 1:
             return None
-        last = self.topology.stages - 1
-        ranks = [self.topology.rank(last, r) for r in range(self.topology.replicas)]
-        group = self._new_group(ranks, backend="gloo")
+        last = self.layout.stage - 1
+        group = self._new_group(self.layout.group(self.layout.rank_of(stage=last), "replicate"), backend="gloo")
         return group if self.stage == last else None
 
     def _new_group(self, ranks: list[int], backend: str | None = None):
@@ -136,9 +114,9 @@ class Comms:
     def route(self, action: Action) -> tuple[int, object, int]:
         """The peer rank, process group and tag of a transfer action (receive or send): one tag
         per boundary and direction, so each stream keeps its own order."""
-        peer, gradient, boundary = message(action, self.stage, self.topology.stages)
+        peer, gradient, boundary = message(action, self.stage, self.layout.stage)
         group = self.grad_group if gradient else self.act_group
-        return self.topology.rank(peer, self.replica), group, MESSAGE_TAG + 2 * boundary + gradient
+        return self.layout.rank_of(stage=peer, replicate=self.replica), group, MESSAGE_TAG + 2 * boundary + gradient
 
     def all_reduce(self, tensor: torch.Tensor, group, async_op: bool = False):
         if self.dry:

@@ -10,8 +10,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from relaytrain.config import Choice, Offload, Recompute, StrategyConfig, WorkersConfig
-from relaytrain.errors import ConfigError
+from relaytrain.schema.config import Choice, Offload, Recompute, StrategyConfig, WorkersConfig
+from relaytrain.utils.errors import ConfigError
 
 LAYOUTS = ("balanced", "even")  # strategy.layout's words; otherwise a list of blocks per model chunk
 

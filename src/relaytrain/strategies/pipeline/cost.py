@@ -11,7 +11,6 @@ A run's measured figures are the stages' own (`runtime.PipelineStrategy.report`,
 
 from __future__ import annotations
 
-from relaytrain.config import Recompute
 from relaytrain.cost.formulas import (
     FP32,
     ModelFacts,
@@ -26,7 +25,8 @@ from relaytrain.cost.formulas import (
 from relaytrain.cost.links import allreduce_s, p2p_s
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile, Timings
-from relaytrain.optim import state_words
+from relaytrain.schema.config import Recompute
+from relaytrain.step.optim import state_words
 from relaytrain.strategies.pipeline.config import Offload
 from relaytrain.strategies.whole_model_cost import WORKER_OVERHEAD_BYTES
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from relaytrain.metrics import PhaseTimer
+from relaytrain.step.metrics import PhaseTimer
 from relaytrain.strategies.pipeline.comms import Comms, Mailbox
 from relaytrain.strategies.pipeline.schedule import Action, Op, SlicePlan
 from relaytrain.strategies.pipeline.validate import ScheduleError, StageInvariants

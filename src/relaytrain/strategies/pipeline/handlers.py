@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from relaytrain.metrics import PhaseTimer
-from relaytrain.precision import Precision
+from relaytrain.step.metrics import PhaseTimer
+from relaytrain.step.precision import Precision
 from relaytrain.strategies.pipeline.comms import TIED_TAG, Comms, GradReduction, Mailbox, Outbox, TiedExchange
 from relaytrain.strategies.pipeline.inflight import InFlight
 from relaytrain.strategies.pipeline.jitter import StageJitter

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relaytrain.errors import ConfigError
 from relaytrain.strategies import register
 from relaytrain.strategies.pipeline.cost import InterleavedCost
 from relaytrain.strategies.pipeline.runtime import PipelineConfig, PipelineStrategy
 from relaytrain.strategies.pipeline.schedule import InterleavedSchedule
+from relaytrain.utils.errors import ConfigError
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
 
 ENV = "RELAYTRAIN_STAGE_JITTER"
 FORMAT = "stage=S,max=F[,seed=N] (e.g. stage=1,max=0.3,seed=0)"

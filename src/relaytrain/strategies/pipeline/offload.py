@@ -35,8 +35,8 @@ import threading
 import torch
 from torch import nn
 
-from relaytrain.checkpoint import load_optimizer_state, optimizer_state
-from relaytrain.precision import LossScaler
+from relaytrain.records.checkpoint import load_optimizer_state, optimizer_state
+from relaytrain.step.precision import LossScaler
 from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.eps import EagerParamServer, Shipment
 from relaytrain.strategies.pipeline.stage import StageModule

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from relaytrain import memory
+from relaytrain.dryrun import memory
 from relaytrain.strategies.pipeline.config import segment_batches
 from relaytrain.strategies.pipeline.validate import replay
-from relaytrain.units import gib
+from relaytrain.utils.units import gib
 
 
 def device_peak(device: torch.device) -> int | None:

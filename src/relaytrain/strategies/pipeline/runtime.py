@@ -31,10 +31,10 @@ import torch
 from omegaconf import OmegaConf
 
 from relaytrain.cost.formulas import ModelFacts, part_costs
-from relaytrain.errors import ConfigError
-from relaytrain.evaluation import EvalStats
 from relaytrain.models.layered import MicroBatch, eval_mode
 from relaytrain.objectives.base import Divisor
+from relaytrain.placement.layout import Layout
+from relaytrain.step.evaluation import EvalStats
 from relaytrain.strategies.base import (
     Capabilities,
     StepResult,
@@ -44,7 +44,7 @@ from relaytrain.strategies.base import (
     scalar,
 )
 from relaytrain.strategies.pipeline import report
-from relaytrain.strategies.pipeline.comms import Comms, Mailbox, Outbox, Topology, Watcher
+from relaytrain.strategies.pipeline.comms import Comms, Mailbox, Outbox, Watcher
 from relaytrain.strategies.pipeline.config import (
     Execution,
     Offload,
@@ -63,6 +63,7 @@ from relaytrain.strategies.pipeline.schedule import Action, Op, Schedule, stop_p
 from relaytrain.strategies.pipeline.stage import StageModule, balanced_layout, partition
 from relaytrain.strategies.pipeline.validate import StageInvariants, check_schedule
 from relaytrain.strategies.pipeline.weights import VersionBuffers, WeightVersions
+from relaytrain.utils.errors import ConfigError
 
 _balanced_layouts: dict[tuple, list[int]] = {}  # the planner asks for the same layout many times
 
@@ -104,16 +105,14 @@ class PipelineStrategy(Strategy):
         return 1
 
     @classmethod
-    def processes(cls, cfg) -> int:
-        return cfg.strategy.stages * cfg.strategy.replicas
-
-    @classmethod
-    def replicas(cls, cfg) -> int:
-        return cfg.strategy.replicas
+    def rank_layout(cls, cfg) -> Layout:
+        """`strategy.replicas` pipelines of `strategy.stages` stages each."""
+        return Layout(replicate=cfg.strategy.replicas, stage=cfg.strategy.stages)
 
     @classmethod
     def reporter(cls, cfg) -> int:
-        return Topology(cfg.strategy.stages, cfg.strategy.replicas).rank(cfg.strategy.stages - 1, 0)
+        """The last stage of the first pipeline."""
+        return cls.rank_layout(cfg).rank_of(stage=cfg.strategy.stages - 1)
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -148,10 +147,10 @@ class PipelineStrategy(Strategy):
         """The blocks of each of the model's d x v chunks, in model order: stage s holds chunks
         s, s + d, ... (one each without interleaving)."""
         s = cfg.strategy
-        return partition(cfg.model.num_layers, s.stages * cls.chunks(cfg), cls.layout(cfg))
+        return partition(cfg.model.num_layers, s.stages * cls.chunks(cfg), cls.block_layout(cfg))
 
     @classmethod
-    def layout(cls, cfg) -> list[int] | None:
+    def block_layout(cls, cfg) -> list[int] | None:
         """Blocks per model chunk as `strategy.layout` asks (None: the even split). `balanced`
         (or no layout): cut by `formulas.part_costs`, the embeddings on the first chunk and the
         head on the last, so that the costliest stage is as cheap as it can be (per chunk under
@@ -176,15 +175,11 @@ class PipelineStrategy(Strategy):
         return [chunks[virtual_stage(stage, c, stages)] for c in range(cls.chunks(cfg))]
 
     @classmethod
-    def describe_process(cls, cfg, rank: int) -> str:
-        return Topology(cfg.strategy.stages, cfg.strategy.replicas).describe(rank)
-
-    @classmethod
     def dry_run_stand_in(cls, cfg, rank: int) -> int:
         """The same stage of replica 0: replicas run the same stage program on equal shares of
         every micro-batch, and in a dry run no gradient passes between them."""
-        topology = Topology(cfg.strategy.stages, cfg.strategy.replicas)
-        return topology.rank(topology.position(rank)[0], 0)
+        layout = cls.rank_layout(cfg)
+        return layout.rank_of(stage=layout.coordinates(rank).stage)
 
     @classmethod
     def combine_reports(cls, cfg, reports: list[dict]) -> dict:
@@ -195,8 +190,7 @@ class PipelineStrategy(Strategy):
     def __init__(self, model, cfg, world):
         super().__init__(model, cfg, world)
         s = cfg.strategy
-        self.topology = Topology(s.stages, s.replicas)
-        self.stage, self.replica = self.topology.position(world.rank)
+        self.stage, self.replica = self.place.stage, self.place.replicate
         self.first, self.last = self.stage == 0, self.stage == s.stages - 1
         self.m, self.v = s.num_microbatches, self.chunks(cfg)
         self.steps = cfg.train.steps
@@ -205,7 +199,7 @@ class PipelineStrategy(Strategy):
         self.framing = Framing.of(self.hidden_shape, model, blocks)  # a mixture's routing rides with the messages
         stage = StageModule(model, blocks, self.first, self.last, s.recompute)
         message_driven = s.execution == Execution.message_driven
-        self.comms = Comms(self.topology, world.rank, bool(stage.tied_names), world.timeout_s, dry=world.simulated,
+        self.comms = Comms(self.layout, world.rank, bool(stage.tied_names), world.timeout_s, dry=world.simulated,
                            lanes=message_driven)
         self.versions = self._weights(stage)
         self.watcher = Watcher(self.comms.timeout, self.comms.poll)
@@ -235,7 +229,7 @@ class PipelineStrategy(Strategy):
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
         c = self.batch
         self.inflight.lrs[c] = lr
-        replicas = self.topology.replicas
+        replicas = self.layout.replicate
         divisor = minibatch_divisor(self.versions.buffers[0].model, minibatch, replicas) if self.last else Divisor(1)
         self.inflight.keep(c, replica_rows(minibatch, self.replica, replicas), divisor)
         if self.segment is None:
@@ -301,7 +295,7 @@ class PipelineStrategy(Strategy):
         stats = EvalStats.zeros(module.model.num_labels) if self.last else None
         with eval_mode(module), torch.no_grad(), self.precision.autocast_context(self.device):
             for minibatch in batches:
-                for mb in replica_rows(minibatch, self.replica, self.topology.replicas):
+                for mb in replica_rows(minibatch, self.replica, self.layout.replicate):
                     found = forward_only(module, mb.to(self.device), self.v, self.comms, self.framing)
                     stats = stats + found if found is not None else stats
         if self.last and self.comms.replica_group is not None:

@@ -29,7 +29,7 @@ from enum import Enum
 from typing import ClassVar
 
 from relaytrain.cost.formulas import fill_and_drain_bubble
-from relaytrain.errors import ConfigError
+from relaytrain.utils.errors import ConfigError
 
 
 class Op(Enum):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from relaytrain import meta_autocast
+from relaytrain.dryrun import meta_autocast
 from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.models.moe import ROUTER
 from relaytrain.objectives.base import Divisor

@@ -22,9 +22,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from relaytrain.errors import ConfigError
 from relaytrain.strategies.pipeline.schedule import Op, Schedule
 from relaytrain.strategies.pipeline.validate import Timeline, check_schedule
+from relaytrain.utils.errors import ConfigError
 
 LABEL = 9  # characters of the "stage N  " column before the timeline
 TICK = 5  # time units between two labels of the time axis

@@ -15,8 +15,8 @@ from collections import defaultdict
 
 import torch
 
-from relaytrain.checkpoint import load_optimizer_state, optimizer_state
-from relaytrain.optim import build_optimizer, set_lr
+from relaytrain.records.checkpoint import load_optimizer_state, optimizer_state
+from relaytrain.step.optim import build_optimizer, set_lr
 from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.pipeline.stage import StageModule
 

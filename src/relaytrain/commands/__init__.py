@@ -1,0 +1,1 @@
+"""The user's commands: `relaytrain train|plan|report|export|generate|schedule|profile`, their help and sweeps."""

@@ -1,0 +1,1 @@
+"""The meta device: simulated device memory and autocast for a run that does no arithmetic."""

@@ -1,0 +1,460 @@
+"""One training run: config -> model, data, strategy -> steps -> results.json and a table.
+
+`run` checks everything it can before any process starts, then hands `train_process` to the
+launcher, which runs it in every process of the strategy (one, or one per worker). Each
+process builds the model, its strategy and the data loader, and `Trainer` drives the
+strategy through the contract of `strategies/base.py`: one loop for every strategy, with the
+checkpoints, stop requests, progress and results written once, here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
+from relaytrain.dryrun.memory import DeviceMemory
+from relaytrain.models import build_model
+from relaytrain.models import compile as compiling
+from relaytrain.models.pretrained import explicit_overrides
+from relaytrain.models.pretrained import resolve as resolve_pretrained
+from relaytrain.placement.world import StopVotes, World, pick_device, under_torchrun
+from relaytrain.records import checkpoint, runlog, trackers
+from relaytrain.records.display import StepProgress, print_one_line, print_results_table
+from relaytrain.records.export import save_model, saved_model_facts
+from relaytrain.run import dirs as run_dirs
+from relaytrain.run import elastic
+from relaytrain.run.compose import validate
+from relaytrain.run.launch import launch
+from relaytrain.run.preflight import check_can_start
+from relaytrain.run.resolve import RunSpec, describe_run
+from relaytrain.run.results import assemble_results, process_report, write_results
+from relaytrain.step import metrics
+from relaytrain.step.evaluation import better
+from relaytrain.utils import failpoints
+from relaytrain.utils.errors import Aborted, ConfigError, Interrupted, TrainingDiverged, first_line
+from relaytrain.utils.units import duration
+
+EMPTY_SHARE = {"weights": {}, "optimizer": {}, "scaler": None, "extra": None}
+
+
+@dataclass
+class Job:
+    """What every process of a run gets from the launcher, besides the config."""
+
+    spec: RunSpec  # the run's strategy, family, objective, source and precision, resolved once before any worker
+    run_dir: Path
+    dataset: TokenDataset
+    eval_dataset: TokenDataset | None = None
+    resume: Path | None = None
+    overrides: list[str] = field(default_factory=list)
+    estimate_s: float | None = None  # the predicted step time, for the ETA before the first step ends
+    quiet: bool = False  # print nothing (a dry run for the planner)
+    host_estimate_bytes: int | None = None  # the host memory the pre-launch check estimated (a dry run reports it)
+
+
+def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: bool = True,
+        quiet: bool = False, estimate=None, device: torch.device | None = None) -> dict:
+    """Train as `cfg` says, write `run_dir/results.json`, print the summary (the whole table, or
+    with `table=False` one line, or with `quiet` nothing at all), return the results (an empty
+    dict on the processes of a torchrun launch that do not report). `run_dir/status.json` says
+    how the run ended. `estimate`: the planner's prediction the caller made (`relaytrain.planner.estimate`),
+    for the ETA before the first step ends. `device`: the run's device as the caller decided it
+    (None: decided here from train.device); every check and worker is handed this decision."""
+    run_dir = Path(run_dir)
+    logs = not under_torchrun() or int(os.environ["RANK"]) == 0
+    done = finished_results(cfg.train, run_dir)
+    if done is not None:
+        if logs:
+            print(f"this run already finished its {cfg.train.steps} steps ({run_dir / 'results.json'}); "
+                  f"{_how_to_train_further(cfg.train.steps, run_dir)}", flush=True)
+        return done
+    refuse_to_retrain_a_finished_run(cfg.train, run_dir)  # before the try: its status.json stays as it is
+    try:
+        results = _run(cfg, run_dir, overrides or [], logs, quiet, estimate.step_s if estimate else None,
+                       device or pick_device(cfg.train.device))
+    except (Interrupted, Aborted) as stop:
+        if logs:
+            reached = {"step": stop.step} if isinstance(stop, Interrupted) else {}  # the step its checkpoint holds
+            runlog.write_status(run_dir, runlog.INTERRUPTED, error=str(stop), **reached)
+        if isinstance(stop, Aborted):  # the handler that raised it could not know where checkpoints go
+            raise Aborted(stop.signum, checkpoint.latest(run_dir)) from None
+        raise
+    except BaseException as err:
+        if logs:
+            runlog.write_status(run_dir, runlog.FAILED, error=first_line(err))
+        if not under_torchrun():  # every worker has ended: a save the failure cut short is only in the way
+            checkpoint.remove_staging(checkpoint.checkpoint_dir(run_dir))
+        raise
+    if not results:
+        return {}
+    runlog.write_status(run_dir, runlog.FINISHED, step=results["steps"])
+    if not quiet:
+        (print_results_table if table else print_one_line)(results, run_dir / "results.json")
+    return results
+
+
+def finished_results(t, run_dir: Path) -> dict | None:
+    """With `train.resume=auto` (`t`: the train keys), a run directory whose run already finished
+    `train.steps`: its results, so a relaunched sweep completes only what is missing. None
+    otherwise (asking for more steps continues from the final checkpoint, which a run with
+    `train.resume` set keeps)."""
+    if t.resume != "auto" or runlog.finished_steps(run_dir) != t.steps:
+        return None
+    return json.loads((Path(run_dir) / "results.json").read_text())
+
+
+def _how_to_train_further(steps: int, run_dir: Path) -> str:
+    """What a finished run's line advises: more steps where it kept its last step's checkpoint."""
+    newest = checkpoint.latest(run_dir)
+    if newest is not None and _step_of(newest) == steps:
+        return "raise train.steps to train further"
+    return ("it kept no checkpoint of its last step (train.checkpoint_every=0), so it cannot train further "
+            "here: start a longer run in another hydra.run.dir")
+
+
+def refuse_to_retrain_a_finished_run(t, run_dir: Path) -> None:
+    """A resume (`t`: the train keys) that would go back behind a finished run's last step, in
+    one line: a run finished without a checkpoint of its last step (train.checkpoint_every=0)
+    and resumed with `auto` would train again from an older checkpoint, or from step 0, over its
+    results; `train.resume=RUN_DIR` of such a run would quietly start where that run did not end.
+    The finished run relaunched as it was is no resume (`finished_results`: `run` says so)."""
+    if t.resume is None or finished_results(t, run_dir) is not None:
+        return
+    given = Path(run_dir) if t.resume == "auto" else Path(t.resume).expanduser()
+    chosen = checkpoint.STEP.match(given.name) is not None  # a step-N directory: the user picked the step
+    newest = given if chosen else checkpoint.latest(given)
+    step = _step_of(newest) if newest is not None else 0
+    here = runlog.finished_steps(run_dir)
+    if here is not None and step < here:
+        how = f"resuming from step {step}" if newest is not None else "starting afresh"
+        raise ConfigError(f"{run_dir} holds a run that finished {here} steps without a checkpoint of its last "
+                          f"step; {how} here would train again over its results: give another hydra.run.dir")
+    there = None if chosen or t.resume == "auto" else runlog.finished_steps(run_dirs.run_dir_of(t.resume))
+    if there is not None and step < there:
+        fix = f"to train again from step {step}, give train.resume={newest}" if newest else "start a new run"
+        raise ConfigError(f"train.resume={t.resume}: that run finished {there} steps without a checkpoint of its "
+                          f"last step; {fix}")
+
+
+def _step_of(path: Path) -> int:
+    return int(checkpoint.STEP.match(path.name).group(1))
+
+
+def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, estimate_s: float | None,
+         device: torch.device) -> dict | None:
+    cfg = resolve_pretrained(elastic.prepare(cfg, device), explicit_overrides(overrides))
+    chosen = validate(cfg)  # every name looked up once (`resolve.choose`), then every check
+    spec = describe_run(cfg, chosen)  # `Job.spec` hands what was resolved to every process
+    host_bytes = check_can_start(cfg, spec.strategy, device, spec.parameters)
+    resume = _find_resume(cfg.train.resume, cfg.train.steps, spec, run_dir)
+    if logs:
+        elastic.record_attempt(run_dir, resume)
+        runlog.write_status(run_dir, runlog.RUNNING, strategy=str(cfg.strategy.name),
+                            step=_step_of(resume) if resume is not None else 0)
+    # Once, before any worker: data errors end here.
+    dataset, eval_dataset = build_datasets(cfg, str(run_dir), spec.source, spec.objective, spec.family)
+    build_loader(cfg, dataset, spec.replicas)  # refuses a dataset smaller than one minibatch
+    job = Job(spec, run_dir, dataset, eval_dataset, resume, overrides, estimate_s, quiet, host_bytes)
+    return launch(train_process, cfg, spec.processes, lambda rank: spec.process_names[rank],
+                  run_dir, job, lambda: checkpoint.latest(run_dir), device)
+
+
+def _find_resume(resume: str | None, steps: int, spec: RunSpec, run_dir: Path) -> Path | None:
+    """The checkpoint train.resume (`resume`) names, checked against the run (`spec`, training
+    `steps` steps) before any process starts."""
+    path, passed = checkpoint.find(resume, run_dir) if resume else (None, [])
+    for line in passed:
+        print(f"checkpoint {line}: passed over for an earlier one", flush=True)
+    if path is None:
+        elastic.announce_fresh_restart()
+        return None
+    found = checkpoint.read(path, spec.identity, steps, spec.name, spec.layout)
+    line = elastic.resume_line(found.step, path)
+    if not found.exact:
+        line += (f" (saved by strategy={found.strategy} with layout {found.manifest['layout']}: weights and "
+                 f"optimizer state carry over by name, the RNG streams start afresh)")
+    print(line, flush=True)
+    return path
+
+
+def train_process(cfg, world: World, job: Job) -> dict | None:
+    """One process of the run: build, train, report. Returns the results on the reporter."""
+    cls = job.spec.strategy
+    host = metrics.HostMemory()
+    host.reset_peak()
+    metrics.reset_device_peak(world.device)
+    model = build_model(cfg.model, cfg.train.seed, quiet=world.rank != 0 or job.quiet, device=world.device,
+                        adapter=cfg.adapter, compact_base=cls.compact_base, family=job.spec.family,
+                        objective=job.spec.objective)
+    compiled = compiling.compile_blocks(model, cfg.train.compile, world.device)  # before copies are made
+    strategy = cls(model, cfg, world)
+    # A dry run counts the device tensors this process holds from here on (memory.DeviceMemory).
+    tracker = DeviceMemory(world.device, strategy.memory_holders) if world.simulated else None
+    try:
+        with tracker or nullcontext():
+            if tracker is not None:
+                tracker.register(t for held in strategy.memory_holders().values() for t in held)
+            return Trainer(cfg, strategy, world, job, host, tracker, compiled).run()
+    finally:
+        strategy.close()
+        if compiled is not None:
+            compiled.close()
+
+
+class Trainer:
+    """The loop: one `strategy.step` per minibatch, the same on every process.
+
+    Whole steps are timed with the device synchronised. Checkpoints every
+    `train.checkpoint_every` steps and after the last (with `train.resume` set, after the last
+    in any case), and on SIGINT/SIGTERM at a step every
+    process agrees on (then raises Interrupted). A resumed run continues the loss history, data
+    stream, RNG streams and LR schedule exactly where the checkpoint left them.
+    """
+
+    def __init__(self, cfg, strategy, world: World, job: Job, host: metrics.HostMemory,
+                 tracker: DeviceMemory | None = None, compiled: compiling.CompileStats | None = None):
+        self.cfg, self.strategy, self.world, self.job, self.host = cfg, strategy, world, job, host
+        self.spec = spec = job.spec
+        self.tracker = tracker  # a dry run's device memory
+        self.compiled = compiled  # train.compile: this process's compile times
+        self.reporter = world.rank == spec.reporter
+        self.loader = build_loader(cfg, job.dataset, spec.replicas)
+        self.votes = StopVotes(world, spec.strategy.stop_lag)
+        self.directory = checkpoint.checkpoint_dir(job.run_dir)
+        self.history: dict = {"losses": [], "step_times": [], "skipped": 0, "eval": []}
+        self.first = 0
+        # Optimizer updates applied so far (steps an fp16 overflow skipped are not): the LR
+        # schedule's position, on every process alike (every strategy agrees on a skip).
+        self.applied = 0
+        self.lr = spec.schedule.at(0)  # the learning rate the last step ran with
+        s = cfg.strategy
+        self.eval_batches = None if job.eval_dataset is None else eval_batches(
+            job.eval_dataset, s.microbatch_size * spec.replicas, s.num_microbatches, cfg.eval.max_batches)
+        self.glue_task = spec.benchmark_task
+        self.progress: StepProgress | None = None
+
+    def run(self) -> dict | None:
+        steps = self.cfg.train.steps
+        self.first = step = self._restore()
+        if self.world.rank == 0:
+            checkpoint.remove_staging(self.directory)  # before the barrier: nobody writes shares yet
+        self.world.barrier()  # start the clock together
+        title = f"{self.cfg.strategy.name} · {self.cfg.model.name}" + (" (dry run)" if self.world.simulated else "")
+        progress = StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter and not self.job.quiet,
+                                first=step, estimate_s=self.job.estimate_s)
+        self.log = runlog.MetricsLog(self.job.run_dir, step, self._open_trackers()) if self.reporter else None
+        if self.reporter:
+            self.strategy.on_progress = progress.inside
+        self.world.stop.how_long = self._time_to_next_safe_point
+        results, outcome = None, runlog.FAILED
+        try:
+            with progress as self.progress:
+                while step < steps:
+                    signum = self.votes.before(step)
+                    if signum:
+                        raise self._stop(signum, step)
+                    self._step(step)
+                    step += 1
+                    self._between_steps(step, last=step == steps)
+                    self._log(step)
+            results, outcome = self._finish(), runlog.FINISHED
+        except (Interrupted, Aborted):
+            outcome = runlog.INTERRUPTED
+            raise
+        finally:
+            if self.log is not None:  # the trackers' runs end as the run does, with its results
+                self.log.close(outcome, results)
+        return results
+
+    def _open_trackers(self) -> list[trackers.Tracker]:
+        """The experiment trackers log.* asks for (`RunSpec.trackers`), started with the resolved
+        config as their parameters."""
+        if not self.spec.trackers:
+            return []
+        config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
+        say = (lambda line: None) if self.job.quiet else (lambda line: print(line, flush=True))
+        return trackers.open_trackers(self.spec.trackers, self.job.run_dir, config, self.job.resume is not None, say)
+
+    def _time_to_next_safe_point(self) -> str:
+        """For the first stop signal's message: the rest of the step in flight, at the mean pace."""
+        if not self.progress or not (self.progress.times or self.progress.estimate_s):
+            return ""
+        times = self.progress.times
+        mean = sum(times) / len(times) if times else self.progress.estimate_s
+        left = max(mean - (time.monotonic() - self.progress.step_started), 0.0)
+        return f"about {duration(left)} more at {duration(mean)} a step"
+
+    def _log(self, step: int) -> None:
+        """metrics.csv's row for `step`: its loss and times, memory now, and the evaluation made after it."""
+        if self.log is None:
+            return
+        elapsed = self.history["step_times"][-1]
+        samples = self.spec.minibatch_samples
+        evaluated = self.history["eval"][-1] if self.history["eval"] and self.history["eval"][-1]["step"] == step else {}
+        self.log.write({
+            "step": step, "loss": self.history["losses"][-1],
+            **{name: values[-1] for name, values in self.history.get("loss_terms", {}).items()},
+            "lr": self.lr,
+            "step_time_s": elapsed, "samples_per_s": samples / elapsed,
+            "tokens_per_s": samples * self.cfg.data.seq_len / elapsed,
+            "host_rss_bytes": self.host.current_bytes(),
+            "device_allocated_bytes": metrics.device_allocated(self.world.device),
+            **{f"eval_{k}": v for k, v in evaluated.items() if k != "step"},
+        })
+
+    def _between_steps(self, step: int, last: bool) -> None:
+        """The evaluation and checkpoint due after `step` steps, on every process at once; after
+        the last step always an evaluation (with held-out data) and a checkpoint (when saving,
+        or resuming: a run meant to be continued keeps its final state, whatever checkpoint_every)."""
+        every_eval, every_save = self.cfg.eval.every, self.cfg.train.checkpoint_every
+        evaluate = self.eval_batches is not None and (last or bool(every_eval) and step % every_eval == 0)
+        keeps_final = bool(every_save) or self.cfg.train.resume is not None
+        save = (last and keeps_final) or (bool(every_save) and step % every_save == 0)
+        if not (evaluate or save or last):
+            return
+        self.strategy.drain()
+        best = self._evaluate(step) if evaluate else False
+        signum = self.votes.settle()
+        if save or best:
+            path = self._save(step, best)
+            if signum and not last:
+                raise Interrupted(signum, step, path)
+        elif signum and not last:
+            raise Interrupted(signum, step, self._save(step))
+
+    def _evaluate(self, step: int) -> bool:
+        """Evaluate on the held-out set; True on every process when `train.keep_best`'s metric improved."""
+        self.world.mark("evaluation", step)
+        failpoints.reach("evaluate", step, self.world.rank)
+        stats = self.strategy.evaluate(self.eval_batches)
+        improved = False
+        if self.reporter:
+            figures = stats.metrics(self.spec.objective, self.glue_task)
+            self.history["eval"].append({"step": step, **figures})
+            self.progress.evaluated(step, figures)
+            metric = self.cfg.train.keep_best
+            improved = bool(metric) and better(metric, figures[metric], self._best_so_far(exclude_last=True))
+        return bool(self.world.max_int(int(improved))) if self.cfg.train.keep_best else False
+
+    def _best_so_far(self, exclude_last: bool = False) -> float | None:
+        metric = self.cfg.train.keep_best
+        values = [e[metric] for e in self.history["eval"][: -1 if exclude_last else None]]
+        best = None
+        for value in values:
+            best = value if better(metric, value, best) else best
+        return best
+
+    def _step(self, step: int) -> None:
+        if step == self.first + self.spec.untimed_steps:
+            self.strategy.timer.reset()  # phase times cover the measured steps, as the step time does
+        self.world.mark("step", step + 1)
+        failpoints.reach("step", step + 1, self.world.rank)
+        minibatch = self.loader.minibatch(step)
+        start = time.perf_counter()
+        self.lr = self.spec.schedule.at(self.applied)
+        result = self.strategy.step(minibatch, self.lr)
+        metrics.synchronize(self.world.device)
+        elapsed = time.perf_counter() - start
+        if self.compiled is not None:
+            self.compiled.step_done()
+        self.applied += not result.skipped  # a skipped step consumes no warm-up (as HF and accelerate)
+        self.votes.after(step)
+        terms = self.strategy.loss_terms()  # beside the loss: a mixture's router term (every process: summed over replicas)
+        if not self.reporter:
+            return
+        for name, value in terms.items():
+            self.history.setdefault("loss_terms", {}).setdefault(name, []).append(value)
+        if failpoints.reach("loss", step + 1, self.world.rank) == "nan":
+            result.loss = math.nan
+        self.history["step_times"].append(elapsed)
+        if result.skipped:
+            self.history["skipped"] += 1
+        elif result.loss is not None and not math.isfinite(result.loss):
+            raise self._diverged(result.loss, step + 1)
+        self.history["losses"].append(result.loss)
+        self.progress.update(step + 1, result.loss, elapsed, result.skipped)
+
+    def _diverged(self, loss: float, step: int) -> TrainingDiverged:
+        """Nothing of the step that diverged is saved; the user continues from the newest checkpoint."""
+        precision = self.spec.precision.name
+        fix = "lower optim.lr" + ("" if precision == "fp32" else " or use precision=fp32")
+        where = checkpoint.continue_from(checkpoint.latest(self.directory), fix)
+        return TrainingDiverged(f"the loss became {loss} at step {step} under precision={precision}; {where}")
+
+    def _stop(self, signum: int, step: int) -> Interrupted:
+        """Every process decided to stop before `step`: finish what is in flight, save there."""
+        self.strategy.drain()
+        self.votes.settle()
+        return Interrupted(signum, step, self._save(step))
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _save(self, step: int, best: bool = False) -> Path:
+        """Every process's share of the checkpoint at `step`; `best`: it also becomes the kept best checkpoint."""
+        self.world.mark("checkpoint", step)
+        share = self.strategy.state_dict() or dict(EMPTY_SHARE)
+        share = {**share, "rng": checkpoint.rng_state(self.world.device)}
+        trainer = {"step": step, "applied_updates": self.applied, "history": self.history} if self.reporter else None
+        manifest = {"strategy": self.spec.name, "layout": self.spec.layout,
+                    "identity": self.spec.identity, "base": self._base()}
+        return checkpoint.save(self.world, self.directory, step, share, trainer, manifest,
+                               self.cfg.train.keep_checkpoints, best=best, sharded=self.strategy.sharded_state_dict())
+
+    def _base(self) -> str | None:
+        """The frozen base's fingerprint under adapters (a checkpoint holds no base: resuming
+        reloads it and must find the same one); None when every parameter trains."""
+        return getattr(self.strategy.model, "base_fingerprint", None)
+
+    def _restore(self) -> int:
+        """Fresh: seed torch's global streams (dropout does not draw from them: each part's draws
+        are keyed by its micro-batch, `MicroBatch.draw`; only a micro-batch without a key would).
+        Resumed: the checkpoint's weights, optimizer and scaler state, RNG streams and history."""
+        if self.job.resume is None:
+            torch.manual_seed(self.cfg.train.seed)
+            self.strategy.start(0)
+            return 0
+        found = checkpoint.read(self.job.resume, self.spec.identity, self.cfg.train.steps, self.spec.name,
+                                self.spec.layout, self._base())
+        self.strategy.start(found.step)
+        self.strategy.load_checkpoint(found)
+        self.applied = found.applied_updates()
+        rng = found.rng(self.world.rank)
+        if rng is not None:
+            checkpoint.set_rng_state(rng, self.world.device)
+        else:
+            torch.manual_seed(self.cfg.train.seed + found.step)
+        if self.reporter:
+            self.history = {"eval": [], **found.trainer()["history"]}
+        return found.step
+
+    # -- the end --------------------------------------------------------------------------------
+    def _finish(self) -> dict | None:
+        self.world.mark("the end", self.cfg.train.steps)
+        if self.cfg.train.save_model:  # on rank 0: Hugging Face writes files only there once a group exists
+            weights = self.world.gather(self.strategy.weights(), 0)
+            if self.world.rank == 0:
+                save_model(self.cfg, self.strategy, weights, self.job.run_dir, self.spec.family, self.spec.objective)
+        device = self.strategy.simulated_memory(self.tracker) if self.tracker else metrics.device_memory(self.world.device)
+        report = process_report(self.strategy, self.world, self.host, device)
+        report["compile"] = None if self.compiled is None else self.compiled.report()
+        reports = self.world.gather(report, self.spec.reporter)
+        if not self.reporter:
+            return None
+        measured = self.history["step_times"][self.first + self.spec.untimed_steps:]
+        results = assemble_results(self.cfg, self.spec, self.history, measured, reports, self.world, self.job.overrides,
+                                   self.job.host_estimate_bytes)
+        results.update(elastic.results_entry(self.job.run_dir))
+        results.update(compiling.results_entry([r["compile"] for r in reports]))
+        results.update(data_facts(self.job.dataset, self.job.eval_dataset))  # e.g. chat records cut or dropped
+        results.update(saved_model_facts(self.cfg.model, self.cfg.adapter, self.cfg.train, self.job.run_dir,
+                                         self.spec.objective))
+        write_results(self.job.run_dir, results)
+        return results
