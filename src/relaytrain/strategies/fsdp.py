@@ -63,7 +63,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from relaytrain.cost.formulas import Shape
 from relaytrain.placement.layout import Layout
 from relaytrain.placement.tensor_parallel import local as _local
 from relaytrain.placement.tensor_parallel import tensor_parallel
@@ -98,10 +97,6 @@ class FsdpConfig(TensorParallelConfig, SequenceParallelConfig, WorkersConfig, St
 
 class FsdpSequenceCost(CutSequenceCost, FsdpCost):
     """FsdpCost, on each worker's tokens where sequences are cut."""
-
-    def shapes_to_cut(self, replicas: int, batch: int, num_layers: int) -> list[Shape]:
-        """From one replica up: its S workers shard the model between them."""
-        return self.sharded_shapes(range(1, replicas + 1), batch)
 
 
 @register("fsdp")
