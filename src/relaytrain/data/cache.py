@@ -157,7 +157,7 @@ def _stored(dataset: TokenDataset) -> dict:
     (token ids and -100 fit int32), and the facts."""
     tensors = {f.name: None if (t := getattr(dataset, f.name)) is None else t.to(_stored_dtype(f))
                for f in FIELDS}
-    return {**tensors, "facts": dataset.facts}
+    return {**tensors, "facts": dataset.facts, "rows_per_item": dataset.rows_per_item}
 
 
 def _stored_dtype(f: Field) -> torch.dtype:
@@ -196,4 +196,5 @@ def _dataset(stored: dict) -> TokenDataset:
         t = stored.get(f.name) if f.optional else stored[f.name]
         return None if t is None else t.to(f.dtype)
 
-    return TokenDataset(**{f.name: tensor(f) for f in FIELDS}, facts=stored["facts"])
+    return TokenDataset(**{f.name: tensor(f) for f in FIELDS}, facts=stored["facts"],
+                        rows_per_item=stored.get("rows_per_item", 1))

@@ -22,13 +22,20 @@ class TokenDataset:
     restart at 0 where each starts), else None.
 
     `facts`: what reading the source found that a run should report (records truncated or
-    dropped); it goes to results.json's `data`."""
+    dropped); it goes to results.json's `data`.
+
+    `rows_per_item`: how many consecutive rows make one item of the data, the unit that is
+    shuffled, held out and counted by strategy.microbatch_size: 1, or 2 for a preference pair
+    (its chosen row, then its rejected row), whose rows must travel in one micro-batch."""
 
     facts: dict = field(default_factory=dict)
+    rows_per_item: int = 1
 
     def __post_init__(self) -> None:
         """A field filled in the wrong shape is said where it is made, not steps later in a loss."""
         rows, seq_len = self.input_ids.shape
+        if rows % self.rows_per_item:
+            raise ValueError(f"a set of items of {self.rows_per_item} rows has {rows} rows")
         for f in FIELDS:
             t = getattr(self, f.name)
             if (t is None and not f.optional) or (t is not None and not f.fits(t, rows, seq_len)):
@@ -37,22 +44,26 @@ class TokenDataset:
                                  f"{f.name} is {f.per.value}")
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        """Its items (rows where an item is one row)."""
+        return self.input_ids.shape[0] // self.rows_per_item
 
     @property
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
-    def _rows(self, index: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    def _rows(self, items: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """Every field's rows of these items, each item's rows together and in order."""
+        step = self.rows_per_item
+        index = items if step == 1 else (items.unsqueeze(1) * step + torch.arange(step)).flatten()
         return {name: None if t is None else t[index] for name, t in row_values(self).items()}
 
-    def take(self, index: torch.Tensor, draw: Draw | None = None) -> MicroBatch:
-        """These rows as a micro-batch, keyed by `draw` (a training micro-batch's)."""
-        return MicroBatch(**self._rows(index), draw=draw)
+    def take(self, items: torch.Tensor, draw: Draw | None = None) -> MicroBatch:
+        """These items' rows as a micro-batch, keyed by `draw` (a training micro-batch's)."""
+        return MicroBatch(**self._rows(items), draw=draw)
 
-    def subset(self, index: torch.Tensor) -> TokenDataset:
-        """These rows; `facts` stay with the whole (they describe reading the source)."""
-        return TokenDataset(**self._rows(index))
+    def subset(self, items: torch.Tensor) -> TokenDataset:
+        """These items; `facts` stay with the whole (they describe reading the source)."""
+        return TokenDataset(**self._rows(items), rows_per_item=self.rows_per_item)
 
 
 def hold_out(dataset: TokenDataset, fraction: float, seed: int) -> tuple[TokenDataset, TokenDataset]:
@@ -69,7 +80,7 @@ def hold_out(dataset: TokenDataset, fraction: float, seed: int) -> tuple[TokenDa
 
 
 def eval_batches(dataset: TokenDataset, microbatch_size: int, group: int, max_microbatches: int = 0) -> list[list[MicroBatch]]:
-    """The held-out set in order, as micro-batches of `microbatch_size` rows grouped `group` at a
+    """The held-out set in order, as micro-batches of `microbatch_size` items grouped `group` at a
     time (what a strategy runs per relay or pipeline pass). The last micro-batch is filled up to
     full size with copies of its first row labelled -100 (no item: they count nowhere), so every
     micro-batch has the shape the strategies' buffers expect. (Every target field, not only the
@@ -82,7 +93,7 @@ def eval_batches(dataset: TokenDataset, microbatch_size: int, group: int, max_mi
         index = torch.arange(k * microbatch_size, min((k + 1) * microbatch_size, len(dataset)))
         mb = dataset.take(index)
         if len(index) < microbatch_size:
-            mb = _padded(mb, microbatch_size)
+            mb = _padded(mb, microbatch_size * dataset.rows_per_item)
         micro.append(mb)
     return [micro[i : i + group] for i in range(0, len(micro), group)]
 

@@ -205,12 +205,21 @@ class LayeredDecoder(LayeredModel):
             return stats
         return stats.with_router_aux(float(self.routing.coef * tally.aux()))
 
+    def row_logps(self, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """The rows' log-probs; a mixture's router tally of the micro-batch, held for an
+        evaluation's sums, is let go (nothing here reports it)."""
+        if self.routing is not None:
+            self._tallies.take(tally_key(mb))
+        return super().row_logps(hidden, mb)
+
     def loss_term_sums(self) -> dict[str, tuple[float, int]]:
-        """The router's term (`coef * aux` summed over the micro-batches this process ran, and their count)."""
+        """The objective's figures and the router's term (`coef * aux` summed over the micro-batches
+        this process ran, and their count)."""
+        sums = super().loss_term_sums()
         if self.routing is None or not self.routing.balances:
-            return {}
+            return sums
         (total, items), self._aux_sums = self._aux_sums, [0.0, 0]
-        return {"router_aux": (float(total), items)}
+        return {**sums, "router_aux": (float(total), items)}
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         if self._tied:

@@ -262,11 +262,27 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         the minibatch's items); the head's dropout (BERT's classifier has one) drawn under the
         micro-batch's key."""
         with keyed_draws(mb.draw, HEAD_PART, hidden.device, self.head.training):
-            return self.objective.head_loss(self.head, hidden, mb, self.loss_chunks)
+            terms = self.objective.head_loss(self.head, hidden, mb, self.loss_chunks)
+        if terms.figures and self.head.training and hidden.device.type != "meta":
+            self._add_figures(terms.figures)
+        return terms
+
+    def _add_figures(self, figures: dict[str, tuple[torch.Tensor, int]]) -> None:
+        """The objective's figures of a training micro-batch, summed until `loss_term_sums` reads
+        them (tensors: read once a step, not once a micro-batch)."""
+        held = self.__dict__.setdefault("_figure_sums", {})
+        for name, (total, count) in figures.items():
+            before = held.get(name, (0.0, 0))
+            held[name] = (before[0] + total, before[1] + count)
 
     def eval_stats(self, hidden: torch.Tensor, mb: MicroBatch) -> EvalStats:
         """The evaluation sums of one micro-batch (loss, items, correct, confusion)."""
         return self.objective.head_eval_stats(self.head, hidden, mb, self.loss_chunks)
+
+    def row_logps(self, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """Each row's log-prob of its labelled tokens [rows] (a preference objective's reference
+        pass, `relaytrain.run.reference`), from the last block's `hidden`."""
+        return self.objective.row_logps(self.head(hidden), mb.labels)
 
     def loss_items(self, mb: MicroBatch) -> int:
         """How many items `head_loss` sums over."""
@@ -289,8 +305,11 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         last call (a mixture's router term: `router_aux`), each as (its sum, the count it is a mean
         over: items, or micro-batches for a term of the micro-batch as a whole). The same names on
         every process of a run, counts 0 included, so that `Strategy.loss_terms` can sum them over
-        the replicas; reported beside the loss each step."""
-        return {}
+        the replicas; reported beside the loss each step. Here: the objective's figures (a
+        preference objective's rewards), each its sum over the items and their count."""
+        held, self.__dict__["_figure_sums"] = self.__dict__.get("_figure_sums", {}), {}
+        return {name: (float(held[name][0]) if name in held else 0.0, held[name][1] if name in held else 0)
+                for name in self.objective.figures}
 
     # -- whole-model helpers ------------------------------------------------------------
     def forward(self, mb: MicroBatch, divisor: Divisor | None = None) -> torch.Tensor:

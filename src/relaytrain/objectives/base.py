@@ -12,7 +12,7 @@ their mean.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
@@ -45,10 +45,14 @@ class Divisor:
 @dataclass(frozen=True)
 class LossTerms:
     """A micro-batch's loss: `total`, summed over its items in fp32, and `per_microbatch`, a term
-    of the micro-batch as a whole (a mixture's router balancing term), 0 where there is none."""
+    of the micro-batch as a whole (a mixture's router balancing term), 0 where there is none.
+    `figures`: what the objective reports beside the loss (a preference objective's rewards),
+    each as (its sum over the micro-batch's items, their count), detached; the step reports
+    their means over the minibatch."""
 
     total: torch.Tensor
     per_microbatch: torch.Tensor | float = 0.0
+    figures: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
     def over(self, divisor: Divisor) -> torch.Tensor:
         """Its share of the minibatch's loss: the sum over the whole minibatch's item count, plus
@@ -69,6 +73,21 @@ class Objective(ABC):
     head: ClassVar[str] = ""  # transformers' auto class of the model the objective trains the head of
     architectures: ClassVar[tuple[str, ...]] = ()  # checkpoint architecture name endings with that head
     peft_task_type: ClassVar[str | None] = None  # peft's task type for the head (adapter_config.json)
+    # Consecutive rows that make one item (a preference pair: chosen, then rejected); a micro-batch
+    # of strategy.microbatch_size items holds this many times as many rows.
+    rows_per_item: ClassVar[int] = 1
+    figures: ClassVar[tuple[str, ...]] = ()  # the names of `LossTerms.figures`, reported each step
+    needs_reference: ClassVar[bool] = False  # the loss reads a reference model's log-probs (`reference_logps`)
+
+    def configured(self, settings: dict) -> Objective:
+        """This objective with the run's `objective.*` keys (`settings`: plain values by key);
+        one that takes none is itself."""
+        return self
+
+    @property
+    def settings(self) -> dict:
+        """The keys `configured` took, as plain values (how a worker receives the objective)."""
+        return {}
 
     @abstractmethod
     def loss(self, logits: torch.Tensor, mb: Batch) -> LossTerms:
@@ -81,6 +100,11 @@ class Objective(ABC):
     @abstractmethod
     def eval_stats(self, logits: torch.Tensor, mb: Batch) -> EvalStats:
         """The evaluation sums of the micro-batch (loss, items, correct, confusion)."""
+
+    def row_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each row's log-prob of its labelled tokens [rows] (a reference pass); an objective
+        that reads no reference has none."""
+        raise NotImplementedError(f"objective {self.name} reads no reference log-probs")
 
     @property
     def cuts_head_into_chunks(self) -> bool:

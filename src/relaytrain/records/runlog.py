@@ -17,14 +17,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from relaytrain.objectives.preference import FIGURES as PREFERENCE_FIGURES
 from relaytrain.step.evaluation import METRICS as EVAL_METRICS
 from relaytrain.utils.files import write_json
 
 STATUS = "status.json"
 METRICS = "metrics.csv"
-# The terms a model reports beside its loss (`Strategy.loss_terms`: a mixture's router term),
+# The terms a model reports beside its loss (`Strategy.loss_terms`: a mixture's router term, a
+# preference objective's rewards and log-probs, in TRL's names),
 # empty in a row of a model without them.
-LOSS_TERMS = ("router_aux",)
+LOSS_TERMS = ("router_aux", *PREFERENCE_FIGURES)
 COLUMNS = [
     "step", "loss", *LOSS_TERMS, "lr", "step_time_s", "samples_per_s", "tokens_per_s", "host_rss_bytes", "device_allocated_bytes",
     *(f"eval_{name}" for name in EVAL_METRICS), "eval_items",

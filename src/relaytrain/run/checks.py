@@ -32,6 +32,15 @@ def check_shared(cfg, chosen) -> None:
     _check_eval(cfg, chosen)
     _check_train(cfg)
     _check_capabilities(chosen.strategy, cfg.strategy.name, cfg.precision.name, cfg.optim.grad_clip)
+    _check_pairs(chosen.objective, int(cfg.strategy.get("sequence_parallel", 1)))
+
+
+def _check_pairs(objective, sequence_parts: int) -> None:
+    """An objective whose items are several rows (a preference pair) sums each row's log-probs
+    over all its tokens: a row cut over sequence-parallel workers would need them gathered."""
+    if objective.rows_per_item > 1 and sequence_parts > 1:
+        raise ConfigError(f"strategy.sequence_parallel={sequence_parts} cuts sequences, and objective={objective.name} "
+                          f"compares whole ones (a pair's log-probs); drop strategy.sequence_parallel")
 
 
 def check_layers(cfg, chosen) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from omegaconf import OmegaConf
+
 from relaytrain.cost.work import model_flops_per_token
 from relaytrain.data.sources import DataSource, source
 from relaytrain.models import count_parameters, frozen_experts, trained_parameters
@@ -26,6 +28,7 @@ from relaytrain.models.family import family_spec
 from relaytrain.objectives import objective
 from relaytrain.records import checkpoint
 from relaytrain.records.trackers import check_trackers
+from relaytrain.run.reference import ReferencePass
 from relaytrain.schema.config import untimed_steps
 from relaytrain.step.optim import Schedule
 from relaytrain.step.precision import Precision
@@ -51,13 +54,17 @@ class Choices:
     def __reduce__(self):
         # A worker receives the spec pickled: the family and objective travel as the names their
         # registries know them by (a family spec holds functions, which do not pickle).
-        names = {"family": self.family.name, "objective": self.objective.name}
+        # The objective takes its objective.* keys along.
+        names = {"family": self.family.name, "objective": (self.objective.name, self.objective.settings)}
         facts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in names}
         return _looked_up, (type(self), names, facts)
 
 
 def _looked_up(kind: type, names: dict, facts: dict) -> Choices:
-    return kind(family=family_spec(names["family"]), objective=objective(names["objective"]), **facts)
+    name, settings = names["objective"]
+    chosen = objective(name)
+    return kind(family=family_spec(names["family"]), objective=chosen.configured(settings) if settings else chosen,
+                **facts)
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class RunSpec(Choices):
     experts: tuple[tuple[str, ...], tuple[str, ...]]  # a mixture's fused expert tensors, and those an adapter leaves frozen
     schedule: Schedule  # the learning rate at each optimizer update (optim.*, train.steps)
     untimed_steps: int  # steps left out of the throughput figures (`schema.config.untimed_steps`)
+    reference: ReferencePass | None  # a preference objective's reference pass (`run.reference`), else None
 
     @property
     def name(self) -> str:
@@ -89,8 +97,14 @@ class RunSpec(Choices):
 def choose(cfg) -> Choices:
     """Every name of `cfg` looked up once; an unknown one is one line naming those there are."""
     return Choices(strategy=strategy_class(cfg.strategy.name), family=family_spec(cfg.model.family),
-                   objective=objective(cfg.model.task), source=source(cfg.data.source),
+                   objective=objective(cfg.objective.name).configured(objective_keys(cfg)), source=source(cfg.data.source),
                    precision=Precision.from_name(str(cfg.precision.name)))
+
+
+def objective_keys(cfg) -> dict:
+    """objective.* but its name, as plain values: what a configured objective takes."""
+    keys = OmegaConf.to_container(cfg.objective, resolve=True)
+    return {key: value for key, value in keys.items() if key != "name"}
 
 
 def describe_run(cfg, chosen: Choices | None = None) -> RunSpec:
@@ -98,10 +112,11 @@ def describe_run(cfg, chosen: Choices | None = None) -> RunSpec:
     when not given): each layer asked once, top to bottom (the strategy; the cost model; the
     records; the model builder, for the run's family and objective), then the plain values."""
     chosen = chosen or choose(cfg)
+    reference = ReferencePass.of(cfg, chosen)
     cls, m, s, t, o = chosen.strategy, cfg.model, cfg.strategy, cfg.train, cfg.optim
     processes, replicas = cls.processes(cfg), cls.replicas(cfg)
     return RunSpec(
-        **{f.name: getattr(chosen, f.name) for f in fields(Choices)},
+        **{f.name: getattr(chosen, f.name) for f in fields(Choices)}, reference=reference,
         processes=processes, replicas=replicas, reporter=cls.reporter(cfg), layout=cls.state_layout(cfg),
         process_names=tuple(cls.describe_process(cfg, rank) for rank in range(processes)),
         flops_per_token=model_flops_per_token(m, cfg.data.seq_len),

@@ -163,6 +163,8 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, esti
     # Once, before any worker: data errors end here.
     dataset, eval_dataset = build_datasets(cfg, str(run_dir), spec.source, spec.objective, spec.family)
     build_loader(cfg, dataset, spec.replicas)  # refuses a dataset smaller than one minibatch
+    if spec.reference is not None:  # a preference objective's reference log-probs, on every row
+        dataset, eval_dataset = spec.reference.given(spec, dataset, eval_dataset, device)
     job = Job(spec, run_dir, dataset, eval_dataset, resume, overrides, estimate_s, quiet, host_bytes)
     return launch(train_process, cfg, spec.processes, lambda rank: spec.process_names[rank],
                   run_dir, job, lambda: checkpoint.latest(run_dir), device)

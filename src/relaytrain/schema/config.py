@@ -150,6 +150,20 @@ class AdapterConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """What the model is trained to do (the objective= group): the model's own task, or a preference
+    objective (objectives/preference.py), whose keys follow TRL's trainer of the same name."""
+
+    name: str = "${model.task}"  # the objective: model.task's cross-entropy (the default) or dpo
+    beta: float = 0.1  # dpo: how far the policy may move from the reference (IPO's tau)
+    loss_type: str = "sigmoid"  # dpo: sigmoid, ipo, hinge or robust (TRL's DPOConfig.loss_type)
+    label_smoothing: float = 0.0  # dpo robust: the chance a preference label is flipped, in [0, 0.5)
+    rpo_alpha: float | None = None  # dpo: weight of the NLL term on the chosen replies (TRL's loss_type [.., sft] with loss_weights [1, rpo_alpha]); null: none
+    ref_model: str | None = None  # dpo: a checkpoint directory for the reference; default: the initial model (with a new adapter: the base)
+    ref_cache: bool = True  # dpo: keep the reference's log-probs beside the tokenize cache (data.cache_dir) and reuse them
+
+
+@dataclass
 class MixConfig:
     """One part of a mixture (data.mix): records in any form data.path takes, and its weight."""
 
@@ -290,6 +304,7 @@ class RelayTrainConfig:
     optim: Any = MISSING  # typed by the chosen option's schema (optim/<name>_schema)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)

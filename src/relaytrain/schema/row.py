@@ -67,6 +67,9 @@ FIELDS: tuple[Field, ...] = (
     # Hugging Face's decoders keep packed records apart by these positions (with no attention mask).
     Field("position_ids", "each token's position in its own record, restarting at 0 where a packed record "
           "starts; None where rows are not packed", Per.TOKEN, optional=True),
+    # A preference objective's reference (objectives/preference.py), computed once before training.
+    Field("ref_logps", "the reference model's log-prob of the row's labelled tokens; None without a reference",
+          Per.ROW, dtype=torch.float32, optional=True, pad=0.0, target=True),
 )
 
 

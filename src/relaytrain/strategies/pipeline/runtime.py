@@ -195,7 +195,7 @@ class PipelineStrategy(Strategy):
         self.m, self.v = s.num_microbatches, self.chunks(cfg)
         self.steps = cfg.train.steps
         blocks = self.stage_blocks(cfg, self.stage)
-        self.hidden_shape = (s.microbatch_size, cfg.data.seq_len, model.hf_config.hidden_size)
+        self.hidden_shape = (s.microbatch_size * model.objective.rows_per_item, cfg.data.seq_len, model.hf_config.hidden_size)
         self.framing = Framing.of(self.hidden_shape, model, blocks)  # a mixture's routing rides with the messages
         stage = StageModule(model, blocks, self.first, self.last, s.recompute)
         message_driven = s.execution == Execution.message_driven
