@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (a clean allocator and thread pool),
 then one summary table. Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn,compile,lora,qlora,data_cache,long_context,sequence_parallel,moe] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn,compile,lora,qlora,data_cache,long_context,sequence_parallel,moe,dpo] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ BENCHMARKS = {
     "long_context": HERE / "bench_long_context.py",
     "sequence_parallel": HERE / "bench_sequence_parallel.py",
     "moe": HERE / "bench_moe.py",
+    "dpo": HERE / "bench_dpo.py",
 }
 # The comparisons each script reports as a median over its rounds (scripts/benchlib.py), in
 # the order of the summary table, with what each compares.
@@ -72,6 +73,9 @@ COMPARED = {
     "long_context_peak_vs_hf_trainer": "peak memory, baseline with recompute=block / Hugging Face Trainer with gradient checkpointing (128 k vocabulary, 1 x 4,096 tokens)",
     "sequence_parallel_scaling": "tokens/s, 2 workers each holding half of one 4,096-token sequence / 2 x one worker's",
     "data_cache_prepare_ratio": "prepare_s, second identical start / first (tokenize cache, 100 k chat records)",
+    "dpo_vs_trl": "DPO pairs/s, baseline / TRL's DPOTrainer (Llama layout, reference precomputed on both sides)",
+    "dpo_l2l_vs_recompute_baseline": "DPO pairs/s, l2l / baseline with recompute (reference cached)",
+    "dpo_lora_vs_sft_lora": "tokens/s under l2l, LoRA DPO / LoRA SFT on the same rows",
 }
 def run(name: str, script: Path, workdir: Path) -> dict:
     out = workdir / f"{name}.json"

@@ -220,7 +220,7 @@ STILL_LOOKED_UP = {
     # a strategy is built from the config alone: handed the RunSpec (its precision, its family), these go
     "relaytrain.strategies.base": 1, "relaytrain.strategies.l2l_cost": 2, "relaytrain.strategies.sequence_parallel": 1,
     "relaytrain.strategies.whole_model": 1,
-    "relaytrain.cost.formulas": 2, "relaytrain.cost.profile": 3, "relaytrain.cost.work": 2,
+    "relaytrain.cost.formulas": 1, "relaytrain.cost.profile": 3, "relaytrain.cost.work": 2,
     # `train --help` lists the chosen strategy's keys, whatever the config's other names say
     "relaytrain.commands.help": 1,
     # the strategies the planner tries, by the names it enumerates (no config's name)

@@ -145,6 +145,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path, capsys):
     assert kept and all(int(p.stem.split("-")[1]) < step for p in kept)  # only good steps were saved
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_l2l_killed_run_resumes_bit_for_bit(tmp_path):
     whole_dir, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
     l2l = ("strategy=l2l", "train.steps=12")

@@ -49,6 +49,7 @@ def test_multirun_writes_one_result_per_job(tmp_path):
     assert lrs == {"optim.lr=0.0001", "optim.lr=0.001"}
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_saved_model_loads_with_hugging_face_and_keeps_parameter_names(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
@@ -105,7 +106,8 @@ def test_bad_input_is_one_line_exit_2_and_no_traceback(tmp_path):
         ("optim=lamb optim.momentum=0.9", "optim.momentum is not a key of optim=lamb; only optim=sgd has it"),
         ("strategy.recompute=true", "strategy.recompute=True is not one of none, block, stage"),
         ("model.task=clasification", "model.task=clasification is not one of classification, masked_lm, "
-                                     "causal_lm; did you mean model.task=classification?"),
+                                     "causal_lm, dpo"),
+        ("objective.name=dp", "objective.name=dp is not one of classification, masked_lm, causal_lm, dpo"),
         ("strategy=l2l strategy.stash=gpu", "strategy.stash=gpu is not one of device, host"),
         ("strategy=l2l strategy.stash=cpu", "strategy.stash=cpu was renamed strategy.stash=host (host memory, as in "
                                             "strategy.offload=host)"),
@@ -167,7 +169,7 @@ def test_help_names_every_config_group_and_section(tmp_path, capsys):
     assert f"Config groups (GROUP=OPTION): {', '.join(option_groups())}; experiments: +exp=NAME." in out
     assert f"Keys only (KEY=VALUE): {', '.join(key_sections())}." in out
     proc = relaytrain("train", "adapter=qlora", "--help", cwd=tmp_path, env_extra={"COLUMNS": "100"})
-    assert "  adapter    lora none *qlora" in proc.stdout and "  data       chat glue jsonl *synthetic" in proc.stdout
+    assert "  adapter    lora none *qlora" in proc.stdout and "  data       chat glue jsonl preference *synthetic" in proc.stdout
     assert f"  {', '.join(key_sections())}: no options, keys only (below)" in proc.stdout
     assert "log.tensorboard = False" in proc.stdout
     groups = proc.stdout[proc.stdout.index("Config groups"):proc.stdout.index("Keys of this config")]
@@ -187,6 +189,7 @@ def test_unknown_command_exits_2(capsys):
     assert "unknown command 'trian'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_configs_are_found_from_any_working_directory(tmp_path):
     proc = relaytrain("train", "--cfg", "job", cwd=Path("/"))
     assert "num_layers: 4" in proc.stdout

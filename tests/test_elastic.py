@@ -49,7 +49,8 @@ RUN = ["train", *[o for o in TINY_GPT2 if not o.startswith("model.dropout")], "m
        "strategy.timeout_s=60"]
 
 STRATEGIES = [
-    pytest.param(["strategy=pipe_flush", "strategy.stages=2"], id="pipe_flush"),
+    # ~45 s each on 2 cores: the slow step (the default suite stays within 8 minutes)
+    pytest.param(["strategy=pipe_flush", "strategy.stages=2"], id="pipe_flush", marks=pytest.mark.slow),
     pytest.param(["strategy=pipe_2bw", "strategy.stages=2"], id="pipe_2bw", marks=pytest.mark.slow),
     pytest.param(["strategy=l2l", "strategy.replicas=2"], id="l2l-replicas", marks=pytest.mark.slow),
 ]
@@ -144,6 +145,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_two_launchers_as_two_nodes_equal_one_launcher(tmp_path):
     """A cluster's two machines, here two torchrun launchers on localhost (one worker each,
     a shared run directory as a cluster's shared filesystem): the same weights as one launcher

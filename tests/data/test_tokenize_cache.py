@@ -182,6 +182,7 @@ def _prepare(cfg, counter: Path, out: Path, others: int) -> None:
     out.write_text(json.dumps({"cache": train.facts["cache"], "ids": train.input_ids.sum().item()}))
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_several_processes_of_one_run_tokenize_once(tmp_path):
     cfg = chat_cfg(f"data.cache_dir={tmp_path / 'cache'}")
     # Spawned, as a run's workers are: a fork of this process (torch's and the tokenizer's threads

@@ -135,6 +135,7 @@ def test_a_second_start_reuses_the_reference_cache(checkpoints, tmp_path, capfd)
     (["objective.label_smoothing=0.1"], "set objective.loss_type=robust"),
     (["objective.beta=0"], "must be positive"),
     (["strategy.sequence_parallel=2"], "compares whole ones"),
+    (["data=jsonl"], "data=jsonl gives single rows: use data=preference"),
 ])
 def test_bad_dpo_settings_are_one_line_each(checkpoints, tmp_path, overrides, says):
     from relaytrain.run.compose import validate

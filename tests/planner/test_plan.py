@@ -197,7 +197,9 @@ def test_plan_command_writes_plan_json_and_prints_the_table(tmp_path, capsys):
     plan = json.loads((tmp_path / "plan.json").read_text())
     best = plan["best"]
     assert best["command"].startswith("relaytrain train ") and "strategy.stash" not in best["command"]
-    assert set(best["predicted"]) == {"step_time_s", "samples_per_s", "device_memory_gb"}
+    assert set(best["predicted"]) == {"step_time_s", "samples_per_s", "tokens_per_s", "device_memory_gb"}
+    assert best["predicted"]["tokens_per_s"] == pytest.approx(16 * best["predicted"]["samples_per_s"])  # seq 16
+    assert best["reference_pass"] is None  # SFT: no reference
     assert best["predicted"]["step_time_s"] > 0 and best["predicted"]["device_memory_gb"] > 0
     assert {c["strategy"] for c in plan["candidates"]} == {"baseline", "pipe_2bw", "l2l"}
     for c in plan["candidates"]:

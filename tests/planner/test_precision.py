@@ -211,6 +211,7 @@ def test_an_nf4_base_is_planned_at_its_bytes():
         bf16.frozen_host_bytes - nf4.frozen_host_bytes
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_4_bit_base_read_as_fp32_masters_is_planned_at_that_peak():
     """Under a strategy that does not keep the base compact, a 4-bit base is read as fp32 masters
     and quantized after: the host check counts that moment (the fp32 model), not only the smaller

@@ -8,7 +8,8 @@ shared formulas:
 - a flushed pipeline's bubble, (d - 1) / (m + d - 1) of stage time for equal stages;
 - one optimizer step over some blocks and the model's ends, from the profiled per-part steps;
 - what one block keeps for its backward (Korthikanti et al., 2022, widened to grouped-query
-  attention, heads of any width and gated MLPs) and what an LM head's logits take;
+  attention, heads of any width and gated MLPs: `cost.work`'s, beside a block's FLOPs) and what
+  an LM head's logits take;
 - the work of each part (embeddings, a block, the head) that balanced pipeline stages are cut
   by (`part_costs`), a block's and the head's FLOPs as `cost.work` counts them;
 - the host memory a run's workers hold where the device is the host (`cpu_activation_bytes`),
@@ -24,11 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from relaytrain.cost.profile import PartTimes, Timings
 from relaytrain.cost.quantized import QuantizedPart, quantized_parts
-from relaytrain.cost.shape import LOOPS_ALWAYS as LOOPS_ALWAYS  # the cost models import both from here
+from relaytrain.cost.shape import LOOPS_ALWAYS as LOOPS_ALWAYS  # the cost models import these from here
 from relaytrain.cost.shape import Shape as Shape
+from relaytrain.cost.shape import powers_of_two_dividing as powers_of_two_dividing
 from relaytrain.cost.work import (
     PartWork,
     block_matrix_weights,
@@ -37,12 +40,18 @@ from relaytrain.cost.work import (
     model_work,
     query_width,
 )
+from relaytrain.cost.work import block_activation_bytes as block_activation_bytes
+from relaytrain.cost.work import block_activation_values as block_activation_values
 from relaytrain.models import adapter as adapters
 from relaytrain.models import part_parameters, trained_parameters
 from relaytrain.models.family import BlockShape
 from relaytrain.objectives import objective
 from relaytrain.objectives.chunked import LOGIT_COPIES, Chunking
+from relaytrain.step.metrics import sequences
 from relaytrain.step.optim import state_words
+
+if TYPE_CHECKING:
+    from relaytrain.objectives.base import Objective
 
 FP32 = 4
 
@@ -77,6 +86,8 @@ class ModelFacts:
     sequence_parallel: int = 1
     # strategy.tensor_parallel=T: a worker holds 1/T of every block's matrices and heads (`split`)
     tensor_parallel: int = 1
+    # Sequences an item of the data is (`Objective.rows_per_item`): 1, or 2 for a preference pair
+    rows_per_item: int = 1
 
     @classmethod
     def of(cls, cfg) -> ModelFacts:
@@ -84,6 +95,7 @@ class ModelFacts:
         embed, block, head = part_parameters(cfg.model, adapter)
         precision = str(cfg.precision.name)
         m = cfg.model
+        goal = run_objective(cfg)
         trained = part_parameters(m, adapter, trained=True) if adapter else None
         quantized = quantized_parts(m, adapter)
         if quantized is not None:  # part_parameters counts a 4-bit weight's storage bytes
@@ -91,9 +103,15 @@ class ModelFacts:
         half_base = precision.startswith("cmp") or m.checkpoint_dtype in ("bfloat16", "float16")
         return cls(m.num_layers, m.hidden_size, m.num_heads, cfg.data.seq_len, embed, block, head,
                    2 if precision.startswith("cmp") else FP32, FP32 if precision == "fp32" else 2,
-                   state_words(cfg.optim), logits_per_sample(cfg), block_shape(m), model_work(m, cfg.data.seq_len),
-                   trained,
-                   2 if adapter and half_base else FP32, fused_attention(m), loss_chunking(m), quantized=quantized)
+                   state_words(cfg.optim), logits_per_sample(goal, cfg.data.seq_len, m.vocab_size), block_shape(m),
+                   model_work(m, cfg.data.seq_len), trained,
+                   2 if adapter and half_base else FP32, fused_attention(m), loss_chunking(goal, m), quantized=quantized,
+                   rows_per_item=goal.rows_per_item)
+
+    def rows(self, b: int) -> int:
+        """Sequences a micro-batch of b items runs through the model (`step.metrics.sequences`):
+        what every figure below that takes b (its items, strategy.microbatch_size) is sized by."""
+        return sequences(b, self.rows_per_item)
 
     def cut(self, size: int) -> ModelFacts:
         """These facts for a worker of a run that cuts every sequence over `size` workers: its
@@ -152,6 +170,11 @@ class ModelFacts:
         return self.trained_params * FP32 + self.whole(
             lambda part: self.frozen_part_bytes(part, self.frozen_bytes if compact_base else FP32))
 
+    def built_part_bytes(self, part: int) -> int:
+        """A part as built where nothing keeps it compact (fp32, 4-bit weights as stored): what a
+        pass that streams the model as built (`cost.reference`) moves and holds of it."""
+        return self._part(part)[1] * FP32 + self.frozen_part_bytes(part, FP32)
+
     def build_peak_bytes(self, compact_base: bool) -> int:
         """The most the host holds while it builds the model: the model as built, but a 4-bit base
         under a strategy that does not keep its base compact is first read as fp32 masters (every
@@ -209,10 +232,11 @@ class ModelFacts:
         return self.weight_bytes
 
     def part_times(self, t: Timings, part: str, b: int) -> PartTimes:
-        """The profiled times of `part` ("block", "embed", "head") at micro-batch size `b`. Under
-        adapters its backward skips the frozen weights' gradients: about half of a backward is
-        the weight gradients, kept in the share of the part that trains."""
-        times = self._worker_part(t, part, b)
+        """The profiled times of `part` ("block", "embed", "head") on a micro-batch of `b` items
+        (the profile times sequences: `rows(b)` of them). Under adapters its backward skips the
+        frozen weights' gradients: about half of a backward is the weight gradients, kept in the
+        share of the part that trains."""
+        times = self._worker_part(t, part, self.rows(b))
         if self.trained_parts is None:
             return times
         total = {"embed": self.embed_params, "block": self.block_params, "head": self.head_params}[part]
@@ -236,29 +260,30 @@ class ModelFacts:
         return self.trained_params / max(self.params, 1)
 
     def boundary_bytes(self, b: int) -> int:
-        """A block's input (or output) for b samples: what a stash entry holds and a stage sends."""
-        return b * self.tokens * self.hidden * self.hidden_value_bytes
+        """A block's input (or output) for b items: what a stash entry holds and a stage sends."""
+        return self.rows(b) * self.tokens * self.hidden * self.hidden_value_bytes
 
     def block_activation_bytes(self, b: int) -> int:
-        return block_activation_bytes(b, self.seq_len, self.shape, self.activation_bytes, self.fused_attention,
-                                      self.tokens)
+        """What one block keeps for its backward for b items (`block_activation_bytes`)."""
+        return block_activation_bytes(self.rows(b), self.seq_len, self.shape, self.activation_bytes,
+                                      self.fused_attention, self.tokens)
 
     def head_activation_bytes(self, b: int) -> int:
-        """The head and its loss at their peak for b samples: the whole sequence's logits, or one
+        """The head and its loss at their peak for b items: the whole sequence's logits, or one
         chunk's with the head's input and a second gradient of its trained weights."""
         vocab = self.logits_per_sample // self.seq_len
         trained_head = vocab * self.hidden if self.trained_parts is None else self.trained_parts[2]  # the LM head's weight
         # A cut worker scores its own tokens: one position more than them, as `SequenceSplit.scored` pads.
         positions = self.seq_len if self.sequence_parallel == 1 else self.tokens + 1
-        return head_bytes(b, positions, vocab * positions, self.loss_chunks,
+        return head_bytes(self.rows(b), positions, vocab * positions, self.loss_chunks,
                           trained_head, self.hidden * self.activation_bytes)
 
     def attention_exchange_bytes(self, b: int) -> int:
-        """What a cut worker's attention all-to-alls carry for b samples through one block, one
+        """What a cut worker's attention all-to-alls carry for b items through one block, one
         way (forward; the backward carries their gradients): its tokens' queries, keys and values,
         then the attention output back, at the activations' bytes."""
         q, kv = query_width(self.shape), key_value_width(self.shape)
-        return b * self.tokens * (2 * q + 2 * kv) * self.activation_bytes
+        return self.rows(b) * self.tokens * (2 * q + 2 * kv) * self.activation_bytes
 
     def stage_params(self, blocks: int, embed: bool, head: bool) -> int:
         """Parameters of a stage (or a whole model) holding `blocks` blocks and maybe the ends."""
@@ -281,37 +306,6 @@ class StepCost:
 # --------------------------------------------------------------------------- memory
 
 
-def block_activation_values(seq_len: int, shape: BlockShape, fused: bool = False) -> float:
-    """Values one block keeps for backward per token (Korthikanti et al., 2022, Table 2, whose
-    34 sbh + 5 as^2b bytes at 2 bytes a value are 17 h + 2.5 a s values for q = kv = h, i = 4h):
-
-    - attention: its input (the projections'), the queries (q), keys and values (kv each), the
-      output projection's input (q) and a dropout mask (h / 2); then by kernel: eager keeps the
-      scores' softmax and its dropout, 2.5 a s (the s x s probabilities of every head); a fused
-      kernel (`fused`: sdpa's flash or memory-efficient one) only its log-sum-exp, a values
-      (its dropout mask is drawn again from a seed in the backward). A padding mask adds its
-      s x s bias to the fused kernel's inputs; unpadded rows (synthetic data, packed records
-      of equal length) have none;
-    - the MLP: its input, and a dropout mask (h / 2); plain, the activation's input and output
-      (2 i); gated, the gate's and up projection's outputs, the activation's output and its
-      product with up, which feeds the down projection (4 i: each product's backward needs
-      both factors, and the activation's backward its input);
-    - the two norms' inputs (2 h)."""
-    h, q, kv, i = shape.hidden, query_width(shape), key_value_width(shape), shape.intermediate
-    scores = shape.num_heads if fused else 2.5 * shape.num_heads * seq_len
-    attention = h + q + 2 * kv + q + h / 2 + scores
-    mlp = h + (4 if shape.gated_mlp else 2) * i + h / 2
-    return attention + mlp + 2 * h
-
-
-def block_activation_bytes(b: int, seq_len: int, shape: BlockShape, dtype_bytes: int, fused: bool = False,
-                           tokens: int | None = None) -> int:
-    """Activations one block keeps for backward, for b samples (`block_activation_values`) of
-    which a worker holds `tokens` each (None: all seq_len; under sequence parallelism its share,
-    attention still spanning seq_len for 1/S of the heads: the same values per token)."""
-    return int(dtype_bytes * b * (seq_len if tokens is None else tokens) * block_activation_values(seq_len, shape, fused))
-
-
 def fused_attention(m) -> bool:
     """Whether the model's blocks run a fused attention kernel: `model.attn_implementation` where
     the architecture has it (Gemma 2 has no sdpa kernel: eager, `Family.attention`)."""
@@ -324,10 +318,10 @@ def stage_bytes(facts: ModelFacts, b: int, blocks: int, params: int, last: bool,
                 recompute: str, stashed_inputs: int | None = None) -> int:
     """MEMORY(.) of PipeDream-2BW §4.2.2 for one stage (the baseline is one stage): `versions`
     copies of its `params` weights, their gradients and optimizer state (under adapters: of the
-    share that trains; the frozen base once), and the activations of
-    `in_flight` micro-batches of b samples: all of them without recompute; with block recompute
-    each block's input (`stashed_inputs` of them where a host stash keeps the rest: those in
-    transit) plus one block's activations while recomputing, or the head's at the turn;
+    share that trains; the frozen base once), and the activations of `in_flight` micro-batches
+    of b items (`ModelFacts.rows(b)` sequences): all of them without recompute; with block
+    recompute each block's input (`stashed_inputs` of them where a host stash keeps the rest:
+    those in transit) plus one block's activations while recomputing, or the head's at the turn;
     with stage recompute the stage's input plus one micro-batch's worth while recomputing."""
     head = facts.head_activation_bytes(b) if last else 0
     per_microbatch = blocks * facts.block_activation_bytes(b) + head
@@ -343,21 +337,21 @@ def stage_bytes(facts: ModelFacts, b: int, blocks: int, params: int, last: bool,
     return int(frozen + trained * FP32 * (versions + 1 + facts.state_words) + activations)
 
 
-def logits_per_sample(cfg) -> int:
-    """Values the head's logits hold per sample: none to speak of for classification, seq x
-    vocabulary for a language model."""
-    return 0 if objective(cfg.model.task).classifies else cfg.data.seq_len * cfg.model.vocab_size
+def logits_per_sample(goal: Objective, seq_len: int, vocab_size: int) -> int:
+    """Values the head's logits hold per sequence under the objective `goal`: none to speak of
+    for classification, seq x vocabulary for a language model."""
+    return 0 if goal.classifies else seq_len * vocab_size
 
 
 def logits_bytes(b: int, values_per_sample: int) -> int:
     return b * values_per_sample * FP32 * LOGIT_COPIES  # logits, their softmax and gradient in fp32
 
 
-def loss_chunking(m) -> Chunking | None:
-    """How a run of the `model` section `m` cuts its head's loss into chunks of tokens
-    (`model.loss_chunk_tokens`); None where its objective never does (a classifier, masked LM, a
-    loss of the user's own)."""
-    if not objective(m.task).cuts_head_into_chunks:
+def loss_chunking(goal: Objective, m) -> Chunking | None:
+    """How a run of the objective `goal` and the `model` section `m` cuts its head's loss into
+    chunks of tokens (`model.loss_chunk_tokens`); None where the objective never does (a
+    classifier, masked LM, a per-sequence loss such as DPO's, a loss of the user's own)."""
+    if not goal.cuts_head_into_chunks:
         return None
     return Chunking(m.loss_chunk_tokens, m.vocab_size)
 
@@ -406,10 +400,12 @@ def part_costs(facts: ModelFacts, b: int, recompute: str = "none") -> PartCosts:
 
     Analytic, not profiled, on purpose: the split it decides must be the same on every process
     and again when a run resumes (an exact resume compares the checkpoint's blocks per stage),
-    and timings differ from process to process and from run to run."""
-    tokens = b * facts.seq_len
-    block, head = b * facts.work.block, b * facts.work.head
-    head_bytes = logits_bytes(b, facts.logits_per_sample)
+    and timings differ from process to process and from run to run. b counts items: their
+    sequences (`ModelFacts.rows`) are what every part computes."""
+    rows = facts.rows(b)
+    tokens = rows * facts.seq_len
+    block, head = rows * facts.work.block, rows * facts.work.head
+    head_bytes = logits_bytes(rows, facts.logits_per_sample)
     embed_bytes = FP32 * (3 * facts.embed_params + 3 * tokens * facts.hidden)
     forward = PartCosts(0.0, float(block), head + BYTE_FLOPS * head_bytes / 3)
     costs = PartCosts(BYTE_FLOPS * embed_bytes, 3.0 * block, 3.0 * head + BYTE_FLOPS * head_bytes)
@@ -444,18 +440,6 @@ def optimizer_s(t: Timings, facts: ModelFacts, blocks: int, embed: bool, head: b
     return (blocks * block + ends) * facts.trained_share
 
 
-# --------------------------------------------------------------------------- shapes
-
-
-def powers_of_two_dividing(n: int) -> list[int]:
-    """Micro-batch sizes the planner tries for n samples a worker: 1, 2, 4 ... while they divide n."""
-    sizes, b = [], 1
-    while b <= n and n % b == 0:
-        sizes.append(b)
-        b *= 2
-    return sizes
-
-
 # --------------------------------------------------------------------------- host memory
 
 
@@ -472,14 +456,29 @@ def worker_tokens(seq_len: int, strategy) -> int:
     return -(-seq_len // getattr(strategy, "sequence_parallel", 1))
 
 
+def run_objective(cfg) -> Objective:
+    """The objective a run of `cfg` trains: objective.name (model.task's own unless objective=
+    names another, e.g. dpo), which decides the head's logits and the sequences of an item."""
+    return objective(cfg.objective.name)
+
+
+def microbatch_rows(cfg) -> int:
+    """Sequences one of `cfg`'s micro-batches runs through the model: strategy.microbatch_size
+    items of its objective's rows each (`step.metrics.sequences`), for an estimate made from the
+    config alone (`ModelFacts.rows` where the facts are at hand)."""
+    return sequences(cfg.strategy.microbatch_size, run_objective(cfg).rows_per_item)
+
+
 def cpu_activation_bytes(cfg, device_type: str, live_blocks: int, stash_entries: int = 0) -> int:
     """Activations in host memory when the device *is* the host: `live_blocks` blocks' worth of
     one micro-batch, `stash_entries` block inputs, and the logits of an LM head (of a worker's
     tokens where sequences are cut: the head's at most a whole sequence's, an overestimate)."""
     if device_type != "cpu":
         return 0
-    m, b, s = cfg.model, cfg.strategy.microbatch_size, cfg.data.seq_len
+    m, s, goal = cfg.model, cfg.data.seq_len, run_objective(cfg)
+    rows = sequences(cfg.strategy.microbatch_size, goal.rows_per_item)
     tokens = worker_tokens(s, cfg.strategy)
-    block = block_activation_bytes(b, s, block_shape(m), FP32, fused_attention(m), tokens)
-    head = head_bytes(b, s, logits_per_sample(cfg), loss_chunking(m), m.vocab_size * m.hidden_size, m.hidden_size * FP32)
-    return block * live_blocks + stash_entries * b * tokens * m.hidden_size * FP32 + head
+    block = block_activation_bytes(rows, s, block_shape(m), FP32, fused_attention(m), tokens)
+    head = head_bytes(rows, s, logits_per_sample(goal, s, m.vocab_size), loss_chunking(goal, m),
+                      m.vocab_size * m.hidden_size, m.hidden_size * FP32)
+    return block * live_blocks + stash_entries * rows * tokens * m.hidden_size * FP32 + head

@@ -79,3 +79,12 @@ class Shape:
         redo = "" if relay else f" rc={self.recompute}"
         extra = "".join(f" {key}={value}" for key, value in self.options)
         return f"{width}{depth}b={self.microbatch_size} {'u' if relay else 'm'}={self.num_microbatches}{redo}{extra}"
+
+
+def powers_of_two_dividing(n: int) -> list[int]:
+    """Micro-batch sizes the planner tries for n samples a worker: 1, 2, 4 ... while they divide n."""
+    sizes, b = [], 1
+    while b <= n and n % b == 0:
+        sizes.append(b)
+        b *= 2
+    return sizes

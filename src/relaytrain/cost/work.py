@@ -17,7 +17,9 @@ they cost is memory traffic: `formulas.part_costs`, `profile.embed_bytes`).
   transform); a classification head its pooler (BERT: h x h) and its classifier (h x labels).
   An LM head runs on every token, a classification head on one position a sample.
 
-Backward costs twice the forward (the input's and the weights' gradients).
+Backward costs twice the forward (the input's and the weights' gradients). What a block keeps
+for its backward, from the same widths, is here too (`block_activation_bytes`; the cost models
+read it through `cost.formulas`).
 """
 
 from __future__ import annotations
@@ -138,3 +140,37 @@ def model_flops_per_token(m, seq_len: int) -> float:
     shape, the usual "model FLOPs" convention: recomputation is work the strategy chose to do,
     not work the model needs."""
     return model_work(m, seq_len).training_flops_per_token(m.num_layers, seq_len)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def block_activation_values(seq_len: int, shape: BlockShape, fused: bool = False) -> float:
+    """Values one block keeps for backward per token (Korthikanti et al., 2022, Table 2, whose
+    34 sbh + 5 as^2b bytes at 2 bytes a value are 17 h + 2.5 a s values for q = kv = h, i = 4h):
+
+    - attention: its input (the projections'), the queries (q), keys and values (kv each), the
+      output projection's input (q) and a dropout mask (h / 2); then by kernel: eager keeps the
+      scores' softmax and its dropout, 2.5 a s (the s x s probabilities of every head); a fused
+      kernel (`fused`: sdpa's flash or memory-efficient one) only its log-sum-exp, a values
+      (its dropout mask is drawn again from a seed in the backward). A padding mask adds its
+      s x s bias to the fused kernel's inputs; unpadded rows (synthetic data, packed records
+      of equal length) have none;
+    - the MLP: its input, and a dropout mask (h / 2); plain, the activation's input and output
+      (2 i); gated, the gate's and up projection's outputs, the activation's output and its
+      product with up, which feeds the down projection (4 i: each product's backward needs
+      both factors, and the activation's backward its input);
+    - the two norms' inputs (2 h)."""
+    h, q, kv, i = shape.hidden, query_width(shape), key_value_width(shape), shape.intermediate
+    scores = shape.num_heads if fused else 2.5 * shape.num_heads * seq_len
+    attention = h + q + 2 * kv + q + h / 2 + scores
+    mlp = h + (4 if shape.gated_mlp else 2) * i + h / 2
+    return attention + mlp + 2 * h
+
+
+def block_activation_bytes(b: int, seq_len: int, shape: BlockShape, dtype_bytes: int, fused: bool = False,
+                           tokens: int | None = None) -> int:
+    """Activations one block keeps for backward, for b samples (`block_activation_values`) of
+    which a worker holds `tokens` each (None: all seq_len; under sequence parallelism its share,
+    attention still spanning seq_len for 1/S of the heads: the same values per token)."""
+    return int(dtype_bytes * b * (seq_len if tokens is None else tokens) * block_activation_values(seq_len, shape, fused))

@@ -74,7 +74,7 @@ def _named(cfg, source, objective, family) -> tuple[type[DataSource], Objective,
     from relaytrain.models.family import family_spec
     from relaytrain.objectives import objective as objective_named
 
-    return (source or named_source(cfg.data.source), objective or objective_named(cfg.model.task),
+    return (source or named_source(cfg.data.source), objective or objective_named(cfg.objective.name),
             family or family_spec(cfg.model.family))
 
 

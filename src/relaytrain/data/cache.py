@@ -76,6 +76,9 @@ def cache_key(cfg, inputs: list[Input], chat: bool, objective: Objective, family
     if labels.masked_token_labels(objective):
         data["seed"] = cfg.data.seed  # which tokens are masked
     location = tokenizer_location(m.pretrained, cfg.data.tokenizer, chat)
+    pairs = {"pairs": objective.pair_tokenization} if objective.rows_per_item > 1 else {}  # how a pair is tokenized
+    if objective.unpaired:  # KTO's KL rows pair each example with a neighbour in its micro-batch (data/preference.py)
+        data["kl_group"] = cfg.strategy.microbatch_size
     return {
         "format": FORMAT,
         "inputs": [fingerprint(given) for given in inputs],
@@ -83,7 +86,7 @@ def cache_key(cfg, inputs: list[Input], chat: bool, objective: Objective, family
         "data": data,
         "labels": {"classes": labels.class_labels(objective), "next_token": labels.next_token_labels(objective),
                    "masked": labels.masked_token_labels(objective), "num_labels": m.num_labels,
-                   "vocab_size": m.vocab_size, "family": family.name, "max_seq_len": m.max_seq_len},
+                   "vocab_size": m.vocab_size, "family": family.name, "max_seq_len": m.max_seq_len, **pairs},
     }
 
 

@@ -10,6 +10,7 @@ It is learnable, so the loss visibly falls within a few dozen steps:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,11 +34,13 @@ def synthetic_dataset(objective: Objective, vocab_size: int, num_labels: int, nu
     `objective` (`num_labels` classes where it classifies)."""
     g = torch.Generator().manual_seed(seed)
     window = min(vocab_size - FIRST_TOKEN, 4096)
+    rows = objective.rows_per_item  # a preference pair: two rows an item (its chosen, its rejected), drawn alike
     if labels.class_labels(objective):
-        return _classification(num_samples, seq_len, window, num_labels, g)
-    ids = _progressions(num_samples, seq_len, window, g)
+        return dataclasses.replace(_classification(num_samples * rows, seq_len, window, num_labels, g),
+                                   rows_per_item=rows)
+    ids = _progressions(num_samples * rows, seq_len, window, g)
     if labels.next_token_labels(objective):
-        return TokenDataset(ids, ids.clone())
+        return TokenDataset(ids, ids.clone(), rows_per_item=rows)
     return _mask_tokens(ids, g)
 
 

@@ -32,6 +32,15 @@ KINDS = ("weights", "gradients", "optimizer state", "stash", "activations and te
 SNAPSHOT_STEP = 1.01  # a new breakdown when the peak has grown by 1 % since the last one
 
 _local = threading.local()  # the tracker of this thread (a process's work runs on one thread)
+READ_A_NUMBER = torch.ops.aten._local_scalar_dense.default  # `int(t)`, `float(t)`, `t.item()`
+
+
+def stand_in_number(t: torch.Tensor) -> bool | int | float:
+    """What reading a number off a meta tensor gives in a dry run, which has no values: 1 (True),
+    as a count of a micro-batch's real items would be at least (a preference objective's pairs
+    to average its figures over, which a dry run does not report). Nothing a dry run allocates
+    may depend on it."""
+    return True if t.dtype == torch.bool else 1 if not t.is_floating_point() else 1.0
 
 
 def active() -> DeviceMemory | None:
@@ -102,6 +111,8 @@ class DeviceMemory(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is READ_A_NUMBER and args[0].device.type == "meta":
+            return stand_in_number(args[0])
         out = func(*args, **(kwargs or {}))
         # Only storages the operator created are new: a view (detach, slice, in-place result)
         # shares its input's, which is counted already, or was made before counting began.

@@ -90,7 +90,7 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
                                            getattr(torch, m.checkpoint_dtype) if half else torch.float32)
         if fresh and not quiet:
             shown = ", ".join(fresh[:4]) + (f" and {len(fresh) - 4} more" if len(fresh) > 4 else "")
-            print(f"model.pretrained={m.pretrained}: a new {m.task} head"
+            print(f"model.pretrained={m.pretrained}: a new {objective.name} head"
                   f"{f' with {m.num_labels} labels' if objective.classifies else ''}; "
                   f"freshly initialised: {shown}", flush=True)
     else:
@@ -206,8 +206,9 @@ def check_model(m, a, family: Family, objective, defaults) -> None:
     AdapterConfig, to tell the keys a run sets), with the run's `family` and `objective`: the
     keys describe a model the family takes, the adapter's keys fit it, a quantized base has an
     adapter and a checkpoint. ConfigError, one line, on the first problem."""
-    if not m.pretrained:  # the keys must describe a model the family takes (a checkpoint's config was asked)
-        family.hf_config(m)
+    # The keys must describe a model the family takes (a checkpoint's config was asked), with the head.
+    config = load_hf_config(m.pretrained, m.trust_remote_code) if m.pretrained else family.hf_config(m)
+    _check_head(config, objective)
     stray = adapters.set_without_adapter(a, defaults)
     if stray:
         raise ConfigError(f"{' and '.join(stray)} set, but adapter=none trains every weight in full; "
@@ -215,6 +216,17 @@ def check_model(m, a, family: Family, objective, defaults) -> None:
     check_adapter(m, a, defaults, family, objective)
     _check_quantize(str(m.quantize), bool(m.quantize_double), adapted=adapters.enabled(a), pretrained=m.pretrained,
                     trust_remote_code=m.trust_remote_code, merge_on_save=a.merge_on_save)
+
+
+def _check_head(hf_config, objective) -> None:
+    """transformers has the objective's head for the model's type (a decoder type may have no
+    sequence classifier); a checkpoint with code of its own says so itself."""
+    mapping = auto_class(objective)._model_mapping
+    if getattr(hf_config, "auto_map", None) or type(hf_config) in mapping:
+        return
+    raise ConfigError(f"a {hf_config.model_type} model has no {objective.head.removeprefix('AutoModelFor')} head "
+                      f"in transformers, which objective={objective.name} trains; use a model type that has one "
+                      f"(e.g. llama, qwen3, mistral)")
 
 
 def check_adapter(m, a, defaults, family: Family | None = None, objective=None) -> None:

@@ -7,7 +7,9 @@ A model type trains only when its whole causal-LM forward is what the layered mo
     embed_tokens (-> * multiplier, Granite; -> norm, NanoChat) -> layers[0..N) -> norm -> lm_head
         (-> * or / a scalar, Cohere and Granite; -> soft-capping, Gemma 2)
 
-Any other type is refused in one line before anything is built, whatever its shape.
+Any other type is refused in one line before anything is built, whatever its shape. A sequence
+classifier (a reward model) ends in transformers' `...ForSequenceClassification` head instead:
+norm -> score, read at each row's last token before its padding (`decoder_heads.py`).
 
 What Hugging Face's model forward computes once and hands to every layer is computed once per
 micro-batch by `shared_context`, in the same way: the rotary cos/sin for the micro-batch's positions
@@ -33,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from relaytrain.models.decoder_heads import DecoderHead, DecoderScoreHead, scored_tokens
 from relaytrain.models.family import BlockShape, Family, register_family, transformers_block_plan
 from relaytrain.models.layered import NO_CACHE, Block, LayeredModel, MicroBatch
 from relaytrain.models.moe import (
@@ -50,8 +53,8 @@ from relaytrain.models.moe import (
     run_settings,
     tally_key,
 )
-from relaytrain.objectives.base import LossTerms
-from relaytrain.objectives.cross_entropy import CausalLM
+from relaytrain.objectives.base import LossTerms, Objective
+from relaytrain.objectives.cross_entropy import CausalLM, Classification
 from relaytrain.step.evaluation import EvalStats
 from relaytrain.utils.errors import ConfigError, first_line
 
@@ -73,27 +76,6 @@ class DecoderEmbed(nn.Module):
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
         return hidden if self.norm is None else self.norm(hidden)
-
-
-class DecoderHead(nn.Module):
-    """Final norm and LM head, then the type's scalars on the logits in Hugging Face's order: a
-    multiplier (Cohere), a divisor (Granite), soft-capping (Gemma 2)."""
-
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, softcap: float | None = None,
-                 multiplier: float | None = None, divisor: float | None = None):
-        super().__init__()
-        self.norm, self.lm_head = norm, lm_head
-        self.softcap, self.multiplier, self.divisor = softcap, multiplier, divisor
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(hidden))
-        if self.multiplier is not None:
-            logits = logits * self.multiplier
-        if self.divisor is not None:
-            logits = logits / self.divisor
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
 
 
 class DecoderBlock(Block):
@@ -135,26 +117,32 @@ class LayeredDecoder(LayeredModel):
     packs_records = True  # `context` hands packed position ids to the mask builder
     cuts_sequences = True  # `token_context`: the rotary cos/sin and positions are per token
 
-    def __init__(self, hf_model: nn.Module, task: str):
+    def __init__(self, hf_model: nn.Module, objective: Objective):
         body, config = hf_model.model, hf_model.config
         steps = PROVEN[config.model_type]
         embed = DecoderEmbed(body.embed_tokens, steps.value(config, "embedding_multiplier"),
                              body.norm if steps.initial_norm else None)
-        head = DecoderHead(body.norm, hf_model.lm_head, steps.value(config, "logit_softcap"),
-                           steps.value(config, "logit_multiplier"), steps.value(config, "logit_divisor"))
-        super().__init__(hf_model, embed, list(body.layers), head, task)
+        if objective.classifies:  # transformers' sequence classifier: no scalars on its scores
+            head = DecoderScoreHead(body.norm, hf_model.score)
+        else:
+            head = DecoderHead(body.norm, hf_model.lm_head, steps.value(config, "logit_softcap"),
+                               steps.value(config, "logit_multiplier"), steps.value(config, "logit_divisor"))
+        super().__init__(hf_model, embed, list(body.layers), head, objective)
         for block, layer_type in zip(self.blocks, layer_types(config), strict=True):
             block.layer_type = layer_type
         # Mixture of experts: the routing the blocks record and the head's balancing term reads;
         # decided while every block is here (a pipeline stage drops some).
         self.routing = Routing.of(hf_model)
+        if self.routing is not None and objective.classifies:  # transformers' classifier adds no router term
+            self.routing = dataclasses.replace(self.routing, balances=False)
         self._tallies = Tallies()
         self._aux_sums = [0.0, 0]  # the head's aux terms (coef * aux) and micro-batches since `loss_term_sums`
         for block in self.blocks if self.routing is not None else ():
             block.router_path = router_path(block.layer, self.routing.router_class)
         self.rotary = body.rotary_emb  # buffers only: no parameter, nothing to train or save
         # Decided while every part is here: a pipeline stage drops the parts it does not hold.
-        self._tied = hf_model.lm_head.weight is body.embed_tokens.weight
+        lm_head = getattr(hf_model, "lm_head", None)  # a sequence classifier has none
+        self._tied = lm_head is not None and lm_head.weight is body.embed_tokens.weight
         self._rope_per_type = "layer_type" in inspect.signature(body.rotary_emb.forward).parameters
 
     def shared_context(self, mb: MicroBatch, hidden: torch.Tensor) -> dict:
@@ -186,7 +174,7 @@ class LayeredDecoder(LayeredModel):
         """The objective's loss, plus, for a mixture of experts that balances its routers, the
         micro-batch's aux term `coef * aux` (Hugging Face's `router_aux_loss_coef * aux`), a term
         of the micro-batch as a whole: the minibatch's loss holds their mean (`models/moe.py`)."""
-        terms = super().head_loss(hidden, mb)
+        terms = super().head_loss(self.head_input(hidden, mb), mb)
         tally = self._tallies.get(tally_key(mb)) if self.routing is not None and self.head.training else None
         if tally is None:
             return terms
@@ -199,11 +187,18 @@ class LayeredDecoder(LayeredModel):
     def eval_stats(self, hidden: torch.Tensor, mb: MicroBatch) -> EvalStats:
         """The objective's evaluation sums, with a balancing mixture's router term of the
         micro-batch beside them (not in the loss: the cross-entropy keeps its perplexity)."""
-        stats = super().eval_stats(hidden, mb)
+        stats = super().eval_stats(self.head_input(hidden, mb), mb)
         tally = self._tallies.take(tally_key(mb)) if self.routing is not None else None
         if tally is None or hidden.device.type == "meta":
             return stats
         return stats.with_router_aux(float(self.routing.coef * tally.aux()))
+
+    def head_input(self, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """What the head takes: the last block's output, for a sequence classifier only at each
+        row's scored token, as transformers scores it (`decoder_heads.py`)."""
+        if not self.objective.classifies:
+            return hidden
+        return scored_tokens(hidden, mb.input_ids, mb.attention_mask, self.hf_config.pad_token_id)
 
     def row_logps(self, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """The rows' log-probs; a mixture's router tally of the micro-batch, held for an
@@ -307,6 +302,7 @@ def _hf_config(m):
         "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads or m.num_heads,
         "head_dim": m.head_dim or m.hidden_size // m.num_heads, "intermediate_size": m.intermediate_size,
         "max_position_embeddings": m.max_seq_len, "attn_implementation": m.attn_implementation,
+        "num_labels": m.num_labels,  # a sequence classifier's outputs (a reward model's one)
     }
     if m.tie_embeddings is not None:
         sizes["tie_word_embeddings"] = m.tie_embeddings
@@ -486,10 +482,11 @@ def _is_llama_layout(model: nn.Module) -> bool:
 
 
 SPEC = register_family(Family(
-    name="decoder", layered=LayeredDecoder, objectives=(CausalLM,), tokenizer="byte_bpe",
+    name="decoder", layered=LayeredDecoder, objectives=(CausalLM, Classification), tokenizer="byte_bpe",
     hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses, attention=attention_for,
     dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout"),
     run_settings=run_settings, rotary_positions=True, tp_plan=transformers_block_plan,
     description="decoders of the Llama layout of a proven model type (Llama, Qwen2/3, Mistral, Gemma, Phi-3, "
-                "Granite, Cohere, OLMo, ...; mixtures of experts: Qwen2/3-MoE, Mixtral, OLMoE; causal LM)",
+                "Granite, Cohere, OLMo, ...; mixtures of experts: Qwen2/3-MoE, Mixtral, OLMoE; causal LM, "
+                "sequence classification and reward models)",
 ))

@@ -52,9 +52,9 @@ def objectives() -> dict[str, Objective]:
     return dict(_OBJECTIVES)
 
 
-def objective(name) -> Objective:
-    """The objective `model.task` names (an import path is imported first), or one line naming
-    those there are."""
+def objective(name, key: str = "model.task") -> Objective:
+    """The objective `name` names (an import path is imported first), or one line naming those
+    there are; `key`: the config key that gave the name (model.task, or objective.name)."""
     import_modules_of(__name__)
     name = str(name)
     if name not in _OBJECTIVES and ":" in name:
@@ -63,8 +63,8 @@ def objective(name) -> Objective:
         return _OBJECTIVES[name]
     named = [known for known in _OBJECTIVES if ":" not in known]  # those registered under an import path say so
     hint = difflib.get_close_matches(name, named, n=1)
-    fix = f"did you mean model.task={hint[0]}? " if hint else ""
-    raise ConfigError(f"model.task={name} is not one of {', '.join(named)}; {fix}(or give an objective of your own "
+    fix = f"did you mean {key}={hint[0]}? " if hint else ""
+    raise ConfigError(f"{key}={name} is not one of {', '.join(named)}; {fix}(or give an objective of your own "
                       f"as package.module:Class)")
 
 

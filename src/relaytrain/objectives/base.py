@@ -73,11 +73,20 @@ class Objective(ABC):
     head: ClassVar[str] = ""  # transformers' auto class of the model the objective trains the head of
     architectures: ClassVar[tuple[str, ...]] = ()  # checkpoint architecture name endings with that head
     peft_task_type: ClassVar[str | None] = None  # peft's task type for the head (adapter_config.json)
+    # A classifier head of this many outputs whatever model.num_labels says (a reward model's one
+    # score; the config checks hold model.num_labels to it); None: model.num_labels classes.
+    num_labels: ClassVar[int | None] = None
     # Consecutive rows that make one item (a preference pair: chosen, then rejected); a micro-batch
     # of strategy.microbatch_size items holds this many times as many rows.
     rows_per_item: ClassVar[int] = 1
     figures: ClassVar[tuple[str, ...]] = ()  # the names of `LossTerms.figures`, reported each step
     needs_reference: ClassVar[bool] = False  # the loss reads a reference model's log-probs (`reference_logps`)
+    # Its items are unpaired examples (KTO's), each followed by its KL row: the same prompt with a
+    # neighbour's completion (the data pairs them within each micro-batch), rather than pairs.
+    unpaired: ClassVar[bool] = False
+    # How data=preference tokenizes a pair: as TRL's DPOTrainer ("dpo") or as its CPO and ORPO trainers
+    # ("cpo", data/cpo_tokens.py), which differ (bos, the prompt's last token, chat templates as text).
+    pair_tokenization: ClassVar[str] = "dpo"
 
     def configured(self, settings: dict) -> Objective:
         """This objective with the run's `objective.*` keys (`settings`: plain values by key);

@@ -42,11 +42,13 @@ from omegaconf import OmegaConf
 
 from relaytrain.cost.formulas import ModelFacts, StepCost
 from relaytrain.cost.profile import Profile
+from relaytrain.cost.reference import ReferenceCost, reference_cost
 from relaytrain.cost.shape import DEGREES, Shape
 from relaytrain.planner.dryrun import simulate
 from relaytrain.run.compose import validate
 from relaytrain.run.preflight import HEADROOM, check_can_start
 from relaytrain.run.resolve import choose
+from relaytrain.step.metrics import tokens_per_step
 from relaytrain.strategies import presets, strategy_class
 from relaytrain.utils.errors import ConfigError
 
@@ -61,7 +63,9 @@ STATE_KINDS = ("weights", "gradients", "optimizer state")  # of a dry run's brea
 @dataclass(frozen=True)
 class Request:
     """What the user asked: workers, each device's memory, the global batch, the profile,
-    strategies, each machine's host memory (None: unlimited) and the tokens of each sample."""
+    strategies, each machine's host memory (None: unlimited), the tokens of each sequence, and
+    what its objective makes of a sample: its sequences (a preference pair: 2) and whether a
+    reference pass precedes training (`cost.reference`)."""
 
     workers: int
     memory_bytes: float
@@ -71,11 +75,19 @@ class Request:
     threads: int  # train.threads (0: cores shared out)
     host_memory_bytes: float | None = None
     seq_len: int = 0  # data.seq_len: what a plan's answer depends on as much as on the batch
+    rows_per_item: int = 1  # sequences a sample is (`Objective.rows_per_item`: a preference pair's 2)
+    needs_reference: bool = False  # the objective reads a reference's log-probs, computed by a pass first
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens a step runs through the model: every sequence of the batch's samples."""
+        return tokens_per_step(self.batch, self.rows_per_item, self.seq_len)
 
     def to_json(self) -> dict:
         host = None if self.host_memory_bytes is None else self.host_memory_bytes / GiB
         return {"workers": self.workers, "device_memory_gb": self.memory_bytes / GiB, "batch_size": self.batch,
-                "seq_len": self.seq_len, "device": self.device, "strategies": list(self.strategies),
+                "seq_len": self.seq_len, "sequences_per_sample": self.rows_per_item,
+                "tokens_per_step": self.tokens_per_step, "device": self.device, "strategies": list(self.strategies),
                 "threads": self.threads, "host_memory_gb": host}
 
 
@@ -180,6 +192,8 @@ class Candidate:
     by_kind: dict = field(default_factory=dict)
     fits: bool | None = None
     why_not: str | None = None
+    tokens_per_step: int = 0  # every sequence of the batch (`Request.tokens_per_step`)
+    reference: ReferenceCost | None = None  # the reference pass before training, where the objective has one
 
     @property
     def memory_bytes(self) -> int | None:
@@ -187,7 +201,13 @@ class Candidate:
 
     @property
     def samples_per_s(self) -> float | None:
+        """Samples a second: a preference pair is one sample."""
         return None if self.cost is None else self.shape.batch / self.cost.step_s
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens a second, every sequence of a sample counted (both rows of a pair)."""
+        return None if self.cost is None else self.tokens_per_step / self.cost.step_s
 
     def to_json(self) -> dict:
         s = self.shape
@@ -198,7 +218,9 @@ class Candidate:
             "precision": self.precision,
             "predicted": None if self.cost is None else {"step_time_s": self.cost.step_s,
                                                           "samples_per_s": self.samples_per_s,
+                                                          "tokens_per_s": self.tokens_per_s,
                                                           "parts_s": self.cost.parts, "notes": self.cost.notes},
+            "reference_pass": None if self.reference is None else reference_json(self.reference),
             "closed_form_memory_gb": self.closed_form_bytes / GiB,
             "simulated_memory_gb": None if self.simulated_bytes is None else self.simulated_bytes / GiB,
             "host_state_gb": self.host_state_bytes / GiB,
@@ -210,11 +232,16 @@ class Candidate:
 
 def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, request: Request, device) -> Candidate:
     """A shape checked as `relaytrain train` would check it (on this machine's `device`: also
-    whether it can start its workers and hold its host memory), then timed by its strategy's cost model."""
+    whether it can start its workers and hold its host memory), then timed by its strategy's
+    cost model; where the objective has a reference pass, its closed form held against the
+    device and the host as well (it runs before training: the larger of the two counts)."""
     cls = strategy_class(shape.strategy)
     cfg, model = candidate_config(base, shape), cls.cost_model
+    reference = reference_cost(facts, profile, shape.microbatch_size, shape.microbatch_size * shape.num_microbatches,
+                               request.threads) if request.needs_reference else None
     candidate = Candidate(shape, str(cfg.precision.name), closed_form_bytes=model.device_bytes(cfg, facts),
-                          host_bytes=host_bytes(cls, cfg, facts, profile, shape))
+                          host_bytes=host_bytes(cls, cfg, facts, profile, shape, reference),
+                          tokens_per_step=request.tokens_per_step, reference=reference)
     try:
         validate(cfg)
         if request.device == "this":
@@ -230,19 +257,33 @@ def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, req
         candidate.fits, candidate.over_host = False, True
         candidate.why_not = (f"needs about {candidate.host_bytes / GiB:.1f} GiB of host memory a machine (estimate), "
                              f"over plan.host_memory_gb={budget / GiB:g}")
+    elif reference is not None and reference.device_bytes > device_budget(request, profile):
+        candidate.fits = False
+        candidate.why_not = (f"its reference pass needs {reference.device_bytes / GiB:.2f} GiB of device memory "
+                             f"(closed form), over {device_budget(request, profile) / GiB:.2f} GiB")
     return candidate
 
 
-def host_bytes(cls, cfg, facts: ModelFacts, profile: Profile, shape: Shape) -> int:
+def host_bytes(cls, cfg, facts: ModelFacts, profile: Profile, shape: Shape, reference: ReferenceCost | None = None
+               ) -> int:
     """Host memory of the fullest machine, an estimate: each of its workers holds its strategy's
     host state (`host_state_bytes`) or, if larger, the model it builds there before placing it
     (fp32; an adapter's frozen base in the checkpoint's dtype where the strategy keeps it so; a
     4-bit base at its peak while it is quantized, `ModelFacts.build_peak_bytes`), plus the
     interpreter and libraries (`preflight.HEADROOM`). The workers of one machine: a profile's
-    devices per node, or every worker on this machine's CPU."""
+    devices per node, or every worker on this machine's CPU. A `reference` pass runs alone
+    before them, the model as built in one process: the larger of the two."""
     per_machine = shape.workers if profile.device_type == "cpu" else min(shape.workers, profile.devices_per_node)
     worker = max(facts.build_peak_bytes(cls.compact_base), cls.cost_model.host_state_bytes(cfg, facts)) + HEADROOM
-    return int(per_machine * worker)
+    before = 0 if reference is None else reference.host_bytes + HEADROOM
+    return int(max(per_machine * worker, before))
+
+
+def reference_json(reference: ReferenceCost) -> dict:
+    """plan.json's reference pass: the figures, in GiB, and what they are."""
+    return {"seconds_per_1000_samples": 1000 * reference.seconds_per_item, "group": reference.group,
+            "device_memory_gb": reference.device_bytes / GiB, "host_memory_gb": reference.host_bytes / GiB,
+            "note": "once before training (then cached): predicted time, closed-form device memory, estimated host"}
 
 
 def candidate_config(base, shape: Shape):
@@ -261,13 +302,18 @@ def decide_memory(candidates: list[Candidate], bases: dict, request: Request, pr
                   max_simulations: int) -> None:
     """Dry-run candidates (sorted fastest first), until the fastest that fits is found, then each
     other strategy's fastest that fits, within the dry-run budget; the rest stay undecided (fits None)."""
-    budget = request.memory_bytes * (CUDA_HEADROOM if profile.device_type == "cuda" else 1.0)
+    budget = device_budget(request, profile)
     walk = MemoryWalk(budget, max_simulations)
     for c in candidates:
         if c.fits is None:
             walk.visit(c, bases[c.shape.strategy])
     if not any(c.fits for c in candidates):
         _simulate_smallest(candidates, bases, budget)
+
+
+def device_budget(request: Request, profile: Profile) -> float:
+    """Device memory a candidate's tensors may take: the request's, less the CUDA context's share."""
+    return request.memory_bytes * (CUDA_HEADROOM if profile.device_type == "cuda" else 1.0)
 
 
 class MemoryWalk:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from relaytrain.cost.formulas import microbatch_rows
 from relaytrain.cost.work import model_flops_per_token
 from relaytrain.planner.plan import predict
 from relaytrain.utils.errors import ConfigError
@@ -50,7 +51,7 @@ def step_flops(cfg, cls) -> float:
     and backward), and one forward more (forward + 2 x backward + forward: 4/3) where the
     strategy recomputes in backward."""
     m, s = cfg.model, cfg.strategy
-    tokens = s.microbatch_size * s.num_microbatches * cls.replicas(cfg) * cfg.data.seq_len
+    tokens = microbatch_rows(cfg) * s.num_microbatches * cls.replicas(cfg) * cfg.data.seq_len  # a pair's both rows
     per_token = model_flops_per_token(m, cfg.data.seq_len)
     return per_token * tokens * (4 / 3 if cls.cost_model.recomputes(cfg) else 1.0)
 

@@ -60,8 +60,10 @@ def print_plan(plan: Plan, path: Path) -> None:
         console.print("CPU: no host<->device transfer; workers share the cores; a row's memory adds the state "
                       "its strategy keeps on the host (an eager param server's: the same memory)", highlight=False)
     console.print(f"best (predicted): {best.shape.strategy} {best.shape.describe()}: {best.cost.step_s:.3g} s a step, "
-                  f"{best.samples_per_s:.3g} samples/s, {best.memory_bytes / GiB:.2f} GiB of device memory "
-                  f"(simulated)", highlight=False)
+                  f"{best.samples_per_s:.3g} samples/s ({best.tokens_per_s:,.0f} tokens/s), "
+                  f"{best.memory_bytes / GiB:.2f} GiB of device memory (simulated)", highlight=False)
+    if best.reference is not None:
+        console.print(reference_line(best), highlight=False)
     console.print(f"run it: {plan.command(best)}", highlight=False, soft_wrap=True)
     if plan.checkpoint_needed:
         console.print(f"{CHECKPOINT}: your copy of the checkpoint of this shape, a Hugging Face directory (or a hub "
@@ -85,8 +87,17 @@ def _print_header(plan: Plan, console) -> None:
 
 
 def request_line(r: Request) -> str:
-    return (f"planned for: a batch of {r.batch} samples of {r.seq_len} tokens ({r.batch * r.seq_len:,} tokens "
+    rows = f" ({r.rows_per_item} sequences each: {r.batch * r.rows_per_item})" if r.rows_per_item > 1 else ""
+    return (f"planned for: a batch of {r.batch} samples{rows} of {r.seq_len} tokens ({r.tokens_per_step:,} tokens "
             f"a step; plan.batch_size, data.seq_len) on {r.workers} worker(s) of {r.memory_bytes / GiB:g} GiB")
+
+
+def reference_line(c: Candidate) -> str:
+    """What the best candidate's reference pass costs, once before training (then cached)."""
+    r = c.reference
+    return (f"reference pass (once before training, then cached): about {1000 * r.seconds_per_item:.3g} s per 1,000 "
+            f"samples (predicted), {r.device_bytes / GiB:.2f} GiB of device memory (closed form), "
+            f"{r.host_bytes / GiB:.1f} GiB of host memory for the model as built (estimate)")
 
 
 def precision_line(plan: Plan) -> str:

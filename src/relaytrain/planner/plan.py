@@ -39,11 +39,13 @@ from relaytrain.planner.candidates import (
     check_candidate,
     decide_memory,
     offer,
+    reference_json,
 )
 from relaytrain.planner.dryrun import simulate
 from relaytrain.run.compose import compose
 from relaytrain.run.launch import keep_freed_host_memory
 from relaytrain.run.resolve import choose
+from relaytrain.step.metrics import sequences
 from relaytrain.strategies import registry, strategy_class
 from relaytrain.utils.errors import ConfigError
 
@@ -66,8 +68,9 @@ def read_request(cfg, overrides: list[str], profile_memory: int | None) -> Reque
     if p.workers < 1 or memory <= 0 or batch < 1:
         raise ConfigError(f"plan.workers={p.workers}, plan.device_memory_gb={memory / GiB:g} and "
                           f"plan.batch_size={batch} must be positive")
+    goal = choose(cfg).objective  # a preference pair is two sequences, and its reference is a pass of its own
     return Request(p.workers, float(memory), batch, str(p.device), tuple(_strategies(p.strategies)), cfg.train.threads,
-                   host_memory_budget(p), cfg.data.seq_len)
+                   host_memory_budget(p), cfg.data.seq_len, goal.rows_per_item, goal.needs_reference)
 
 
 def host_memory_budget(p) -> float | None:
@@ -196,7 +199,8 @@ class Plan:
                 "command": self.command(best),
                 "strategy": best.shape.strategy, "shape": best.shape.describe(), "precision": best.precision,
                 "predicted": {"step_time_s": best.cost.step_s, "samples_per_s": best.samples_per_s,
-                              "device_memory_gb": best.memory_bytes / GiB},
+                              "tokens_per_s": best.tokens_per_s, "device_memory_gb": best.memory_bytes / GiB},
+                "reference_pass": None if best.reference is None else reference_json(best.reference),
             },
             "candidates": [c.to_json() for c in self.candidates],
             "profile": self.profile.to_json(),
@@ -304,7 +308,7 @@ def _make_plan(overrides: list[str], kept_in_command: list[str], max_simulations
         raise ConfigError(f"no shape of {', '.join(request.strategies)} trains a batch of {request.batch} on "
                           f"{request.workers} worker(s); a pipeline needs plan.workers >= 2 (and some schedules a batch "
                           f"of at least their depth): raise plan.workers or plan.batch_size")
-    sizes = sorted({s.microbatch_size for s in shapes})
+    sizes = sorted({sequences(s.microbatch_size, request.rows_per_item) for s in shapes})  # a profile times sequences
     profile = from_spec(spec, cfg, sizes) if spec else measure_as_run(cfg, sizes, sorted({s.workers for s in shapes}),
                                                                         device)
     facts = _facts_by_precision(bases)
@@ -368,9 +372,11 @@ def predict(cfg) -> Prediction:
     device = _this_device(cfg)
     # Every power of two up to b: the profile stops timing where a block's forward and backward
     # would pass PART_BUDGET_S and extrapolates from there, so a large model costs seconds, not minutes.
-    sizes = sorted({*powers_of_two_dividing(s.microbatch_size), s.microbatch_size})
+    # The profile times sequences: a micro-batch of b preference pairs is 2b of them.
+    facts = ModelFacts.of(cfg)
+    sizes = sorted({facts.rows(b) for b in {*powers_of_two_dividing(s.microbatch_size), s.microbatch_size}})
     profile = measure_as_run(cfg, sizes, [cls.processes(cfg)], device)
-    cost = cls.cost_model.step_cost(cfg, ModelFacts.of(cfg), profile)
+    cost = cls.cost_model.step_cost(cfg, facts, profile)
     memory = simulate(cfg).allocator_peak_bytes if device.type == "cuda" else None
     batch = s.microbatch_size * s.num_microbatches * cls.replicas(cfg)
     return Prediction(cost.step_s, batch / cost.step_s, memory)

@@ -17,16 +17,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from relaytrain.objectives.kto import FIGURES as KTO_FIGURES
 from relaytrain.objectives.preference import FIGURES as PREFERENCE_FIGURES
+from relaytrain.objectives.reference_free import ORPO_FIGURES
+from relaytrain.objectives.reward import FIGURES as REWARD_FIGURES
 from relaytrain.step.evaluation import METRICS as EVAL_METRICS
 from relaytrain.utils.files import write_json
 
 STATUS = "status.json"
 METRICS = "metrics.csv"
 # The terms a model reports beside its loss (`Strategy.loss_terms`: a mixture's router term, a
-# preference objective's rewards and log-probs, in TRL's names),
+# preference objective's rewards and log-probs, a reward model's scores, in TRL's names),
 # empty in a row of a model without them.
-LOSS_TERMS = ("router_aux", *PREFERENCE_FIGURES)
+LOSS_TERMS = tuple(dict.fromkeys(("router_aux", *PREFERENCE_FIGURES, *KTO_FIGURES, *ORPO_FIGURES, *REWARD_FIGURES)))  # shared names once
 COLUMNS = [
     "step", "loss", *LOSS_TERMS, "lr", "step_time_s", "samples_per_s", "tokens_per_s", "host_rss_bytes", "device_allocated_bytes",
     *(f"eval_{name}" for name in EVAL_METRICS), "eval_items",

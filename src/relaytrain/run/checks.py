@@ -32,12 +32,20 @@ def check_shared(cfg, chosen) -> None:
     _check_eval(cfg, chosen)
     _check_train(cfg)
     _check_capabilities(chosen.strategy, cfg.strategy.name, cfg.precision.name, cfg.optim.grad_clip)
-    _check_pairs(chosen.objective, int(cfg.strategy.get("sequence_parallel", 1)))
+    _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
 
-def _check_pairs(objective, sequence_parts: int) -> None:
-    """An objective whose items are several rows (a preference pair) sums each row's log-probs
-    over all its tokens: a row cut over sequence-parallel workers would need them gathered."""
+def _check_pairs(objective, source, sequence_parts: int) -> None:
+    """An objective whose items are several rows (a preference pair) needs a source that makes
+    them; it sums each row's log-probs over all its tokens, and a classifier reads each row at one
+    token (a decoder's: its last): a row cut over sequence-parallel workers would need them gathered."""
+    if objective.rows_per_item > 1 and not source.gives_pairs:
+        raise ConfigError(f"objective={objective.name} compares the two rows of each item (a preference pair, an "
+                          f"example and its KL row), which data=preference makes; data={source.name} gives single "
+                          f"rows: use data=preference")
+    if objective.classifies and sequence_parts > 1:
+        raise ConfigError(f"strategy.sequence_parallel={sequence_parts} cuts sequences, and objective={objective.name} "
+                          f"scores each whole one at one of its tokens; drop strategy.sequence_parallel")
     if objective.rows_per_item > 1 and sequence_parts > 1:
         raise ConfigError(f"strategy.sequence_parallel={sequence_parts} cuts sequences, and objective={objective.name} "
                           f"compares whole ones (a pair's log-probs); drop strategy.sequence_parallel")
@@ -75,7 +83,10 @@ def _check_model(m, seq_len: int, chosen) -> None:
     if seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={seq_len} exceeds the model's positions (model.max_seq_len={m.max_seq_len}); "
                           + family.past_positions_remedy(seq_len, bool(m.pretrained)))
-    if wanted.classifies and m.num_labels < 2:
+    if wanted.num_labels is not None and m.num_labels != wanted.num_labels:
+        raise ConfigError(f"model.num_labels={m.num_labels}: objective={wanted.name} trains a head of "
+                          f"{wanted.num_labels} output(s); set model.num_labels={wanted.num_labels}")
+    if wanted.classifies and wanted.num_labels is None and m.num_labels < 2:
         raise ConfigError(f"model.num_labels={m.num_labels} must be at least 2 for classification")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")

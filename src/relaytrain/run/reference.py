@@ -74,7 +74,11 @@ class ReferencePass:
     def given(self, spec, train: TokenDataset, held_out: TokenDataset | None, device: torch.device
               ) -> tuple[TokenDataset, TokenDataset | None]:
         """`train` and `held_out` with each row's reference log-prob (`ref_logps`), from the
-        cache or computed here."""
+        cache or computed here; a dry run (the meta device) computes nothing: zeros in their
+        place (`cost.reference` prices the pass)."""
+        if device.type == "meta":
+            return tuple(None if s is None else dataclasses.replace(s, ref_logps=torch.zeros(s.input_ids.shape[0]))
+                         for s in (train, held_out))
         sets = [s for s in (train, held_out) if s is not None]
         entry = None if self.cache is None else self.cache / f"{self._entry_name(sets)}.pt"
         found = _read(entry)
@@ -84,7 +88,7 @@ class ReferencePass:
             found = self._computed(spec, sets, device)
             if entry is not None:
                 atomic_write(entry, lambda f: torch.save(found, f))
-                print(f"reference log-probs: computed for {sum(len(s) for s in sets)} pairs, cached at {entry}",
+                print(f"reference log-probs: computed for {sum(s.input_ids.shape[0] for s in sets)} rows, cached at {entry}",
                       flush=True)
         given = [dataclasses.replace(s, ref_logps=logps) for s, logps in zip(sets, found, strict=True)]
         return given[0], (given[1] if held_out is not None else None)

@@ -97,8 +97,13 @@ class RunSpec(Choices):
 def choose(cfg) -> Choices:
     """Every name of `cfg` looked up once; an unknown one is one line naming those there are."""
     return Choices(strategy=strategy_class(cfg.strategy.name), family=family_spec(cfg.model.family),
-                   objective=objective(cfg.objective.name).configured(objective_keys(cfg)), source=source(cfg.data.source),
+                   objective=objective(cfg.objective.name, _objective_key(cfg.objective.name, cfg.model.task)).configured(objective_keys(cfg)), source=source(cfg.data.source),
                    precision=Precision.from_name(str(cfg.precision.name)))
+
+
+def _objective_key(name: str, task: str) -> str:
+    """The key that named the objective, for a message: model.task where objective.name is its default."""
+    return "model.task" if name == task else "objective.name"
 
 
 def objective_keys(cfg) -> dict:

@@ -35,7 +35,8 @@ def assemble_results(cfg, spec, history: dict, measured: list[float], reports: l
     """results.json of a run that `spec` (`resolve.RunSpec`) describes; `host_estimate_bytes`:
     the pre-launch check's estimate (`preflight.check_can_start`), which a dry run reports."""
     s, d, m = cfg.strategy, cfg.data, cfg.model
-    samples = spec.minibatch_samples
+    samples = spec.minibatch_samples  # items: a preference pair is one, its two rows count as tokens
+    tokens = metrics.tokens_per_step(samples, spec.objective.rows_per_item, d.seq_len)
     measured = measured or history["step_times"]
     # What the config says, and what the cost model and the model builder made of it (`spec`);
     # then what the strategy makes of every process's report.
@@ -62,15 +63,14 @@ def assemble_results(cfg, spec, history: dict, measured: list[float], reports: l
         "microbatch_size": s.microbatch_size,
         "num_microbatches": s.num_microbatches,
         "samples_per_step": samples,
-        "tokens_per_step": samples * d.seq_len,
+        "tokens_per_step": tokens,
         "loss": history["losses"],
         # The loss's terms beside the objective's, each step (a mixture's `router_aux`; strategies.Strategy.loss_terms).
         **({"loss_terms": history["loss_terms"]} if history.get("loss_terms") else {}),
         "eval": history.get("eval", []),
         "skipped_steps": history["skipped"],
         "step_times_s": history["step_times"],
-        "throughput": metrics.throughput([] if world.simulated else measured, samples, samples * d.seq_len,
-                                         spec.flops_per_token),
+        "throughput": metrics.throughput([] if world.simulated else measured, samples, tokens, spec.flops_per_token),
         "memory": peaks,
         "strategy_report": strategy_report,
         "threads": metrics.cpu_threads(),

@@ -307,7 +307,8 @@ class Trainer:
             **{name: values[-1] for name, values in self.history.get("loss_terms", {}).items()},
             "lr": self.lr,
             "step_time_s": elapsed, "samples_per_s": samples / elapsed,
-            "tokens_per_s": samples * self.cfg.data.seq_len / elapsed,
+            "tokens_per_s": metrics.tokens_per_step(samples, self.spec.objective.rows_per_item,
+                                                    self.cfg.data.seq_len) / elapsed,
             "host_rss_bytes": self.host.current_bytes(),
             "device_allocated_bytes": metrics.device_allocated(self.world.device),
             **{f"eval_{k}": v for k, v in evaluated.items() if k != "step"},
@@ -373,8 +374,11 @@ class Trainer:
         terms = self.strategy.loss_terms()  # beside the loss: a mixture's router term (every process: summed over replicas)
         if not self.reporter:
             return
-        for name, value in terms.items():
-            self.history.setdefault("loss_terms", {}).setdefault(name, []).append(value)
+        held = self.history.setdefault("loss_terms", {})
+        for name in terms.keys() - held.keys():  # a term new this step: None at the steps before (as below)
+            held[name] = [None] * len(self.history["step_times"])
+        for name, values in held.items():  # None where a step had none of it (KTO's rewards/rejected: no such example)
+            values.append(terms.get(name))
         if failpoints.reach("loss", step + 1, self.world.rank) == "nan":
             result.loss = math.nan
         self.history["step_times"].append(elapsed)

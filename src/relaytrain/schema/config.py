@@ -156,11 +156,21 @@ class ObjectiveConfig:
 
     name: str = "${model.task}"  # the objective: model.task's cross-entropy (the default) or dpo
     beta: float = 0.1  # dpo: how far the policy may move from the reference (IPO's tau)
-    loss_type: str = "sigmoid"  # dpo: sigmoid, ipo, hinge or robust (TRL's DPOConfig.loss_type)
+    loss_type: str = "sigmoid"  # dpo: sigmoid, ipo, hinge or robust (TRL's DPOConfig.loss_type); kto: kto
     label_smoothing: float = 0.0  # dpo robust: the chance a preference label is flipped, in [0, 0.5)
     rpo_alpha: float | None = None  # dpo: weight of the NLL term on the chosen replies (TRL's loss_type [.., sft] with loss_weights [1, rpo_alpha]); null: none
     ref_model: str | None = None  # dpo: a checkpoint directory for the reference; default: the initial model (with a new adapter: the base)
     ref_cache: bool = True  # dpo: keep the reference's log-probs beside the tokenize cache (data.cache_dir) and reuse them
+    # kto (objectives/kto.py) trains on unpaired examples (data=preference records with a 'label'). As TRL's
+    # KTOTrainer, it needs data.shuffle=false and strategy.microbatch_size >= 2: each example's KL row takes the
+    # completion of its neighbour in the micro-batch.
+    desirable_weight: float = 1.0  # kto: weight of a desirable example's loss (TRL's KTOConfig.desirable_weight)
+    undesirable_weight: float = 1.0  # kto: weight of an undesirable example's loss (TRL's KTOConfig.undesirable_weight)
+    # simpo and orpo (objectives/reference_free.py) read no reference; beta is SimPO's beta and ORPO's lambda.
+    gamma: float = 0.5  # simpo: the target reward margin (TRL's CPOConfig.simpo_gamma)
+    cpo_alpha: float = 1.0  # simpo: weight of the NLL term on the chosen replies (TRL's CPOConfig.cpo_alpha); 0: SimPO as published
+    # reward (objectives/reward.py): a one-score sequence classifier on pairs, Bradley-Terry as TRL's RewardTrainer.
+    center_rewards_coefficient: float | None = None  # reward: weight of the mean squared (chosen + rejected) score, pulling scores towards 0 (TRL's RewardConfig; it recommends 0.01); null: none
 
 
 @dataclass

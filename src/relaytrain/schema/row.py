@@ -70,6 +70,12 @@ FIELDS: tuple[Field, ...] = (
     # A preference objective's reference (objectives/preference.py), computed once before training.
     Field("ref_logps", "the reference model's log-prob of the row's labelled tokens; None without a reference",
           Per.ROW, dtype=torch.float32, optional=True, pad=0.0, target=True),
+    # KTO's label (objectives/kto.py): an unpaired example's, carried by its row and its KL row.
+    Field("desirable", "1 where the row's example is desirable, 0 where it is undesirable (KTO's label); None "
+          "for other data", Per.ROW, optional=True, pad=0, target=True),
+    # A reward model's pair margin (objectives/reward.py; TRL's `margin` column): on both rows of the pair.
+    Field("margin", "how far the pair's chosen score should exceed its rejected one's (TRL's margin); None "
+          "for data without one", Per.ROW, dtype=torch.float32, optional=True, pad=0.0, target=True),
 )
 
 

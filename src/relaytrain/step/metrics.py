@@ -118,7 +118,22 @@ class PhaseTimer:
         self.counts.clear()
 
 
+def sequences(items: int, rows_per_item: int) -> int:
+    """Sequences `items` items of the data run through the model: one a sample, two a preference
+    pair (chosen and rejected, `Objective.rows_per_item`). The one count that the cost model's
+    estimates (a micro-batch of strategy.microbatch_size items) and a run's tokens are sized by."""
+    return items * rows_per_item
+
+
+def tokens_per_step(samples: int, rows_per_item: int, seq_len: int) -> int:
+    """Tokens a step of `samples` items runs through the model: every row of every item, seq_len
+    each (padding included: the model computes it)."""
+    return sequences(samples, rows_per_item) * seq_len
+
+
 def throughput(step_times: list[float], samples_per_step: int, tokens_per_step: int, flops_per_token: float) -> dict:
+    """Samples (items: a preference pair is one), tokens (of every row) and model FLOPs a second
+    over the measured steps."""
     if not step_times:
         return {"samples_per_s": None, "tokens_per_s": None, "step_time_s": None, "model_flops_per_s": None}
     mean = sum(step_times) / len(step_times)

@@ -18,6 +18,7 @@ from relaytrain.cost.formulas import (
     StepCost,
     both,
     cpu_activation_bytes,
+    microbatch_rows,
     optimizer_s,
     powers_of_two_dividing,
     worker_tokens,
@@ -145,7 +146,7 @@ def host_stash_bytes(cfg, value_bytes: int) -> int:
     (stash on the host)."""
     s, m = cfg.strategy, cfg.model
     tokens = worker_tokens(cfg.data.seq_len, s)
-    return m.num_layers * s.num_microbatches * s.microbatch_size * tokens * m.hidden_size * value_bytes
+    return m.num_layers * s.num_microbatches * microbatch_rows(cfg) * tokens * m.hidden_size * value_bytes
 
 
 # --------------------------------------------------------------------------- the step model's parts

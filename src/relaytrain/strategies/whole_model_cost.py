@@ -27,6 +27,7 @@ from relaytrain.cost.formulas import (
     StepCost,
     both,
     cpu_activation_bytes,
+    microbatch_rows,
     optimizer_s,
     powers_of_two_dividing,
     stage_bytes,
@@ -152,11 +153,11 @@ def tensor_allreduces_s(cfg, facts: ModelFacts, profile: Profile) -> float:
     """A tensor rank's all-reduces in a step (Megatron's f and g): per micro-batch and block, two
     in the forward (attention's and the MLP's partial outputs summed) and two in the backward
     (their inputs' gradients), two more where the block is recomputed; each of the block's
-    activations for the micro-batch (b x tokens x hidden at the activations' bytes) over the T
-    ranks at the collectives' rate (`allreduce_s`). The next layer waits for each: exposed."""
+    activations for the micro-batch (its rows x tokens x hidden at the activations' bytes) over
+    the T ranks at the collectives' rate (`allreduce_s`). The next layer waits for each: exposed."""
     s = cfg.strategy
     passes = s.num_microbatches * facts.num_layers * (3 if recomputes_blocks(cfg) else 2)
-    activations = s.microbatch_size * facts.tokens * facts.hidden * facts.activation_bytes
+    activations = facts.rows(s.microbatch_size) * facts.tokens * facts.hidden * facts.activation_bytes
     return passes * 2 * allreduce_s(activations, facts.tensor_parallel, profile)
 
 
@@ -336,7 +337,7 @@ def _host_stash_estimate(cfg, device_type: str) -> int:
     if device_type == "cpu" or not stash_on_host(cfg.strategy):
         return 0
     m, s = cfg.model, cfg.strategy
-    return m.num_layers * s.microbatch_size * worker_tokens(cfg.data.seq_len, s) * m.hidden_size * FP32
+    return m.num_layers * microbatch_rows(cfg) * worker_tokens(cfg.data.seq_len, s) * m.hidden_size * FP32
 
 
 def _sharded_state_bytes(facts: ModelFacts) -> int:

@@ -141,6 +141,7 @@ def test_2bw_with_offload_killed_resumes_exactly_with_or_without_offload(offload
     assert_same_run(run_dir, offload_reference)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_offload_is_the_device_optimizer_bit_for_bit(offload_reference, tmp_path):
     finish(tmp_path, *TWO_BW)
     ours, theirs = (load_file(d / "model" / "model.safetensors") for d in (offload_reference, tmp_path))

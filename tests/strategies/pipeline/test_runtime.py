@@ -235,6 +235,7 @@ def test_bad_configs_are_refused_before_any_process_starts(overrides, message, c
     assert len(err) == 1 and message in err[0]
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
     import os
     import signal

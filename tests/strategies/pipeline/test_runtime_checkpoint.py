@@ -86,6 +86,7 @@ def two_bw_reference(tmp_path_factory) -> Path:
 # ------------------------------------------------------------------------------ resume
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_flush_killed_resumes_exactly_past_an_incomplete_checkpoint(flush_reference, tmp_path):
     run_dir, every = tmp_path / "run", ["train.checkpoint_every=8", "train.resume=auto"]
     proc = start(run_dir, *FLUSH, *every)
@@ -119,7 +120,8 @@ def test_2bw_killed_resumes_exactly_with_both_weight_versions(two_bw_reference, 
 
 
 # message-driven stops by the same votes; its variant runs in make test-slow (the suite keeps to 15 min)
-@pytest.mark.parametrize("execution", ["static", pytest.param("message_driven", marks=pytest.mark.slow)])
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
+@pytest.mark.parametrize("execution", ["static", "message_driven"])
 def test_sigterm_to_the_launcher_stops_every_worker_at_one_step_and_saves(two_bw_reference, tmp_path, execution):
     # No periodic checkpoints: the workers agree on the step to stop at while the pipeline runs.
     # Message-driven execution reorders only within a step's slice and sums in the same order:
@@ -165,6 +167,7 @@ def flush_halfway(tmp_path_factory) -> tuple[Path, Path]:
     return whole, first
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 @pytest.mark.parametrize("then", [["strategy=pipe_flush", "strategy.stages=3"], ["strategy=pipe_2bw"],
                                   ["strategy=l2l"], ["strategy=baseline"]])
 def test_a_pipeline_checkpoint_resumes_under_another_layout_or_strategy(flush_halfway, tmp_path, then):

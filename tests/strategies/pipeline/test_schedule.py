@@ -358,6 +358,7 @@ def test_colour_grid_never_merges_ids():
         assert ids == sorted(2 * list(range(1, schedule.total_microbatches + 1)))
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_piped_command_prints_plain_boxes():
     command = ["schedule", "strategy=pipe_2bw", "strategy.stages=2", "strategy.num_microbatches=4"]
     script = f"import sys; from relaytrain.commands.cli import main; sys.exit(main({command!r}))"

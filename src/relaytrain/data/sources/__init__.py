@@ -54,6 +54,7 @@ class DataSource(abc.ABC):
     packs: bool = False  # data.pack: short records packed into rows of data.seq_len
     chat_template: bool = False  # renders records with the tokenizer's chat template (which tokenizer it picks)
     streams: bool = False  # data.streaming: it answers `stream(cfg, tokenizer_dir, objective, family)` (data/stream.py)
+    gives_pairs: bool = False  # items of two rows, for an objective that compares them (`Objective.rows_per_item`)
 
     @classmethod
     @abc.abstractmethod

@@ -11,6 +11,7 @@ from relaytrain.data.synthetic import synthetic_dataset
 @register_source("synthetic")
 class SyntheticSource(DataSource):
     origin = Origin.generated
+    gives_pairs = True  # items of the objective's rows (`synthetic_dataset`): what a preference run is planned on
 
     @classmethod
     def load(cls, cfg, tokenizer_dir, objective, family) -> tuple[TokenDataset, TokenDataset | None]:
