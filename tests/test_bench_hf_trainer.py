@@ -23,6 +23,7 @@ def bench(monkeypatch):
     return importlib.import_module("bench_hf_trainer")
 
 
+@pytest.mark.slow  # ~25 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 @pytest.mark.parametrize(("name", "overrides"), [("baseline_vs_hf_trainer", TINY_BERT),
                                                   pytest.param("decoder_baseline_vs_hf_trainer", TINY_DECODER,
                                                                marks=pytest.mark.slow)])

@@ -67,7 +67,7 @@ def assert_equal_to_trl(results: dict, reference, run_dir, atol: float = 2e-5) -
 
 CASES = [  # (strategy overrides, loss type, optimizer, model); the rest behind the slow marker
     pytest.param(["strategy=baseline"], "sigmoid", "sgd", "llama", id="baseline-sigmoid-sgd"),
-    pytest.param(["strategy=l2l"], "ipo", "adamw", "llama", id="l2l-ipo-adamw"),
+    pytest.param(["strategy=l2l"], "ipo", "adamw", "llama", id="l2l-ipo-adamw", marks=pytest.mark.slow),
     pytest.param(["strategy=baseline"], "hinge", "adamw", "qwen3_moe", id="baseline-hinge-moe", marks=pytest.mark.slow),
     pytest.param(["strategy=l2l"], "robust", "sgd", "qwen3_moe", id="l2l-robust-moe", marks=pytest.mark.slow),
     pytest.param(["strategy=pipe_flush", "strategy.stages=2"], "sigmoid", "adamw", "llama", id="pipe_flush-sigmoid",
@@ -92,6 +92,7 @@ def test_dpo_equals_trl(checkpoints, tmp_path, strategy, loss_type, optim, model
     assert_equal_to_trl(results, reference, tmp_path / "run")
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_rpo_alpha_adds_trls_nll_term(checkpoints, tmp_path):
     records = pairs()
     data = write_pairs(tmp_path / "pairs.jsonl", records)

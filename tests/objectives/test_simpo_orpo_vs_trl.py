@@ -65,7 +65,7 @@ def relaytrain_run(name: str, checkpoint, data, run_dir, optim: str, *overrides:
 FSDP = ["strategy=fsdp", "strategy.replicas=2", "strategy.microbatch_size=1"]
 CASES = [  # (objective, strategy overrides, optimizer, model); the rest behind the slow marker
     pytest.param("simpo", ["strategy=baseline"], "sgd", "llama", id="simpo-baseline-sgd"),
-    pytest.param("orpo", ["strategy=baseline"], "adamw", "llama", id="orpo-baseline-adamw"),
+    pytest.param("orpo", ["strategy=baseline"], "adamw", "llama", id="orpo-baseline-adamw", marks=pytest.mark.slow),
     pytest.param("simpo", ["strategy=l2l"], "adamw", "llama", id="simpo-l2l-adamw", marks=pytest.mark.slow),
     pytest.param("orpo", ["strategy=l2l"], "sgd", "llama", id="orpo-l2l-sgd", marks=pytest.mark.slow),
     pytest.param("simpo", ["strategy=baseline"], "adamw", "qwen3_moe", id="simpo-baseline-moe", marks=pytest.mark.slow),

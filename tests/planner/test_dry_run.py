@@ -175,6 +175,7 @@ def test_the_threads_of_a_dry_run_take_turns():
     assert sorted(seen) == sorted([[(0, step), (1, step), (2, step)] for step in range(3)] * 3)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_l2l_with_the_stash_on_the_host_is_constant_in_depth():
     """The L2L paper's Table 4: device memory does not grow with depth once the stash is on the host."""
     peaks = {}

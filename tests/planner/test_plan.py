@@ -242,6 +242,7 @@ def test_predict_gives_the_cost_models_step_for_one_config():
 # --------------------------------------------------------------------------- GPU profiles, BERT-Large
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_gpu_profile_predicts_from_flops_without_timing_this_machine():
     plan = make_plan(["model=bert_large", "model.num_layers=4", "data.seq_len=128", "plan.device=a100_40gb",
                       "plan.workers=2", "plan.batch_size=16"], max_simulations=6)

@@ -225,6 +225,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_cli_trains_with_l2l_and_writes_the_report(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(

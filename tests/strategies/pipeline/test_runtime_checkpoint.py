@@ -146,6 +146,7 @@ def test_sigterm_to_the_launcher_stops_every_worker_at_one_step_and_saves(two_bw
 # ------------------------------------------------------------------------------ refusals and resharding
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_checkpoint_of_another_model_is_refused_with_one_line(flush_reference, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main([*RUN, *FLUSH, "model.num_layers=4", f"train.resume={flush_reference}", f"hydra.run.dir={tmp_path}"])
