@@ -144,6 +144,7 @@ def test_run_that_cannot_fit_in_host_memory_is_refused(capsys):
     assert "GiB of host memory (estimate)" in err and "model.num_layers" in err
 
 
+@pytest.mark.slow  # about 10 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_help_lists_commands_strategies_and_config_groups(tmp_path, capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

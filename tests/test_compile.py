@@ -25,7 +25,7 @@ from tests.test_dropout import max_difference, trained
 
 STEPS = 2
 # (strategy, extra overrides): the default slice first, then the `slow` rest.
-FAST = []  # ~27 s each on 2 cores: the slow step; test_the_blocks_share_one_graph_compiled_once stays in the default
+FAST = []  # ~27 s each on 2 cores: every case runs in the slow step (the default suite stays within 8 minutes)
 SLOW = [("l2l", ()), ("baseline", ()), ("pipe_flush", ()), ("baseline", ("strategy.recompute=block",)), ("fsdp", ()), ("l2l_stash_cpu", ()), ("pipe_2bw", ()),
         ("pipe_gpipe", ()), ("pipe_interleaved", ()),
         # with replicas (fsdp's default is two): DDP, and L2L's EPS sharded over two workers
@@ -62,6 +62,7 @@ def test_compiled_equals_eager_with_dropout_on(name, extra, tmp_path):
     assert 1 <= report["graphs"] <= 2 and report["compiles"] <= 2, report
 
 
+@pytest.mark.slow  # about 10 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_the_blocks_share_one_graph_compiled_once():
     """Three decoder blocks, two micro-batches (other draw keys): one frame compiled, one graph.
     Then blocks called as L2L calls them, `functional_call` with plain tensors as their weights:

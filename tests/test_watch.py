@@ -90,6 +90,7 @@ def test_the_estimate_and_progress_inside_long_steps(tmp_path, monkeypatch, caps
     assert "s last step  ETA " in out
 
 
+@pytest.mark.slow  # about 10 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_config_meant_for_a_gpu_says_so_before_it_starts():
     from relaytrain.planner.estimate import estimate
     from relaytrain.strategies import strategy_class

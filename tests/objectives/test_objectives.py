@@ -85,6 +85,7 @@ def _name_in_a_fresh_process(path: str, answer) -> None:
     answer.put(type(objective(path)).__qualname__)
 
 
+@pytest.mark.slow  # about 10 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_spawned_worker_finds_an_objective_registered_outside_relaytrain():
     """Pipelines and replicas spawn their workers: a fresh interpreter, which knows the objective
     only by the name the config carries."""

@@ -221,6 +221,7 @@ def gpt2_equals_the_plain_loop(tmp_path, monkeypatch, jitter: str, *overrides: s
     return results, ours
 
 
+@pytest.mark.slow  # about 10 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_flush_message_driven_on_three_stages_equals_the_plain_loop(tmp_path, monkeypatch):
     results, ours = gpt2_equals_the_plain_loop(tmp_path, monkeypatch, "stage=0,max=2.0,seed=1", "strategy=pipe_flush",
                                                "strategy.stages=3", "strategy.num_microbatches=6")
