@@ -119,7 +119,13 @@ ALIKE = [
 ]
 
 
-@pytest.mark.parametrize("overrides", ALIKE, ids=lambda o: " ".join(x for x in o if x.startswith(("model=", "strategy"))))
+# One process kind of each strategy in the default suite (~5 s each on 2 cores); the rest in the slow step.
+DEFAULT_ALIKE = (1, 3, 5, 7)
+ALIKE_CASES = [pytest.param(o, marks=() if i in DEFAULT_ALIKE else pytest.mark.slow) for i, o in enumerate(ALIKE)]
+
+
+@pytest.mark.parametrize("overrides", ALIKE_CASES,
+                         ids=lambda o: " ".join(x for x in o if x.startswith(("model=", "strategy"))))
 def test_a_rank_stood_in_for_has_exactly_the_figures_of_its_own_dry_run(overrides):
     """The planner's dry runs run one process of each set its strategy says are alike
     (`Strategy.dry_run_stand_in`): every rank's figures, kind by kind, are those it has in the
