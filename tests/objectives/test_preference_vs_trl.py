@@ -9,18 +9,17 @@ holds no second model: equal values all the same.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from relaytrain.models.pretrained import resolve
+from relaytrain.objectives.preference import FIGURES
 from relaytrain.run.compose import compose_config
 from relaytrain.run.train import run
 from tests.checkpoints import tiny_decoder, tiny_moe
 from tests.conformance.references import peft_adapter
 from tests.objectives.trl_runs import OPTIMIZERS, trl_dpo, write_pairs
+from tests.objectives.trl_runs import assert_equal_to_trl as equal_to_trl
 
 MICROBATCH, ACCUMULATE, STEPS, SEQ = 2, 2, 3, 40
 LR = {"sgd": 0.5, "adamw": 1e-2}
@@ -53,16 +52,9 @@ def relaytrain_dpo(checkpoint, data, run_dir, cache, optim: str, *overrides: str
     return run(resolve(cfg, ()), run_dir, quiet=True)
 
 
-def assert_equal_to_trl(results: dict, reference, run_dir, atol: float = 2e-5) -> None:
-    assert results["loss"] == pytest.approx(reference.losses, abs=atol)
-    for step, figures in enumerate(reference.figures):
-        for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                     "logps/rejected"):
-            ours = results["loss_terms"][name][step]
-            assert math.isclose(ours, figures[name], abs_tol=1e-4, rel_tol=1e-5), (step, name, ours, figures[name])
-    trained = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32).state_dict()
-    for name, tensor in reference.weights.items():
-        torch.testing.assert_close(trained[name], tensor, atol=atol, rtol=1e-4, msg=name)
+def assert_equal_to_trl(results: dict, reference, run_dir) -> None:
+    """The loss, DPO's figures (TRL's names) each step and the trained weights: `trl_runs`' check."""
+    equal_to_trl(results, reference, run_dir, FIGURES)
 
 
 CASES = [  # (strategy overrides, loss type, optimizer, model); the rest behind the slow marker

@@ -60,7 +60,12 @@ def default_dir() -> Path:
 
 
 def cache_dir(d) -> Path:
-    return Path(d.cache_dir).expanduser() if d.cache_dir else default_dir()
+    return cache_root(d.cache_dir)
+
+
+def cache_root(configured: str | None) -> Path:
+    """data.cache_dir (`configured`), or the default when it is unset."""
+    return Path(configured).expanduser() if configured else default_dir()
 
 
 def cache_key(cfg, inputs: list[Input], chat: bool, objective: Objective, family: Family) -> dict:

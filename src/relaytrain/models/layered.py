@@ -267,9 +267,9 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
             self._add_figures(terms.figures)
         return terms
 
-    def _add_figures(self, figures: dict[str, tuple[torch.Tensor, int]]) -> None:
+    def _add_figures(self, figures: dict[str, tuple[torch.Tensor, torch.Tensor | int]]) -> None:
         """The objective's figures of a training micro-batch, summed until `loss_term_sums` reads
-        them (tensors: read once a step, not once a micro-batch)."""
+        them (sums and counts may be device tensors: read once a step, not once a micro-batch)."""
         held = self.__dict__.setdefault("_figure_sums", {})
         for name, (total, count) in figures.items():
             before = held.get(name, (0.0, 0))
@@ -308,7 +308,7 @@ class LayeredModel(nn.Module, metaclass=ABCMeta):
         the replicas; reported beside the loss each step. Here: the objective's figures (a
         preference objective's rewards), each its sum over the items and their count."""
         held, self.__dict__["_figure_sums"] = self.__dict__.get("_figure_sums", {}), {}
-        return {name: (float(held[name][0]) if name in held else 0.0, held[name][1] if name in held else 0)
+        return {name: (float(held[name][0]), int(held[name][1])) if name in held else (0.0, 0)
                 for name in self.objective.figures}
 
     # -- whole-model helpers ------------------------------------------------------------

@@ -52,7 +52,7 @@ class LossTerms:
 
     total: torch.Tensor
     per_microbatch: torch.Tensor | float = 0.0
-    figures: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    figures: dict[str, tuple[torch.Tensor, torch.Tensor | int]] = field(default_factory=dict)
 
     def over(self, divisor: Divisor) -> torch.Tensor:
         """Its share of the minibatch's loss: the sum over the whole minibatch's item count, plus

@@ -158,12 +158,13 @@ class DPO(CausalLM):
             nll = self.rpo_alpha * -p.summed(p.chosen) / tokens
         return LossTerms(p.summed(self.pair_losses(p)), nll, self.pair_figures(p))
 
-    def pair_figures(self, p: Pairs) -> dict[str, tuple[torch.Tensor, int]]:
+    def pair_figures(self, p: Pairs) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """TRL's figures, summed over the real pairs (detached), with their count."""
         with torch.no_grad():
             chosen, rejected = self.beta * (p.chosen - p.ref_chosen), self.beta * (p.rejected - p.ref_rejected)
             values = (chosen, rejected, (chosen > rejected).float(), chosen - rejected, p.chosen, p.rejected)
-            return {name: (p.summed(v.detach()), p.count) for name, v in zip(FIGURES, values, strict=True)}
+            count = p.real.sum()  # a tensor: no host sync per micro-batch (read once a step)
+            return {name: (p.summed(v.detach()), count) for name, v in zip(FIGURES, values, strict=True)}
 
     def items(self, mb: Batch) -> int:
         return int(((mb.labels[0::2] != IGNORE_INDEX).sum(-1) > 0).sum())

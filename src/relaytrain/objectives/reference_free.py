@@ -20,6 +20,7 @@ those TRL takes of a micro-batch as a whole (`nll_loss`, the mean logits) once a
 from __future__ import annotations
 
 import dataclasses
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -154,9 +155,9 @@ class ReferenceFree(CausalLM):
     def replies(self, logits: torch.Tensor, mb: Batch) -> Replies:
         return Replies.of(logits, mb, whole_rows=self.whole_rows, cut_last=self.whole_rows)
 
+    @abstractmethod
     def pair_losses(self, r: Replies) -> torch.Tensor:
         """Each pair's loss [pairs], its NLL term apart."""
-        raise NotImplementedError
 
     def pair_figures(self, r: Replies, nll: torch.Tensor | float) -> dict[str, tuple[torch.Tensor, int]]:
         return r.figures(self.beta, nll)

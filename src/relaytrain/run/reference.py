@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from relaytrain.data.cache import default_dir
+from relaytrain.data.cache import cache_root
 from relaytrain.data.dataset import TokenDataset
 from relaytrain.models import build_model
 from relaytrain.models.layered import LayeredModel, eval_mode
@@ -67,7 +67,7 @@ class ReferencePass:
         s = cfg.strategy
         return cls(model=model, adapter=OmegaConf.to_container(cfg.adapter, resolve=True), seed=cfg.train.seed,
                    microbatch=s.microbatch_size, group=s.microbatch_size * s.num_microbatches,
-                   cache=_cache_root(cfg.data.cache_dir) / "reference" if cfg.objective.ref_cache else None,
+                   cache=cache_root(cfg.data.cache_dir) / "reference" if cfg.objective.ref_cache else None,
                    data_key={"weights": _weight_files(model["pretrained"]), "precision": spec.precision.name,
                              "objective": spec.objective.name})
 
@@ -156,11 +156,6 @@ def _weight_files(location: str | None) -> list | None:
     root = Path(location).expanduser()
     files = sorted({f for pattern in WEIGHT_FILES for f in root.glob(pattern)})
     return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-
-
-def _cache_root(configured: str | None) -> Path:
-    """data.cache_dir (`configured`), or the tokenize cache's default."""
-    return Path(configured).expanduser() if configured else default_dir()
 
 
 def _read(entry: Path | None) -> list[torch.Tensor] | None:
