@@ -21,8 +21,8 @@ from relaytrain.records.runlog import read_metrics
 from relaytrain.run.compose import compose_config, validate
 from relaytrain.run.train import run
 from relaytrain.utils.errors import ConfigError
-from tests.checkpoints import tiny_decoder
-from tests.objectives.trl_runs import OPTIMIZERS, trl_kto, write_pairs
+from tests.checkpoints import tiny_decoder, tiny_moe
+from tests.objectives.trl_runs import OPTIMIZERS, strategy_matrix, trl_kto, write_pairs
 
 MICROBATCH, ACCUMULATE, STEPS, SEQ = 2, 2, 3, 40
 LR = {"sgd": 0.5, "adamw": 1e-2}
@@ -40,8 +40,14 @@ def examples(count: int = MICROBATCH * ACCUMULATE * STEPS) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_decoder(tmp_path_factory.mktemp("kto") / "llama", layers=2)
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kto")
+    return {"llama": tiny_decoder(root / "llama", layers=2), "qwen3_moe": tiny_moe(root / "qwen3_moe", layers=2)}
+
+
+@pytest.fixture
+def checkpoint(checkpoints):
+    return checkpoints["llama"]
 
 
 def kto_config(checkpoint, data, *overrides: str):
@@ -74,25 +80,24 @@ def assert_equal_to_trl(results: dict, reference, run_dir, atol: float = 2e-5) -
         torch.testing.assert_close(trained[name], tensor, atol=atol, rtol=1e-4, msg=name)
 
 
-CASES = [  # (strategy overrides, optimizer, KTO keys); the rest behind the slow marker
-    pytest.param(["strategy=baseline"], "sgd", {}, id="baseline-sgd"),
-    pytest.param(["strategy=l2l"], "adamw", {"desirable_weight": 1.33, "undesirable_weight": 0.7, "beta": 0.2},
-                 id="l2l-weighted-adamw", marks=pytest.mark.slow),
-    pytest.param(["strategy=pipe_flush", "strategy.stages=2"], "adamw", {}, id="pipe_flush-adamw",
-                 marks=pytest.mark.slow),
-    # Two replicas of one micro-batch each: TRL's two accumulated micro-batches, each its own KL estimate.
-    pytest.param(["strategy=fsdp", "strategy.replicas=2", "strategy.num_microbatches=1"], "sgd", {"beta": 0.5},
-                 id="fsdp2-sgd", marks=pytest.mark.slow),
+# Two replicas of one micro-batch each: TRL's two accumulated micro-batches, each its own KL estimate.
+FSDP = ["strategy=fsdp", "strategy.replicas=2", "strategy.num_microbatches=1"]
+CASES = [  # (KTO keys, strategy overrides, optimizer, model): every strategy on both models, then weighted
+    *strategy_matrix(FSDP, {}),
+    pytest.param({"desirable_weight": 1.33, "undesirable_weight": 0.7, "beta": 0.2}, ["strategy=l2l"], "adamw", "llama",
+                 id="weighted-l2l-llama-adamw", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("strategy", "optim", "keys"), CASES)
-def test_kto_equals_trl(checkpoint, tmp_path, strategy, optim, keys):
+@pytest.mark.parametrize(("keys", "strategy", "optim", "model"), CASES)
+def test_kto_equals_trl(checkpoints, tmp_path, keys, strategy, optim, model):
+    """On a mixture too: the router's balancing term counts the examples' tokens, not the KL rows'
+    (TRL runs those apart, without gradient)."""
     records = examples()
     data = write_pairs(tmp_path / "examples.jsonl", records)
-    reference = trl_kto(checkpoint, records, tmp_path / "trl", microbatch=MICROBATCH, accumulate=ACCUMULATE,
+    reference = trl_kto(checkpoints[model], records, tmp_path / "trl", microbatch=MICROBATCH, accumulate=ACCUMULATE,
                         steps=STEPS, lr=LR[optim], optim=optim, max_length=SEQ, **keys)
-    results = relaytrain_kto(checkpoint, data, tmp_path / "run", tmp_path / "cache", optim, *strategy,
+    results = relaytrain_kto(checkpoints[model], data, tmp_path / "run", tmp_path / "cache", optim, *strategy,
                              *(f"objective.{key}={value}" for key, value in keys.items()))
     assert_equal_to_trl(results, reference, tmp_path / "run")
 

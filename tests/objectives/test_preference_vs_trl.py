@@ -18,7 +18,7 @@ from relaytrain.run.compose import compose_config
 from relaytrain.run.train import run
 from tests.checkpoints import tiny_decoder, tiny_moe
 from tests.conformance.references import peft_adapter
-from tests.objectives.trl_runs import OPTIMIZERS, trl_dpo, write_pairs
+from tests.objectives.trl_runs import OPTIMIZERS, strategy_matrix, trl_dpo, write_pairs
 from tests.objectives.trl_runs import assert_equal_to_trl as equal_to_trl
 
 MICROBATCH, ACCUMULATE, STEPS, SEQ = 2, 2, 3, 40
@@ -57,21 +57,19 @@ def assert_equal_to_trl(results: dict, reference, run_dir) -> None:
     equal_to_trl(results, reference, run_dir, FIGURES)
 
 
-CASES = [  # (strategy overrides, loss type, optimizer, model); the rest behind the slow marker
-    pytest.param(["strategy=baseline"], "sigmoid", "sgd", "llama", id="baseline-sigmoid-sgd"),
-    pytest.param(["strategy=l2l"], "ipo", "adamw", "llama", id="l2l-ipo-adamw", marks=pytest.mark.slow),
-    pytest.param(["strategy=baseline"], "hinge", "adamw", "qwen3_moe", id="baseline-hinge-moe", marks=pytest.mark.slow),
-    pytest.param(["strategy=l2l"], "robust", "sgd", "qwen3_moe", id="l2l-robust-moe", marks=pytest.mark.slow),
-    pytest.param(["strategy=pipe_flush", "strategy.stages=2"], "sigmoid", "adamw", "llama", id="pipe_flush-sigmoid",
-                 marks=pytest.mark.slow),
-    # Two replicas of one pair each: TRL's micro-batch of two pairs.
-    pytest.param(["strategy=fsdp", "strategy.replicas=2", "strategy.microbatch_size=1"], "ipo", "sgd", "llama", id="fsdp2-ipo",
-                 marks=pytest.mark.slow),
+# Two replicas of one micro-batch each: TRL's two accumulated micro-batches (a mixture's balancing
+# term is one micro-batch's, so each replica's holds what TRL's does).
+FSDP = ["strategy=fsdp", "strategy.replicas=2", "strategy.num_microbatches=1"]
+CASES = [  # (loss type, strategy overrides, optimizer, model): sigmoid and ipo under every strategy, on both models
+    *strategy_matrix(FSDP, "sigmoid", name="sigmoid"),
+    *strategy_matrix(FSDP, "ipo", name="ipo", default=False),
+    pytest.param("hinge", ["strategy=baseline"], "adamw", "qwen3_moe", id="hinge-baseline-moe", marks=pytest.mark.slow),
+    pytest.param("robust", ["strategy=l2l"], "sgd", "qwen3_moe", id="robust-l2l-moe", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("strategy", "loss_type", "optim", "model"), CASES)
-def test_dpo_equals_trl(checkpoints, tmp_path, strategy, loss_type, optim, model):
+@pytest.mark.parametrize(("loss_type", "strategy", "optim", "model"), CASES)
+def test_dpo_equals_trl(checkpoints, tmp_path, loss_type, strategy, optim, model):
     records = pairs()
     data = write_pairs(tmp_path / "pairs.jsonl", records)
     smoothing = 0.1 if loss_type == "robust" else 0.0

@@ -21,7 +21,7 @@ from relaytrain.models.pretrained import resolve
 from relaytrain.run.compose import compose_config
 from relaytrain.run.train import run
 from tests.checkpoints import tiny_decoder, tiny_moe
-from tests.objectives.trl_runs import OPTIMIZERS, TRAINER_LOGS, TrlRun, write_pairs
+from tests.objectives.trl_runs import OPTIMIZERS, TRAINER_LOGS, TrlRun, once, strategy_matrix, write_pairs
 
 MICROBATCH, ACCUMULATE, STEPS, SEQ, HELD_OUT = 2, 2, 3, 48, 4
 LR = {"sgd": 0.02, "adamw": 2e-3}
@@ -58,6 +58,7 @@ def checkpoints(tmp_path_factory):
             "causal_llama": llama}
 
 
+@once
 def trl_reward(checkpoint: Path, records: list[dict], held_out: list[dict], out: Path, *, optim: str,
                **reward) -> TrlRun:
     """TRL's RewardTrainer on `records` (prompt/chosen/rejected), STEPS optimizer steps of MICROBATCH
@@ -119,21 +120,16 @@ def assert_equal_to_trl(results: dict, reference: TrlRun, run_dir: Path, figures
 
 
 EXTREMES = ("min_reward", "max_reward")  # per micro-batch: TRL's only where one process holds each
-CASES = [  # (strategy overrides, optimizer, model, center_rewards_coefficient); the rest behind the slow marker
-    pytest.param(["strategy=baseline"], "sgd", "llama", None, id="baseline-sgd"),
-    pytest.param(["strategy=l2l"], "adamw", "llama", 0.01, id="l2l-adamw-centred", marks=pytest.mark.slow),
-    pytest.param(["strategy=baseline"], "adamw", "qwen3_moe", 0.1, id="baseline-moe-centred", marks=pytest.mark.slow),
-    pytest.param(["strategy=l2l"], "sgd", "qwen3_moe", None, id="l2l-moe", marks=pytest.mark.slow),
-    pytest.param(["strategy=pipe_flush", "strategy.stages=2"], "adamw", "llama", None, id="pipe_flush",
-                 marks=pytest.mark.slow),
-    # Two replicas of one pair each: TRL's micro-batch of two pairs.
-    pytest.param(["strategy=fsdp", "strategy.replicas=2", "strategy.microbatch_size=1"], "sgd", "llama", 0.01,
-                 id="fsdp2-centred", marks=pytest.mark.slow),
+# Two replicas of one pair each: TRL's micro-batch of two pairs.
+FSDP = ["strategy=fsdp", "strategy.replicas=2", "strategy.microbatch_size=1"]
+CASES = [  # (center_rewards_coefficient, strategy overrides, optimizer, model): every strategy, both models
+    *strategy_matrix(FSDP, None),
+    *strategy_matrix(FSDP, 0.01, name="centred", default=False),
 ]
 
 
-@pytest.mark.parametrize(("strategy", "optim", "model", "center"), CASES)
-def test_reward_equals_trl(checkpoints, tmp_path, strategy, optim, model, center):
+@pytest.mark.parametrize(("center", "strategy", "optim", "model"), CASES)
+def test_reward_equals_trl(checkpoints, tmp_path, center, strategy, optim, model):
     records, held_out = pairs(), pairs(HELD_OUT, start=100)
     data, eval_data = write_pairs(tmp_path / "pairs.jsonl", records), write_pairs(tmp_path / "held.jsonl", held_out)
     reference = trl_reward(checkpoints[model], records, held_out, tmp_path / "trl", optim=optim,
@@ -221,6 +217,27 @@ def test_a_saved_reward_model_scores_in_transformers_as_in_relaytrain(checkpoint
             theirs = hf_model(**encoded).logits.squeeze(-1)
             ours = relaytrain_scores(model, mb)
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_checkpoint_naming_no_pad_id_trains_as_trl_and_saves_its_tokenizers(checkpoints, tmp_path):
+    """A checkpoint whose config names no pad id and whose tokenizer has no pad token (Llama 3's
+    base): the rows pad with eos, and TRL writes that id into the model's config, so every row is
+    scored at the token before its closing eos. relaytrain does the same, and its saved model
+    names the id."""
+    from transformers import AutoConfig
+
+    base = tmp_path / "no_pad"
+    AutoModelForSequenceClassification.from_pretrained(checkpoints["llama"], pad_token_id=None).save_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints["llama"])
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(base)
+    assert AutoConfig.from_pretrained(base).pad_token_id is None
+    records, held_out = pairs(), pairs(HELD_OUT, start=100)
+    data, eval_data = write_pairs(tmp_path / "pairs.jsonl", records), write_pairs(tmp_path / "held.jsonl", held_out)
+    reference = trl_reward(base, records, held_out, tmp_path / "trl", optim="sgd", center_rewards_coefficient=None)
+    results = relaytrain_reward(base, data, eval_data, tmp_path / "run", tmp_path / "cache", "sgd")
+    assert_equal_to_trl(results, reference, tmp_path / "run")
+    assert AutoConfig.from_pretrained(tmp_path / "run" / "model").pad_token_id == tokenizer.eos_token_id
 
 
 @pytest.mark.slow

@@ -17,7 +17,14 @@ from relaytrain.run.train import run
 from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder, tiny_moe
 from tests.data.test_preference_data import LONG, assistant, user
-from tests.objectives.trl_runs import OPTIMIZERS, assert_equal_to_trl, trl_cpo, trl_orpo, write_pairs
+from tests.objectives.trl_runs import (
+    OPTIMIZERS,
+    assert_equal_to_trl,
+    strategy_matrix,
+    trl_cpo,
+    trl_orpo,
+    write_pairs,
+)
 
 MICROBATCH, ACCUMULATE, STEPS, SEQ = 2, 2, 3, 40
 LR = {"sgd": 0.5, "adamw": 1e-2}
@@ -62,22 +69,12 @@ def relaytrain_run(name: str, checkpoint, data, run_dir, optim: str, *overrides:
     return run(resolve(cfg, ()), run_dir, quiet=True)
 
 
+# Two replicas of one pair each, two micro-batches: TRL's four micro-batches of one pair (the NLL
+# term and the mean logits are means over a micro-batch, as TRL's accumulation takes them).
 FSDP = ["strategy=fsdp", "strategy.replicas=2", "strategy.microbatch_size=1"]
-CASES = [  # (objective, strategy overrides, optimizer, model); the rest behind the slow marker
-    pytest.param("simpo", ["strategy=baseline"], "sgd", "llama", id="simpo-baseline-sgd"),
-    pytest.param("orpo", ["strategy=baseline"], "adamw", "llama", id="orpo-baseline-adamw", marks=pytest.mark.slow),
-    pytest.param("simpo", ["strategy=l2l"], "adamw", "llama", id="simpo-l2l-adamw", marks=pytest.mark.slow),
-    pytest.param("orpo", ["strategy=l2l"], "sgd", "llama", id="orpo-l2l-sgd", marks=pytest.mark.slow),
-    pytest.param("simpo", ["strategy=baseline"], "adamw", "qwen3_moe", id="simpo-baseline-moe", marks=pytest.mark.slow),
-    pytest.param("orpo", ["strategy=l2l"], "adamw", "qwen3_moe", id="orpo-l2l-moe", marks=pytest.mark.slow),
-    pytest.param("simpo", ["strategy=pipe_flush", "strategy.stages=2"], "sgd", "llama", id="simpo-pipe_flush",
-                 marks=pytest.mark.slow),
-    pytest.param("orpo", ["strategy=pipe_flush", "strategy.stages=2"], "adamw", "llama", id="orpo-pipe_flush",
-                 marks=pytest.mark.slow),
-    # Two replicas of one pair each, two micro-batches: TRL's four micro-batches of one pair (the
-    # NLL term and the mean logits are means over a micro-batch, as TRL's accumulation takes them).
-    pytest.param("simpo", FSDP, "adamw", "llama", id="simpo-fsdp2", marks=pytest.mark.slow),
-    pytest.param("orpo", FSDP, "sgd", "llama", id="orpo-fsdp2", marks=pytest.mark.slow),
+CASES = [  # (objective, strategy overrides, optimizer, model): each under every strategy, on both models
+    *strategy_matrix(FSDP, "simpo", name="simpo"),
+    *strategy_matrix(FSDP, "orpo", name="orpo", default=False),
 ]
 
 

@@ -9,10 +9,13 @@ fp32 on both sides (TRL's configs default to bf16 autocast).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 # relaytrain's optimizer settings, as the Trainer's arguments: SGD without momentum, AdamW with
@@ -21,6 +24,49 @@ OPTIMIZERS = {
     "sgd": ({"optim": "sgd"}, ["optim=sgd", "optim.momentum=0.0"]),
     "adamw": ({"optim": "adamw_torch", "adam_epsilon": 1e-6}, ["optim=adamw"]),
 }
+
+
+# The models and strategies each objective is held equal to TRL on (every pair of them): a tiny
+# Llama and a tiny Qwen3-MoE; baseline, l2l, a two-stage pipe_flush and FSDP over two replicas
+# (its overrides each objective's own: how two replicas split TRL's micro-batches depends on what
+# the loss is a mean of).
+MODELS = ("llama", "qwen3_moe")
+STRATEGIES = {"baseline": ["strategy=baseline"], "l2l": ["strategy=l2l"],
+              "pipe_flush": ["strategy=pipe_flush", "strategy.stages=2"]}
+
+
+def strategy_matrix(fsdp: list[str], *leading, name: str = "", default: bool = True) -> list:
+    """pytest params (*leading, strategy overrides, optimizer, model) of every model under every
+    strategy, `fsdp` the overrides of the two-replica case, ids begun with `name`. The optimizer
+    alternates, so each model trains under SGD and AdamW and two strategies share each TRL run
+    (`once`); with `default`, the baseline on Llama stays in the default suite, the rest run in the
+    slow step."""
+    cases = []
+    for i, (strategy, overrides) in enumerate([*STRATEGIES.items(), ("fsdp2", fsdp)]):
+        for j, model in enumerate(MODELS):
+            optim = ("sgd", "adamw")[(i + j) % 2]
+            fast = default and (strategy, model) == ("baseline", "llama")
+            cases.append(pytest.param(*leading, overrides, optim, model, marks=() if fast else pytest.mark.slow,
+                                      id="-".join(filter(None, (name, strategy, model, optim)))))
+    return cases
+
+
+def once(trainer_run):
+    """`trainer_run` (one of TRL's trainers run to its end) once per distinct arguments in this
+    process, its output directory aside: the strategies a test file holds equal to the same TRL
+    run share it (a file's tests run on one worker)."""
+    runs: dict[str, object] = {}
+    signature = inspect.signature(trainer_run)
+
+    @functools.wraps(trainer_run)
+    def cached(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        key = json.dumps({k: v for k, v in arguments.items() if k != "out"}, sort_keys=True, default=str)
+        if key not in runs:
+            runs[key] = trainer_run(*args, **kwargs)
+        return runs[key]
+
+    return cached
 
 
 @dataclass
@@ -35,6 +81,7 @@ def write_pairs(path: Path, records: list[dict]) -> Path:
     return path
 
 
+@once
 def trl_dpo(checkpoint: Path, records: list[dict], out: Path, *, microbatch: int, accumulate: int, steps: int,
             lr: float, optim: str, max_length: int, adapter: Path | None = None, **dpo) -> TrlRun:
     """TRL's DPOTrainer on `records` (prompt/chosen/rejected), `steps` optimizer steps of
@@ -68,6 +115,7 @@ def trl_dpo(checkpoint: Path, records: list[dict], out: Path, *, microbatch: int
 TRAINER_LOGS = ("loss", "grad_norm", "learning_rate", "epoch", "step")
 
 
+@once
 def trl_cpo(checkpoint: Path, records: list[dict], out: Path, **run) -> TrlRun:
     """TRL's experimental CPOTrainer on `records` (prompt/chosen/rejected); `run`: as
     `trl_reference_free` takes it, CPOConfig's own keys (loss_type="simpo", simpo_gamma, ...) included."""
@@ -76,6 +124,7 @@ def trl_cpo(checkpoint: Path, records: list[dict], out: Path, **run) -> TrlRun:
     return trl_reference_free(CPOTrainer, CPOConfig, checkpoint, records, out, **run)
 
 
+@once
 def trl_orpo(checkpoint: Path, records: list[dict], out: Path, **run) -> TrlRun:
     """TRL's experimental ORPOTrainer on `records`; `run`: as `trl_reference_free` takes it."""
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
@@ -115,6 +164,7 @@ def trl_reference_free(trainer_class, config_class, checkpoint: Path, records: l
                            evaluation=None if held_out is None else trainer.evaluate())
 
 
+@once
 def trl_kto(checkpoint: Path, records: list[dict], out: Path, **run) -> TrlRun:
     """TRL's KTOTrainer on `records` (prompt/completion/label, or pairs it unpairs), its reference
     the initial model; `run`: as `trl_reference_free` takes it (`microbatch` is also the batch its

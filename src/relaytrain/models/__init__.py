@@ -115,6 +115,8 @@ def _load_pretrained(m, auto, family: Family, objective, dtype: torch.dtype = to
     attention = family.attention(config, m.attn_implementation)
     if objective.classifies:
         config.num_labels = m.num_labels
+    if m.pad_token_id is not None:  # a classifier's padding id the checkpoint lacked (`pretrained.resolve`)
+        config.pad_token_id = m.pad_token_id
     local = Path(m.pretrained).expanduser()
     source = str(local) if local.exists() else m.pretrained
     quiet_loading = _no_progress_bars()

@@ -161,7 +161,7 @@ class LayeredDecoder(LayeredModel):
             rope = dict.fromkeys(used, shared)
         ctx = {"masks": masks, "rope": rope, "position_ids": positions}
         if self.routing is not None and self.routing.balances:
-            ctx[ROUTER] = self.routing.tally(mb.attention_mask)
+            ctx[ROUTER] = self.routing.tally(self.objective.router_mask(mb))
             # Evaluated, where the head is here to take it (a pipeline's last stage holds the head).
             self._tallies.put(tally_key(mb), ctx[ROUTER], hold=not self.training and self.head is not None)
         return ctx

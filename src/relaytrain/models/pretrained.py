@@ -109,7 +109,8 @@ def resolve(cfg, explicit: Iterable[str] = ()):
     pretrained = cfg.model.pretrained
     if not pretrained or cfg.model.resolved_from == pretrained:  # nothing to do, or done already
         return cfg
-    said = facts(load_hf_config(pretrained, cfg.model.trust_remote_code))
+    hf_config = load_hf_config(pretrained, cfg.model.trust_remote_code)
+    said = facts(hf_config)
     given = {o.split("=", 1)[0].removeprefix("+")[len("model."):]: o for o in explicit if o.lstrip("+").startswith("model.")}
     for key, value in said.items():
         if key in given and key not in FINE_TUNABLE and _differs(cfg.model[key], value):
@@ -123,8 +124,33 @@ def resolve(cfg, explicit: Iterable[str] = ()):
         OmegaConf.update(resolved, "model.task", _bare_body_task(resolved.model), merge=False)
     if "name" not in given:
         OmegaConf.update(resolved, "model.name", _name(pretrained), merge=False)
+    if (pad := _classifier_pad_id(resolved, hf_config)) is not None:
+        OmegaConf.update(resolved, "model.pad_token_id", pad, merge=False)
     OmegaConf.update(resolved, "model.resolved_from", pretrained, merge=False)
     return resolved
+
+
+def _classifier_pad_id(cfg, hf_config) -> int | None:
+    """The padding id a sequence classifier's config must name when the checkpoint names none:
+    transformers' classifier scores each row's rightmost token that is not padding, and refuses a
+    batch without a padding id. It is the id the data pads with, the checkpoint's tokenizer's pad
+    (else its eos), which TRL's RewardTrainer writes into the model's config too: a reward model
+    then scores the token before a completion's closing eos, in training and once saved. None
+    where the checkpoint names one, the model is no decoder classifier, or it has no tokenizer."""
+    m = cfg.model
+    if hf_config.pad_token_id is not None or m.pad_token_id is not None:
+        return None
+    if not objective(cfg.objective.name).classifies or family_of(hf_config).name != "decoder":
+        return None
+    from transformers import AutoTokenizer
+
+    local = Path(m.pretrained).expanduser()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else m.pretrained,
+                                                  trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError):  # no tokenizer here: the data's (data.tokenizer) pads, scored by the mask
+        return None
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _name(pretrained: str) -> str:

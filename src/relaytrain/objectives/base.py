@@ -110,6 +110,11 @@ class Objective(ABC):
     def eval_stats(self, logits: torch.Tensor, mb: Batch) -> EvalStats:
         """The evaluation sums of the micro-batch (loss, items, correct, confusion)."""
 
+    def router_mask(self, mb: Batch) -> torch.Tensor | None:
+        """The tokens a mixture's balancing term counts [rows, tokens] (None: every one): the
+        micro-batch's real tokens, as Hugging Face's model counts those of its input."""
+        return mb.attention_mask
+
     def row_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Each row's log-prob of its labelled tokens [rows] (a reference pass); an objective
         that reads no reference has none."""

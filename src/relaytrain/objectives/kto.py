@@ -133,6 +133,13 @@ class KTO(CausalLM):
     def row_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return row_logps(logits, labels)[0]
 
+    def router_mask(self, mb: Batch) -> torch.Tensor:
+        """The examples' real tokens, none of the KL rows': TRL's forward of the KL completions runs
+        without gradient and apart, so a mixture's balancing term sees only the examples."""
+        mask = torch.ones_like(mb.input_ids) if mb.attention_mask is None else mb.attention_mask.clone()
+        mask[1::2] = 0
+        return mask
+
     def example_losses(self, e: Examples, kl: torch.Tensor) -> torch.Tensor:
         """Each example's weighted loss [items] (TRL's `losses`, 0 for an item that is not real)."""
         ratio = e.logps - e.ref

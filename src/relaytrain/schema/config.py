@@ -121,6 +121,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # Hugging Face attention kernel: sdpa or eager
     resolved_from: str | None = None  # set by relaytrain: the checkpoint whose config filled these keys
     checkpoint_dtype: str | None = None  # set by relaytrain: the dtype model.pretrained stores its weights in
+    pad_token_id: int | None = None  # set by relaytrain: a sequence classifier's padding id, where model.pretrained names none (its tokenizer's pad, else eos, as TRL's RewardTrainer sets it)
     # QLoRA (adapter=qlora sets nf4): embeddings, norms and the head stay as stored. Needs
     # model.pretrained and an adapter (a quantized weight cannot train).
     quantize: Quantize = Quantize.none  # nf4: the frozen base's block linear weights as NormalFloat-4 (bitsandbytes; scales over blocks of 64)
