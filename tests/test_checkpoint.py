@@ -71,6 +71,7 @@ def test_killed_run_resumes_to_the_same_weights_and_losses(uninterrupted, tmp_pa
         assert torch.equal(ours[name], theirs[name]), name
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path):
     run_dir = tmp_path / "run"
     assert main([*RUN, "train.steps=7", "train.checkpoint_every=2", "train.keep_checkpoints=2",
@@ -101,6 +102,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path)
     assert found.step == 7 and found.exact and found.trainer()["step"] == 7
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_keeps_only_the_last_k_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     assert main([*RUN, "train.steps=9", "train.checkpoint_every=2", "train.keep_checkpoints=2",
@@ -109,6 +111,7 @@ def test_keeps_only_the_last_k_checkpoints(tmp_path):
     assert names == ["step-00000008", "step-00000009"]  # every 2 steps, and the last step always
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_checkpoint_that_does_not_fit_the_config_is_refused(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main([*RUN, "train.steps=4", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]) == 0
@@ -226,6 +229,7 @@ def refused(*args: str, capsys) -> str:
     return err[0].removeprefix("relaytrain: error: ")
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_checkpoint_resumes_from_its_path_alone_with_the_runs_own_config(tmp_path, capsys):
     run_dir = tmp_path / "lora"
     assert main(["train", *LORA, "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]) == 0

@@ -129,6 +129,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_two_sigints_end_a_long_step_at_once_naming_the_latest_checkpoint(tmp_path):
     """The first SIGINT asks to stop after the step in flight, the second ends the run at once;
     the newest complete checkpoint is named, and it loads."""

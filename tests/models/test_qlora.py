@@ -280,6 +280,7 @@ def test_a_checkpoint_saved_in_4_bits_trains_as_the_one_quantized_at_load(llama,
         run(merging, tmp_path / "merged", table=False)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_named_shape_over_nf4_is_planned_as_its_checkpoint_and_the_command_asks_for_it(tmp_path):
     """`relaytrain plan model=llama3_70b adapter=qlora ...` (no checkpoint): model.quantize
     quantizes a checkpoint, which planning never reads, so the plan is that of a bf16 checkpoint

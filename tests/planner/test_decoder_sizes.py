@@ -108,7 +108,7 @@ def _block_activations(overrides: list[str]) -> tuple[float, int]:
     return (kept[4] - kept[2]) / 2, ModelFacts.of(cfg).block_activation_bytes(4)
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+@pytest.mark.parametrize("kernel", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])  # eager's: the slow step (5 s)
 def test_a_block_s_closed_form_is_close_to_its_dry_run_under_either_attention_kernel(kernel):
     """Close for BERT and a grouped-query, gated decoder alike: the fused kernel keeps no s x s
     scores (within 15 %: the dry run of grouped-query attention repeats the key/value heads as
@@ -136,6 +136,7 @@ def test_a_candidate_over_the_host_memory_does_not_fit(tmp_path, capsys):
     assert len(err) == 1 and "plan.host_memory_gb=0.5" in err[0]
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_tiny_llama_is_planned_with_costs_and_host_memory(tmp_path, capsys):
     plan = make_plan([*TINY_LLAMA, *ON_A100])
     assert plan.request.host_memory_bytes is None  # a profile's host: unlimited unless given

@@ -236,6 +236,7 @@ def test_a_dry_run_refuses_what_needs_values(capsys):
                    "train.save_model=true, train.checkpoint_every"]
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_large_model_is_simulated_without_its_memory(tmp_path):
     """BERT-Large with 48 blocks (600 M parameters: 9.6 GB of weights and AdamW state) runs dry
     in seconds on this machine, which could not hold it."""

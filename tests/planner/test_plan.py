@@ -159,6 +159,7 @@ def from_v100(cfg, sizes):
 # --------------------------------------------------------------------------- the planner
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_the_chosen_configuration_fits_by_its_own_dry_run(tiny_plan):
     best = tiny_plan.best
     assert best is not None and best.fits
@@ -169,6 +170,7 @@ def test_the_chosen_configuration_fits_by_its_own_dry_run(tiny_plan):
     assert all(best.cost.step_s <= c.cost.step_s for c in decided if c.fits)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_tight_budget_is_respected_by_the_dry_run():
     loose = make_plan([*TINY, "plan.batch_size=16", "plan.strategies=[baseline]", "plan.device_memory_gb=4"])
     sizes = sorted(c.simulated_bytes for c in loose.candidates if c.simulated_bytes)
@@ -283,6 +285,7 @@ def test_bert_large_on_one_16gb_v100_fits_and_twice_as_deep_only_l2l_does():
     assert not any(c.fits for c in baseline)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_plan_writes_where_hydra_run_dir_says(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["plan", *TINY, "plan.workers=1", "plan.batch_size=8", "plan.strategies=[baseline]"]

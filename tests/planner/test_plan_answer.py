@@ -49,6 +49,7 @@ def test_a_frozen_base_s_command_names_the_checkpoint_it_needs(tmp_path, capsys,
     validate(resolve(compose_config(args), explicit_overrides(args)))
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_frozen_base_is_planned_as_its_bf16_checkpoint_would_run(tmp_path):
     """The plan of `adapter=lora` on a named shape is the plan of the same shape's bf16 checkpoint."""
     config = hf_config(compose_config(TINY_LLAMA).model)

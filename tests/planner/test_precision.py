@@ -159,6 +159,7 @@ DECODER_PLAN = ["model=llama_tiny", "model.num_layers=2", "data.seq_len=64", "pl
                 "plan.device=h100_80gb", "plan.strategies=[l2l,baseline]"]
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_decoder_on_a_gpu_profile_is_planned_in_cmp_bf16_and_each_command_names_its_precision():
     plan = make_plan(DECODER_PLAN, max_simulations=2)
     assert plan.precision.name == "cmp_bf16" and "default" in plan.precision.note

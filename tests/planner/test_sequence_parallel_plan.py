@@ -191,6 +191,7 @@ def test_a_cut_run_gets_its_estimate_line():
 # --------------------------------------------------------------------------- a plan
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_plan_at_a_long_sequence_that_only_a_cut_shape_fits_prints_a_command_that_validates(tmp_path, capsys):
     """The budget sits just above the smallest cut shape's dry run, below the smallest whole one's
     (one micro-batch, block recompute, its inputs on the host): only cut shapes fit, so the plan's

@@ -62,6 +62,7 @@ def test_two_replicas_equal_the_plain_loop_over_the_whole_minibatch(family, over
         assert results["eval"][-1]["loss"] == pytest.approx(single["eval"][-1]["loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_replicated_checkpoint_resumes_exactly_and_by_name_under_one_worker(tmp_path):
     cfg = replicated_cfg("bert", "train.checkpoint_every=1", "train.keep_checkpoints=0")
     run(cfg, tmp_path / "whole")

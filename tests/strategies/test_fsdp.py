@@ -59,7 +59,7 @@ def assert_same(a, b, exact: bool = False):
 @pytest.mark.parametrize(("family", "overrides"), [
     ("gpt2", ["optim.grad_clip=0.5"]),
     ("bert", ["optim=sgd", "optim.momentum=0.9", "strategy.reshard_after_forward=false", "strategy.recompute=block"]),
-    ("bert", ["optim=lamb", "data.eval_fraction=0.25"]),
+    pytest.param("bert", ["optim=lamb", "data.eval_fraction=0.25"], marks=pytest.mark.slow),  # over 6 s: the slow step
 ])
 def test_two_workers_equal_the_plain_loop_over_the_whole_minibatch(family, overrides, tmp_path):
     cfg = fsdp_cfg(family, *overrides)
@@ -72,6 +72,7 @@ def test_two_workers_equal_the_plain_loop_over_the_whole_minibatch(family, overr
         assert results["eval"][-1]["loss"] == pytest.approx(single["eval"][-1]["loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_sharded_checkpoint_resumes_exactly_on_two_workers_and_by_name_elsewhere(tmp_path):
     cfg = fsdp_cfg("gpt2", "train.checkpoint_every=1", "train.keep_checkpoints=0")
     run(cfg, tmp_path / "whole")

@@ -248,6 +248,7 @@ def test_2bw_message_driven_equals_the_delayed_gradient_rule(tmp_path):
     assert_same_weights(ours, trained_by_delayed_gradients(cfg))
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_different_stage_delays_give_the_same_weights_bit_for_bit(tmp_path, monkeypatch):
     """The interleaving reacts to timing; the sums do not: each stage's backwards, and its
     forwards, run in micro-batch order whatever arrives first."""

@@ -115,6 +115,7 @@ def test_message_driven_execution_and_a_bad_layout_are_refused_in_one_line(capsy
         assert words in line, line
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_the_dry_run_holds_fewer_units_in_flight_per_chunk_than_gpipe():
     cfg = [*TINY_GPT2, "model.num_layers=4", "strategy.microbatch_size=4", "strategy.num_microbatches=8"]
     interleaved = simulate(compose_config([*cfg, "strategy=pipe_interleaved"]))

@@ -236,7 +236,8 @@ def test_validator_catches_2bw_needing_a_third_version():
 # ----------------------------------------------------------------- message-driven execution
 
 
-@pytest.mark.parametrize("kind", ["pipe_flush", "pipe_2bw", "pipe_gpipe"])
+# pipe_2bw's over 5 s on 2 cores: the slow step (the default suite stays within 8 minutes)
+@pytest.mark.parametrize("kind", ["pipe_flush", pytest.param("pipe_2bw", marks=pytest.mark.slow), "pipe_gpipe"])
 def test_every_order_message_driven_execution_may_choose_keeps_the_rules_and_never_deadlocks(kind):
     """All states the stages reach together when each runs whichever permitted unit has its
     message, under every order of arrival (resumed programs too): every action replayed through

@@ -10,7 +10,6 @@ from torch import nn
 
 from relaytrain.models.adapter.files import read_adapter_weights
 from relaytrain.models.adapter.fingerprint import base_fingerprint
-from relaytrain.models.adapter.fused import use_fused_forward
 from relaytrain.models.adapter.layers import ADAPTER, is_conv1d, quiet_peft, short_names, target_names, trains
 from relaytrain.utils.errors import ConfigError, first_line
 
@@ -33,6 +32,8 @@ def attach(model, a, checkpoint_dtype: str | None = None, quiet: bool = False) -
     except ValueError as err:  # peft's NoMatchingPeftModuleError: the adapter's targets are not in this model
         raise ConfigError(f"adapter.pretrained={a.pretrained} was made for another base ({first_line(err)}); "
                           f"use the model.pretrained it was trained on") from err
+    from relaytrain.models.adapter.fused import use_fused_forward  # peft's classes: imported where adapters are (seconds a start)
+
     use_fused_forward(model.hf_model)
     _refuse_tied(model.hf_model, tied)
     if a.merge_on_save:
