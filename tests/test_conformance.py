@@ -101,7 +101,15 @@ def test_every_strategy_has_shapes_a_cost_and_a_closed_form_memory(name):
         assert cls.cost_model.device_bytes(cfg, facts) > 0, shape
 
 
-@pytest.mark.parametrize(("name", "family"), [(name, family) for name in choices() for family in EVERY_FAMILY])
+def closed_form_cases() -> list:
+    """Every strategy on every family; each strategy on one family (in turn) in the default suite,
+    so that it sees every strategy and every family, the rest in the slow step (~2.5 s a case)."""
+    families = list(EVERY_FAMILY)
+    return [pytest.param(name, family, marks=() if family == families[i % len(families)] else pytest.mark.slow)
+            for i, name in enumerate(choices()) for family in families]
+
+
+@pytest.mark.parametrize(("name", "family"), closed_form_cases())
 def test_the_closed_form_memory_is_within_the_pruning_factor_of_the_dry_run(name, family):
     """The planner dry-runs no shape whose closed-form memory exceeds PRUNE_FACTOR budgets: a closed
     form over PRUNE_FACTOR x the simulated peak would prune shapes that fit, and one under

@@ -90,6 +90,7 @@ def test_the_baseline_equals_the_plain_loop_and_dropout_changes_the_weights(fami
     assert max_difference(ours, without) > 1e-3, "dropout changed nothing: the other tests would prove nothing"
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_message_driven_execution_equals_static_with_dropout_on(tmp_path, monkeypatch):
     """GPipe with a slow first stage: the last stage runs backwards out of the program's order,
     and draws the masks static execution draws."""

@@ -297,6 +297,7 @@ def test_a_named_shape_over_nf4_is_planned_as_its_checkpoint_and_the_command_ask
     assert named.command(named.best) == given.command(given.best).replace(str(tmp_path), CHECKPOINT)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_qlora_chat_fine_tune_saves_merges_and_generates(tmp_path, capsys):
     """As a new user (the issue's last check): their bf16 checkpoint, the example chat file,
     adapter=qlora under L2L; the adapter over the original base and the merge into it give the

@@ -119,8 +119,8 @@ ALIKE = [
 ]
 
 
-# One process kind of each strategy in the default suite (~5 s each on 2 cores); the rest in the slow step.
-DEFAULT_ALIKE = (1, 3, 5, 7)
+# An L2L replica and a pipeline stage's in the default suite (~5 s each on 2 cores); the rest in the slow step.
+DEFAULT_ALIKE = (5, 7)
 ALIKE_CASES = [pytest.param(o, marks=() if i in DEFAULT_ALIKE else pytest.mark.slow) for i, o in enumerate(ALIKE)]
 
 

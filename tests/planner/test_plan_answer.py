@@ -33,7 +33,7 @@ def test_the_header_names_the_batch_and_the_sequence_length_planned_for(tmp_path
     assert "model.pretrained" not in plan["best"]["command"]
 
 
-@pytest.mark.parametrize("adapter", ["adapter=lora", "adapter=qlora"])
+@pytest.mark.parametrize("adapter", ["adapter=lora", pytest.param("adapter=qlora", marks=pytest.mark.slow)])  # qlora's: slow step
 def test_a_frozen_base_s_command_names_the_checkpoint_it_needs(tmp_path, capsys, adapter):
     """An adapter over a named shape trains nothing worth having without its checkpoint: the
     command names one, and with the user's copy in its place it composes and passes the checks."""

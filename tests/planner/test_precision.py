@@ -171,6 +171,7 @@ def test_a_decoder_on_a_gpu_profile_is_planned_in_cmp_bf16_and_each_command_name
         validate(compose(command[2:]))  # each runs as planned
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_precision_given_is_the_plan_s_and_replaces_the_default():
     plan = make_plan([*DECODER_PLAN, "precision=fp32"], max_simulations=1)
     assert plan.precision.name == "fp32" and plan.precision.note is None

@@ -233,6 +233,7 @@ def test_flush_message_driven_on_three_stages_equals_the_plain_loop(tmp_path, mo
     assert "injected delay (benchmarking aid)" in report["summary"]
 
 
+@pytest.mark.slow  # over 7 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_gpipe_message_driven_with_a_slow_first_stage_equals_the_plain_loop(tmp_path, monkeypatch):
     """The last stage runs backwards while stage 0's late activations are on their way."""
     results, _ = gpt2_equals_the_plain_loop(tmp_path, monkeypatch, "stage=0,max=1.0,seed=3", "strategy=pipe_gpipe",

@@ -87,7 +87,7 @@ def interleaved_cfg(*overrides: str):
 
 @pytest.mark.parametrize("overrides", [
     [],
-    ["strategy.replicas=2", "strategy.recompute=stage"],
+    pytest.param(["strategy.replicas=2", "strategy.recompute=stage"], marks=pytest.mark.slow),  # ~4 s: the slow step
     ["strategy.offload=host", "strategy.recompute=block"],
 ])
 def test_tied_gpt2_on_two_stages_of_two_chunks_equals_the_plain_loop(overrides, tmp_path):

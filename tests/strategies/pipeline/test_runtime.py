@@ -97,7 +97,7 @@ def test_flush_gpt2_tied_across_two_stages_and_two_replicas_equals_baseline(tmp_
     assert json.loads((tmp_path / "pipe" / "results.json").read_text())["strategy"] == "pipe_flush"
 
 
-@pytest.mark.parametrize("recompute", ["block", "stage"])
+@pytest.mark.parametrize("recompute", ["block", pytest.param("stage", marks=pytest.mark.slow)])  # stage's: the slow step
 def test_flush_bert_three_uneven_stages_with_recompute_equals_baseline(tmp_path, recompute):
     cfg = pipeline_cfg("bert", "model.num_layers=4", "strategy=pipe_flush", "strategy.stages=3",
                        "strategy.layout=[1,2,1]", f"strategy.recompute={recompute}", "strategy.microbatch_size=2",

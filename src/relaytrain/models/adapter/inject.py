@@ -32,7 +32,8 @@ def attach(model, a, checkpoint_dtype: str | None = None, quiet: bool = False) -
     except ValueError as err:  # peft's NoMatchingPeftModuleError: the adapter's targets are not in this model
         raise ConfigError(f"adapter.pretrained={a.pretrained} was made for another base ({first_line(err)}); "
                           f"use the model.pretrained it was trained on") from err
-    from relaytrain.models.adapter.fused import use_fused_forward  # peft's classes: imported where adapters are (seconds a start)
+    # Here, not at the top: it imports peft's layer classes, seconds that a run without adapters skips.
+    from relaytrain.models.adapter.fused import use_fused_forward
 
     use_fused_forward(model.hf_model)
     _refuse_tied(model.hf_model, tied)
