@@ -9,7 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # The suites run on this many pytest workers (pytest-xdist), a file's tests on one worker so that
 # its module and session fixtures (the conformance matrix's cells) are made once. Measured on a
-# 2-core VM: 2 workers 469 s, 3 workers 527 s, 1 (PYTEST_WORKERS=0, in this process) 846 s.
+# 2-core VM: 2 workers 469 s, 3 workers 527 s, 1 (PYTEST_WORKERS=0, in this process) 846 s
+# (2026-11-26); 2 workers 482 s, 3 workers 501 s (2026-11-29, docs/design.md).
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
