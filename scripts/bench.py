@@ -35,6 +35,7 @@ BENCHMARKS = {
     "sequence_parallel": HERE / "bench_sequence_parallel.py",
     "moe": HERE / "bench_moe.py",
     "dpo": HERE / "bench_dpo.py",
+    "muon": HERE / "bench_muon.py",
 }
 # The comparisons each script reports as a median over its rounds (scripts/benchlib.py), in
 # the order of the summary table, with what each compares.
@@ -76,6 +77,7 @@ COMPARED = {
     "dpo_vs_trl": "DPO pairs/s, baseline / TRL's DPOTrainer (Llama layout, reference precomputed on both sides)",
     "dpo_l2l_vs_recompute_baseline": "DPO pairs/s, l2l / baseline with recompute (reference cached)",
     "dpo_lora_vs_sft_lora": "tokens/s under l2l, LoRA DPO / LoRA SFT on the same rows",
+    "muon_l2l_vs_adamw_l2l": "samples/s under l2l, optim=muon / optim=adamw (Llama layout, 4 x 512)",
 }
 def run(name: str, script: Path, workdir: Path) -> dict:
     out = workdir / f"{name}.json"

@@ -89,7 +89,7 @@ def test_hydra_full_error_shows_the_traceback_of_bad_input(tmp_path):
         ("strategy=nope", "strategy=nope is not a known option"),
         ("model.num_layerz=3", "unknown key model.num_layerz; did you mean model.num_layers?"),
         ("optim.learning_rate=1e-3", "unknown key optim.learning_rate; did you mean optim.lr?"),  # its initials
-        ("optim=muon", "optim=muon is not a known option; choose one of: adamw, lamb, sgd"),  # no `_schema`
+        ("optim=adafactor", "optim=adafactor is not a known option; choose one of: adamw, lamb, muon, sgd"),  # no `_schema`
         ("strategy=l2k", "did you mean strategy=l2l? choose one of: baseline, fsdp, l2l, l2l_stash_cpu, pipe_2bw,"),
         ("model.num_layers=abc", "model.num_layers=abc is not a valid integer"),
         ("train.save_model=maybe", "train.save_model"),
@@ -108,7 +108,7 @@ def test_hydra_full_error_shows_the_traceback_of_bad_input(tmp_path):
         ("strategy.stages=2", "strategy.stages is not a key of strategy=baseline; only strategy="
                               + "/".join(n for n, c in registry().items() if "stages" in c.Config.__dataclass_fields__)
                               + " have it"),
-        ("optim=lamb optim.momentum=0.9", "optim.momentum is not a key of optim=lamb; only optim=sgd has it"),
+        ("optim=lamb optim.momentum=0.9", "optim.momentum is not a key of optim=lamb; only optim=muon/sgd have it"),
         ("strategy.recompute=true", "strategy.recompute=True is not one of none, block, stage"),
         ("model.task=clasification", "model.task=clasification is not one of classification, masked_lm, "
                                      "causal_lm, dpo"),

@@ -32,7 +32,29 @@ def check_shared(cfg, chosen) -> None:
     _check_eval(cfg, chosen)
     _check_train(cfg)
     _check_capabilities(chosen.strategy, cfg.strategy.name, cfg.precision.name, cfg.optim.grad_clip)
+    _check_muon(cfg.optim)
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
+
+
+MUON_LR_SCALINGS = (None, "original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
+
+
+def _check_muon(o) -> None:
+    """optim=muon's keys torch's Muon would refuse at the first step, each in one line before any work."""
+    if o.name != "muon":
+        return
+    if o.adjust_lr_fn not in MUON_LR_SCALINGS:
+        raise ConfigError(f"optim.adjust_lr_fn={o.adjust_lr_fn} is not one of torch's Muon scalings; use null "
+                          f"(original: sqrt(max(1, out/in))) or match_rms_adamw")
+    if len(o.ns_coefficients) != 3:
+        raise ConfigError(f"optim.ns_coefficients={list(o.ns_coefficients)} must be three numbers, the quintic's "
+                          f"a, b, c (default [3.4445, -4.775, 2.0315])")
+    if not 0 <= o.momentum < 1:
+        raise ConfigError(f"optim.momentum={o.momentum} must be in [0, 1) (default 0.95)")
+    if not 0 < o.ns_steps < 100:
+        raise ConfigError(f"optim.ns_steps={o.ns_steps} must be between 1 and 99 (default 5)")
+    if o.adamw_lr is not None and not o.adamw_lr > 0:
+        raise ConfigError(f"optim.adamw_lr={o.adamw_lr} must be positive, or null for optim.lr")
 
 
 def _check_pairs(objective, source, sequence_parts: int) -> None:

@@ -1,4 +1,4 @@
-"""Optimizers (AdamW, LAMB, SGD): their config schemas, parameter groups and learning-rate schedules.
+"""Optimizers (AdamW, LAMB, SGD, Muon with AdamW: `muon.py`): their config schemas, parameter groups and learning-rate schedules.
 
 Each optimizer's schema (`optim=<name>`: its keys beyond `config.OptimConfig`'s) is a dataclass
 registered here with `@register_optimizer(name)`; `compose` stores every registered one in
@@ -43,6 +43,8 @@ from torch.optim.sgd import sgd
 
 from relaytrain.schema.config import Choice, OptimConfig
 from relaytrain.step.flat import FlatState
+from relaytrain.step.muon import FlatMuonWithAdamW, MuonWithAdamW, muon_groups
+from relaytrain.step.stepping import StepEachGroup
 from relaytrain.utils.errors import first_line
 
 # --------------------------------------------------------------------------- schemas
@@ -98,6 +100,28 @@ class LambConfig(OptimConfig):
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
 
 
+@register_optimizer("muon")
+@dataclass
+class MuonConfig(OptimConfig):
+    """torch.optim.Muon's keys and defaults for the blocks' matrices; adamw_* for every other
+    parameter (`relaytrain.step.muon`)."""
+
+    name: str = "muon"
+    lr: float = 1e-3  # Muon's rate (before its shape scaling, adjust_lr_fn)
+    weight_decay: float = 0.1  # decoupled, on Muon's matrices
+    momentum: float = 0.95  # the momentum buffer's decay
+    nesterov: bool = True  # orthogonalize Nesterov's look-ahead (torch's default) rather than the buffer
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])  # the quintic's a, b, c
+    eps: float = 1e-7  # floor of the norm the update is divided by before the iterations
+    adjust_lr_fn: str | None = None  # the rate's shape scaling: null or original (sqrt(max(1, out/in))), or match_rms_adamw (0.2 sqrt(max(out, in)))
+    adamw_lr: float | None = None  # AdamW's rate on embeddings, head, norms, biases and routers (null: optim.lr); the schedule scales both alike
+    adamw_weight_decay: float | None = None  # AdamW's decay on embeddings and head (null: optim.weight_decay); norms and biases take none
+    adamw_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's moment decay rates
+    adamw_eps: float = 1e-6  # AdamW's epsilon
+    fused: bool = True  # AdamW's fused kernel, on CPU and CUDA
+
+
 @register_optimizer("sgd")
 @dataclass
 class SGDConfig(OptimConfig):
@@ -127,7 +151,10 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
 
 
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o, flat: bool = False) -> torch.optim.Optimizer:
-    """The configured optimizer; `flat`: its variant with flat state (FlatAdamW, FlatLamb, FlatSGD)."""
+    """The configured optimizer; `flat`: its variant with flat state (FlatAdamW, FlatLamb, FlatSGD,
+    FlatMuonWithAdamW). `named_params`' names say which matrices Muon takes (`step.muon`)."""
+    if o.name == "muon":
+        return (FlatMuonWithAdamW if flat else MuonWithAdamW)(muon_groups(named_params, o))
     groups = param_groups(named_params, o.weight_decay)
     if o.name == "adamw":
         # torch's fused AdamW runs on CPU and CUDA: one kernel over all tensors of a group. A dry
@@ -185,7 +212,9 @@ def _load_cpu_adam():
 
 
 def state_words(o) -> int:
-    """fp32 words of optimizer state per parameter: two moments for AdamW and LAMB, SGD's momentum."""
+    """fp32 words of optimizer state per parameter: two moments for AdamW and LAMB, SGD's momentum.
+    Muon's matrices keep one (the momentum), its AdamW parameters two: counted as two, the bound
+    for the embeddings and head that the largest part holds."""
     if o.name == "sgd":
         return 1 if o.momentum else 0
     return 2
@@ -229,45 +258,13 @@ class Schedule:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's rate `lr` for every group, times the group's `lr_scale` where it has one
+    (Muon's AdamW groups: optim.adamw_lr / optim.lr)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-class _StepEachGroup:
-    """The frame of torch.optim's `step` for relaytrain's optimizers: the closure (with autograd
-    on), then `_update(group, params)` for each group, over its parameters with a gradient.
-
-    `update()` is the same step without the closure and without the wrapper torch.optim puts
-    around every `step` (a profiler range and the step hooks, which relaytrain never registers),
-    and `drop_grads()` is `zero_grad(set_to_none=True)` without it: the eager param server
-    steps each part with them, twice per part a step, where that wrapper cost more than the
-    smallest parts' kernels (docs/benchmarks.md)."""
-
-    kernel = "torch"  # what runs the update, for the run's results (the EPS reports it)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.update()
-        return loss
-
-    def update(self) -> None:
-        with torch.no_grad():
-            for group in self.param_groups:
-                params = [p for p in group["params"] if p.grad is not None]
-                if params:
-                    self._update(group, params)
-
-    def drop_grads(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-
-class Lamb(_StepEachGroup, torch.optim.Optimizer):
+class Lamb(StepEachGroup, torch.optim.Optimizer):
     """LAMB (You et al., 2019): Adam's direction with a per-tensor trust ratio ||w|| / ||update||.
 
     A group with `trust_ratio=False` takes the ratio as 1 (plain Adam times lr): `build_optimizer`
@@ -327,7 +324,7 @@ class Lamb(_StepEachGroup, torch.optim.Optimizer):
             p.add_(u * trust, alpha=-group["lr"])
 
 
-class FlatAdamW(_StepEachGroup, FlatState, torch.optim.AdamW):
+class FlatAdamW(StepEachGroup, FlatState, torch.optim.AdamW):
     """torch's AdamW with its moments in flat buffers (`FlatState`). Fused, each parameter group
     is one call of torch's fused kernel, without the Python torch.optim puts around it.
 
@@ -426,7 +423,7 @@ class FlatLamb(FlatState, Lamb):
     """LAMB with its moments in flat buffers. Its math stays per tensor (the trust ratio is)."""
 
 
-class FlatSGD(_StepEachGroup, FlatState, torch.optim.SGD):
+class FlatSGD(StepEachGroup, FlatState, torch.optim.SGD):
     """torch's SGD with its momentum in a flat buffer: torch's functional `sgd` (foreach: one
     call per operation and group) over the flat views. torch makes a momentum buffer as a copy
     of the first gradient it sees; that copy moves into the flat buffer right after the step."""

@@ -69,7 +69,9 @@ class EagerParamServer:
         self.rank = peers.rank if peers else 0
         for part, owner in zip(self.parts, self.owners, strict=True):
             if owner == self.rank and part.owned:
-                part.optimizer = build_optimizer(zip(part.owned_names, part.owned, strict=True), optim_cfg, flat=True)
+                # Named as the part's parameters within the model (`block.3.…`): Muon's split reads them.
+                named = ((f"{part.name}.{name}", p) for name, p in zip(part.owned_names, part.owned, strict=True))
+                part.optimizer = build_optimizer(named, optim_cfg, flat=True)
         # The baseline's parameter order (model.parameters()), so clipping sums the same way.
         self.all_masters = [p for part in self.parts for p in part.owned]
         self.my_masters = [p for part in self.local_parts() for p in part.owned]

@@ -1,0 +1,164 @@
+"""Muon (`optim=muon`): torch's Muon for the blocks' weight matrices, AdamW for every other
+parameter, as one optimizer.
+
+Muon (Keller Jordan, 2024; Moonlight, Kimi K2) as `torch.optim.Muon` computes it: momentum on the
+gradient (Nesterov's by default), the update orthogonalized by five Newton-Schulz steps in
+bf16, its rate scaled by the matrix's shape (`adjust_lr_fn`), decoupled weight decay. It is a
+rule for the hidden 2-D matrices only; embeddings, the head, norms, biases and a mixture's
+routers take AdamW, with keys of their own (`optim.adamw_*`), as Moonlight and torchtitan split.
+
+The split reads a parameter's name as the strategies hand it over (`takes_muon`): a matrix is
+Muon's when it lies in a block (a whole model's `blocks.N.…`, a pipeline stage's
+`model.blocks.N.…`, an eager-param-server part's `block.N.…`) and is no router (`is_router`: a module named `gate` or `…_gate`, the routers of
+every mixture relaytrain trains; `gate_proj` and the experts' `gate_up_proj` are matrices). An
+adapter's `lora_A`/`lora_B` in a block are matrices too; DoRA's magnitudes are vectors.
+
+One optimizer, not two: one state dict for the checkpoints, one set of groups the schedule sets
+(`set_lr` gives each group the schedule's rate times its `lr_scale`: 1 for Muon's groups,
+`adamw_lr / lr` for AdamW's, so both follow the same warm-up and decay), built wherever a
+strategy builds its optimizer. Each group steps by torch's own rules (Muon's Newton-Schulz and
+rate scaling from `torch.optim._muon`, AdamW's fused kernel or functional `adam`), so a run
+equals a plain loop of `torch.optim.Muon` and `torch.optim.AdamW` over the same split.
+
+A mixture's fused experts ([experts, out, in]) are orthogonalized one expert's matrix at a time:
+torch's Muon applied to each slice, each scaled by its own shape.
+
+Under FSDP a matrix is a DTensor split over the replicas. The momentum stays split (elementwise);
+the update is gathered whole (one all-gather of the matrix per step, the same bytes as the
+forward's gather of its weights), orthogonalized on every rank alike, and each rank keeps its
+own rows: the same numbers as one process's, at the price of every rank computing every
+matrix's Newton-Schulz steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim.adam import adam
+
+from relaytrain.step.flat import FlatState
+from relaytrain.step.stepping import StepEachGroup
+
+BLOCKS = ("blocks", "block")  # a layered model's blocks.N (a pipeline stage's model.blocks.N), an EPS part's block.N
+
+
+def in_a_block(name: str) -> bool:
+    """Whether the parameter named `name` lies in one of the model's blocks."""
+    parts = name.split(".")
+    return any(a in BLOCKS and b.isdigit() for a, b in itertools.pairwise(parts))
+
+
+def is_router(name: str) -> bool:
+    """A mixture's router (Qwen's and OLMoE's `mlp.gate`, Mixtral's `block_sparse_moe.gate`,
+    Qwen2-MoE's `shared_expert_gate`): AdamW's, as Moonlight keeps them."""
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    return module == "gate" or module.endswith("_gate")
+
+
+def takes_muon(name: str, p: torch.Tensor) -> bool:
+    """Whether Muon steps `p` (named `name`): a matrix (or a stack of experts' matrices) in a
+    block that is no router."""
+    return p.ndim >= 2 and in_a_block(name) and not is_router(name)
+
+
+def muon_groups(named_params: Iterable[tuple[str, nn.Parameter]], o) -> list[dict]:
+    """The parameter groups of `optim=muon` (`o`): Muon's matrices, then AdamW's decayed tensors
+    (embeddings, head) and undecayed ones (norms, biases); DTensors in groups of their own (a
+    fused kernel takes one kind)."""
+    muon_rule = {"kind": "muon", "lr": o.lr, "lr_scale": 1.0, "weight_decay": o.weight_decay,
+                 "momentum": o.momentum, "nesterov": o.nesterov, "ns_coefficients": tuple(o.ns_coefficients),
+                 "eps": o.eps, "ns_steps": o.ns_steps, "adjust_lr_fn": o.adjust_lr_fn}
+    adamw_lr = o.lr if o.adamw_lr is None else o.adamw_lr
+    adamw_decay = o.weight_decay if o.adamw_weight_decay is None else o.adamw_weight_decay
+    adamw_rule = {"kind": "adamw", "lr": adamw_lr, "lr_scale": adamw_lr / o.lr if o.lr else 1.0,
+                  "betas": tuple(o.adamw_betas), "eps": o.adamw_eps, "fused": o.fused, "amsgrad": False,
+                  "maximize": False, "foreach": None, "capturable": False}
+    groups: dict[tuple, list] = {}  # (rule, not decayed, split) -> parameters
+    for name, p in named_params:
+        if p.requires_grad:
+            key = ("adamw", p.ndim < 2) if not takes_muon(name, p) else ("muon", False)
+            groups.setdefault((*key, isinstance(p, DTensor)), []).append(p)
+    out = []
+    for (rule, plain, _), params in sorted(groups.items(), key=lambda item: (item[0][0] != "muon", *item[0][1:])):
+        if rule == "muon":
+            out.append({**muon_rule, "params": params})
+        else:
+            out.append({**adamw_rule, "params": params, "weight_decay": 0.0 if plain else adamw_decay})
+    return out
+
+
+class MuonWithAdamW(StepEachGroup, torch.optim.Optimizer):
+    """Muon's groups and AdamW's in one optimizer (the module's docstring)."""
+
+    def __init__(self, groups: list[dict]):
+        super().__init__(groups, {})
+
+    @property
+    def kernel(self) -> str:
+        return "torch muon + adamw"
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        if group["kind"] == "muon":
+            for p in params:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = self._zeros("momentum_buffer", p)
+                _muon_step(p, p.grad, state["momentum_buffer"], group)
+            return
+        self._adamw(group, params)
+
+    def _zeros(self, key: str, p: torch.Tensor) -> torch.Tensor:
+        """New state `key` of `p` (`FlatState` puts it in its flat buffer instead)."""
+        return torch.zeros_like(p)
+
+    def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
+        """torch's AdamW on an AdamW group, its fused kernel or its functional rule as
+        `torch.optim.AdamW(fused=...)` steps it, state made as its `_init_group` makes it."""
+        meta = any(p.device.type == "meta" for p in params)  # a dry run: no fused kernel there
+        fused = group["fused"] and not meta
+        states = []
+        for p in params:
+            state = self.state[p]
+            if not state:  # the step count where its kernel reads it: the device for the fused, else the CPU
+                device = p.device if fused else torch.device("cpu")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                state["exp_avg"] = self._zeros("exp_avg", p)
+                state["exp_avg_sq"] = self._zeros("exp_avg_sq", p)
+            states.append(state)
+        beta1, beta2 = group["betas"]
+        adam(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+             [], [s["step"] for s in states], foreach=True if meta else None, fused=fused,
+             capturable=False, decoupled_weight_decay=True, amsgrad=False, maximize=False, lr=group["lr"],
+             beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
+
+
+class FlatMuonWithAdamW(FlatState, MuonWithAdamW):
+    """Muon with AdamW, its momenta and moments in flat buffers (the eager param server's)."""
+
+
+@torch.no_grad()
+def _muon_step(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
+    """torch's Muon on `p`: a matrix, or a stack of matrices (a mixture's experts) each stepped
+    as torch steps a matrix; a DTensor's update gathered whole first (the module's docstring)."""
+    momentum, lr = group["momentum"], group["lr"]
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    split = isinstance(p, DTensor)
+    whole = update.full_tensor() if split else update
+    matrices = whole.reshape(-1, *whole.shape[-2:])
+    if whole.device.type == "meta":  # a dry run: the shapes and the temporaries' sizes, not the values
+        orthogonal = torch.empty_like(matrices)
+    else:
+        orthogonal = torch.stack([_zeropower_via_newtonschulz(m, group["ns_coefficients"], group["ns_steps"],
+                                                              group["eps"]) for m in matrices])
+    orthogonal = orthogonal.reshape(whole.shape).to(whole.dtype)
+    if split:
+        orthogonal = distribute_tensor(orthogonal, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    local = p.to_local() if split else p
+    local.mul_(1 - lr * group["weight_decay"])
+    local.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], whole.shape[-2:]))
