@@ -247,6 +247,7 @@ def _split_muon(mesh, steps: int = 2) -> dict:
     return {n: p.full_tensor() for n, p in params.items()}
 
 
+@pytest.mark.slow  # two spawned ranks, ~10 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_a_matrix_split_across_ranks_steps_as_torchs_muon_on_the_whole_one(tmp_path):
     """Under FSDP each rank holds some rows: the update is gathered, orthogonalized whole and each
     rank keeps its rows, bit for bit the one-process optimizer on the whole matrix (itself torch's
