@@ -284,3 +284,16 @@ def test_a_run_resumed_from_its_step_one_checkpoint_ends_on_the_same_weights(che
     theirs = dict(hf_saved(tmp_path / "whole").named_parameters())
     for name, p in hf_saved(tmp_path / "resumed").named_parameters():
         assert torch.equal(p, theirs[name]), name
+
+
+def test_the_planner_times_a_blocks_update_with_muons_matrices_in_it(checkpoints):
+    """The cost model profiles one block's optimizer step over the block's parameters named as in
+    a run, so Muon's Newton-Schulz steps are in the planner's step times."""
+    from relaytrain.cost.profile import block_named_parameters
+    from relaytrain.models import build_model
+
+    model = build_model(muon_cfg(checkpoints["llama"]).model, quiet=True)
+    named = block_named_parameters(model)
+    groups = muon_groups(named, compose_config(["optim=muon"]).optim)
+    matrices = {id(p) for g in groups if g["kind"] == "muon" for p in g["params"]}
+    assert {n for n, p in named if id(p) in matrices} == {n for n, p in named if p.ndim == 2}

@@ -252,10 +252,16 @@ def _forward_backward(forward, precision: Precision, device: torch.device) -> Pa
 
 def _time_optimizers(model: LayeredModel, cfg) -> tuple[float, float]:
     """One optimizer step over one block's parameters, and over the embeddings' and head's."""
-    block = list(model.blocks[0].named_parameters())
+    block = block_named_parameters(model)
     in_block = {id(p) for _, p in block}
     ends = [(n, p) for n, p in unique_named_parameters(model) if id(p) not in in_block]
     return _time_optimizer(block, cfg), _time_optimizer(ends, cfg)
+
+
+def block_named_parameters(model: LayeredModel) -> list:
+    """The first block's parameters named as in the whole model (`blocks.0.…`): an optimizer that
+    treats a block's matrices apart (Muon) steps them as it would in a run."""
+    return [(f"blocks.0.{name}", p) for name, p in model.blocks[0].named_parameters()]
 
 
 def _time_optimizer(named: list, cfg) -> float:
@@ -283,7 +289,7 @@ def _host_optimizer_s_per_param(cfg, timings: dict[int, Timings], device: torch.
     if device.type == "cpu":
         return timings[max(timings)].optimizer_block_s / block_params
     model = one_block_model(cfg, torch.device("cpu"))
-    return _time_optimizer(list(model.blocks[0].named_parameters()), cfg) / block_params
+    return _time_optimizer(block_named_parameters(model), cfg) / block_params
 
 
 def _block_parameters(cfg) -> int:
