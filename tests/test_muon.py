@@ -42,7 +42,9 @@ class TorchMuonAndAdamW:
     def __init__(self, model: nn.Module, o):
         matrices, self.stacks, decayed, exempt = [], [], [], []
         for name, p in model.named_parameters():
-            if name.startswith("model.layers.") and p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+            if not p.requires_grad:  # a peft model's frozen base
+                continue
+            if ".layers." in f".{name}" and p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
                 if p.ndim == 2:
                     matrices.append(p)
                 else:  # a mixture's experts: torch's Muon on each one's matrix
@@ -54,21 +56,24 @@ class TorchMuonAndAdamW:
         self.muon = torch.optim.Muon(matrices, lr=o.lr, weight_decay=o.weight_decay, momentum=o.momentum,
                                      nesterov=o.nesterov, ns_steps=o.ns_steps, eps=o.eps,
                                      ns_coefficients=tuple(o.ns_coefficients), adjust_lr_fn=o.adjust_lr_fn)
-        self.adamw = torch.optim.AdamW([{"params": decayed, "weight_decay": o.weight_decay},
-                                        {"params": exempt, "weight_decay": 0.0}],
-                                       lr=o.lr, betas=tuple(o.adamw_betas), eps=o.adamw_eps, fused=True)
-        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+        groups = [g for g in ({"params": decayed, "weight_decay": o.weight_decay},
+                              {"params": exempt, "weight_decay": 0.0}) if g["params"]]  # LoRA: every one is Muon's
+        self.adamw = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.adamw_betas), eps=o.adamw_eps,
+                                       fused=True) if groups else None
+        self.param_groups = self.muon.param_groups + (self.adamw.param_groups if self.adamw else [])
 
     def step(self):
         for stack, slices in self.stacks:
             for e, piece in enumerate(slices):
                 piece.grad = stack.grad[e]
         self.muon.step()
-        self.adamw.step()
+        if self.adamw:
+            self.adamw.step()
 
     def zero_grad(self):
         self.muon.zero_grad()
-        self.adamw.zero_grad()
+        if self.adamw:
+            self.adamw.zero_grad()
         for stack, _ in self.stacks:  # in neither optimizer: its gradient is let go here
             stack.grad = None
 
@@ -297,3 +302,30 @@ def test_the_planner_times_a_blocks_update_with_muons_matrices_in_it(checkpoints
     groups = muon_groups(named, compose_config(["optim=muon"]).optim)
     matrices = {id(p) for g in groups if g["kind"] == "muon" for p in g["params"]}
     assert {n for n, p in named if id(p) in matrices} == {n for n, p in named if p.ndim == 2}
+
+
+@pytest.mark.parametrize("strategy", ["l2l", pytest.param("baseline", marks=pytest.mark.slow)])
+def test_lora_continues_an_adapter_with_muon_on_its_matrices_as_a_plain_peft_loop(checkpoints, tmp_path, strategy):
+    """adapter=lora: every trained tensor is an adapter's matrix in a block, so Muon steps them all
+    (each lora_A and lora_B its own matrix), as torch's Muon does in a plain peft loop."""
+    from peft import PeftModel
+
+    from tests.conformance.references import adapters_of, peft_adapter
+
+    base = checkpoints["llama"]
+    adapter = peft_adapter(base, tmp_path / "adapter")
+    cfg = muon_cfg(base, *STRATEGIES[strategy], "adapter=lora", f"adapter.pretrained={adapter}")
+    run(cfg, tmp_path / "run", quiet=True)
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter,
+                                          is_trainable=True)
+    optimizer = TorchMuonAndAdamW(reference, cfg.optim)
+    assert optimizer.adamw is None and optimizer.muon.param_groups[0]["params"]
+    reference_loop(reference, optimizer, cfg)
+    ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                     tmp_path / "run" / "model")
+    theirs, mine = adapters_of(reference), adapters_of(ours)
+    start = adapters_of(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter))
+    assert mine.keys() == theirs.keys() and mine
+    for key, p in mine.items():
+        torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=key)
+        assert (p - start[key]).abs().max() > 1e-3, f"{key} did not train"
