@@ -85,7 +85,15 @@ class Examples:
     def kl(self) -> torch.Tensor:
         """TRL's KL estimate: the KL rows' mean log-ratio, detached, at least 0 (0 without items)."""
         ratios = torch.where(self.real, (self.kl_logps - self.kl_ref).detach(), 0.0)
-        return (ratios.sum() / max(self.count, 1)).clamp(min=0)
+        return (ratios.sum() / self.real.sum().clamp(min=1)).clamp(min=0)
+
+
+def once_if(total: torch.Tensor, present: torch.Tensor, over: torch.Tensor | None = None) -> tuple:
+    """A figure TRL logs once for a micro-batch that has what it is a mean of (`present` > 0):
+    (`total` / `over`, 1) then, (0, 0) otherwise, as device tensors (no host sync)."""
+    has = (present > 0).long()
+    mean = total / over.clamp(min=1) if over is not None else total
+    return mean * has, has
 
 
 @register_objective
@@ -152,25 +160,23 @@ class KTO(CausalLM):
         kl = e.kl()
         return LossTerms(self.example_losses(e, kl).sum(), figures=self.example_figures(e, kl))
 
-    def example_figures(self, e: Examples, kl: torch.Tensor) -> dict[str, tuple[torch.Tensor, int]]:
+    def example_figures(self, e: Examples, kl: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """TRL's figures of the micro-batch, each its mean over what it is of, counted once where
-        there was any (TRL appends it to the step's list only then)."""
-        figures = {}
+        there was any (TRL appends it to the step's list only then): (mean x present, present),
+        device tensors the step reads once (no host sync a micro-batch)."""
         with torch.no_grad():
-            if e.count:
-                figures["kl"] = (kl.detach(), 1)
+            figures = {"kl": once_if(kl.detach(), e.real.sum())}
             rewards = {}
             for kind, chosen in (("chosen", e.desirable), ("rejected", e.undesirable)):
-                count = int(chosen.sum())
-                if count:
-                    rewards[kind] = torch.where(chosen, self.beta * (e.logps - e.ref), 0.0).sum().detach() / count
-                    figures[f"rewards/{kind}"] = (rewards[kind], 1)
-                    figures[f"logps/{kind}"] = (torch.where(chosen, e.logps, 0.0).sum().detach() / count, 1)
-                tokens = int(torch.where(chosen, e.predicted, 0).sum())
-                if tokens:
-                    figures[f"logits/{kind}"] = (torch.where(chosen, e.logit_sums, 0.0).sum() / tokens, 1)
-            if len(rewards) == 2:
-                figures["rewards/margins"] = (rewards["chosen"] - rewards["rejected"], 1)
+                count = chosen.sum()
+                rewards[kind] = once_if(torch.where(chosen, self.beta * (e.logps - e.ref), 0.0).sum(), count, count)
+                figures[f"rewards/{kind}"] = rewards[kind]
+                figures[f"logps/{kind}"] = once_if(torch.where(chosen, e.logps, 0.0).sum(), count, count)
+                tokens = torch.where(chosen, e.predicted, 0).sum()
+                figures[f"logits/{kind}"] = once_if(torch.where(chosen, e.logit_sums, 0.0).sum(), tokens, tokens)
+            (chosen, has_chosen), (rejected, has_rejected) = rewards["chosen"], rewards["rejected"]
+            both = has_chosen * has_rejected
+            figures["rewards/margins"] = ((chosen - rejected) * both, both)
         return figures
 
     def items(self, mb: Batch) -> int:
@@ -186,4 +192,4 @@ class KTO(CausalLM):
         loss = self.example_losses(e, kl).sum().detach().double()
         right = ((e.desirable & (ratio > kl)) | (e.undesirable & (ratio < kl))).sum().double()
         zero = loss.new_zeros(())
-        return EvalStats(torch.stack([loss, loss.new_tensor(float(e.count)), right, zero, zero]).cpu())
+        return EvalStats(torch.stack([loss, e.real.sum().double(), right, zero, zero]).cpu())

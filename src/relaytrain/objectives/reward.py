@@ -124,11 +124,12 @@ class Reward(Classification):
         p = ScoredPairs.of(logits, mb)
         return LossTerms(p.summed(self.pair_losses(p)), 0.0, self.pair_figures(p))
 
-    def pair_figures(self, p: ScoredPairs) -> dict[str, tuple[torch.Tensor, int]]:
-        """TRL's figures, each a sum over the micro-batch (detached) and what it is a mean over."""
+    def pair_figures(self, p: ScoredPairs) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """TRL's figures, each a sum over the micro-batch (detached) and what it is a mean over,
+        both device tensors: the step reads them once (no host sync a micro-batch)."""
         with torch.no_grad():
-            count, chosen, rejected = p.count, p.chosen.detach(), p.rejected.detach()
-            microbatches = 1 if count else 0  # the extremes: one value a micro-batch with real pairs
+            count, chosen, rejected = p.real.sum(), p.chosen.detach(), p.rejected.detach()
+            microbatches = p.real.any().long()  # the extremes: one value a micro-batch with real pairs
             return {"accuracy": (p.summed((chosen > rejected).float()), count),
                     "margin": (p.summed(chosen - rejected), count),
                     "mean_reward": (p.summed(chosen + rejected), 2 * count),
