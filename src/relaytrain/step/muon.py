@@ -56,7 +56,8 @@ def in_a_block(name: str) -> bool:
 def is_router(name: str) -> bool:
     """A mixture's router (Qwen's and OLMoE's `mlp.gate`, Mixtral's `block_sparse_moe.gate`,
     Qwen2-MoE's `shared_expert_gate`): AdamW's, as Moonlight keeps them."""
-    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) > 1 else ""  # the module the weight belongs to
     return module == "gate" or module.endswith("_gate")
 
 
@@ -78,18 +79,13 @@ def muon_groups(named_params: Iterable[tuple[str, nn.Parameter]], o) -> list[dic
     adamw_rule = {"kind": "adamw", "lr": adamw_lr, "lr_scale": adamw_lr / o.lr if o.lr else 1.0,
                   "betas": tuple(o.adamw_betas), "eps": o.adamw_eps, "fused": o.fused, "amsgrad": False,
                   "maximize": False, "foreach": None, "capturable": False}
-    groups: dict[tuple, list] = {}  # (rule, not decayed, split) -> parameters
+    groups: dict[tuple[bool, bool, bool], list] = {}  # (AdamW's, not decayed, split) -> parameters; Muon's first
     for name, p in named_params:
         if p.requires_grad:
-            key = ("adamw", p.ndim < 2) if not takes_muon(name, p) else ("muon", False)
-            groups.setdefault((*key, isinstance(p, DTensor)), []).append(p)
-    out = []
-    for (rule, plain, _), params in sorted(groups.items(), key=lambda item: (item[0][0] != "muon", *item[0][1:])):
-        if rule == "muon":
-            out.append({**muon_rule, "params": params})
-        else:
-            out.append({**adamw_rule, "params": params, "weight_decay": 0.0 if plain else adamw_decay})
-    return out
+            adamw = not takes_muon(name, p)
+            groups.setdefault((adamw, adamw and p.ndim < 2, isinstance(p, DTensor)), []).append(p)
+    return [{**adamw_rule, "params": params, "weight_decay": 0.0 if plain else adamw_decay} if adamw
+            else {**muon_rule, "params": params} for (adamw, plain, _), params in sorted(groups.items())]
 
 
 class MuonWithAdamW(StepEachGroup, torch.optim.Optimizer):
