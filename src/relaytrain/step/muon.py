@@ -39,10 +39,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-from torch.optim.adam import adam
 
 from relaytrain.step.flat import FlatState
-from relaytrain.step.stepping import StepEachGroup
+from relaytrain.step.stepping import AdamWRule, StepEachGroup
 
 BLOCKS = ("blocks", "block")  # a layered model's blocks.N (a pipeline stage's model.blocks.N), an EPS part's block.N
 
@@ -76,20 +75,23 @@ def muon_groups(named_params: Iterable[tuple[str, nn.Parameter]], o) -> list[dic
                  "eps": o.eps, "ns_steps": o.ns_steps, "adjust_lr_fn": o.adjust_lr_fn}
     adamw_lr = o.lr if o.adamw_lr is None else o.adamw_lr
     adamw_decay = o.weight_decay if o.adamw_weight_decay is None else o.adamw_weight_decay
-    adamw_rule = {"kind": "adamw", "lr": adamw_lr, "lr_scale": adamw_lr / o.lr if o.lr else 1.0,
-                  "betas": tuple(o.adamw_betas), "eps": o.adamw_eps, "fused": o.fused, "amsgrad": False,
-                  "maximize": False, "foreach": None, "capturable": False}
     groups: dict[tuple[bool, bool, bool], list] = {}  # (AdamW's, not decayed, split) -> parameters; Muon's first
     for name, p in named_params:
         if p.requires_grad:
             adamw = not takes_muon(name, p)
             groups.setdefault((adamw, adamw and p.ndim < 2, isinstance(p, DTensor)), []).append(p)
+    # As build_optimizer's AdamW: a dry run (the meta device) takes the multi-tensor rule, no fused kernel there.
+    meta = any(p.device.type == "meta" for params in groups.values() for p in params)
+    adamw_rule = {"kind": "adamw", "lr": adamw_lr, "lr_scale": adamw_lr / o.lr if o.lr else 1.0,
+                  "betas": tuple(o.adamw_betas), "eps": o.adamw_eps, "fused": o.fused and not meta, "amsgrad": False,
+                  "maximize": False, "foreach": True if meta else None, "capturable": False}
     return [{**adamw_rule, "params": params, "weight_decay": 0.0 if plain else adamw_decay} if adamw
             else {**muon_rule, "params": params} for (adamw, plain, _), params in sorted(groups.items())]
 
 
-class MuonWithAdamW(StepEachGroup, torch.optim.Optimizer):
-    """Muon's groups and AdamW's in one optimizer (the module's docstring)."""
+class MuonWithAdamW(StepEachGroup, AdamWRule, torch.optim.Optimizer):
+    """Muon's groups and AdamW's (`AdamWRule`, FlatAdamW's own update) in one optimizer (the
+    module's docstring)."""
 
     def __init__(self, groups: list[dict]):
         super().__init__(groups, {})
@@ -111,26 +113,6 @@ class MuonWithAdamW(StepEachGroup, torch.optim.Optimizer):
     def _zeros(self, key: str, p: torch.Tensor) -> torch.Tensor:
         """New state `key` of `p` (`FlatState` puts it in its flat buffer instead)."""
         return torch.zeros_like(p)
-
-    def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
-        """torch's AdamW on an AdamW group, its fused kernel or its functional rule as
-        `torch.optim.AdamW(fused=...)` steps it, state made as its `_init_group` makes it."""
-        meta = any(p.device.type == "meta" for p in params)  # a dry run: no fused kernel there
-        fused = group["fused"] and not meta
-        states = []
-        for p in params:
-            state = self.state[p]
-            if not state:  # the step count where its kernel reads it: the device for the fused, else the CPU
-                device = p.device if fused else torch.device("cpu")
-                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-                state["exp_avg"] = self._zeros("exp_avg", p)
-                state["exp_avg_sq"] = self._zeros("exp_avg_sq", p)
-            states.append(state)
-        beta1, beta2 = group["betas"]
-        adam(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-             [], [s["step"] for s in states], foreach=True if meta else None, fused=fused,
-             capturable=False, decoupled_weight_decay=True, amsgrad=False, maximize=False, lr=group["lr"],
-             beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"])
 
 
 class FlatMuonWithAdamW(FlatState, MuonWithAdamW):

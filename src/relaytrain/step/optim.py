@@ -38,13 +38,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 from relaytrain.schema.config import Choice, OptimConfig
 from relaytrain.step.flat import FlatState
 from relaytrain.step.muon import FlatMuonWithAdamW, MuonWithAdamW, muon_groups
-from relaytrain.step.stepping import StepEachGroup
+from relaytrain.step.stepping import AdamWRule, StepEachGroup
 from relaytrain.utils.errors import first_line
 
 # --------------------------------------------------------------------------- schemas
@@ -324,9 +323,10 @@ class Lamb(StepEachGroup, torch.optim.Optimizer):
             p.add_(u * trust, alpha=-group["lr"])
 
 
-class FlatAdamW(StepEachGroup, FlatState, torch.optim.AdamW):
-    """torch's AdamW with its moments in flat buffers (`FlatState`). Fused, each parameter group
-    is one call of torch's fused kernel, without the Python torch.optim puts around it.
+class FlatAdamW(StepEachGroup, AdamWRule, FlatState, torch.optim.AdamW):
+    """torch's AdamW with its moments in flat buffers (`FlatState`), stepped by `AdamWRule`. Fused,
+    each parameter group is one call of torch's fused kernel, without the Python torch.optim puts
+    around it.
 
     That Python (`_init_group`, grouping the tensors by device and dtype, checks) was paid per
     part and group, and was most of what the eager param server's per-part updates cost beyond
@@ -342,35 +342,7 @@ class FlatAdamW(StepEachGroup, FlatState, torch.optim.AdamW):
         return "torch fused" if all(group["fused"] for group in self.param_groups) else "torch"
 
     def _update(self, group: dict, params: list[torch.Tensor]) -> None:
-        states = [self._state(p, group) for p in params]
-        grads = [p.grad for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else []
-        steps = [s["step"] for s in states]
-        beta1, beta2 = group["betas"]
-        rule = {"lr": group["lr"], "beta1": beta1, "beta2": beta2, "weight_decay": group["weight_decay"],
-                "eps": group["eps"], "amsgrad": group["amsgrad"], "maximize": group["maximize"]}
-        if not group["fused"]:
-            adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=group["foreach"],
-                 capturable=group["capturable"], decoupled_weight_decay=True, **rule)
-            return
-        torch._foreach_add_(steps, 1)
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, **rule)
-
-    def _state(self, p: torch.Tensor, group: dict) -> dict:
-        """`p`'s state, made the first time as torch's `_init_group` makes it: the step count on
-        the parameter's device for the fused kernel, on the CPU for the others (which read it
-        with `.item()`), and zero moments."""
-        state = self.state[p]
-        if not state:
-            device = p.device if group["fused"] or group["capturable"] else torch.device("cpu")
-            state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-            state["exp_avg"] = self._zeros("exp_avg", p)
-            state["exp_avg_sq"] = self._zeros("exp_avg_sq", p)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = self._zeros("max_exp_avg_sq", p)
-        return state
+        self._adamw(group, params)
 
 
 class DeepSpeedAdamW(FlatAdamW):
