@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, report
 
 HERE = Path(__file__).resolve().parent
 SIZES = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -160,11 +160,7 @@ def main() -> None:
     results = {"command": f"python scripts/bench_dpo.py --rounds {args.rounds} --steps {args.steps}",
                "model": SIZES, "seq_len": SEQ, "microbatch": MICROBATCH, "accumulate": ACCUMULATE,
                "rounds": rounds, "other_load_cores": load.cores, "headlines": headlines}
-    for name, h in headlines.items():
-        print(headline_line(name, h))
-    print(f"  other processes kept {load.cores:.2f} cores busy")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    report(results, args.json)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, headline_line
+from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, report
 
 SIZES = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1376, vocab_size=4096, max_position_embeddings=256)
@@ -49,7 +49,6 @@ def child(optimizer: str, workdir: str, run_dir: str, steps: int) -> None:
              f"strategy.num_microbatches={ACCUMULATE}", f"optim={optimizer}", f"train.steps={steps}",
              "train.untimed_steps=1", "train.check_memory=false"]
     results = run(resolve(compose_config(given), given), Path(run_dir), table=False, quiet=True)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
     (Path(run_dir) / "bench.json").write_text(json.dumps({"samples_per_s": results["throughput"]["samples_per_s"]}))
 
 
@@ -71,11 +70,7 @@ def main() -> None:
     results = {"command": f"python scripts/bench_muon.py --rounds {args.rounds} --steps {args.steps}",
                "model": SIZES, "seq_len": SEQ, "microbatch": MICROBATCH, "accumulate": ACCUMULATE,
                "rounds": rounds, "other_load_cores": load.cores, "headlines": headlines}
-    for name, h in headlines.items():
-        print(headline_line(name, h))
-    print(f"  other processes kept {load.cores:.2f} cores busy")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    report(results, args.json)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,16 @@ def headline_line(name: str, h: dict) -> str:
     return f"{name}: median {h['median']:.3f} (rounds {', '.join(f'{x:.3f}' for x in h['rounds'])})"
 
 
+def report(results: dict, json_path: str | None) -> None:
+    """A script's end: each headline's line, the other load it ran beside, and `results` written
+    to `json_path` where given (`--json`)."""
+    for name, h in results["headlines"].items():
+        print(headline_line(name, h))
+    print(f"  other processes kept {results['other_load_cores']:.2f} cores busy")
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
+
+
 def headline(per_round: list[float], target: float, lower_is_better: bool = False) -> dict:
     """`per_round`: the comparison's figure in each round (both contestants measured in it).
 
