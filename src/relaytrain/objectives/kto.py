@@ -78,10 +78,6 @@ class Examples:
                    desirable=label & real, undesirable=~label & real, logit_sums=logit_sums,
                    predicted=predicted[0::2], real=real)
 
-    @property
-    def count(self) -> int:
-        return int(self.real.sum())
-
     def kl(self) -> torch.Tensor:
         """TRL's KL estimate: the KL rows' mean log-ratio, detached, at least 0 (0 without items)."""
         ratios = torch.where(self.real, (self.kl_logps - self.kl_ref).detach(), 0.0)
