@@ -20,9 +20,16 @@ from relaytrain.run.compose import compose_config, validate
 from relaytrain.run.train import run
 from relaytrain.step.muon import MuonWithAdamW, is_router, muon_groups, takes_muon
 from relaytrain.step.optim import build_optimizer, set_lr
+from relaytrain.strategies import choices, strategy_class
 from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder, tiny_moe
-from tests.conformance.references import assert_same_weights, exempt_from_decay, hf_saved, reference_loop
+from tests.conformance.references import (
+    assert_same_weights,
+    exempt_from_decay,
+    hf_saved,
+    reference_loop,
+    update_delay,
+)
 
 STEPS = 3
 # AdamW's epsilon 1e-4, as the conformance matrix's: with 1e-6 an embedding row's nearly-zero
@@ -91,37 +98,37 @@ def muon_cfg(checkpoint: Path, *overrides: str):
     return resolve(compose_config([f"model.pretrained={checkpoint}", *RUN_KEYS, *overrides]), ())
 
 
-STRATEGIES = {
-    "baseline": ["strategy=baseline"], "l2l": ["strategy=l2l"], "l2l_stash_cpu": ["strategy=l2l_stash_cpu"],
-    "pipe_flush": ["strategy=pipe_flush", "strategy.stages=2"],
-    "pipe_2bw": ["strategy=pipe_2bw", "strategy.stages=2"],  # the delayed rule, one update behind
-    "fsdp2": ["strategy=fsdp", "strategy.replicas=2", "strategy.microbatch_size=1"],
-}
+# Every registered strategy with its defaults (FSDP's two replicas, the pipelines' two stages,
+# pipe_interleaved's two chunks of the four blocks).
 DEFAULT = {("baseline", "llama"), ("l2l", "qwen3_moe")}
 CASES = [pytest.param(name, model, id=f"{name}-{model}", marks=() if (name, model) in DEFAULT else pytest.mark.slow)
-         for name in STRATEGIES for model in ("llama", "qwen3_moe")]
-
-
-# FSDP sums the replicas' gradients in another order than one process, a difference in the last
-# fp32 bits that Muon's Newton-Schulz steps, in bf16 as torch runs them, magnify to ~1e-3 of a
-# weight after three steps at lr 0.02 (with the steps in fp32 the run equals the loop to 1e-6,
-# measured). The split step itself is exact: test_a_matrix_split_across_ranks_... below.
-SUMMED_ELSEWHERE = {"fsdp2": 5e-3}
+         for name in choices() for model in ("llama", "qwen3_moe")]
+# Replicas sum their gradients in another order than one process, a difference in the last fp32
+# bits that Muon's Newton-Schulz steps, in bf16 as torch runs them, magnify and spread over each
+# matrix: after three steps at lr 0.02, weights differ by ~2e-4 on average and up to ~5e-3 (FSDP's
+# run, with the steps in fp32, equals the loop to 1e-6, measured). So there every weight is held
+# within half a step and each tensor's mean difference within a twentieth of one, which a wrong
+# update (every weight off by about a step) fails. The split step itself is exact:
+# test_a_matrix_split_across_ranks_... below.
+SUMMED_ELSEWHERE = (0.5, 0.05)  # (largest, mean) difference, in steps (optim.lr)
 
 
 @pytest.mark.parametrize(("strategy", "model"), CASES)
 def test_muon_equals_torchs_muon_and_adamw_in_a_plain_loop(checkpoints, tmp_path, strategy, model):
-    cfg = muon_cfg(checkpoints[model], *STRATEGIES[strategy])
+    cfg = muon_cfg(checkpoints[model], f"strategy={strategy}")
     run(cfg, tmp_path / "run", quiet=True)
     reference = AutoModelForCausalLM.from_pretrained(checkpoints[model], dtype=torch.float32)
-    reference_loop(reference, TorchMuonAndAdamW(reference, cfg.optim), cfg, delay=1 if strategy == "pipe_2bw" else 0)
+    reference_loop(reference, TorchMuonAndAdamW(reference, cfg.optim), cfg, delay=update_delay(cfg))  # 2BW's: one
     ours = hf_saved(tmp_path / "run")
-    if strategy not in SUMMED_ELSEWHERE:
+    if strategy_class(strategy).replicas(cfg) == 1:
         assert_same_weights(ours, reference, f"{strategy} {model}")
         return
     theirs = dict(reference.named_parameters())
     for name, p in ours.named_parameters():
-        torch.testing.assert_close(p, theirs[name], atol=SUMMED_ELSEWHERE[strategy], rtol=0, msg=name)
+        difference = (p - theirs[name]).abs()
+        largest, mean = (share * cfg.optim.lr for share in SUMMED_ELSEWHERE)
+        assert difference.max() <= largest and difference.mean() <= mean, (
+            f"{strategy} {model} {name}: max {float(difference.max()):.2e}, mean {float(difference.mean()):.2e}")
 
 
 def test_the_split_gives_muon_the_blocks_matrices_and_adamw_the_rest():
@@ -274,13 +281,13 @@ def test_a_matrix_split_across_ranks_steps_as_torchs_muon_on_the_whole_one(tmp_p
             torch.testing.assert_close(rank[n], p.detach(), atol=0, rtol=0, msg=n)
 
 
-@pytest.mark.parametrize("strategy", ["l2l", pytest.param("fsdp2", marks=pytest.mark.slow),
+@pytest.mark.parametrize("strategy", ["l2l", pytest.param("fsdp", marks=pytest.mark.slow),
                                       pytest.param("pipe_flush", marks=pytest.mark.slow)])
 def test_a_run_resumed_from_its_step_one_checkpoint_ends_on_the_same_weights(checkpoints, tmp_path, strategy):
     """The momenta and moments (flat under l2l, split under FSDP, per stage) come back exactly."""
     from relaytrain.records import checkpoint
 
-    keys = [*STRATEGIES[strategy], "train.checkpoint_every=1", "train.keep_checkpoints=0"]
+    keys = [f"strategy={strategy}", "train.checkpoint_every=1", "train.keep_checkpoints=0"]
     whole = run(muon_cfg(checkpoints["qwen3_moe"], *keys), tmp_path / "whole", quiet=True)
     step_one = checkpoint.checkpoint_dir(tmp_path / "whole") / "step-00000001"
     resumed = run(muon_cfg(checkpoints["qwen3_moe"], *keys, f"train.resume={step_one}"), tmp_path / "resumed",
@@ -314,7 +321,7 @@ def test_lora_continues_an_adapter_with_muon_on_its_matrices_as_a_plain_peft_loo
 
     base = checkpoints["llama"]
     adapter = peft_adapter(base, tmp_path / "adapter")
-    cfg = muon_cfg(base, *STRATEGIES[strategy], "adapter=lora", f"adapter.pretrained={adapter}")
+    cfg = muon_cfg(base, f"strategy={strategy}", "adapter=lora", f"adapter.pretrained={adapter}")
     run(cfg, tmp_path / "run", quiet=True)
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter,
                                           is_trainable=True)
