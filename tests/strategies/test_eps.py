@@ -250,6 +250,41 @@ def test_half_wires_follow_the_fp32_masters():
     assert head_wire is eps.parts[0].wires[0]  # one wire per tied master, refreshed by its owner
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_half_gradients_reuse_their_fp32_tensors_and_equal_the_fp32_step(tied):
+    """bf16 gradients (cross mixed precision) become fp32 .grads in tensors the EPS lends again
+    the next step, tied sums included: the update is the whole-model step on the same values."""
+    ours, reference = Chain(tied), Chain(tied)
+    cfg = optim_cfg()
+    eps = EagerParamServer(ours.named_modules_in_order(), cfg, LossScaler(False))
+    storages = []
+    try:
+        for step in range(3):
+            eps.set_lr(cfg.lr)
+            for index in reversed(range(len(eps.parts))):
+                grads = [g.bfloat16() for g in random_grads(ours.parts[index], 100 * step + index)]
+                eps.submit(index, grads)
+                if index == 1:  # a part stepped already holds no .grad, its tensors are back in the pool
+                    eps.settle()
+                    storages.append({p.grad.data_ptr() for p in ours.parts[0].parameters() if p.grad is not None})
+            eps.wait()
+    finally:
+        eps.close()
+    optimizer = build_optimizer(reference.named_parameters(), cfg)
+    for step in range(3):  # the reference sees the same (bf16-rounded) values in fp32
+        for index in reversed(range(len(reference.parts))):
+            for p, g in zip(reference.parts[index].parameters(), random_grads(reference.parts[index], 100 * step + index),
+                            strict=True):
+                g = g.bfloat16().float()
+                p.grad = g if p.grad is None else p.grad + g
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert_same(ours, reference)
+    if tied:  # the head's share of the tied weight waits in a lent tensor, the same one each step
+        assert storages[0] == storages[1] == storages[2] and storages[0]
+    assert all(p.grad is None for p in ours.parameters())
+
+
 def test_a_failed_update_is_raised_by_wait():
     model = Chain()
     eps = EagerParamServer(model.named_modules_in_order(), optim_cfg(), LossScaler(False))

@@ -28,7 +28,14 @@ from torch import nn
 
 from relaytrain.step.optim import build_optimizer, set_lr
 from relaytrain.step.precision import LossScaler
-from relaytrain.strategies.eps.parts import Part, accumulate, build_parts, flat_masters, refresh_wires
+from relaytrain.strategies.eps.parts import (
+    GradientPool,
+    Part,
+    accumulate,
+    build_parts,
+    flat_masters,
+    refresh_wires,
+)
 from relaytrain.strategies.eps.peers import Peers
 from relaytrain.strategies.eps.table import ELEMENTWISE, HeldRows
 from relaytrain.strategies.eps.worker import EpsStats, Worker
@@ -79,6 +86,7 @@ class EagerParamServer:
         self.stats = EpsStats(host_kernel=", ".join(kernels) or None)
         self._overflow = False
         self._held: dict[int, HeldRows] = {}  # part -> the rows its early table update left out
+        self._grads = GradientPool()  # the fp32 .grads of half-precision gradients, reused every step
         self._table_done = threading.Event()
         self._table_done.set()
         self._worker = Worker(threads=torch.get_num_threads() if pin else 1)
@@ -176,7 +184,7 @@ class EagerParamServer:
         if shipment.ready is not None:
             shipment.ready.synchronize()  # the gradients' download has landed in host memory
         start = time.perf_counter()
-        accumulate(part.masters, shipment.grads)
+        accumulate(part.masters, shipment.grads, self._grads)
         if shipment.lr is not None and part.optimizer is not None:
             set_lr(part.optimizer, shipment.lr)
         if not self.defer:
@@ -194,6 +202,7 @@ class EagerParamServer:
         grads = [p.grad for p in self.my_masters if p.grad is not None]
         self._overflow = self._any_replica(self.scaler.unscale_and_check(grads))
         if self._overflow:
+            self._grads.give_back([p.grad for p in self.my_masters])
             for p in self.my_masters:
                 p.grad = None
         else:
@@ -231,7 +240,7 @@ class EagerParamServer:
         start = time.perf_counter()
         held = HeldRows.take(part.optimizer, table, rows)
         if table.grad is None:  # an untied table: zero gradient outside `rows`
-            table.grad = torch.zeros_like(table)
+            table.grad = self._grads.take(table).zero_()
         table.grad.index_fill_(0, rows, 0.0)  # what the early step sees of `rows` is discarded anyway
         others = [(p, p.grad) for p in part.owned if p is not table]
         for p, _ in others:  # only the table steps now
@@ -239,6 +248,7 @@ class EagerParamServer:
         part.optimizer.update()
         self.stats.optimizer_s += time.perf_counter() - start
         self.stats.updated_parameters += held.table_rest
+        self._grads.give_back([table.grad])
         table.grad = None
         for p, grad in others:
             p.grad = grad
@@ -252,6 +262,7 @@ class EagerParamServer:
         part = self.parts[index]
         if part.optimizer is not None:
             start = time.perf_counter()
+            grads = [p.grad for p in part.owned]  # before the held rows' update drops the table's
             held = self._held.pop(index, None)
             if held is not None:
                 held.update(part.optimizer)
@@ -259,6 +270,7 @@ class EagerParamServer:
             self.stats.optimizer_s += time.perf_counter() - start
             self.stats.updated_parameters += part.num_owned - (held.table_rest if held else 0)
             part.optimizer.drop_grads()
+            self._grads.give_back(grads)
             refresh_wires(part)
         if self.peers is not None and self.peers.sharded:
             self.peers.broadcast(flat_masters(part), self.rank)
