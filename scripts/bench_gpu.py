@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,11 +42,15 @@ from typing import NamedTuple
 import torch
 
 GiB = 2**30
+# Decoder widths: hidden, query heads, key/value heads, head width, SwiGLU width, vocabulary.
+SHAPES = {"qwen2.5-7b": (3584, 28, 4, 128, 18944, 152064), "qwen2.5-14b": (5120, 40, 8, 128, 13824, 152064),
+          "llama3.2-1b": (2048, 32, 8, 64, 8192, 32000)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, help="write the table as JSON here")
+    p.add_argument("--out", type=Path, help="write the table as JSON here (the record benchmarks/gpu/ keeps)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a preset of the width keys below (and the vocabulary)")
     p.add_argument("--depths", default="8,16,32", help="block counts, comma-separated")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=32)
@@ -59,15 +65,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--l2l-precision", default="cmp_bf16")
     p.add_argument("--precision", default="amp_bf16", help="the baseline's and fsdp's")
     p.add_argument("--optim", default="adamw")
+    p.add_argument("--l2l-extra", default="", help="more keys for the L2L rows, comma-separated (e.g. "
+                   "strategy.overlap_next_step=false); the rows' label says them")
+    p.add_argument("--commit", default=os.environ.get("RELAYTRAIN_COMMIT"),
+                   help="the commit the checkout is at, for the record (the device machine gets no .git)")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="start no run after this many seconds (the device call allows 600 in all)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="which, comma-separated")
     p.add_argument("--no-adapters", action="store_true", help="leave out the LoRA and QLoRA rows under l2l")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU: checks the script, not the GPU")
     args = p.parse_args(argv)
+    if args.shape:
+        (args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, args.vocab) = SHAPES[args.shape]
     if args.cpu_smoke:
         args.depths, args.hidden, args.heads, args.kv_heads, args.head_dim = "2,4", 32, 4, 2, 8
         args.intermediate, args.vocab, args.seq_len, args.microbatch_size, args.microbatches = 64, 300, 16, 2, 2
+    args.model_name = args.shape if args.shape and not args.cpu_smoke else f"llama-h{args.hidden}"
     return args
 
 
@@ -91,13 +104,16 @@ def runs(args) -> list[Run]:
     unknown = sorted(set(names) - set(STRATEGIES))
     if unknown:
         raise SystemExit(f"bench_gpu: --strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
-    l2l = [f"precision={args.l2l_precision}"]
+    extra = [kv for kv in args.l2l_extra.split(",") if kv]
+    l2l = [f"precision={args.l2l_precision}", *extra]
+    suffix = f" ({', '.join(extra)})" if extra else ""
     options = {"l2l": l2l, "l2l_stash_cpu": l2l,
                "baseline": [f"precision={args.precision}", "strategy.recompute=block"],
                "fsdp": [f"precision={args.precision}", "strategy.replicas=1", "strategy.offload=host"]}
 
     def each_depth(chosen: tuple[str, ...]) -> list[Run]:
-        return [Run(name, name, blocks, options[name]) for name in chosen if name in names for blocks in depths]
+        return [Run(name + (suffix if options[name] is l2l else ""), name, blocks, options[name])
+                for name in chosen if name in names for blocks in depths]
 
     adapters = [] if args.no_adapters or "l2l" not in names else [
         Run(f"l2l {adapter}", "l2l", depths[0], [*l2l, f"adapter={adapter}"], pretrained=True)
@@ -138,22 +154,28 @@ def write_checkpoint(args, blocks: int, directory: Path) -> Path:
     return directory
 
 
-def row(name: str, blocks: int, results: dict) -> dict:
-    """The table's figures from a run's results (results.json's fields)."""
+def row(args, name: str, blocks: int, results: dict) -> dict:
+    """The table's figures from a run's results (results.json's fields). `useful_tflops` is the
+    summary's model FLOP/s: 6 x parameters x tokens, real tokens only (the benchmark's rows are
+    full), no recompute counted."""
     report, total_s = results["strategy_report"], sum(results["step_times_s"])
     eps = report.get("eps") if isinstance(report, dict) else None
     flops = results["throughput"]["model_flops_per_s"]
     peak = results["memory"]["device"]["peak_allocated_bytes"]
     return {
-        "strategy": name, "blocks": blocks, "precision": results["precision"],
-        "parameters": results["model"]["parameters"], "status": "ok",
+        "strategy": name, "model": args.model_name, "blocks": blocks, "precision": results["precision"],
+        "params": results["model"]["parameters"], "seq_len": args.seq_len,
+        "tokens_per_step": args.seq_len * args.microbatch_size * args.microbatches, "status": "ok",
         "step_s": results["throughput"]["step_time_s"],
-        "tflops": flops / 1e12 if flops else None,
+        "useful_tflops": flops / 1e12 if flops else None,
         "transfer_wait_share": report["transfer_wait_s"] / total_s if "transfer_wait_s" in report else None,
         "eps_exposed_share": eps["exposed_s"] / total_s if eps else None,
-        "eps_exposed_fraction": eps["exposed_fraction"] if eps else None,
+        "eps_busy_share": eps["busy_s"] / total_s if eps else None,
+        "eps_parameters_per_s": eps["parameters_per_s"] if eps else None,
+        "eps_kernel": eps["host_kernel"] if eps else None,
+        "updates_into_next_step": report.get("updates_into_next_step") if isinstance(report, dict) else None,
         "device_peak_gib": peak / GiB if peak is not None else None,
-        "host_peak_rss_gib": results["memory"]["host_peak_rss_bytes"] / GiB,
+        "host_rss_gib": results["memory"]["host_peak_rss_bytes"] / GiB,
     }
 
 
@@ -166,7 +188,7 @@ def measure(args, r: Run, scratch: Path) -> dict:
     try:
         checkpoint = write_checkpoint(args, r.blocks, scratch / f"checkpoint-{r.blocks}") if r.pretrained else None
         with tempfile.TemporaryDirectory(dir=scratch) as run_dir:
-            return row(r.label, r.blocks, run(compose_config(overrides(args, r, checkpoint)), run_dir, quiet=True))
+            return row(args, r.label, r.blocks, run(compose_config(overrides(args, r, checkpoint)), run_dir, quiet=True))
     except torch.cuda.OutOfMemoryError:
         return {**base, "status": "out of memory"}
     except ConfigError as err:  # a refusal: the host cannot hold it, a key this torch lacks
@@ -199,10 +221,10 @@ def markdown(rows: list[dict]) -> str:
              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(
-            f"| {r['strategy']} | {r['blocks']} | {fmt(r.get('parameters'), '.2f', 1e-9)} | {r.get('precision', '—')} "
-            f"| {fmt(r.get('step_s'), '.3f')} | {fmt(r.get('tflops'), '.1f')} "
+            f"| {r['strategy']} | {r['blocks']} | {fmt(r.get('params'), '.2f', 1e-9)} | {r.get('precision', '—')} "
+            f"| {fmt(r.get('step_s'), '.3f')} | {fmt(r.get('useful_tflops'), '.1f')} "
             f"| {fmt(r.get('transfer_wait_share'), '.1%')} | {fmt(r.get('eps_exposed_share'), '.1%')} "
-            f"| {fmt(r.get('device_peak_gib'), '.2f')} | {fmt(r.get('host_peak_rss_gib'), '.1f')} | {r['status']} |")
+            f"| {fmt(r.get('device_peak_gib'), '.2f')} | {fmt(r.get('host_rss_gib'), '.1f')} | {r['status']} |")
     return "\n".join(lines)
 
 
@@ -210,9 +232,21 @@ def machine(args) -> dict:
     import transformers
 
     device = "cpu (smoke run)" if args.cpu_smoke else f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
-    return {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
+    return {"device": device, "driver": driver(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d")}
+            "cores": os.cpu_count(), "commit": args.commit, "date": time.strftime("%Y-%m-%d"),
+            # The issue's contests this script does not run yet: null, not a figure.
+            "l2l_vs_deepspeed_zero3_offload_14b": None, "fp8_vs_cmp_bf16": None}
+
+
+def driver() -> str | None:
+    """The NVIDIA driver's version, where nvidia-smi answers."""
+    try:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found.stdout.strip().splitlines()[0] if found.stdout.strip() else None
 
 
 def flatness(rows: list[dict], strategy: str = "l2l") -> float | None:
@@ -242,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows.append(measure(args, r, scratch))
         done = rows[-1]
-        print(f"bench_gpu: {r.label} x {r.blocks} blocks: {done['status']}, {fmt(done.get('tflops'), '.1f')} TFLOP/s, "
+        print(f"bench_gpu: {r.label} x {r.blocks} blocks: {done['status']}, {fmt(done.get('useful_tflops'), '.1f')} TFLOP/s, "
+              f"EPS exposed {fmt(done.get('eps_exposed_share'), '.1%')}, busy {fmt(done.get('eps_busy_share'), '.1%')}, "
               f"device peak {fmt(done.get('device_peak_gib'), '.2f')} GiB ({time.monotonic() - start:.0f} s)", flush=True)
         if args.out:  # after every run: a call cut short still brings back what was measured
             args.out.write_text(json.dumps({**about, "elapsed_s": time.monotonic() - start,

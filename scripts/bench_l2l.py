@@ -115,6 +115,7 @@ class Runner:
         metrics.synchronize(self.device)
         start = time.perf_counter()
         self.strategy.step(minibatch, self.cfg.optim.lr)
+        self.strategy.drain()  # the steps of two strategies alternate: none may run into the other's
         metrics.synchronize(self.device)
         if measured:
             self.step_times.append(time.perf_counter() - start)

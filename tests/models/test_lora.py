@@ -128,6 +128,7 @@ def test_frozen_means_frozen_in_the_param_server_and_the_optimizer(bases, tmp_pa
         assert not any(p.requires_grad for part in parts for p in part.frozen)
         strategy.start(0)
         strategy.step(minibatches(cfg)[0], lr=1e-3)
+        strategy.drain()
         state = [t for part in parts if part.optimizer for s in part.optimizer.state.values()
                  for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
         assert sum(t.numel() for t in state) == 2 * trainable  # Adam's two moments, of the adapters only

@@ -9,9 +9,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from relaytrain.records.checkpoint import load_optimizer_state, optimizer_state
-from relaytrain.step.optim import build_optimizer, optimizer_schemas
+from relaytrain.step.optim import build_optimizer, optimizer_schemas, set_lr
 from relaytrain.step.precision import LossScaler
-from relaytrain.strategies.eps import EagerParamServer
+from relaytrain.strategies.eps import EagerParamServer, Shipment
 from relaytrain.strategies.eps.worker import Worker
 
 
@@ -283,6 +283,60 @@ def test_half_gradients_reuse_their_fp32_tensors_and_equal_the_fp32_step(tied):
     if tied:  # the head's share of the tied weight waits in a lent tensor, the same one each step
         assert storages[0] == storages[1] == storages[2] and storages[0]
     assert all(p.grad is None for p in ours.parameters())
+
+
+def test_carried_updates_land_lowest_part_first_each_at_its_own_steps_rate():
+    """Carrying updates into the next step: `wait` leaves the queued updates, the next forward
+    awaits only the part it uploads, the lowest part runs first, and every update uses the
+    learning rate of the step that shipped it: the weights equal the whole-model steps."""
+    lrs = [1e-2, 3e-3]
+    ours, reference = Chain(), Chain()
+    eps = EagerParamServer(ours.named_modules_in_order(), optim_cfg(), LossScaler(False), carry=True)
+    order, first_running, gate = [], threading.Event(), threading.Event()
+
+    def landed(index):
+        order.append(index)
+        if len(order) == 1:  # the first update to run holds the worker: the others queue behind it
+            first_running.set()
+            gate.wait()
+
+    try:
+        assert eps.carry
+        for step, lr in enumerate(lrs):
+            eps.set_lr(lr)
+            for index in reversed(range(len(eps.parts))):  # as backward ships them: last part first
+                grads = random_grads(ours.parts[index], 100 * step + index)
+                eps.submit(index, Shipment(grads, then=lambda index=index: landed(index)))
+            if step == 0:
+                first_running.wait()
+                assert not eps.wait() and order == order[:1]  # the step ends; its updates are still queued
+                gate.set()
+                for index in range(len(eps.parts)):  # the next forward's uploads, in order
+                    eps.await_part(index)
+                    assert index in order
+                first, rest = order[0], order[1:]
+                assert rest == sorted(set(range(len(eps.parts))) - {first})  # lowest first behind the one running
+        eps.drain()
+    finally:
+        gate.set()
+        eps.close()
+    optimizer = build_optimizer(reference.named_parameters(), optim_cfg())
+    for step, lr in enumerate(lrs):
+        set_lr(optimizer, lr)
+        run_whole_model(reference, optim_cfg(), steps=1, first_step=step, optimizer=optimizer)
+    assert_same(ours, reference)
+
+
+@pytest.mark.parametrize("why", ["tied", "clipping"])
+def test_updates_are_not_carried_where_a_step_needs_them_all(why):
+    """A tied head's gradient sums into the embeddings' before their step, and clipping needs
+    every gradient: the step then waits for its updates as before."""
+    model, cfg = Chain(tied=why == "tied"), optim_cfg(grad_clip=1.0 if why == "clipping" else 0.0)
+    eps = EagerParamServer(model.named_modules_in_order(), cfg, LossScaler(False), carry=True)
+    try:
+        assert not eps.carry
+    finally:
+        eps.close()
 
 
 def test_a_failed_update_is_raised_by_wait():

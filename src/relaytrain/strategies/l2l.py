@@ -120,6 +120,7 @@ class L2LConfig(SequenceParallelConfig, WorkersConfig, StrategyConfig):
     prefetch: bool = True  # relay the next part in while the current one computes
     max_resident_blocks: int = 2  # parts on the device at once: the executing one and the prefetched one
     eps_state: EpsPlacement = EpsPlacement.sharded  # with replicas: where the EPS state lives
+    overlap_next_step: bool = True  # a step's last updates land during the next forward, each before its part's upload
 
 
 class L2LSequenceCost(CutSequenceCost, L2LCost):
@@ -129,7 +130,8 @@ class L2LSequenceCost(CutSequenceCost, L2LCost):
 @register("l2l")
 class L2L(ReplicatedStrategy):
     """Algorithm 2 over the eager param server. The EPS's masters *are* the model's parameters,
-    so the model always holds the trained weights; `step` returns only after every update has landed."""
+    so the model always holds the trained weights once `drain` returns (with
+    `strategy.overlap_next_step`, a step's last updates land during the next step's forward)."""
 
     Config = L2LConfig
     cost_model = L2LSequenceCost  # what the planner asks: l2l_cost.py's closed forms
@@ -194,11 +196,12 @@ class L2L(ReplicatedStrategy):
         # An adapter's frozen base stays on the host as built (never rounded in place: it is the
         # base a merge or a resume must find again); the relay casts the copy it uploads.
         self.eps = EagerParamServer(modules, cfg.optim, self.scaler, self.precision.weight_dtype,
-                                    pin=self.device.type == "cuda", peers=peers)
+                                    pin=self.device.type == "cuda", peers=peers,
+                                    carry=s.overlap_next_step and not world.simulated)
         self.peers = peers
         self.transfers = Transfers(self.device)
         self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch,
-                                 self.precision.weight_dtype)
+                                 self.precision.weight_dtype, before_upload=self.eps.await_part)
         self.head_index = len(self.eps.parts) - 1
         self.stash: ActivationStash | None = None
         table = model.hf_model.get_input_embeddings().weight
@@ -232,6 +235,9 @@ class L2L(ReplicatedStrategy):
             if self.peers is not None:
                 self.peers.step_finished()
         return StepResult(loss=scalar(loss), skipped=skipped)
+
+    def drain(self) -> None:  # the updates a step left to the next one's forward land now
+        self.eps.drain()
 
     def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
         return values if self.peers is None else self.peers.sum_over_replicas(values)
@@ -405,10 +411,11 @@ class L2L(ReplicatedStrategy):
                for key, label in _PHASE_LABELS.items() if key in phases},
             "transfer wait (mean s/step, within the phases)": f"{self.transfers.wait_s / steps:.3f}",
             "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s ({eps['host_kernel']})",
-            "EPS updates": "deferred to end of backward (clipping / fp16 check)" if self.eps.defer else "eager",
+            "EPS updates": _update_mode(self.eps),
         }
         figures = {"stash": stash, "max_resident_blocks": self.relay.capacity,
                    "peak_resident_blocks": self.relay.peak_resident, "deferred_updates": self.eps.defer,
+                   "updates_into_next_step": self.eps.carry,
                    "phase_times_s": phases, "transfer_wait_s": self.transfers.wait_s, "eps": eps,
                    "loss_scale": self.scaler.scale, "summary": summary}
         if self.peers is not None:
@@ -425,6 +432,12 @@ class L2L(ReplicatedStrategy):
 
 _PHASE_LABELS = {"forward": "forward", "recompute_backward": "recompute+backward",
                  "transfer_wait": "transfer wait", "optimizer_exposed": "exposed optimizer"}
+
+
+def _update_mode(eps: EagerParamServer) -> str:
+    if eps.defer:
+        return "deferred to end of backward (clipping / fp16 check)"
+    return "eager, the last into the next step's forward" if eps.carry else "eager"
 
 
 def _check_keyed(minibatch: list[MicroBatch], dropout: float) -> None:

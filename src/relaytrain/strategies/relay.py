@@ -13,6 +13,7 @@ The strategy that walks the relay and feeds the eager param server is `l2l.py`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,9 @@ class WeightRelay:
     """
 
     def __init__(self, parts: list[Part], transfers: Transfers, device: torch.device, capacity: int, prefetch: bool,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, before_upload: Callable[[int], None] | None = None):
         self.parts = parts
+        self.before_upload = before_upload  # called with a part's index before its weights are read to upload
         self.transfers = transfers
         self.capacity = capacity
         self.prefetch = prefetch and capacity >= 2
@@ -85,6 +87,8 @@ class WeightRelay:
         while len(self.resident) >= self.capacity:
             del self.resident[self._farthest_needed()]
         part = self.parts[index]
+        if self.before_upload is not None:
+            self.before_upload(index)
         transfer = self.transfers.upload(part.wires + part.frozen)
         leaves = [t.requires_grad_(True) for t in transfer.tensors[:len(part.wires)]]
         self.resident[index] = Resident(transfer, leaves, transfer.tensors[len(part.wires):])

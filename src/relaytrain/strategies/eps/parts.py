@@ -129,8 +129,9 @@ class GradientPool:
     """The fp32 host tensors that half-precision gradients become, kept from step to step.
 
     Under cross mixed precision a part's gradients arrive in bf16 and the master's `.grad` is
-    their fp32 copy. A new tensor of a block's size every step is new pages from the OS, which
-    the kernel zeroes at their first touch: that cost 4x the conversion itself (54 against
+    their fp32 copy. A new tensor of a block's size every step is new pages from the OS (glibc
+    keeps freed memory only under 32 MiB, `run.launch.keep_freed_host_memory`), which the
+    kernel zeroes at their first touch: that cost 4x the conversion itself (54 against
     13 ms for 60 M parameters on the 2-core VM; more than the AdamW step of the same
     parameters, 47 ms), on the worker whose time is the step's exposed update. A tensor given
     back after its part's step is lent again to the next gradient of its shape, so the pool

@@ -9,6 +9,15 @@ backward, after clipping with the baseline's own `clip_grad_norm_` over all mast
 (or after finding an overflow, in which case no weight changes). Exact, at the cost of
 the overlap of optimizer and backward.
 
+Carrying updates into the next step (`carry`, L2L's `strategy.overlap_next_step`). Backward
+ships the parts last to first, and the next forward needs them first to last: a step that
+waited for its last updates would leave the host's update of the lowest parts exposed. With
+`carry` the step ends without waiting, the worker steps the queued parts lowest first, and
+the next forward waits only for the part it is about to upload (`await_part`). Each task
+carries the learning rate of its step. It needs eager updates on one worker whose parts share
+no master (a tied head's gradient sums into the embeddings' before their step): elsewhere the
+step waits as before. Exact: no part is read before its update lands.
+
 Pipeline stages (`strategy.offload=host`, strategies/pipeline/offload.py) use the same server
 for their host-resident masters: a shipment may carry its own learning rate (2BW queues one
 batch's update while the next batch's is being computed) and a continuation the worker runs
@@ -66,7 +75,7 @@ class EagerParamServer:
 
     def __init__(self, modules: list[tuple[str, nn.Module]], optim_cfg, scaler: LossScaler,
                  wire_dtype: torch.dtype = torch.float32, pin: bool = False, peers: Peers | None = None,
-                 frozen_dtype: torch.dtype | None = None):
+                 frozen_dtype: torch.dtype | None = None, carry: bool = False):
         self.scaler = scaler
         self.grad_clip = optim_cfg.grad_clip
         self.defer = self.grad_clip > 0 or scaler.enabled
@@ -90,6 +99,10 @@ class EagerParamServer:
         self._table_done = threading.Event()
         self._table_done.set()
         self._worker = Worker(threads=torch.get_num_threads() if pin else 1)
+        self.carry = carry and not self.defer and peers is None and not _shared_masters(self.parts)
+        self._lr: float | None = None  # the step's learning rate, given to each of its tasks
+        self._pending = [0] * len(self.parts)  # per part: its queued or running tasks
+        self._pending_lock = threading.Lock()
 
     # -- caller side --------------------------------------------------------------------
     def local_parts(self) -> list[Part]:
@@ -100,9 +113,9 @@ class EagerParamServer:
         return self.owners[index] == self.rank
 
     def set_lr(self, lr: float) -> None:
-        for part in self.parts:
-            if part.optimizer is not None:
-                set_lr(part.optimizer, lr)
+        """The learning rate of the updates submitted from now on (a part's earlier update, still
+        queued, keeps its own step's)."""
+        self._lr = lr
 
     def submit(self, index: int, grads: list[torch.Tensor | None] | Shipment,
                ready: torch.cuda.Event | None = None) -> None:
@@ -113,7 +126,26 @@ class EagerParamServer:
         With replicas, a `Shipment` also carries the sum over them still under way.
         """
         shipment = grads if isinstance(grads, Shipment) else Shipment(grads, ready)
-        self._worker.put(lambda: self._apply(index, shipment))
+        if shipment.lr is None:
+            shipment.lr = self._lr
+        self._put(index, lambda: self._apply(index, shipment))
+
+    def await_part(self, index: int) -> None:
+        """Carrying updates into the next step: return once part `index`'s updates have landed
+        (this thread runs the queued ones, lowest part first, until they have). The time spent
+        here is the EPS's exposed time."""
+        if not self._pending[index]:
+            return
+        start = time.perf_counter()
+        self._worker.join(until=lambda: not self._pending[index])
+        self.stats.exposed_s += time.perf_counter() - start
+
+    def drain(self) -> None:
+        """Every queued update lands (before a checkpoint, an evaluation, the end); the wait
+        counts as exposed."""
+        start = time.perf_counter()
+        self._worker.join()
+        self.stats.exposed_s += time.perf_counter() - start
 
     def can_update_table_early(self, index: int, table: nn.Parameter) -> bool:
         """Whether `update_table_early` applies: an update per element (AdamW, SGD), not deferred,
@@ -135,7 +167,8 @@ class EagerParamServer:
         and `await_table_early` before anything reads the table again.
         """
         self._table_done.clear()
-        self._worker.put(lambda: self._table_early(index, table, rows))
+        lr = self._lr
+        self._put(index, lambda: self._table_early(index, table, rows, lr))
 
     def await_table_early(self) -> None:
         """Block until the early table update has written its rows (the held ones are back as
@@ -145,13 +178,16 @@ class EagerParamServer:
         self._worker.raise_if_failed()
 
     def wait(self) -> bool:
-        """Finish the step's updates; True when an fp16 overflow skipped the step."""
-        if self.defer:
-            self._worker.put(self._deferred_update)
-        start = time.perf_counter()
-        self._worker.join()
-        self.stats.exposed_s += time.perf_counter() - start
+        """Finish the step's updates (carrying them, leave them to the next step's
+        `await_part`); True when an fp16 overflow skipped the step."""
         self.stats.steps += 1
+        if self.carry:
+            self._worker.raise_if_failed()
+            return False
+        if self.defer:
+            lr = self._lr
+            self._worker.put(lambda: self._deferred_update(lr))
+        self.drain()
         overflow, self._overflow = self._overflow, False
         return overflow
 
@@ -173,6 +209,20 @@ class EagerParamServer:
         self._worker.close()
 
     # -- worker side --------------------------------------------------------------------
+    def _put(self, index: int, task: Callable[[], None]) -> None:
+        """Queue a task of part `index`; carrying updates, the lowest part runs first."""
+        with self._pending_lock:
+            self._pending[index] += 1
+
+        def run() -> None:
+            try:
+                task()
+            finally:
+                with self._pending_lock:
+                    self._pending[index] -= 1
+
+        self._worker.put(run, priority=index if self.carry else 0)
+
     def _apply(self, index: int, shipment: Shipment) -> None:
         part = self.parts[index]
         if self.peers is not None:
@@ -193,8 +243,12 @@ class EagerParamServer:
             shipment.then()
         self.stats.busy_s += time.perf_counter() - start
 
-    def _deferred_update(self) -> None:
+    def _deferred_update(self, lr: float | None) -> None:
         start = time.perf_counter()
+        if lr is not None:
+            for part in self.local_parts():
+                if part.optimizer is not None:
+                    set_lr(part.optimizer, lr)
         self._deferred_step()
         self.stats.busy_s += time.perf_counter() - start
 
@@ -229,8 +283,10 @@ class EagerParamServer:
             return found
         return bool(self.peers.total(torch.tensor([float(found)]), dist.ReduceOp.MAX))
 
-    def _table_early(self, index: int, table: nn.Parameter, rows: torch.Tensor) -> None:
+    def _table_early(self, index: int, table: nn.Parameter, rows: torch.Tensor, lr: float | None) -> None:
         try:
+            if lr is not None:
+                set_lr(self.parts[index].optimizer, lr)
             self._step_table_early(index, table, rows)
         finally:
             self._table_done.set()
@@ -280,3 +336,9 @@ class EagerParamServer:
         part = self.parts[index]
         self.peers.broadcast(flat_masters(part), self.owners[index])
         refresh_wires(part)
+
+
+def _shared_masters(parts: list[Part]) -> bool:
+    """Whether a master is used by more than one part (a tied head)."""
+    used = [id(p) for part in parts for p in part.masters]
+    return len(used) != len(set(used))

@@ -3,12 +3,15 @@
 `submit(part, grads)` hands one part's gradients to a background worker thread that adds
 them into the master `.grad` and steps that part's optimizer, while the caller goes on with
 the backward of the parts below (torch ops release the GIL). `wait()` finishes the step's
-updates: what is still queued then runs on the caller's own thread (`Worker` says why).
+updates: what is still queued then runs on the caller's own thread (`Worker` says why); or,
+carrying updates into the next step, the caller takes over only until the part it is about
+to upload has landed (`await_part`).
 """
 
 from __future__ import annotations
 
-import collections
+import heapq
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,8 +44,9 @@ class EpsStats:
 
 
 class Worker:
-    """Queued tasks run one at a time, in order: on a background thread while the caller
-    computes, and on the caller's own thread once it waits for them (`join`).
+    """Queued tasks run one at a time, in order of priority (then of arrival): on a background
+    thread while the caller computes, and on the caller's own thread once it waits for them
+    (`join`).
 
     Why the caller takes over. On a CPU, torch runs each kernel of a fused optimizer as one
     OpenMP parallel region per tensor. The caller's OpenMP team is warm (its threads spin
@@ -54,11 +58,14 @@ class Worker:
     compute is the GPU's and the host's cores are the worker's: it takes the caller's count
     (`threads`). The tasks never run concurrently and keep their order, so collectives
     (sharded replicas) and tied-weight sums see the same sequence as with one thread. The
-    first error is re-raised by `join`.
+    first error is re-raised by `join`. A priority lets a later task overtake earlier ones
+    (the EPS carrying updates into the next step: the part the next forward needs first);
+    tasks of one priority keep their order.
     """
 
     def __init__(self, threads: int = 1):
-        self._tasks: collections.deque[Callable[[], None]] = collections.deque()
+        self._tasks: list[tuple[int, int, Callable[[], None]]] = []  # a heap of (priority, arrival, task)
+        self._arrivals = itertools.count()
         self._changed = threading.Condition()
         self._running = False  # the background thread is inside a task
         self._caller_waiting = False  # the caller runs the queue: the background thread keeps off it
@@ -71,23 +78,24 @@ class Worker:
         started.wait()
         _set_intra_op_threads(callers)  # torch keeps the last count as the default of new threads
 
-    def put(self, task: Callable[[], None]) -> None:
+    def put(self, task: Callable[[], None], priority: int = 0) -> None:
         with self._changed:
-            self._tasks.append(task)
+            heapq.heappush(self._tasks, (priority, next(self._arrivals), task))
             self._changed.notify_all()
 
-    def join(self) -> None:
-        """Run every queued task (the rest of them on this thread), then re-raise the first error."""
+    def join(self, until: Callable[[], bool] | None = None) -> None:
+        """Run every queued task (the rest of them on this thread), then re-raise the first error;
+        with `until`, only until it holds (checked before each task, after the one running)."""
         with self._changed:
             self._caller_waiting = True
             self._changed.wait_for(lambda: not self._running)
         try:
             with memory.on_host():  # a dry run's tracker counts this thread's device tensors; these are the host's
-                while True:
+                while until is None or not until():
                     with self._changed:
                         if not self._tasks:
                             break
-                        task = self._tasks.popleft()
+                        task = heapq.heappop(self._tasks)[2]
                     self._run(task)
         finally:
             with self._changed:
@@ -121,7 +129,7 @@ class Worker:
                 self._changed.wait_for(lambda: self._closed or (self._tasks and not self._caller_waiting))
                 if self._closed:
                     return
-                task = self._tasks.popleft()
+                task = heapq.heappop(self._tasks)[2]
                 self._running = True
             try:
                 self._run(task)
