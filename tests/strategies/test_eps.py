@@ -285,13 +285,16 @@ def test_half_gradients_reuse_their_fp32_tensors_and_equal_the_fp32_step(tied):
     assert all(p.grad is None for p in ours.parameters())
 
 
-def test_carried_updates_land_lowest_part_first_each_at_its_own_steps_rate():
+@pytest.mark.parametrize("caller_takes_over", [True, False], ids=["cpu", "beside a gpu"])
+def test_carried_updates_land_lowest_part_first_each_at_its_own_steps_rate(caller_takes_over):
     """Carrying updates into the next step: `wait` leaves the queued updates, the next forward
     awaits only the part it uploads, the lowest part runs first, and every update uses the
-    learning rate of the step that shipped it: the weights equal the whole-model steps."""
+    learning rate of the step that shipped it: the weights equal the whole-model steps. On a
+    CPU the waiting caller runs the queued updates; beside a GPU it waits for the worker."""
     lrs = [1e-2, 3e-3]
     ours, reference = Chain(), Chain()
     eps = EagerParamServer(ours.named_modules_in_order(), optim_cfg(), LossScaler(False), carry=True)
+    eps._caller_takes_over = caller_takes_over  # what pin=True (a CUDA device) sets; pinning needs CUDA
     order, first_running, gate = [], threading.Event(), threading.Event()
 
     def landed(index):

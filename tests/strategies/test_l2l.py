@@ -15,6 +15,9 @@ from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.strategies import build_strategy, strategy_class
 from relaytrain.strategies.base import minibatch_divisor
+from relaytrain.strategies.eps.parts import build_parts
+from relaytrain.strategies.relay import WeightRelay
+from relaytrain.strategies.transfers import Transfers
 from tests.conftest import tiny_cfg, train_plain_loop
 
 CPU = torch.device("cpu")
@@ -71,6 +74,29 @@ def test_weights_equal_the_baseline_and_a_plain_loop(strategy, family, blocks, m
     assert_same_weights(ours, train_plain_loop(l2l_cfg(family, "baseline", *common), STEPS))
     assert [r.loss for r in results] == pytest.approx([r.loss for r in baseline_results], rel=1e-5)
     assert not any(r.skipped for r in results)
+
+
+def test_a_part_whose_update_is_still_landing_is_uploaded_at_its_visit_not_prefetched():
+    """Waiting for the prefetched part's update before the current part computes would hold the
+    device back: the relay prefetches only landed parts, and awaits the others at their visit."""
+
+    class Updates:  # the EPS's side: part 1's update of the last step is still running
+        pending, awaited = {1}, []
+
+        def landed(self, index):
+            return index not in self.pending
+
+        def await_part(self, index):
+            self.awaited.append(index)
+            self.pending.discard(index)
+
+    parts = build_parts([(f"part.{i}", nn.Linear(2, 2)) for i in range(3)], torch.float32, pin=False)
+    relay = WeightRelay(parts, Transfers(CPU), CPU, capacity=2, prefetch=True, updates=Updates())
+    relay.start_step()
+    relay.next_visit()
+    assert set(relay.resident) == {0} and relay.updates.awaited == [0]
+    relay.next_visit()  # part 1's own visit waits for its update, then part 2 is prefetched
+    assert set(relay.resident) == {1, 2} and relay.updates.awaited == [0, 1, 2]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -201,7 +201,7 @@ class L2L(ReplicatedStrategy):
         self.peers = peers
         self.transfers = Transfers(self.device)
         self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch,
-                                 self.precision.weight_dtype, before_upload=self.eps.await_part)
+                                 self.precision.weight_dtype, updates=self.eps)
         self.head_index = len(self.eps.parts) - 1
         self.stash: ActivationStash | None = None
         table = model.hf_model.get_input_embeddings().weight

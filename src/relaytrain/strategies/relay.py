@@ -13,8 +13,8 @@ The strategy that walks the relay and feeds the eager param server is `l2l.py`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,6 +22,16 @@ from relaytrain.strategies.eps import Part
 from relaytrain.strategies.transfers import Transfer, Transfers
 
 # --------------------------------------------------------------------------- weight relay
+
+
+class PendingUpdates(Protocol):
+    """Host updates a step may still be landing when the next one reads the parts (the EPS)."""
+
+    def landed(self, index: int) -> bool:
+        """Whether part `index`'s host copy has all its updates."""
+
+    def await_part(self, index: int) -> None:
+        """Return once it has."""
 
 
 @dataclass
@@ -42,9 +52,9 @@ class WeightRelay:
     """
 
     def __init__(self, parts: list[Part], transfers: Transfers, device: torch.device, capacity: int, prefetch: bool,
-                 dtype: torch.dtype = torch.float32, before_upload: Callable[[int], None] | None = None):
+                 dtype: torch.dtype = torch.float32, updates: PendingUpdates | None = None):
         self.parts = parts
-        self.before_upload = before_upload  # called with a part's index before its weights are read to upload
+        self.updates = updates  # the host's updates still landing (the EPS carrying them into this step)
         self.transfers = transfers
         self.capacity = capacity
         self.prefetch = prefetch and capacity >= 2
@@ -69,8 +79,12 @@ class WeightRelay:
         """The weights of the next part in relay order (for a functional call) and its leaves."""
         index = self.order[self.cursor]
         self._make_resident(index)
-        if self.prefetch and self.cursor + 1 < len(self.order):
-            self._make_resident(self.order[self.cursor + 1])
+        ahead = self.order[self.cursor + 1] if self.cursor + 1 < len(self.order) else None
+        # A part whose update is still landing is not prefetched: waiting for it here would hold
+        # back the launch of this part's compute. Its own visit uploads it, once this part's
+        # compute is queued on the device, so the wait and the copy overlap that compute.
+        if self.prefetch and ahead is not None and (self.updates is None or self.updates.landed(ahead)):
+            self._make_resident(ahead)
         self.cursor += 1
         resident, part = self.resident[index], self.parts[index]
         self.transfers.acquire(resident.transfer)
@@ -87,8 +101,8 @@ class WeightRelay:
         while len(self.resident) >= self.capacity:
             del self.resident[self._farthest_needed()]
         part = self.parts[index]
-        if self.before_upload is not None:
-            self.before_upload(index)
+        if self.updates is not None:
+            self.updates.await_part(index)
         transfer = self.transfers.upload(part.wires + part.frozen)
         leaves = [t.requires_grad_(True) for t in transfer.tensors[:len(part.wires)]]
         self.resident[index] = Resident(transfer, leaves, transfer.tensors[len(part.wires):])

@@ -102,7 +102,11 @@ class EagerParamServer:
         self.carry = carry and not self.defer and peers is None and not _shared_masters(self.parts)
         self._lr: float | None = None  # the step's learning rate, given to each of its tasks
         self._pending = [0] * len(self.parts)  # per part: its queued or running tasks
-        self._pending_lock = threading.Lock()
+        self._pending_changed = threading.Condition()
+        # Who runs the updates a forward waits for: on a CPU the caller, whose OpenMP team is warm
+        # (`Worker`); beside a GPU the worker, whose team has the host's cores, so that one team
+        # alone steps every part (two teams of that size make libgomp stop spinning between regions).
+        self._caller_takes_over = not pin
 
     # -- caller side --------------------------------------------------------------------
     def local_parts(self) -> list[Part]:
@@ -130,14 +134,24 @@ class EagerParamServer:
             shipment.lr = self._lr
         self._put(index, lambda: self._apply(index, shipment))
 
+    def landed(self, index: int) -> bool:
+        """Whether part `index` has no update queued or running."""
+        return not self._pending[index]
+
     def await_part(self, index: int) -> None:
         """Carrying updates into the next step: return once part `index`'s updates have landed
-        (this thread runs the queued ones, lowest part first, until they have). The time spent
-        here is the EPS's exposed time."""
-        if not self._pending[index]:
+        (on a CPU this thread runs the queued ones, lowest part first, until they have). The
+        time spent here is the EPS's exposed time."""
+        if self.landed(index):
             return
         start = time.perf_counter()
-        self._worker.join(until=lambda: not self._pending[index])
+        if self._caller_takes_over:
+            self._worker.join(until=lambda: self.landed(index))
+        else:
+            with self._pending_changed:  # after a failure the worker skips the rest: raise, not hang
+                while not self._pending_changed.wait_for(lambda: self.landed(index), timeout=0.05):
+                    self._worker.raise_if_failed()
+            self._worker.raise_if_failed()
         self.stats.exposed_s += time.perf_counter() - start
 
     def drain(self) -> None:
@@ -211,15 +225,16 @@ class EagerParamServer:
     # -- worker side --------------------------------------------------------------------
     def _put(self, index: int, task: Callable[[], None]) -> None:
         """Queue a task of part `index`; carrying updates, the lowest part runs first."""
-        with self._pending_lock:
+        with self._pending_changed:
             self._pending[index] += 1
 
         def run() -> None:
             try:
                 task()
             finally:
-                with self._pending_lock:
+                with self._pending_changed:
                     self._pending[index] -= 1
+                    self._pending_changed.notify_all()
 
         self._worker.put(run, priority=index if self.carry else 0)
 
