@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 GiB = 2**30
+UNTIMED = 1  # steps left out of every figure: the first allocates the optimizer state and the pinned buffers
 # Decoder widths: hidden, query heads, key/value heads, head width, SwiGLU width, vocabulary.
 SHAPES = {"qwen2.5-7b": (3584, 28, 4, 128, 18944, 152064), "qwen2.5-14b": (5120, 40, 8, 128, 13824, 152064),
           "llama3.2-1b": (2048, 32, 8, 64, 8192, 32000)}
@@ -136,7 +137,7 @@ def overrides(args, r: Run, checkpoint: Path | None = None) -> list[str]:
         *model, f"data.seq_len={args.seq_len}", f"data.num_samples={samples}",
         f"strategy={r.strategy}", f"strategy.microbatch_size={args.microbatch_size}",
         f"strategy.num_microbatches={args.microbatches}", f"optim={args.optim}",
-        f"train.steps={args.steps}", "train.untimed_steps=1", f"train.device={'cpu' if args.cpu_smoke else 'cuda'}",
+        f"train.steps={args.steps}", f"train.untimed_steps={UNTIMED}", f"train.device={'cpu' if args.cpu_smoke else 'cuda'}",
         *r.extra,
     ]
 
@@ -158,7 +159,8 @@ def row(args, name: str, blocks: int, results: dict) -> dict:
     """The table's figures from a run's results (results.json's fields). `useful_tflops` is the
     summary's model FLOP/s: 6 x parameters x tokens, real tokens only (the benchmark's rows are
     full), no recompute counted."""
-    report, total_s = results["strategy_report"], sum(results["step_times_s"])
+    # The strategy's figures cover the measured steps (the trainer resets them after the untimed ones).
+    report, total_s = results["strategy_report"], sum(results["step_times_s"][UNTIMED:])
     eps = report.get("eps") if isinstance(report, dict) else None
     flops = results["throughput"]["model_flops_per_s"]
     peak = results["memory"]["device"]["peak_allocated_bytes"]

@@ -358,7 +358,7 @@ class Trainer:
 
     def _step(self, step: int) -> None:
         if step == self.first + self.spec.untimed_steps:
-            self.strategy.timer.reset()  # phase times cover the measured steps, as the step time does
+            self.strategy.reset_measurements()  # phase times cover the measured steps, as the step time does
         self.world.mark("step", step + 1)
         failpoints.reach("step", step + 1, self.world.rank)
         minibatch = self.loader.minibatch(step)

@@ -159,6 +159,11 @@ class Strategy(ABC):
         """Forward and backward over every micro-batch of the (global) minibatch, then one update
         of every weight (work that overlaps the next step may finish during it: see `drain`)."""
 
+    def reset_measurements(self) -> None:
+        """The untimed steps are over: the figures `report` gives cover the steps from here on
+        (the first steps allocate optimizer state and buffers)."""
+        self.timer.reset()
+
     def drain(self) -> None:
         """Finish all work in flight, so that `state_dict`, `weights` and `evaluate` see the
         weights after every step taken. Called by every process at the same step."""

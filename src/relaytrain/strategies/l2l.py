@@ -61,7 +61,7 @@ from relaytrain.strategies.base import (
     replica_rows,
     scalar,
 )
-from relaytrain.strategies.eps import EagerParamServer, Peers, Shipment
+from relaytrain.strategies.eps import EagerParamServer, EpsStats, Peers, Shipment
 from relaytrain.strategies.l2l_cost import EpsPlacement, L2LCost, Stash, stash_on_host
 from relaytrain.strategies.relay import ActivationStash, WeightRelay
 from relaytrain.strategies.sequence_parallel import (
@@ -120,7 +120,7 @@ class L2LConfig(SequenceParallelConfig, WorkersConfig, StrategyConfig):
     prefetch: bool = True  # relay the next part in while the current one computes
     max_resident_blocks: int = 2  # parts on the device at once: the executing one and the prefetched one
     eps_state: EpsPlacement = EpsPlacement.sharded  # with replicas: where the EPS state lives
-    overlap_next_step: bool = True  # a step's last updates land during the next forward, each before its part's upload
+    overlap_next_step: bool = False  # a step's last updates land during the next forward, each before its part's upload
 
 
 class L2LSequenceCost(CutSequenceCost, L2LCost):
@@ -238,6 +238,11 @@ class L2L(ReplicatedStrategy):
 
     def drain(self) -> None:  # the updates a step left to the next one's forward land now
         self.eps.drain()
+
+    def reset_measurements(self) -> None:  # the EPS's times and the transfer waits too, as the phases
+        super().reset_measurements()
+        self.eps.stats = EpsStats(host_kernel=self.eps.stats.host_kernel)
+        self.transfers.wait_s = 0.0
 
     def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
         return values if self.peers is None else self.peers.sum_over_replicas(values)
@@ -399,25 +404,12 @@ class L2L(ReplicatedStrategy):
     def report(self) -> dict:
         """This worker's measured figures: the relay's residency, the phases per step, transfer
         waits, the server's rate and, with replicas, its gradient sums."""
-        phases = dict(self.timer.totals)
-        eps = self.eps.stats.as_dict()
-        steps = max(eps["steps"], 1)
-        measured = max(self.timer.counts.get("forward", 0), 1)  # the steps after warm-up
-        rate, stash = eps["parameters_per_s"], "host" if self.stash_host else "device"
-        summary = {
-            "resident blocks (peak / bound)": f"{self.relay.peak_resident} / {self.relay.capacity}",
-            "activation stash": stash,
-            **{f"{label} (mean s/step)": f"{phases.get(key, 0.0) / measured:.3f}"
-               for key, label in _PHASE_LABELS.items() if key in phases},
-            "transfer wait (mean s/step, within the phases)": f"{self.transfers.wait_s / steps:.3f}",
-            "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s ({eps['host_kernel']})",
-            "EPS updates": _update_mode(self.eps),
-        }
-        figures = {"stash": stash, "max_resident_blocks": self.relay.capacity,
+        phases, eps = dict(self.timer.totals), self.eps.stats.as_dict()
+        figures = {"stash": "host" if self.stash_host else "device", "max_resident_blocks": self.relay.capacity,
                    "peak_resident_blocks": self.relay.peak_resident, "deferred_updates": self.eps.defer,
                    "updates_into_next_step": self.eps.carry,
                    "phase_times_s": phases, "transfer_wait_s": self.transfers.wait_s, "eps": eps,
-                   "loss_scale": self.scaler.scale, "summary": summary}
+                   "loss_scale": self.scaler.scale, "summary": _summary(self, phases, eps)}
         if self.peers is not None:
             owned = sum(part.num_owned for part in self.eps.local_parts())
             figures["replica"] = {"rank": self.world.rank, "owned_parameters": owned,
@@ -432,6 +424,21 @@ class L2L(ReplicatedStrategy):
 
 _PHASE_LABELS = {"forward": "forward", "recompute_backward": "recompute+backward",
                  "transfer_wait": "transfer wait", "optimizer_exposed": "exposed optimizer"}
+
+
+def _summary(l2l: L2L, phases: dict, eps: dict) -> dict:
+    """The run summary's lines, per measured step (the figures cover the steps after warm-up)."""
+    measured = max(l2l.timer.counts.get("forward", 0), 1)
+    rate = eps["parameters_per_s"]
+    return {
+        "resident blocks (peak / bound)": f"{l2l.relay.peak_resident} / {l2l.relay.capacity}",
+        "activation stash": "host" if l2l.stash_host else "device",
+        **{f"{label} (mean s/step)": f"{phases.get(key, 0.0) / measured:.3f}"
+           for key, label in _PHASE_LABELS.items() if key in phases},
+        "transfer wait (mean s/step, within the phases)": f"{l2l.transfers.wait_s / max(eps['steps'], 1):.3f}",
+        "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s ({eps['host_kernel']})",
+        "EPS updates": _update_mode(l2l.eps),
+    }
 
 
 def _update_mode(eps: EagerParamServer) -> str:
