@@ -34,9 +34,11 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(EDITABLE) ".[dev]"
 	touch $@
 
-# The `fast` extra (DeepSpeed's cpu_adam op, built with ninja on first use): the slow step runs its tests.
+# The `fast` extra (DeepSpeed's cpu_adam op, built with ninja on first use) and the `lowbit` one
+# (torchao, optim.state_bits): the slow step runs their tests. Not in dev: where torchao is
+# installed, transformers imports it in every process that builds a model (1.3 s each here).
 $(VENV)/.installed-fast: $(VENV)/.installed-dev
-	$(EDITABLE) ".[fast]"
+	$(EDITABLE) ".[fast,lowbit]"
 	touch $@
 
 # The `mlflow` and `wandb` extras (log.mlflow, log.wandb): the slow step's tests read their runs back.

@@ -43,6 +43,7 @@ CARRY = {
     "antlr4-python3-runtime": "absent from the GPU image; omegaconf's interpolation grammar",
     # 41 MiB (its CUDA kernels for every CUDA release): the largest of the carried, and within budget
     "bitsandbytes": "absent from the GPU image; model.quantize=nf4 (adapter=qlora) quantizes and dequantizes with it",
+    "torchao": "absent from the GPU image; optim.state_bits=8|4 keeps AdamW's moments with it",
 }
 # transformers is not carried: pyproject's floor (5.17) is the image's own release.
 # Manylinux tags of the GPU machine (x86-64, glibc 2.35+), as its README lists them; pip matches

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from relaytrain.records.checkpoint import load_optimizer_state, optimizer_state
+from relaytrain.records.optimizer_state import load_optimizer_state, optimizer_state
 from relaytrain.step import optim
 from relaytrain.step.flat import flatten
 from relaytrain.step.optim import AdamWConfig, DeepSpeedAdamW, FlatAdamW, build_optimizer

@@ -12,3 +12,8 @@ __version__ = "0.1.0"
 # bitsandbytes (model.quantize=nf4) warns at import, on a CPU, that an optional kernel package
 # is absent; peft imports it wherever it is installed, so every adapter run would print that line.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+# torchao (optim.state_bits=8|4) says at import, on a CPU or an older GPU, that its CUDA-only
+# kernels did not load, and torch's pytree that torchao registers enums a deprecated way; where
+# torchao is installed, transformers imports it for every model, so every run would print them.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)

@@ -115,8 +115,9 @@ def reference_loop(model: torch.nn.Module, optimizer, cfg, delay: int = 0) -> li
             for p, q in zip(model.parameters(), stale.parameters(), strict=True):
                 if p.requires_grad:
                     p.grad, q.grad = q.grad, None
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optim, cfg.train.steps)
+        for group in optimizer.param_groups:  # torchao's optimizers keep the rate a tensor
+            rate = lr_at(step, cfg.optim, cfg.train.steps)
+            group["lr"].fill_(rate) if torch.is_tensor(group["lr"]) else group.update(lr=rate)
         optimizer.step()
         optimizer.zero_grad()
     return losses

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from relaytrain.records.checkpoint import load_optimizer_state, optimizer_state
+from relaytrain.records.optimizer_state import load_optimizer_state, optimizer_state
 from relaytrain.step.optim import build_optimizer, optimizer_schemas, set_lr
 from relaytrain.step.precision import LossScaler
 from relaytrain.strategies.eps import EagerParamServer, Shipment

@@ -69,7 +69,7 @@ class ModelFacts:
     head_params: int
     weight_bytes: int  # bytes of a weight where it computes (fp32: 4; cross mixed precision: 2)
     activation_bytes: int  # bytes of an activation value (fp32: 4; amp, cmp: 2)
-    state_words: int  # fp32 optimizer-state words per parameter
+    state_words: float  # fp32 optimizer-state words per parameter (fractional for 8- and 4-bit moments)
     logits_per_sample: int  # values the head's logits hold per sample (an LM: seq x vocabulary)
     shape: BlockShape  # one block's widths: query and key/value heads, head width, MLP width and kind
     work: PartWork  # forward FLOPs of one sample through a block and through the head (`cost.work`)

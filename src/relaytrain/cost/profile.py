@@ -39,6 +39,7 @@ from relaytrain.objectives import objective
 from relaytrain.placement.world import threads_per_process, usable_cores
 from relaytrain.records.checkpoint import unique_named_parameters
 from relaytrain.step import metrics
+from relaytrain.step.lowbit import HOST_TIME_VS_FP32
 from relaytrain.step.optim import build_optimizer, state_words
 from relaytrain.step.precision import Precision
 from relaytrain.utils.errors import ConfigError
@@ -438,7 +439,7 @@ def from_spec(spec: dict, cfg, microbatch_sizes: list[int]) -> Profile:
         stage_link_bytes_per_s=spec["stage_link_gb_s"] * link, allreduce_bytes_per_s=spec["allreduce_gb_s"] * link,
         inter_node_bytes_per_s=spec["inter_node_gb_s"] * link, devices_per_node=spec["devices_per_node"],
         link_latency_s=spec["link_latency_s"],
-        host_optimizer_s_per_param=optimizer_bytes_per_param(cfg) / (spec["host_optimizer_gb_s"] * link),
+        host_optimizer_s_per_param=_spec_host_optimizer_s_per_param(cfg, spec["host_optimizer_gb_s"] * link),
         timings={0: timings},
     )
 
@@ -465,6 +466,16 @@ def _spec_part(work: float, rate: float, spec: dict, cfg, b: int, overhead: bool
 def embed_bytes(cfg, b: int) -> float:
     """The embeddings are a lookup: bytes read and written, not FLOPs (timed at memory bandwidth)."""
     return 3 * b * cfg.data.seq_len * cfg.model.hidden_size * 4
+
+
+def _spec_host_optimizer_s_per_param(cfg, bytes_per_s: float) -> float:
+    """The EPS's host update per parameter on a profile's host: fp32 AdamW's bytes at its rate;
+    AdamW with 8- or 4-bit moments measured as so many times fp32's (`lowbit.HOST_TIME_VS_FP32`)."""
+    bits = cfg.optim.get("state_bits", 32)
+    if bits == 32:
+        return optimizer_bytes_per_param(cfg) / bytes_per_s
+    fp32_adamw = 4 * (2 + 2) + 4 * (1 + 2)  # weight, gradient and two moments read; weight and moments written
+    return fp32_adamw / bytes_per_s * HOST_TIME_VS_FP32[bits]
 
 
 def optimizer_bytes_per_param(cfg) -> int:

@@ -59,7 +59,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from relaytrain.models import dry_attention
 from relaytrain.models.family import Family
 from relaytrain.models.layered import LayeredModel
-from relaytrain.records.checkpoint import load_optimizer_state, unique_named_parameters
+from relaytrain.records.checkpoint import unique_named_parameters
+from relaytrain.records.optimizer_state import load_optimizer_state
 from relaytrain.utils.errors import ConfigError
 
 COLWISE, ROWWISE, NORM = "colwise", "rowwise", "replicated_with_grad_allreduce"

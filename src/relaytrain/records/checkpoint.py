@@ -36,7 +36,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +44,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from relaytrain.records.optimizer_state import load_optimizer_state, optimizer_state
 from relaytrain.utils import failpoints
 from relaytrain.utils.errors import CheckpointWriteFailed, ConfigError, first_line
 from relaytrain.utils.files import atomic_write, crc32_of, fsync_dir, write_json
@@ -88,26 +89,6 @@ def trained_named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(name, parameter) for every parameter that trains: what a checkpoint holds. Under adapters
     the frozen base is left out (it is `model.pretrained` again on resume, `identity` checks it)."""
     return ((name, p) for name, p in unique_named_parameters(model) if p.requires_grad)
-
-
-def optimizer_state(optimizers, name_of: Callable[[torch.Tensor], str]) -> dict:
-    """Every optimizer's per-parameter state, keyed by parameter name."""
-    by_name = {}
-    for optimizer in optimizers:
-        for p, state in optimizer.state.items():
-            by_name[name_of(p)] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
-    return by_name
-
-
-def load_optimizer_state(optimizers, name_of: Callable[[torch.Tensor], str], by_name: dict) -> None:
-    # Rebuilt in torch's own (index-keyed) format so `load_state_dict` applies torch's rules for
-    # where each state tensor lives (fused kernels keep `step` on the device, others on the CPU);
-    # the config's hyperparameters stay, only per-parameter state comes from the checkpoint.
-    for optimizer in optimizers:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        state_dict = optimizer.state_dict()
-        state_dict["state"] = {i: by_name[name_of(p)] for i, p in enumerate(params) if name_of(p) in by_name}
-        optimizer.load_state_dict(state_dict)
 
 
 def model_state(model, params, optimizers, scaler) -> dict:

@@ -42,6 +42,8 @@ from torch.optim.sgd import sgd
 
 from relaytrain.schema.config import Choice, OptimConfig
 from relaytrain.step.flat import FlatState
+from relaytrain.step.lowbit import lowbit_adamw
+from relaytrain.step.lowbit import state_words as lowbit_state_words
 from relaytrain.step.muon import FlatMuonWithAdamW, MuonWithAdamW, muon_groups
 from relaytrain.step.stepping import AdamWRule, StepEachGroup
 from relaytrain.utils.errors import first_line
@@ -88,6 +90,7 @@ class AdamWConfig(OptimConfig):
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
     fused: bool = True  # torch's fused kernel, on CPU and CUDA
     host_kernel: HostKernel = HostKernel.torch  # kernel of the host-side (EPS) AdamW: torch (bit for bit the device's), deepspeed (pip install relaytrain[fast]) or auto (deepspeed where installed)
+    state_bits: int = 32  # bits of each moment: 32 (torch's AdamW), or 8 or 4 (torchao's AdamW8bit / AdamW4bit, blockwise quantized; pip install relaytrain[lowbit])
 
 
 @register_optimizer("lamb")
@@ -155,6 +158,8 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o, flat: b
     if o.name == "muon":
         return (FlatMuonWithAdamW if flat else MuonWithAdamW)(muon_groups(named_params, o))
     groups = param_groups(named_params, o.weight_decay)
+    if o.name == "adamw" and o.state_bits != 32:
+        return lowbit_adamw(groups, o)
     if o.name == "adamw":
         # torch's fused AdamW runs on CPU and CUDA: one kernel over all tensors of a group. A dry
         # run (meta device) takes the multi-tensor kernel: the same state, no fused kernel there.
@@ -210,13 +215,13 @@ def _load_cpu_adam():
     return CPUAdamBuilder().load(verbose=False)
 
 
-def state_words(o) -> int:
+def state_words(o) -> float:
     """fp32 words of optimizer state per parameter: two moments for AdamW and LAMB, SGD's momentum.
     Muon's matrices keep one (the momentum), its AdamW parameters two: counted as two, the bound
     for the embeddings and head that the largest part holds."""
     if o.name == "sgd":
         return 1 if o.momentum else 0
-    return 2
+    return lowbit_state_words(o.state_bits) if o.name == "adamw" else 2
 
 
 def lr_at(step: int, o, total_steps: int) -> float:
@@ -260,7 +265,10 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """The schedule's rate `lr` for every group, times the group's `lr_scale` where it has one
     (Muon's AdamW groups: optim.adamw_lr / optim.lr)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
+        if torch.is_tensor(group["lr"]):  # torchao's optimizers keep it a tensor (`step.lowbit`)
+            group["lr"].fill_(lr * group.get("lr_scale", 1.0))
+        else:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 class Lamb(StepEachGroup, torch.optim.Optimizer):

@@ -46,6 +46,7 @@ class Capabilities:
     grad_clip: bool = True  # global-norm clipping (needs every gradient before any update)
     fp16: bool = True  # fp16 loss scaling (one overflow decision across every weight)
     cross_precision: bool = False  # cmp_*: fp32 masters apart from the half weights computed with
+    lowbit_states: bool = True  # optim.state_bits=8|4: torchao's AdamW over the strategy's own parameters
 
     @property
     def update_delay(self) -> int:

@@ -67,7 +67,8 @@ from relaytrain.placement.layout import Layout
 from relaytrain.placement.tensor_parallel import local as _local
 from relaytrain.placement.tensor_parallel import tensor_parallel
 from relaytrain.placement.tensor_parallel import whole as _whole
-from relaytrain.records.checkpoint import OPTIMIZER_PREFIX, Checkpoint, load_optimizer_state, sharded_contents
+from relaytrain.records.checkpoint import OPTIMIZER_PREFIX, Checkpoint, sharded_contents
+from relaytrain.records.optimizer_state import load_optimizer_state
 from relaytrain.schema.config import (
     Offload,
     Recompute,
@@ -78,7 +79,7 @@ from relaytrain.schema.config import (
 )
 from relaytrain.step.optim import set_lr
 from relaytrain.strategies import register
-from relaytrain.strategies.base import optimizer_tensors
+from relaytrain.strategies.base import Capabilities, optimizer_tensors
 from relaytrain.strategies.sequence_parallel import CutSequenceCost, sequence_parallel
 from relaytrain.strategies.stash import Stash
 from relaytrain.strategies.whole_model import STATE, WholeModel
@@ -105,6 +106,7 @@ class Fsdp(WholeModel):
 
     Config = FsdpConfig
     cost_model = FsdpSequenceCost  # what the planner asks: whole_model_cost.py's closed forms
+    capabilities = Capabilities(lowbit_states=False)  # torchao's states over DTensor shards: not checked yet
 
     @classmethod
     def rank_layout(cls, cfg) -> Layout:

@@ -35,7 +35,7 @@ import threading
 import torch
 from torch import nn
 
-from relaytrain.records.checkpoint import load_optimizer_state, optimizer_state
+from relaytrain.records.optimizer_state import load_optimizer_state, optimizer_state
 from relaytrain.step.precision import LossScaler
 from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.eps import EagerParamServer, Shipment

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from relaytrain.records.checkpoint import load_optimizer_state, optimizer_state
+from relaytrain.records.optimizer_state import load_optimizer_state, optimizer_state
 from relaytrain.step.optim import build_optimizer, set_lr
 from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.pipeline.stage import StageModule

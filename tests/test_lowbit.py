@@ -1,0 +1,165 @@
+"""optim.state_bits=8|4: AdamW's moments in 8 or 4 bits, torchao's AdamW8bit and AdamW4bit, under
+relaytrain's strategies: equal to torchao's optimizer in a plain Hugging Face loop, kept in
+their bits on the eager param server's host, resumed exactly, counted by the planner, and refused
+in one line where they are not checked.
+
+torchao compiles its update once per tensor shape (about 17 s each on this 2-core VM); the tests
+run it eagerly (`torch.compiler.set_stance("force_eager")`), the same operations uncompiled, in
+single-process strategies (a spawned worker would compile). The compiled path is the slow step's.
+torchao is the `lowbit` extra, which the slow step installs (`make test-slow`); where it is
+missing, as in the default suite's environment, the runs are skipped (the checks still run).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from relaytrain.cost.profile import from_spec, load_spec
+from relaytrain.models.pretrained import resolve
+from relaytrain.run.compose import compose_config, validate
+from relaytrain.run.train import run
+from relaytrain.step.lowbit import BLOCK, HOST_TIME_VS_FP32, state_words
+from relaytrain.strategies.l2l_cost import eps_state_bytes
+from relaytrain.utils.errors import ConfigError
+from tests.checkpoints import tiny_decoder
+from tests.conformance.references import assert_same_weights, exempt_from_decay, hf_saved, reference_loop
+
+# The runs need torchao; the checks and the planner's counts do not.
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                   reason="torchao is the lowbit extra: make test-slow installs it")
+
+STEPS = 3
+RUN_KEYS = ["data.seq_len=16", "data.num_samples=64", "optim.lr=0.01", "optim.weight_decay=0.1", "optim.eps=1e-4",
+            "optim.warmup_steps=1", "optim.schedule=linear", f"train.steps={STEPS}", "train.untimed_steps=0",
+            "strategy.num_microbatches=2", "strategy.microbatch_size=2", "train.save_model=true", "model.dropout=0.0"]
+
+
+@pytest.fixture(autouse=True)
+def eager():
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    # Wide enough that the block's matrices are quantized (torchao: 4096 elements and more, a
+    # multiple of the block); the key/value projections (2048) keep fp32 moments, as torchao does.
+    return tiny_decoder(tmp_path_factory.mktemp("lowbit") / "llama", layers=2, hidden_size=64, head_dim=16,
+                        intermediate_size=128)
+
+
+def lowbit_cfg(checkpoint: Path, *overrides: str):
+    return resolve(compose_config([f"model.pretrained={checkpoint}", *RUN_KEYS, *overrides]), ())
+
+
+def torchao_adamw(model: torch.nn.Module, o):
+    """torchao's own optimizer over the reference, decaying what relaytrain decays."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if not exempt_from_decay(n)], "weight_decay": o.weight_decay},
+              {"params": [p for n, p in named if exempt_from_decay(n)], "weight_decay": 0.0}]
+    import torchao.optim
+
+    kind = getattr(torchao.optim, f"AdamW{o.state_bits}bit")
+    return kind([g for g in groups if g["params"]], lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+
+
+@needs_torchao
+@pytest.mark.parametrize(("strategy", "bits"), [("baseline", 8), ("l2l", 8), ("l2l", 4),
+                                                pytest.param("l2l_stash_cpu", 4, marks=pytest.mark.slow),
+                                                # its stages' processes compile torchao's update, shape by shape
+                                                pytest.param("pipe_flush", 8, marks=pytest.mark.slow)])
+def test_lowbit_states_train_as_torchaos_optimizer_in_a_plain_loop(checkpoint, tmp_path, strategy, bits):
+    cfg = lowbit_cfg(checkpoint, f"strategy={strategy}", f"optim.state_bits={bits}")
+    run(cfg, tmp_path / "run", quiet=True)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    optimizer = torchao_adamw(reference, cfg.optim)
+    reference_loop(reference, optimizer, cfg)
+    quantized = [s["exp_avg"] for s in optimizer.state.values() if type(s["exp_avg"]).__name__.startswith("OptimState")]
+    assert quantized  # the test's model has matrices torchao quantizes
+    assert_same_weights(hf_saved(tmp_path / "run"), reference, f"{strategy} state_bits={bits}")
+
+
+@needs_torchao
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_eps_keeps_the_moments_in_their_bits(checkpoint, bits):
+    """The host holds codes of `bits` and a scale per block, not fp32 moments: the bytes of each
+    quantized moment are bits/32 of fp32's and a block's scale."""
+    from relaytrain.models import build_model
+    from relaytrain.strategies import build_strategy
+    from tests.conformance.references import minibatches
+
+    cfg = lowbit_cfg(checkpoint, "strategy=l2l", f"optim.state_bits={bits}")
+    strategy = build_strategy(build_model(cfg.model, seed=cfg.train.seed), cfg)
+    try:
+        strategy.step(minibatches(cfg)[0], cfg.optim.lr)
+        strategy.drain()
+        moments = [s[key] for part in strategy.eps.parts if part.optimizer
+                   for s in part.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+    finally:
+        strategy.close()
+    quantized = [m for m in moments if hasattr(m, "codes")]
+    assert quantized and all(m.codes.dtype == torch.uint8 for m in quantized)
+    for m in quantized:
+        held = m.codes.numel() * m.codes.element_size() + m.scale.numel() * m.scale.element_size()
+        assert held == m.numel() * bits // 8 + m.numel() // BLOCK[bits] * 4
+
+
+@needs_torchao
+def test_a_run_resumed_from_its_step_one_checkpoint_ends_on_the_same_weights(checkpoint, tmp_path):
+    """The codes and scales come back as they were saved."""
+    from relaytrain.records import checkpoint as checkpoints
+
+    keys = ["strategy=l2l", "optim.state_bits=8", "train.checkpoint_every=1", "train.keep_checkpoints=0"]
+    whole = run(lowbit_cfg(checkpoint, *keys), tmp_path / "whole", quiet=True)
+    step_one = checkpoints.checkpoint_dir(tmp_path / "whole") / "step-00000001"
+    resumed = run(lowbit_cfg(checkpoint, *keys, f"train.resume={step_one}"), tmp_path / "resumed", quiet=True)
+    assert resumed["loss"][-2:] == whole["loss"][-2:]
+    theirs = dict(hf_saved(tmp_path / "whole").named_parameters())
+    for name, p in hf_saved(tmp_path / "resumed").named_parameters():
+        assert torch.equal(p, theirs[name]), name
+
+
+def test_the_planner_counts_the_states_in_their_bits():
+    """8-bit moments and a scale per 256: about a quarter of fp32's state; the EPS's host bytes
+    (fp32 masters, their gradients, the state) shrink by the difference."""
+    assert state_words(32) == 2 and state_words(8) == pytest.approx(2 * (1 / 4 + 1 / 256))
+    assert state_words(4) == pytest.approx(2 * (1 / 8 + 1 / 128))
+    fp32, eight = (compose_config(["strategy=l2l", f"optim.state_bits={b}"]) for b in (32, 8))
+    n = 10**9
+    saved = eps_state_bytes(fp32, n, workers=1) - eps_state_bytes(eight, n, workers=1)
+    assert saved == pytest.approx(n * 4 * (2 - state_words(8)))
+    # and the host's update at torchao's measured rate on a CPU, not at the fewer bytes' rate
+    spec = load_spec("h200_141gb")
+    fp32_s, eight_s = (from_spec(spec, c, [1]).host_optimizer_s_per_param for c in (fp32, eight))
+    assert eight_s == pytest.approx(fp32_s * HOST_TIME_VS_FP32[8])
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["optim.state_bits=16"], "optim.state_bits=16 must be 32 (fp32 moments), 8 or 4"),
+    (["optim.state_bits=8", "strategy=fsdp"], "optim.state_bits=8 under strategy=fsdp: torchao's quantized moments"),
+    (["optim.state_bits=8", "optim.host_kernel=deepspeed"], "optim.host_kernel=deepspeed DeepSpeed's fp32 one"),
+])
+def test_what_is_not_checked_is_refused_in_one_line(overrides, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")) as err:
+        validate(compose_config(["+exp=tiny_baseline", *overrides]))
+    assert "\n" not in str(err.value)
+
+
+def test_without_torchao_the_run_is_refused_in_one_line(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torchao(name, *args, **kwargs):
+        if name.startswith("torchao"):
+            raise ModuleNotFoundError("No module named 'torchao'", name="torchao")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    with pytest.raises(ConfigError, match=r"pip install 'relaytrain\[lowbit\]'"):
+        validate(compose_config(["+exp=tiny_baseline", "strategy=l2l", "optim.state_bits=4"]))
