@@ -43,8 +43,10 @@ CARRY = {
     "antlr4-python3-runtime": "absent from the GPU image; omegaconf's interpolation grammar",
     # 41 MiB (its CUDA kernels for every CUDA release): the largest of the carried, and within budget
     "bitsandbytes": "absent from the GPU image; model.quantize=nf4 (adapter=qlora) quantizes and dequantizes with it",
-    "torchao": "absent from the GPU image; optim.state_bits=8|4 keeps AdamW's moments with it",
 }
+# Extras carried where this environment has them (the slow step's, `make test-slow`, does):
+# an optional feature's package, left behind with one line where it is not installed here.
+CARRY_IF_INSTALLED = {"torchao": "optim.state_bits=8|4 keeps AdamW's moments with it (the lowbit extra)"}
 # transformers is not carried: pyproject's floor (5.17) is the image's own release.
 # Manylinux tags of the GPU machine (x86-64, glibc 2.35+), as its README lists them; pip matches
 # each exactly, so a wheel built for another glibc floor needs its tag named here.
@@ -141,6 +143,13 @@ def gather(dest: Path, python_version: str) -> None:
     for old in dest.glob("*.whl"):  # two versions of one package stop the whole install there
         old.unlink()
     for name in CARRY:
+        download(pinned(name), dest, python_version)
+    for name, why in CARRY_IF_INSTALLED.items():
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            print(f"gpu-wheels: not carried: {name}, not installed here ({why})")
+            continue
         download(pinned(name), dest, python_version)
     build_relaytrain(dest)
     wheels = sorted(dest.glob("*.whl"))
