@@ -163,3 +163,17 @@ def test_without_torchao_the_run_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_torchao)
     with pytest.raises(ConfigError, match=r"pip install 'relaytrain\[lowbit\]'"):
         validate(compose_config(["+exp=tiny_baseline", "strategy=l2l", "optim.state_bits=4"]))
+
+
+def test_the_planner_says_once_that_torchao_is_missing(monkeypatch, capsys):
+    """Not as every candidate's refusal under "nothing fits": the plan stops at once, in one line."""
+    from relaytrain.commands.cli import main
+
+    monkeypatch.setattr("relaytrain.step.lowbit._torchao_optim", _missing)
+    assert main(["plan", "model=llama_tiny", "optim.state_bits=8", "plan.workers=1", "plan.device=h200_141gb"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["relaytrain: error: optim.state_bits=8 needs torchao here"]
+
+
+def _missing(bits: int):
+    raise ConfigError(f"optim.state_bits={bits} needs torchao here")
