@@ -39,7 +39,7 @@ from relaytrain.objectives import objective
 from relaytrain.placement.world import threads_per_process, usable_cores
 from relaytrain.records.checkpoint import unique_named_parameters
 from relaytrain.step import metrics
-from relaytrain.step.lowbit import HOST_TIME_VS_FP32
+from relaytrain.step.lowbit import HOST_TIME_VS_FP32, state_bits
 from relaytrain.step.optim import build_optimizer, state_words
 from relaytrain.step.precision import Precision
 from relaytrain.utils.errors import ConfigError
@@ -471,18 +471,21 @@ def embed_bytes(cfg, b: int) -> float:
 def _spec_host_optimizer_s_per_param(cfg, bytes_per_s: float) -> float:
     """The EPS's host update per parameter on a profile's host: fp32 AdamW's bytes at its rate;
     AdamW with 8- or 4-bit moments measured as so many times fp32's (`lowbit.HOST_TIME_VS_FP32`)."""
-    bits = cfg.optim.get("state_bits", 32)
+    bits = state_bits(cfg.optim)
     if bits == 32:
         return optimizer_bytes_per_param(cfg) / bytes_per_s
-    fp32_adamw = 4 * (2 + 2) + 4 * (1 + 2)  # weight, gradient and two moments read; weight and moments written
-    return fp32_adamw / bytes_per_s * HOST_TIME_VS_FP32[bits]
+    return _update_bytes(state_words=2) / bytes_per_s * HOST_TIME_VS_FP32[bits]
 
 
-def optimizer_bytes_per_param(cfg) -> int:
-    """Bytes an optimizer step reads and writes per fp32 parameter: weight, gradient and state
-    read, weight and state written (AdamW/LAMB: 2 moments; SGD: momentum or none)."""
-    words = state_words(cfg.optim)
-    return 4 * (2 + words) + 4 * (1 + words)
+def optimizer_bytes_per_param(cfg) -> float:
+    """Bytes an optimizer step reads and writes per fp32 parameter (AdamW/LAMB: 2 moments; SGD:
+    momentum or none; fewer words for 8- and 4-bit moments)."""
+    return _update_bytes(state_words(cfg.optim))
+
+
+def _update_bytes(state_words: float) -> float:
+    """Weight, gradient and state read, weight and state written, per parameter."""
+    return 4 * (2 + state_words) + 4 * (1 + state_words)
 
 
 def _ends_parameters(cfg) -> int:

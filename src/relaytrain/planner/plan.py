@@ -45,7 +45,7 @@ from relaytrain.planner.dryrun import simulate
 from relaytrain.run.compose import compose
 from relaytrain.run.launch import keep_freed_host_memory
 from relaytrain.run.resolve import choose
-from relaytrain.step.lowbit import check_available
+from relaytrain.step.lowbit import check_available, state_bits
 from relaytrain.step.metrics import sequences
 from relaytrain.strategies import registry, strategy_class
 from relaytrain.utils.errors import ConfigError
@@ -293,7 +293,7 @@ def trains_over_a_frozen_base(cfg) -> bool:
 def _make_plan(overrides: list[str], kept_in_command: list[str], max_simulations: int) -> Plan:
     cfg = resolve(compose(overrides), explicit_overrides(overrides))
     # What every candidate would need from this environment, said once rather than as each one's refusal.
-    check_available(cfg.optim.get("state_bits", 32))
+    check_available(state_bits(cfg.optim))
     spec = None if str(cfg.plan.device) == "this" else load_spec(str(cfg.plan.device))
     precision = plan_precision(cfg, overrides, spec)
     if precision.name != str(cfg.precision.name):  # the profile times the plan's precision

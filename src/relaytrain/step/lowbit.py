@@ -33,6 +33,11 @@ STATE_BITS = (32, *BLOCK)  # 32: torch's AdamW with fp32 moments
 _CLASSES: dict[int, type] = {}
 
 
+def state_bits(o) -> int:
+    """The width of AdamW's moments the optimizer keys ask for; 32 for every other optimizer."""
+    return o.get("state_bits", 32)
+
+
 def state_words(bits: int) -> float:
     """fp32 words of AdamW state per parameter: two moments of `bits` and a scale per block each
     (the tensors torchao leaves in fp32 are too few to count)."""

@@ -198,9 +198,8 @@ class EagerParamServer:
         if self.carry:
             self._worker.raise_if_failed()
             return False
-        if self.defer:
-            lr = self._lr
-            self._worker.put(lambda: self._deferred_update(lr))
+        if self.defer:  # each part's rate came with its shipment (`_apply`)
+            self._worker.put(self._deferred_update)
         self.drain()
         overflow, self._overflow = self._overflow, False
         return overflow
@@ -258,12 +257,8 @@ class EagerParamServer:
             shipment.then()
         self.stats.busy_s += time.perf_counter() - start
 
-    def _deferred_update(self, lr: float | None) -> None:
+    def _deferred_update(self) -> None:
         start = time.perf_counter()
-        if lr is not None:
-            for part in self.local_parts():
-                if part.optimizer is not None:
-                    set_lr(part.optimizer, lr)
         self._deferred_step()
         self.stats.busy_s += time.perf_counter() - start
 
