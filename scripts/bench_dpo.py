@@ -21,11 +21,10 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, report
+from benchlib import alternating_rounds, child_run, contest_args, contest_dirs, headline, report
 
 HERE = Path(__file__).resolve().parent
 SIZES = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -140,11 +139,8 @@ def main() -> None:
         child(*args.child, args.steps)
         return
     chosen = args.only.split(",")
-    with tempfile.TemporaryDirectory() as tmp, OtherLoad() as load:
-        workdir = Path(tmp)
+    with contest_dirs() as (workdir, runs, load):
         make_inputs(workdir)
-        runs = workdir / "runs"
-        runs.mkdir()
         # A warm-up: the tokenize caches and the reference's log-probs, so that no timed run makes them.
         for warm in ("relaytrain:baseline", "relaytrain:l2l_lora", "relaytrain:l2l_lora_sft"):
             child_run(__file__, 1, [warm, str(workdir)], runs, "warmup")

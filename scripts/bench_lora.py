@@ -20,10 +20,9 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, headline_line
+from benchlib import alternating_rounds, child_run, contest_args, contest_dirs, headline, headline_line
 
 HERE = Path(__file__).resolve().parent
 # The model: the Llama layout, grouped-query attention 16/4, SwiGLU, an untied 8k vocabulary (107 M
@@ -83,11 +82,8 @@ def main() -> None:
     if args.child:
         child(*args.child, args.steps)
         return
-    with tempfile.TemporaryDirectory() as tmp, OtherLoad() as load:
-        workdir = Path(tmp)
+    with contest_dirs() as (workdir, runs, load):
         checkpoint = make_checkpoint(workdir / "checkpoint")
-        runs = workdir / "runs"
-        runs.mkdir()
         rounds = alternating_rounds(("lora", "none"), args.rounds,
                                     lambda adapter: one_run(checkpoint, adapter, runs, args.steps))
     memory = [r["lora"]["host_bytes"] / r["none"]["host_bytes"] for r in rounds]

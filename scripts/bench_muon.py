@@ -14,10 +14,9 @@ rounds):
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
-from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, report
+from benchlib import alternating_rounds, child_run, contest_args, contest_dirs, headline, report
 
 SIZES = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1376, vocab_size=4096, max_position_embeddings=256)
@@ -57,11 +56,8 @@ def main() -> None:
     if args.child:
         child(*args.child, args.steps)
         return
-    with tempfile.TemporaryDirectory() as tmp, OtherLoad() as load:
-        workdir = Path(tmp)
+    with contest_dirs() as (workdir, runs, load):
         make_checkpoint(workdir)
-        runs = workdir / "runs"
-        runs.mkdir()
         rounds = alternating_rounds(["muon", "adamw"], args.rounds,
                                     lambda c: child_run(__file__, args.steps, [c, str(workdir)], runs, c))
     top, bottom = CONTESTS["muon_l2l_vs_adamw_l2l"]

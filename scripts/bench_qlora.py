@@ -31,12 +31,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import tempfile
 from pathlib import Path
 
 from bench_lora import RUN, make_checkpoint
 from bench_lora import SIZES as LORA_SIZES
-from benchlib import OtherLoad, alternating_rounds, child_run, contest_args, headline, headline_line
+from benchlib import alternating_rounds, child_run, contest_args, contest_dirs, headline, headline_line
 
 ADAPTERS = ("qlora", "lora")
 # Llama-3-8B's proportions at 1/32 of its width (see the module): bench_lora's 8 blocks of hidden
@@ -124,11 +123,8 @@ def main() -> None:
     if args.child:
         child(*args.child, args.steps)
         return
-    with tempfile.TemporaryDirectory() as tmp, OtherLoad() as load:
-        workdir = Path(tmp)
+    with contest_dirs() as (workdir, runs, load):
         checkpoint = make_checkpoint(workdir / "checkpoint", SIZES)
-        runs = workdir / "runs"
-        runs.mkdir()
         rounds = alternating_rounds(ADAPTERS, args.rounds, lambda adapter: one_run(checkpoint, adapter, runs, args.steps))
         seventy = make_checkpoint(workdir / "seventy_b", SEVENTY_B)
         built = {adapter: one_run(seventy, adapter, runs, BUILD_ONLY) for adapter in ADAPTERS}

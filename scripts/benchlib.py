@@ -10,7 +10,10 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -113,3 +116,14 @@ def _machine_busy_s() -> float:
 def _own_cpu_s() -> float:
     own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     return sum(u.ru_utime + u.ru_stime for u in own)
+
+
+@contextmanager
+def contest_dirs() -> Iterator[tuple[Path, Path, OtherLoad]]:
+    """A contest's scratch folder (its checkpoints and inputs), the `runs` folder in it that
+    `child_run` puts each run's folder in, and the other processes' load measured meanwhile."""
+    with tempfile.TemporaryDirectory() as tmp, OtherLoad() as load:
+        workdir = Path(tmp)
+        runs = workdir / "runs"
+        runs.mkdir()
+        yield workdir, runs, load
