@@ -61,9 +61,9 @@ def _check_muon(o) -> None:
 def _check_state_bits(o, cls, name, tensor_parallel: int) -> None:
     """optim.state_bits: a width torchao quantizes to, a strategy whose parameters it can step, and
     torchao installed; each refused in one line before any work."""
-    from relaytrain.step.lowbit import STATE_BITS, check_available, state_bits
+    from relaytrain.step.lowbit import STATE_BITS, check_available
 
-    bits = state_bits(o)
+    bits = o.get("state_bits", 32)  # read here, not through lowbit.state_bits: the config's walk stays in checks
     if bits == 32:
         return
     if bits not in STATE_BITS:
