@@ -36,6 +36,7 @@ BENCHMARKS = {
     "moe": HERE / "bench_moe.py",
     "dpo": HERE / "bench_dpo.py",
     "muon": HERE / "bench_muon.py",
+    "lowbit": HERE / "bench_lowbit.py",
 }
 # The comparisons each script reports as a median over its rounds (scripts/benchlib.py), in
 # the order of the summary table, with what each compares.
@@ -78,6 +79,8 @@ COMPARED = {
     "dpo_l2l_vs_recompute_baseline": "DPO pairs/s, l2l / baseline with recompute (reference cached)",
     "dpo_lora_vs_sft_lora": "tokens/s under l2l, LoRA DPO / LoRA SFT on the same rows",
     "muon_l2l_vs_adamw_l2l": "samples/s under l2l, optim=muon / optim=adamw (Llama layout, 4 x 512)",
+    "lowbit_host_bytes_ratio": "l2l EPS host bytes, 8-bit states + bf16 masters / fp32 (Llama layout, 4 x 512, cmp_bf16)",
+    "lowbit_eps_vs_fp32_eps": "l2l samples/s, 8-bit states + bf16 masters / fp32 (the same run)",
 }
 def run(name: str, script: Path, workdir: Path) -> dict:
     out = workdir / f"{name}.json"

@@ -16,7 +16,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchlib import alternating_rounds, child_run, contest_args, contest_dirs, headline, report
+from benchlib import (
+    alternating_rounds,
+    child_run,
+    contest_args,
+    contest_dirs,
+    headline,
+    llama_checkpoint,
+    report,
+)
 
 SIZES = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1376, vocab_size=4096, max_position_embeddings=256)
@@ -28,14 +36,6 @@ CONTESTS = {"muon_l2l_vs_adamw_l2l": ("muon", "adamw")}
 def parse_args():
     return contest_args(__doc__, ("CONTESTANT", "WORKDIR"), steps=5, untimed="the first is",
                         comparisons=COMPARISONS, rounds=3)
-
-
-def make_checkpoint(workdir: Path) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SIZES)).save_pretrained(workdir / "checkpoint")
 
 
 def child(optimizer: str, workdir: str, run_dir: str, steps: int) -> None:
@@ -57,7 +57,7 @@ def main() -> None:
         child(*args.child, args.steps)
         return
     with contest_dirs() as (workdir, runs, load):
-        make_checkpoint(workdir)
+        llama_checkpoint(workdir / "checkpoint", SIZES)
         rounds = alternating_rounds(["muon", "adamw"], args.rounds,
                                     lambda c: child_run(__file__, args.steps, [c, str(workdir)], runs, c))
     top, bottom = CONTESTS["muon_l2l_vs_adamw_l2l"]

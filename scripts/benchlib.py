@@ -52,6 +52,16 @@ def contest_args(doc: str, child: tuple[str, ...], steps: int, untimed: str,
     return args
 
 
+def llama_checkpoint(directory: Path, sizes: dict) -> Path:
+    """A random float32 checkpoint of the Llama layout of `sizes`, written by save_pretrained."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **sizes)).save_pretrained(directory)
+    return directory
+
+
 def child_run(script: str, steps: int, child_args: list[str], workdir: Path, name: str) -> dict:
     """One run of `script` in a process of its own (a clean allocator and thread pool), as
     `script --steps STEPS --child *CHILD_ARGS RUN_DIR`, in a new directory of `workdir` named

@@ -6,7 +6,7 @@ machine it runs on, each thing the EPS does to the block every step:
 - AdamW's fused step over the block's fp32 masters at several kernel thread counts (the
   worker takes the caller's count beside a CUDA device);
 - the gradient's conversion from bf16 into an fp32 `.grad`: into a fresh tensor (before
-  `GradientPool`) and into one kept from the step before;
+  `KeptTensors`) and into one kept from the step before;
 - the wire refresh: the updated fp32 masters copied into the bf16 copy that travels;
 - on a CUDA device, the block's bf16 gradient downloaded into pinned memory and its bf16 wire
   uploaded from pinned memory (GB/s over PCIe).

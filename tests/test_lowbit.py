@@ -13,6 +13,7 @@ missing, as in the default suite's environment, the runs are skipped (the checks
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from relaytrain.strategies.l2l_cost import eps_state_bytes
 from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder
 from tests.conformance.references import (
+    assert_resumes_exactly,
     assert_same_weights,
     exempt_from_decay,
     hf_saved,
@@ -137,16 +139,7 @@ def test_the_eps_keeps_the_moments_in_their_bits(checkpoint, bits):
 @needs_torchao
 def test_a_run_resumed_from_its_step_one_checkpoint_ends_on_the_same_weights(checkpoint, tmp_path):
     """The codes and scales come back as they were saved."""
-    from relaytrain.records import checkpoint as checkpoints
-
-    keys = ["strategy=l2l", "optim.state_bits=8", "train.checkpoint_every=1", "train.keep_checkpoints=0"]
-    whole = run(lowbit_cfg(checkpoint, *keys), tmp_path / "whole", quiet=True)
-    step_one = checkpoints.checkpoint_dir(tmp_path / "whole") / "step-00000001"
-    resumed = run(lowbit_cfg(checkpoint, *keys, f"train.resume={step_one}"), tmp_path / "resumed", quiet=True)
-    assert resumed["loss"][-2:] == whole["loss"][-2:]
-    theirs = dict(hf_saved(tmp_path / "whole").named_parameters())
-    for name, p in hf_saved(tmp_path / "resumed").named_parameters():
-        assert torch.equal(p, theirs[name]), name
+    assert_resumes_exactly(partial(lowbit_cfg, checkpoint), ["strategy=l2l", "optim.state_bits=8"], tmp_path)
 
 
 def test_the_planner_counts_the_states_in_their_bits():

@@ -8,6 +8,7 @@ Hugging Face's names here, not by relaytrain's rule: a matrix in `model.layers` 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from relaytrain.strategies import choices, strategy_class
 from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder, tiny_moe
 from tests.conformance.references import (
+    assert_resumes_exactly,
     assert_same_weights,
     exempt_from_decay,
     hf_saved,
@@ -285,17 +287,7 @@ def test_a_matrix_split_across_ranks_steps_as_torchs_muon_on_the_whole_one(tmp_p
                                       pytest.param("pipe_flush", marks=pytest.mark.slow)])
 def test_a_run_resumed_from_its_step_one_checkpoint_ends_on_the_same_weights(checkpoints, tmp_path, strategy):
     """The momenta and moments (flat under l2l, split under FSDP, per stage) come back exactly."""
-    from relaytrain.records import checkpoint
-
-    keys = [f"strategy={strategy}", "train.checkpoint_every=1", "train.keep_checkpoints=0"]
-    whole = run(muon_cfg(checkpoints["qwen3_moe"], *keys), tmp_path / "whole", quiet=True)
-    step_one = checkpoint.checkpoint_dir(tmp_path / "whole") / "step-00000001"
-    resumed = run(muon_cfg(checkpoints["qwen3_moe"], *keys, f"train.resume={step_one}"), tmp_path / "resumed",
-                  quiet=True)
-    assert resumed["loss"][-2:] == whole["loss"][-2:]
-    theirs = dict(hf_saved(tmp_path / "whole").named_parameters())
-    for name, p in hf_saved(tmp_path / "resumed").named_parameters():
-        assert torch.equal(p, theirs[name]), name
+    assert_resumes_exactly(partial(muon_cfg, checkpoints["qwen3_moe"]), [f"strategy={strategy}"], tmp_path)
 
 
 def test_the_planner_times_a_blocks_update_with_muons_matrices_in_it(checkpoints):

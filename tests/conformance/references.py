@@ -128,6 +128,22 @@ def hf_saved(run_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(Path(run_dir) / "model", dtype=torch.float32)
 
 
+def assert_resumes_exactly(make_cfg, keys: list[str], tmp_path: Path) -> None:
+    """A run checkpointed every step and the same run resumed from its step-one checkpoint end
+    on the same last losses and the same weights, bit for bit. `make_cfg(*keys)`: the run's config."""
+    from relaytrain.records import checkpoint
+    from relaytrain.run.train import run
+
+    keys = [*keys, "train.checkpoint_every=1", "train.keep_checkpoints=0"]
+    whole = run(make_cfg(*keys), tmp_path / "whole", quiet=True)
+    step_one = checkpoint.checkpoint_dir(tmp_path / "whole") / "step-00000001"
+    resumed = run(make_cfg(*keys, f"train.resume={step_one}"), tmp_path / "resumed", quiet=True)
+    assert resumed["loss"][-2:] == whole["loss"][-2:]
+    theirs = dict(hf_saved(tmp_path / "whole").named_parameters())
+    for name, p in hf_saved(tmp_path / "resumed").named_parameters():
+        assert torch.equal(p, theirs[name]), name
+
+
 def assert_same_weights(ours: torch.nn.Module, reference: torch.nn.Module, what: str) -> None:
     """Every parameter, by name, equal to float noise."""
     theirs = dict(reference.named_parameters())

@@ -19,6 +19,7 @@ Two kinds, never mixed, and a profile's `source` says which:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import statistics
@@ -42,6 +43,7 @@ from relaytrain.step import metrics
 from relaytrain.step.lowbit import HOST_TIME_VS_FP32, state_bits
 from relaytrain.step.optim import build_optimizer, state_words
 from relaytrain.step.precision import Precision
+from relaytrain.step.rounding import ROUNDING_VS_FP32_ADAMW, Bf16Masters, bf16_masters
 from relaytrain.utils.errors import ConfigError
 
 REPEATS = 5  # timed repetitions per figure, after one warm-up; the median is kept
@@ -266,16 +268,21 @@ def block_named_parameters(model: LayeredModel) -> list:
 
 
 def _time_optimizer(named: list, cfg) -> float:
-    """Median seconds of one step of the configured optimizer over fp32 copies of `named`."""
-    masters = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in named]  # fp32, on p's device
+    """Median seconds of one step of the configured optimizer over fp32 copies of `named`; with
+    bf16 masters (`optim.master_dtype`), over bf16 copies stepped as the eager param server does."""
+    rounding = Bf16Masters(0, lambda p: "timed") if bf16_masters(cfg.optim) else None
+    masters = [(n, torch.nn.Parameter(p.detach().float().clone()) if rounding is None  # fp32, on p's device
+                else rounding.stand_in(torch.nn.Parameter(p.detach().bfloat16()))) for n, p in named]
     for _, p in masters:
-        p.grad = torch.randn_like(p) * 1e-3
+        p.grad = torch.randn(p.shape, device=p.device) * 1e-3
     optimizer = build_optimizer(masters, cfg.optim)
+    step = contextlib.nullcontext if rounding is None else lambda: rounding.updating(optimizer, [p for _, p in masters])
     times = []
     for repetition in range(REPEATS + 1):
         metrics.synchronize(masters[0][1].device)
         start = time.perf_counter()
-        optimizer.step()
+        with step():
+            optimizer.step()
         metrics.synchronize(masters[0][1].device)
         if repetition:
             times.append(time.perf_counter() - start)
@@ -470,11 +477,11 @@ def embed_bytes(cfg, b: int) -> float:
 
 def _spec_host_optimizer_s_per_param(cfg, bytes_per_s: float) -> float:
     """The EPS's host update per parameter on a profile's host: fp32 AdamW's bytes at its rate;
-    AdamW with 8- or 4-bit moments measured as so many times fp32's (`lowbit.HOST_TIME_VS_FP32`)."""
-    bits = state_bits(cfg.optim)
-    if bits == 32:
-        return optimizer_bytes_per_param(cfg) / bytes_per_s
-    return _update_bytes(state_words=2) / bytes_per_s * HOST_TIME_VS_FP32[bits]
+    AdamW with 8- or 4-bit moments measured as so many times fp32's (`lowbit.HOST_TIME_VS_FP32`);
+    bf16 masters add their copy up and rounding back, measured the same way (`rounding`)."""
+    bits, fp32_adamw = state_bits(cfg.optim), _update_bytes(state_words=2) / bytes_per_s
+    update = optimizer_bytes_per_param(cfg) / bytes_per_s if bits == 32 else fp32_adamw * HOST_TIME_VS_FP32[bits]
+    return update + (fp32_adamw * ROUNDING_VS_FP32_ADAMW if bf16_masters(cfg.optim) else 0.0)
 
 
 def optimizer_bytes_per_param(cfg) -> float:

@@ -91,23 +91,24 @@ def trained_named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
     return ((name, p) for name, p in unique_named_parameters(model) if p.requires_grad)
 
 
-def model_state(model, params, optimizers, scaler) -> dict:
+def model_state(model, params, optimizers, scaler, name_of=None) -> dict:
     """A process's share for a strategy whose weights are the layered model's own parameters:
-    `params` (by name), the optimizers' state for them, the loss scaler."""
+    `params` (by name), the optimizers' state for them, the loss scaler. `name_of`: the name of
+    a parameter an optimizer steps, where it is not the model's own (bf16 masters' stand-ins)."""
     return {
         "weights": {model.hf_name(p): p.detach().cpu().clone() for p in params},
-        "optimizer": optimizer_state(optimizers, model.hf_name),
+        "optimizer": optimizer_state(optimizers, name_of or model.hf_name),
         "scaler": scaler.state_dict(),
         "extra": None,
     }
 
 
-def load_model_state(model, optimizers, scaler, state: dict) -> None:
+def load_model_state(model, optimizers, scaler, state: dict, name_of=None) -> None:
     """The inverse of `model_state`, for every parameter that trains (each tied one once)."""
     with torch.no_grad():
         for name, p in trained_named_parameters(model):
             p.copy_(state["weights"][name])
-    load_optimizer_state(optimizers, model.hf_name, state["optimizer"])
+    load_optimizer_state(optimizers, name_of or model.hf_name, state["optimizer"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
 

@@ -34,6 +34,7 @@ def check_shared(cfg, chosen) -> None:
     _check_capabilities(chosen.strategy, cfg.strategy.name, cfg.precision.name, cfg.optim.grad_clip)
     _check_muon(cfg.optim)
     _check_state_bits(cfg.optim, chosen.strategy, cfg.strategy.name, int(cfg.strategy.get("tensor_parallel", 1)))
+    _check_master_dtype(cfg.optim, chosen.strategy, cfg.strategy.name)
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
 
@@ -76,6 +77,14 @@ def _check_state_bits(o, cls, name, tensor_parallel: int) -> None:
         raise ConfigError(f"optim.state_bits={bits} steps torchao's AdamW, and optim.host_kernel=deepspeed DeepSpeed's "
                           f"fp32 one: drop one of them")
     check_available(bits)
+
+
+def _check_master_dtype(o, cls, name) -> None:
+    """optim.master_dtype=bf16: masters the eager param server keeps; refused in one line elsewhere."""
+    if str(o.get("master_dtype", "fp32")) == "bf16" and not cls.capabilities.bf16_masters:
+        raise ConfigError(f"optim.master_dtype=bf16 under strategy={name}: bf16 masters are the eager param "
+                          f"server's host copies, under strategy=l2l or l2l_stash_cpu; use one of them, or "
+                          f"optim.master_dtype=fp32")
 
 
 def _check_pairs(objective, source, sequence_parts: int) -> None:

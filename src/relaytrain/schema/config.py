@@ -53,6 +53,11 @@ class Device(Choice):
     meta = "meta"  # a dry run: the real strategy code on PyTorch's meta device, device memory simulated
 
 
+class MasterDtype(Choice):
+    fp32 = "fp32"  # the optimizer's weights in fp32
+    bf16 = "bf16"  # in bf16, each update made in fp32 and rounded back stochastically (the eager param server's)
+
+
 class SaveDtype(Choice):
     auto = "auto"  # the checkpoint's own dtype (model.checkpoint_dtype), else float32
     float32 = "float32"
@@ -253,6 +258,7 @@ class OptimConfig:
     schedule: LRSchedule = LRSchedule.constant  # after warm-up: constant, linear or cosine decay to 0
     warmup_steps: int = 0  # linear learning-rate warm-up steps
     grad_clip: float = 0.0  # global-norm clipping; 0 disables
+    master_dtype: MasterDtype = MasterDtype.fp32  # the trained weights the optimizer keeps: fp32, or bf16 (l2l's host masters at 2 bytes a parameter; updates rounded stochastically, keyed by train.seed)
 
 
 @dataclass

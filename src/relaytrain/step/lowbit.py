@@ -24,10 +24,14 @@ from relaytrain.utils.errors import ConfigError
 
 BLOCK = {8: 256, 4: 128}  # torchao's default block of each width
 # torchao's update on a CPU against torch's fused fp32 AdamW, per parameter: its quantization
-# picks each code by comparing the value with every entry of the map. Measured on the 2-core VM
+# finds each code by a branchless binary search of the map (eight lookups and comparisons a
+# value in 8 bits), and decoding looks the codes up again. Measured on the 2-core VM
 # (2026-11-29, one 4 M-parameter tensor, 2 threads, compiled): 107.7 ms (8-bit) and 289.0 ms
 # (4-bit) against 2.8 ms. The planner times a host update from fp32's bytes times this; on a
-# GPU torchao's update is bandwidth-bound like AdamW's, and the bytes alone count there.
+# GPU torchao's update is bandwidth-bound like AdamW's, and the bytes alone count there. The
+# same algorithm in torch's eager kernels is no faster on a CPU (2026-11-30: searchsorted alone
+# takes 110 ms for 4 M values; a table over the values' fp32 bits in place of the search, in
+# chunks, 147 ms the whole update against torchao's 95): what would help is a C++ loop.
 HOST_TIME_VS_FP32 = {32: 1.0, 8: 38.0, 4: 100.0}
 STATE_BITS = (32, *BLOCK)  # 32: torch's AdamW with fp32 moments
 _CLASSES: dict[int, type] = {}

@@ -47,6 +47,7 @@ class Capabilities:
     fp16: bool = True  # fp16 loss scaling (one overflow decision across every weight)
     cross_precision: bool = False  # cmp_*: fp32 masters apart from the half weights computed with
     lowbit_states: bool = True  # optim.state_bits=8|4: torchao's AdamW over the strategy's own parameters
+    bf16_masters: bool = False  # optim.master_dtype=bf16: the eager param server's masters in bf16
 
     @property
     def update_delay(self) -> int:

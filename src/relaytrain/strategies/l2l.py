@@ -52,6 +52,7 @@ from relaytrain.schema.config import SequenceParallelConfig, StrategyConfig, Wor
 from relaytrain.step import metrics
 from relaytrain.step.evaluation import EvalStats
 from relaytrain.step.precision import LossScaler
+from relaytrain.step.rounding import Bf16Masters, bf16_masters
 from relaytrain.strategies import register
 from relaytrain.strategies.base import (
     Capabilities,
@@ -135,7 +136,7 @@ class L2L(ReplicatedStrategy):
 
     Config = L2LConfig
     cost_model = L2LSequenceCost  # what the planner asks: l2l_cost.py's closed forms
-    capabilities = Capabilities(cross_precision=True)
+    capabilities = Capabilities(cross_precision=True, bf16_masters=True)
     compact_base = True  # the relay casts an adapter's half-precision base to the compute dtype on upload
 
     @classmethod
@@ -197,7 +198,8 @@ class L2L(ReplicatedStrategy):
         # base a merge or a resume must find again); the relay casts the copy it uploads.
         self.eps = EagerParamServer(modules, cfg.optim, self.scaler, self.precision.weight_dtype,
                                     pin=self.device.type == "cuda", peers=peers,
-                                    carry=s.overlap_next_step and not world.simulated)
+                                    carry=s.overlap_next_step and not world.simulated,
+                                    bf16=Bf16Masters(cfg.train.seed, model.hf_name) if bf16_masters(cfg.optim) else None)
         self.peers = peers
         self.transfers = Transfers(self.device)
         self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch,
@@ -383,11 +385,15 @@ class L2L(ReplicatedStrategy):
         mine = [p for part in self.eps.local_parts() for p in part.owned]
         if not mine or (self.peers is not None and not self.peers.sharded and self.world.rank != 0):
             return None
-        return model_state(self.model, mine, self._optimizers(), self.scaler)
+        return model_state(self.model, mine, self._optimizers(), self.scaler, self._name_of)
 
     def load_state_dict(self, state: dict) -> None:
-        load_model_state(self.model, self._optimizers(), self.scaler, state)
+        load_model_state(self.model, self._optimizers(), self.scaler, state, self._name_of)
         self.eps.refresh_wires()
+
+    def _name_of(self, p: torch.Tensor) -> str:
+        """The model's name of a parameter an EPS optimizer steps (a bf16 master's stand-in: its master's)."""
+        return self.model.hf_name(self.eps.master(p))
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [part.optimizer for part in self.eps.parts if part.optimizer is not None]

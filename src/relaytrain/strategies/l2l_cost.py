@@ -10,6 +10,8 @@ tests hold the model to. Every figure is a prediction; the shared formulas are
 
 from __future__ import annotations
 
+import torch
+
 from relaytrain.cost.formulas import (
     FP32,
     LOOPS_ALWAYS,
@@ -30,6 +32,7 @@ from relaytrain.models import trained_parameters
 from relaytrain.schema.config import Choice
 from relaytrain.step.optim import state_words
 from relaytrain.step.precision import Precision
+from relaytrain.step.rounding import bf16_masters
 from relaytrain.strategies.stash import Stash, stash_on_host  # noqa: F401 - the stash's one rule, l2l.py's too
 from relaytrain.strategies.whole_model_cost import WORKER_OVERHEAD_BYTES
 
@@ -98,23 +101,22 @@ class L2LCost(CostModel):
         return int(resident + in_flight + max(facts.block_activation_bytes(b), facts.head_activation_bytes(b)))
 
     def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
-        """The eager param server's state, the half copies of its masters that travel under cross
-        mixed precision (`eps.parts._wire`; fp32 travels from the master itself), and the stash
-        where it waits on the host."""
+        """The eager param server's state, the copies of its masters that travel where the device
+        computes in another dtype (`eps.parts._wire`), and the stash where it waits on the host."""
         s = cfg.strategy
         stash = facts.num_layers * s.num_microbatches * facts.boundary_bytes(s.microbatch_size) if stash_on_host(s) else 0
         trained = eps_state_bytes(cfg, facts.trained_params, facts.trained_params, workers=self.strategy.processes(cfg))
-        return int(trained + wire_bytes(cfg.precision, facts.trained_params) + facts.frozen_host_bytes + stash)
+        return int(trained + wire_bytes(cfg, facts.trained_params) + facts.frozen_host_bytes + stash)
 
     def estimate_host_bytes(self, cfg, num_params: int, device_type: str) -> int:
         """Host memory of the whole run, an estimate: on each replica the eager param server's
-        state and the half copies that travel (`host_state_bytes`' terms), one block's activations
+        state and the copies that travel (`host_state_bytes`' terms), one block's activations
         and every stashed input (on the host with `stash=host`), and the interpreter of each worker
         apart from the first."""
         s, m, workers = cfg.strategy, cfg.model, self.strategy.processes(cfg)  # R x S where sequences are cut
         trained = trained_parameters(cfg.model, cfg.adapter)  # under adapters; the frozen base counted at fp32 (errs high)
         trained = num_params if trained is None else trained
-        per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + wire_bytes(cfg.precision, trained)
+        per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + wire_bytes(cfg, trained)
         per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
         if device_type != "cpu" and stash_on_host(cfg.strategy):  # the stash waits in host memory
             per_worker += host_stash_bytes(cfg, 2 if Precision.from_name(str(cfg.precision.name)).cross else FP32)
@@ -123,22 +125,30 @@ class L2LCost(CostModel):
         return int(workers * per_worker)
 
 
-def wire_bytes(precision, trained: int) -> int:
+def wire_bytes(cfg, trained: int) -> int:
     """The EPS's copies of its masters in the dtype they compute in on the device, where that is
-    not fp32 (the `precision` section a cross mixed precision: 2 bytes a value)."""
-    return trained * 2 if Precision.from_name(str(precision.name)).cross else 0
+    not the masters' own (fp32 masters under a cross mixed precision: 2 bytes a value; bf16
+    masters computing in bf16 travel themselves)."""
+    dtype = Precision.from_name(str(cfg.precision.name)).weight_dtype
+    return 0 if dtype == master_dtype(cfg.optim) else trained * dtype.itemsize
+
+
+def master_dtype(o) -> torch.dtype:
+    """The eager param server's masters: fp32, or bf16 (`optim.master_dtype`)."""
+    return torch.bfloat16 if bf16_masters(o) else torch.float32
 
 
 def eps_state_bytes(cfg, num_params: int, trained: int | None = None, frozen_bytes: int = FP32, *,
                     workers: int) -> float:
-    """The eager param server on one worker's host: the fp32 masters, and their gradients and
-    optimizer state (sharded over its peers, the run's `workers`: R, or R x S cutting sequences;
-    on each part's owner only). Under adapters only the `trained` parameters have those; the
-    frozen base is kept once, `frozen_bytes` a value."""
+    """The eager param server on one worker's host: the masters (fp32, or bf16), and their fp32
+    gradients and optimizer state (sharded over its peers, the run's `workers`: R, or R x S
+    cutting sequences; on each part's owner only). Under adapters only the `trained` parameters
+    have those; the frozen base is kept once, `frozen_bytes` a value."""
     s = cfg.strategy
     share = workers if workers > 1 and s.eps_state == EpsPlacement.sharded else 1
     trained = num_params if trained is None else trained
-    return (num_params - trained) * frozen_bytes + trained * FP32 * (1 + (1 + state_words(cfg.optim)) / share)
+    return (num_params - trained) * frozen_bytes + trained * (master_dtype(cfg.optim).itemsize
+                                                              + FP32 * (1 + state_words(cfg.optim)) / share)
 
 
 def host_stash_bytes(cfg, value_bytes: int) -> int:

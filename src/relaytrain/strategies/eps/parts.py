@@ -21,17 +21,24 @@ a pass over every gradient, which costs more than it saves (docs/l2l.md, "Flat b
 Tied weights (GPT-2's `wte` and LM head) are one Parameter: the first part that uses it
 (the embeddings) owns it, the head only uses it. Both parts' gradients are added into the
 one master `.grad` (the head's arrives first), and only the owner's optimizer updates it.
+
+bf16 masters (`optim.master_dtype=bf16`, `step.rounding.Bf16Masters`): the buffer is bf16, and the optimizer
+steps fp32 stand-ins, on which the gradients sum (`Part.stepped`, `Part.summed`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from relaytrain.step.flat import flatten
+from relaytrain.step.flat import KeptTensors, flatten
 from relaytrain.step.optim import param_groups
+
+if TYPE_CHECKING:
+    from relaytrain.step.rounding import Bf16Masters
 
 
 @dataclass
@@ -51,6 +58,10 @@ class Part:
     frozen_names: list[str] = field(default_factory=list)
     frozen: list[torch.Tensor] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None  # None on a replica that does not own the part
+    # What the optimizer steps, aligned with `owned`, and what gradients sum into, aligned with
+    # `masters`: the masters themselves, or with bf16 masters their fp32 stand-ins.
+    stepped: list[nn.Parameter] = field(default_factory=list)
+    summed: list[nn.Parameter] = field(default_factory=list)
 
     @property
     def num_owned(self) -> int:
@@ -62,23 +73,28 @@ class Part:
 
 
 
-def build_parts(modules, wire_dtype: torch.dtype, pin: bool, frozen_dtype: torch.dtype | None = None) -> list[Part]:
+def build_parts(modules, wire_dtype: torch.dtype, pin: bool, frozen_dtype: torch.dtype | None = None,
+                bf16: Bf16Masters | None = None) -> list[Part]:
     """The parts in relay order. A master belongs to the first part that uses it; each part's
     own masters move into one buffer (every replica builds the same layout), then the wires
-    are made, so an fp32 wire is a view of the buffer too. Frozen parameters (an adapter's
-    base) are no masters: they travel as they are, or stored in `frozen_dtype` where given."""
+    are made, so a wire of the masters' dtype is a view of the buffer too. Frozen parameters
+    (an adapter's base) are no masters: they travel as they are, or stored in `frozen_dtype`
+    where given. `bf16`: the masters are kept in bf16, and stepped through its stand-ins."""
     parts, wire_of = [], {}  # wire_of: id(master) -> its one wire, shared by every part using it
     for name, module in modules:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         owned = [(n, p) for n, p in named if id(p) not in wire_of]
-        buffer = flatten(_layout(owned), pin) if owned else None
+        buffer = flatten(_layout(owned), pin, torch.bfloat16 if bf16 else None) if owned else None
         for _, p in owned:
             wire_of[id(p)] = _wire(p, wire_dtype, pin)
         masters = [p for _, p in named]
         frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]  # a tied one once
-        parts.append(Part(name, module, [n for n, _ in named], masters, [p for _, p in owned],
-                          [n for n, _ in owned], [wire_of[id(p)] for p in masters], buffer,
-                          [n for n, _ in frozen], [_frozen(p, frozen_dtype, pin) for _, p in frozen]))
+        part = Part(name, module, [n for n, _ in named], masters, [p for _, p in owned], [n for n, _ in owned],
+                    [wire_of[id(p)] for p in masters], buffer,
+                    [n for n, _ in frozen], [_frozen(p, frozen_dtype, pin) for _, p in frozen])
+        stand_in = bf16.stand_in if bf16 else (lambda p: p)
+        part.stepped, part.summed = [stand_in(p) for p in part.owned], [stand_in(p) for p in masters]
+        parts.append(part)
     return parts
 
 
@@ -105,8 +121,8 @@ def flat_masters(part: Part) -> list[torch.Tensor]:
 
 
 def _wire(master: nn.Parameter, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    if dtype == torch.float32:
-        return master.detach()  # fp32 travels straight from the master
+    if dtype == master.dtype:
+        return master.detach()  # travels straight from the master
     wire = master.detach().to(dtype)
     return wire.pin_memory() if pin else wire
 
@@ -125,40 +141,8 @@ def refresh_wires(part: Part) -> None:
         torch._foreach_copy_([w for w, _ in stale], [p for _, p in stale])
 
 
-class GradientPool:
-    """The fp32 host tensors that half-precision gradients become, kept from step to step.
-
-    Under cross mixed precision a part's gradients arrive in bf16 and the master's `.grad` is
-    their fp32 copy. A new tensor of a block's size every step is new pages from the OS (glibc
-    keeps freed memory only under 32 MiB, `run.launch.keep_freed_host_memory`), which the
-    kernel zeroes at their first touch: that cost 4x the conversion itself (54 against
-    13 ms for 60 M parameters on the 2-core VM; more than the AdamW step of the same
-    parameters, 47 ms), on the worker whose time is the step's exposed update. A tensor given
-    back after its part's step is lent again to the next gradient of its shape, so the pool
-    holds no more than the most gradients ever alive at once, as before.
-    """
-
-    def __init__(self):
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-        self._lent: set[int] = set()  # id() of the tensors out on loan
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """An fp32 tensor of `like`'s shape and device, contents undefined."""
-        free = self._free.get((like.shape, like.device))
-        tensor = free.pop() if free else torch.empty(like.shape, dtype=torch.float32, device=like.device)
-        self._lent.add(id(tensor))
-        return tensor
-
-    def give_back(self, tensors: list[torch.Tensor | None]) -> None:
-        """Those of `tensors` this pool lent are free again (the caller no longer reads them)."""
-        for t in tensors:
-            if t is not None and id(t) in self._lent:
-                self._lent.discard(id(t))
-                self._free.setdefault((t.shape, t.device), []).append(t)
-
-
 @torch.no_grad()
-def accumulate(masters: list[nn.Parameter], grads: list[torch.Tensor | None], pool: GradientPool) -> None:
+def accumulate(masters: list[nn.Parameter], grads: list[torch.Tensor | None], pool: KeptTensors) -> None:
     """Add gradients into the fp32 master `.grad`s (summing tied uses). An fp32 gradient becomes
     the `.grad` itself; a half one is converted into a tensor from `pool`."""
     for p, g in zip(masters, grads, strict=True):

@@ -30,15 +30,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from relaytrain.step.flat import KeptTensors
 from relaytrain.step.optim import build_optimizer, set_lr
 from relaytrain.step.precision import LossScaler
 from relaytrain.strategies.eps.parts import (
-    GradientPool,
     Part,
     accumulate,
     build_parts,
@@ -48,6 +49,9 @@ from relaytrain.strategies.eps.parts import (
 from relaytrain.strategies.eps.peers import Peers
 from relaytrain.strategies.eps.table import ELEMENTWISE, HeldRows
 from relaytrain.strategies.eps.worker import EpsStats, Worker
+
+if TYPE_CHECKING:
+    from relaytrain.step.rounding import Bf16Masters
 
 
 @dataclass
@@ -71,31 +75,32 @@ class EagerParamServer:
     keep host tensors that cross to a CUDA device in pinned memory (asynchronous DMA), and
     give the background worker the caller's kernel threads (the host's cores are not computing
     the device's work; on a CPU device the worker takes one, beside the caller's compute).
+    `bf16`: keep the masters in bf16 and step them through its fp32 stand-ins (`step.rounding`).
     """
 
     def __init__(self, modules: list[tuple[str, nn.Module]], optim_cfg, scaler: LossScaler,
                  wire_dtype: torch.dtype = torch.float32, pin: bool = False, peers: Peers | None = None,
-                 frozen_dtype: torch.dtype | None = None, carry: bool = False):
+                 frozen_dtype: torch.dtype | None = None, carry: bool = False, bf16: Bf16Masters | None = None):
         self.scaler = scaler
         self.grad_clip = optim_cfg.grad_clip
         self.defer = self.grad_clip > 0 or scaler.enabled
         self.peers = peers
-        self.parts = build_parts(modules, wire_dtype, pin, frozen_dtype)
+        self.bf16 = bf16
+        self.parts = build_parts(modules, wire_dtype, pin, frozen_dtype, self.bf16)
         self.owners = peers.assign(self.parts) if peers else [0] * len(self.parts)
         self.rank = peers.rank if peers else 0
         for part, owner in zip(self.parts, self.owners, strict=True):
             if owner == self.rank and part.owned:
-                # Named as the part's parameters within the model (`block.3.…`): Muon's split reads them.
-                named = ((f"{part.name}.{name}", p) for name, p in zip(part.owned_names, part.owned, strict=True))
+                named = zip(self.stepped_names(part), part.stepped, strict=True)
                 part.optimizer = build_optimizer(named, optim_cfg, flat=True)
         # The baseline's parameter order (model.parameters()), so clipping sums the same way.
-        self.all_masters = [p for part in self.parts for p in part.owned]
-        self.my_masters = [p for part in self.local_parts() for p in part.owned]
+        self.all_masters = [p for part in self.parts for p in part.stepped]
+        self.my_masters = [p for part in self.local_parts() for p in part.stepped]
         kernels = sorted({part.optimizer.kernel for part in self.parts if part.optimizer is not None})
         self.stats = EpsStats(host_kernel=", ".join(kernels) or None)
         self._overflow = False
         self._held: dict[int, HeldRows] = {}  # part -> the rows its early table update left out
-        self._grads = GradientPool()  # the fp32 .grads of half-precision gradients, reused every step
+        self._grads = KeptTensors()  # the fp32 .grads of half-precision gradients, reused every step
         self._table_done = threading.Event()
         self._table_done.set()
         self._worker = Worker(threads=torch.get_num_threads() if pin else 1)
@@ -109,6 +114,16 @@ class EagerParamServer:
         self._caller_takes_over = not pin
 
     # -- caller side --------------------------------------------------------------------
+    @staticmethod
+    def stepped_names(part: Part) -> list[str]:
+        """The names the optimizer knows part's parameters by, as within the model (`block.3.…`):
+        Muon's split reads them."""
+        return [f"{part.name}.{name}" for name in part.owned_names]
+
+    def master(self, p: nn.Parameter) -> nn.Parameter:
+        """The master a parameter the optimizer steps stands for (itself with fp32 masters)."""
+        return p if self.bf16 is None else self.bf16.master_of.get(id(p), p)
+
     def local_parts(self) -> list[Part]:
         """The parts whose update this worker runs (all of them without sharding)."""
         return [part for part, owner in zip(self.parts, self.owners, strict=True) if owner == self.rank]
@@ -163,9 +178,9 @@ class EagerParamServer:
 
     def can_update_table_early(self, index: int, table: nn.Parameter) -> bool:
         """Whether `update_table_early` applies: an update per element (AdamW, SGD), not deferred,
-        one worker, and part `index` owns `table`."""
+        one worker, fp32 masters, and part `index` owns `table`."""
         part = self.parts[index]
-        return (not self.defer and self.peers is None and isinstance(part.optimizer, ELEMENTWISE)
+        return (not self.defer and self.peers is None and self.bf16 is None and isinstance(part.optimizer, ELEMENTWISE)
                 and any(p is table for p in part.owned))
 
     def update_table_early(self, index: int, table: nn.Parameter, rows: torch.Tensor) -> None:
@@ -248,7 +263,7 @@ class EagerParamServer:
         if shipment.ready is not None:
             shipment.ready.synchronize()  # the gradients' download has landed in host memory
         start = time.perf_counter()
-        accumulate(part.masters, shipment.grads, self._grads)
+        accumulate(part.summed, shipment.grads, self._grads)
         if shipment.lr is not None and part.optimizer is not None:
             set_lr(part.optimizer, shipment.lr)
         if not self.defer:
@@ -328,11 +343,15 @@ class EagerParamServer:
         part = self.parts[index]
         if part.optimizer is not None:
             start = time.perf_counter()
-            grads = [p.grad for p in part.owned]  # before the held rows' update drops the table's
+            grads = [p.grad for p in part.stepped]  # before the held rows' update drops the table's
             held = self._held.pop(index, None)
             if held is not None:
                 held.update(part.optimizer)
-            part.optimizer.update()
+            if self.bf16 is None:
+                part.optimizer.update()
+            else:
+                with self.bf16.updating(part.optimizer, part.stepped):
+                    part.optimizer.update()
             self.stats.optimizer_s += time.perf_counter() - start
             self.stats.updated_parameters += part.num_owned - (held.table_rest if held else 0)
             part.optimizer.drop_grads()
