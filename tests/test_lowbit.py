@@ -24,7 +24,7 @@ from relaytrain.cost.profile import from_spec, load_spec
 from relaytrain.models.pretrained import resolve
 from relaytrain.run.compose import compose_config, validate
 from relaytrain.run.train import run
-from relaytrain.step.lowbit import BLOCK, HOST_TIME_VS_FP32, state_words
+from relaytrain.step.lowbit import BLOCK, HOST_LOOP_TIME_VS_FP32, HOST_TIME_VS_FP32, state_words
 from relaytrain.strategies import choices, strategy_class
 from relaytrain.strategies.l2l_cost import eps_state_bytes
 from relaytrain.utils.errors import ConfigError
@@ -45,7 +45,8 @@ needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
 STEPS = 3
 RUN_KEYS = ["data.seq_len=16", "data.num_samples=64", "optim.lr=0.01", "optim.weight_decay=0.1", "optim.eps=1e-4",
             "optim.warmup_steps=1", "optim.schedule=linear", f"train.steps={STEPS}", "train.untimed_steps=0",
-            "strategy.num_microbatches=2", "strategy.microbatch_size=2", "train.save_model=true", "model.dropout=0.0"]
+            "strategy.num_microbatches=2", "strategy.microbatch_size=2", "train.save_model=true", "model.dropout=0.0",
+            "optim.host_loops=false"]  # torchao's own update; relaytrain's host loop: the last test
 
 
 @pytest.fixture(autouse=True)
@@ -151,10 +152,13 @@ def test_the_planner_counts_the_states_in_their_bits():
     n = 10**9
     saved = eps_state_bytes(fp32, n, workers=1) - eps_state_bytes(eight, n, workers=1)
     assert saved == pytest.approx(n * 4 * (2 - state_words(8)))
-    # and the host's update at torchao's measured rate on a CPU, not at the fewer bytes' rate
+    # and the host's update at its measured rate on a CPU (relaytrain's loop, or torchao's own
+    # without it), not at the fewer bytes' rate
     spec = load_spec("h200_141gb")
-    fp32_s, eight_s = (from_spec(spec, c, [1]).host_optimizer_s_per_param for c in (fp32, eight))
-    assert eight_s == pytest.approx(fp32_s * HOST_TIME_VS_FP32[8])
+    torchaos = compose_config(["strategy=l2l", "optim.state_bits=8", "optim.host_loops=false"])
+    fp32_s, eight_s, torchao_s = (from_spec(spec, c, [1]).host_optimizer_s_per_param for c in (fp32, eight, torchaos))
+    assert eight_s == pytest.approx(fp32_s * HOST_LOOP_TIME_VS_FP32)
+    assert torchao_s == pytest.approx(fp32_s * HOST_TIME_VS_FP32[8])
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
@@ -195,3 +199,18 @@ def test_the_planner_says_once_that_torchao_is_missing(monkeypatch, capsys):
 
 def _missing(bits: int):
     raise ConfigError(f"optim.state_bits={bits} needs torchao here")
+
+
+@needs_torchao
+@pytest.mark.slow
+def test_relaytrains_host_loop_trains_as_torchaos_compiled_optimizer(checkpoint, tmp_path):
+    """optim.host_loops: the host update in relaytrain's C++ loop equals torchao's compiled one (its
+    uncompiled one rounds a few intermediates differently, and a code can flip)."""
+    cfg = lowbit_cfg(checkpoint, "strategy=l2l", "optim.state_bits=8", "optim.host_loops=true")
+    results = run(cfg, tmp_path / "run", quiet=True)
+    assert results["strategy_report"]["eps"]["host_kernel"] == "torchao AdamW8bit, relaytrain's host loop"
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    optimizer = torchao_adamw(reference, cfg.optim)
+    with torch.compiler.set_stance("default"):
+        reference_loop(reference, optimizer, cfg)
+    assert_same_weights(hf_saved(tmp_path / "run"), reference, "l2l state_bits=8 host loop")

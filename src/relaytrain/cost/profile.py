@@ -40,7 +40,7 @@ from relaytrain.objectives import objective
 from relaytrain.placement.world import threads_per_process, usable_cores
 from relaytrain.records.checkpoint import unique_named_parameters
 from relaytrain.step import metrics
-from relaytrain.step.lowbit import HOST_TIME_VS_FP32, state_bits
+from relaytrain.step.lowbit import host_time_vs_fp32, state_bits
 from relaytrain.step.optim import build_optimizer, state_words
 from relaytrain.step.precision import Precision
 from relaytrain.step.rounding import ROUNDING_VS_FP32_ADAMW, Bf16Masters, bf16_masters
@@ -270,7 +270,7 @@ def block_named_parameters(model: LayeredModel) -> list:
 def _time_optimizer(named: list, cfg) -> float:
     """Median seconds of one step of the configured optimizer over fp32 copies of `named`; with
     bf16 masters (`optim.master_dtype`), over bf16 copies stepped as the eager param server does."""
-    rounding = Bf16Masters(0, lambda p: "timed") if bf16_masters(cfg.optim) else None
+    rounding = Bf16Masters(0, lambda p: "timed", cfg.optim.host_loops) if bf16_masters(cfg.optim) else None
     masters = [(n, torch.nn.Parameter(p.detach().float().clone()) if rounding is None  # fp32, on p's device
                 else rounding.stand_in(torch.nn.Parameter(p.detach().bfloat16()))) for n, p in named]
     for _, p in masters:
@@ -477,11 +477,11 @@ def embed_bytes(cfg, b: int) -> float:
 
 def _spec_host_optimizer_s_per_param(cfg, bytes_per_s: float) -> float:
     """The EPS's host update per parameter on a profile's host: fp32 AdamW's bytes at its rate;
-    AdamW with 8- or 4-bit moments measured as so many times fp32's (`lowbit.HOST_TIME_VS_FP32`);
+    AdamW with 8- or 4-bit moments measured as so many times fp32's (`lowbit.host_time_vs_fp32`);
     bf16 masters add their copy up and rounding back, measured the same way (`rounding`)."""
-    bits, fp32_adamw = state_bits(cfg.optim), _update_bytes(state_words=2) / bytes_per_s
-    update = optimizer_bytes_per_param(cfg) / bytes_per_s if bits == 32 else fp32_adamw * HOST_TIME_VS_FP32[bits]
-    return update + (fp32_adamw * ROUNDING_VS_FP32_ADAMW if bf16_masters(cfg.optim) else 0.0)
+    o, fp32_adamw = cfg.optim, _update_bytes(state_words=2) / bytes_per_s
+    update = optimizer_bytes_per_param(cfg) / bytes_per_s if state_bits(o) == 32 else fp32_adamw * host_time_vs_fp32(o)
+    return update + (fp32_adamw * ROUNDING_VS_FP32_ADAMW[o.host_loops] if bf16_masters(o) else 0.0)
 
 
 def optimizer_bytes_per_param(cfg) -> float:

@@ -20,6 +20,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from relaytrain.step.host_loops import adamw_8bit_host, fits, host_loops
 from relaytrain.utils.errors import ConfigError
 
 BLOCK = {8: 256, 4: 128}  # torchao's default block of each width
@@ -33,6 +34,9 @@ BLOCK = {8: 256, 4: 128}  # torchao's default block of each width
 # takes 110 ms for 4 M values; a table over the values' fp32 bits in place of the search, in
 # chunks, 147 ms the whole update against torchao's 95): what would help is a C++ loop.
 HOST_TIME_VS_FP32 = {32: 1.0, 8: 38.0, 4: 100.0}
+# relaytrain's C++ loop for 8 bits (`host_loops`, optim.host_loops), the same measure (2026-11-30):
+# 28.7 and 42.2 ms in two runs against fused fp32 AdamW's 2.6 and 2.0 (torchao's: 91.6 and 90.8).
+HOST_LOOP_TIME_VS_FP32 = 16.0
 STATE_BITS = (32, *BLOCK)  # 32: torch's AdamW with fp32 moments
 _CLASSES: dict[int, type] = {}
 
@@ -40,6 +44,12 @@ _CLASSES: dict[int, type] = {}
 def state_bits(o) -> int:
     """The width of AdamW's moments the optimizer keys ask for; 32 for every other optimizer."""
     return o.get("state_bits", 32)
+
+
+def host_time_vs_fp32(o) -> float:
+    """A host update's time with the optimizer keys `o`, as so many times fp32 AdamW's."""
+    bits = state_bits(o)
+    return HOST_LOOP_TIME_VS_FP32 if bits == 8 and o.get("host_loops", True) else HOST_TIME_VS_FP32[bits]
 
 
 def state_words(bits: int) -> float:
@@ -50,7 +60,9 @@ def state_words(bits: int) -> float:
 
 def lowbit_adamw(groups: list[dict], o) -> torch.optim.Optimizer:
     """torchao's AdamW with `o.state_bits`-bit moments over relaytrain's parameter groups."""
-    return optimizer_class(o.state_bits)(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    optimizer = optimizer_class(o.state_bits)(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    optimizer.use_host_loops = bool(o.get("host_loops", True))
+    return optimizer
 
 
 def optimizer_class(bits: int) -> type:
@@ -60,7 +72,8 @@ def optimizer_class(bits: int) -> type:
         # nothing a run can act on (the update is only compiled again in a new process).
         warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
         base = getattr(_torchao_optim(bits), f"AdamW{bits}bit")
-        _CLASSES[bits] = type(f"LowBitAdamW{bits}", (_Stepped, base), {"kernel": f"torchao AdamW{bits}bit"})
+        stepped = _HostEightBit if bits == 8 else _Stepped
+        _CLASSES[bits] = type(f"LowBitAdamW{bits}", (stepped, base), {"name": f"torchao AdamW{bits}bit"})
     return _CLASSES[bits]
 
 
@@ -75,6 +88,12 @@ class _Stepped:
     under a dispatch mode (a dry run's memory tracker, which torch.compile refuses) the update
     runs uncompiled: the same operations and allocations."""
 
+    name = "torchao"
+
+    @property
+    def kernel(self) -> str:
+        return self.name
+
     def step(self, closure=None):
         if not is_in_torch_dispatch_mode():
             return super().step(closure)
@@ -86,6 +105,58 @@ class _Stepped:
 
     def drop_grads(self) -> None:
         self.zero_grad(set_to_none=True)
+
+
+class _HostEightBit(_Stepped):
+    """8 bits: a host tensor's update runs relaytrain's C++ loop (`host_loops`, unless
+    `optim.host_loops=false`), torchao's algorithm and state without its compiled loop, scalar
+    on a CPU; anything else (device tensors, tensors whose moments torchao leaves in fp32, a dry
+    run) torchao's own update."""
+
+    use_host_loops = True  # optim.host_loops (`lowbit_adamw` sets it)
+
+    @property
+    def kernel(self) -> str:
+        host = all(p.device.type == "cpu" for group in self.param_groups for p in group["params"])
+        return f"{self.name}, relaytrain's host loop" if host and self._loops() is not None else self.name
+
+    def _loops(self):
+        return None if is_in_torch_dispatch_mode() else host_loops(self.use_host_loops)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        op = self._loops()
+        if op is None or any(group["amsgrad"] for group in self.param_groups):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                state = self.state[p]
+                if "step" not in state:  # as torchao makes it
+                    state.update(step=torch.tensor(0.0), exp_avg=self._new_buffer(p, True),
+                                 exp_avg_sq=self._new_buffer(p, False))
+                state["step"] += 1
+                rule = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"])
+                if fits(p, state):
+                    adamw_8bit_host(op, p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], *rule)
+                else:
+                    _torchao_update(p, state, rule)
+        return loss
+
+
+def _torchao_update(p: torch.Tensor, state: dict, rule: tuple) -> None:
+    """torchao's own update of one tensor, compiled as its optimizer compiles it."""
+    from torchao.optim.adam import single_param_adam
+
+    lr, beta1, beta2, weight_decay, eps = rule
+    with torch._dynamo.utils.disable_cache_limit():
+        torch.compile(single_param_adam, fullgraph=True, dynamic=False)(
+            p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None, lr, beta1, beta2,
+            weight_decay, eps, True, False)
 
 
 def _torchao_optim(bits: int):

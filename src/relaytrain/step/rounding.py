@@ -15,7 +15,8 @@ whichever strategy, part layout, worker or thread steps it, and a resumed run dr
 uninterrupted one drew. The hash is integer arithmetic on int32 tensors (exact on every device:
 a multiply wraps modulo 2^32, which the tests check against Python's integers), in chunks that
 stay in the cache: 9.5 ms for 4 M parameters on the 2-core VM, against 2.2 ms for torch's fused
-AdamW of them (torch.compile fuses it into 6.4 ms: not worth its compile time and failure modes).
+AdamW of them; relaytrain's C++ loop (`host_loops`, `optim.host_loops`) makes the same bits in
+1.2 ms, and runs wherever it builds.
 
 `Bf16Masters` is the server's side. The optimizer does not step the bf16 masters: it steps an
 fp32 *stand-in* per master, an `nn.Parameter` whose storage exists only while its part updates.
@@ -36,12 +37,14 @@ import torch
 from torch import nn
 
 from relaytrain.step.flat import KeptTensors
+from relaytrain.step.host_loops import host_loops
 
 # What bf16 masters add to a host update, against torch's fused fp32 AdamW's own time: the copy up
-# to fp32 and the rounding back. Measured on the 2-core VM (2026-11-30, one 4 M-parameter tensor, 2
-# threads, median of 5 runs): 15.1 ms for the whole update against AdamW's 2.2 ms (the copy up
-# 0.6 ms, the rounding 9.5). The planner's host time adds it.
-ROUNDING_VS_FP32_ADAMW = 5.9
+# to fp32 and the rounding back, in relaytrain's C++ loop (optim.host_loops) or torch's kernels.
+# Measured on the 2-core VM (2026-11-30, one 4 M-parameter tensor, 2 threads): 4.8 ms for the whole
+# update against AdamW's 2.2 ms with the loop (the rounding 1.2 ms); 15.1 ms without (median of 5,
+# the rounding 9.5 ms). The planner's host time adds it.
+ROUNDING_VS_FP32_ADAMW = {True: 1.2, False: 5.9}
 CHUNK = 1 << 18  # elements per pass: the int32 scratch of a chunk stays in a core's cache
 _GOLDEN, _MIX1, _MIX2 = -1640531535, 0x7FEB352D, -2073254261  # int32 forms of 0x9E3779B1 and lowbias32's constants
 
@@ -58,13 +61,18 @@ def rounding_key(seed: int, name: str, update: int) -> int:
 
 
 @torch.no_grad()
-def round_to_bf16(x: torch.Tensor, out: torch.Tensor, key: int) -> None:
+def round_to_bf16(x: torch.Tensor, out: torch.Tensor, key: int, loops: bool = False) -> None:
     """`out` (bf16) = `x` (fp32, contiguous) rounded stochastically under `key`, element i with
-    the draw `draws(key, i)`."""
+    the draw `draws(key, i)`; `loops`: in relaytrain's C++ loop (`host_loops`) where it builds,
+    one pass to the same bits."""
     if x.dtype != torch.float32 or out.dtype != torch.bfloat16 or x.shape != out.shape:
         raise TypeError(f"round_to_bf16 takes an fp32 tensor and a bf16 one of its shape, not {x.dtype} "
                         f"{tuple(x.shape)} and {out.dtype} {tuple(out.shape)}")
     if x.device.type == "meta":  # a dry run: no values, and the chunks' scratch is too small to count
+        return
+    op = host_loops(loops) if x.device.type == "cpu" and x.is_contiguous() and out.is_contiguous() else None
+    if op is not None:
+        op.round_to_bf16(x, out, key)
         return
     bits, target = x.reshape(-1).view(torch.int32), out.view(-1).view(torch.int16)
     n = bits.numel()
@@ -106,9 +114,10 @@ ROUNDED = "rounded_updates"  # optimizer-state key: the updates rounded into thi
 class Bf16Masters:
     """The fp32 stand-ins of bf16 masters and the rounding of their updates, for one EPS."""
 
-    def __init__(self, seed: int, name_of: Callable[[nn.Parameter], str]):
+    def __init__(self, seed: int, name_of: Callable[[nn.Parameter], str], loops: bool = True):
         self.seed = seed
         self.name_of = name_of  # a master's name in the model (the key of its rounding)
+        self.loops = loops  # optim.host_loops: round in relaytrain's C++ loop where it builds
         self._stand_in: dict[int, nn.Parameter] = {}  # id(master) -> its stand-in (a tied master has one)
         self.master_of: dict[int, nn.Parameter] = {}  # id(stand-in) -> its master
         self._pool = KeptTensors()  # the fp32 copies an update works on, kept from part to part
@@ -145,7 +154,7 @@ class Bf16Masters:
                 continue
             state = optimizer.state[proxy]  # made here for a rule that keeps none (SGD without momentum)
             update = state.get(ROUNDED, 0)
-            round_to_bf16(proxy.data, master.data, rounding_key(self.seed, self.name_of(master), update))
+            round_to_bf16(proxy.data, master.data, rounding_key(self.seed, self.name_of(master), update), self.loops)
             state[ROUNDED] = update + 1
 
 

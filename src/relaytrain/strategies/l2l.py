@@ -199,7 +199,8 @@ class L2L(ReplicatedStrategy):
         self.eps = EagerParamServer(modules, cfg.optim, self.scaler, self.precision.weight_dtype,
                                     pin=self.device.type == "cuda", peers=peers,
                                     carry=s.overlap_next_step and not world.simulated,
-                                    bf16=Bf16Masters(cfg.train.seed, model.hf_name) if bf16_masters(cfg.optim) else None)
+                                    bf16=Bf16Masters(cfg.train.seed, model.hf_name, cfg.optim.host_loops)
+                                    if bf16_masters(cfg.optim) else None)
         self.peers = peers
         self.transfers = Transfers(self.device)
         self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch,
@@ -448,9 +449,10 @@ def _summary(l2l: L2L, phases: dict, eps: dict) -> dict:
 
 
 def _update_mode(eps: EagerParamServer) -> str:
+    masters = "; bf16 masters, rounded stochastically" if eps.bf16 is not None else ""
     if eps.defer:
-        return "deferred to end of backward (clipping / fp16 check)"
-    return "eager, the last into the next step's forward" if eps.carry else "eager"
+        return "deferred to end of backward (clipping / fp16 check)" + masters
+    return ("eager, the last into the next step's forward" if eps.carry else "eager") + masters
 
 
 def _check_keyed(minibatch: list[MicroBatch], dropout: float) -> None:
