@@ -1,7 +1,8 @@
 """`make bench`: every benchmark, each in its own process (a clean allocator and thread pool),
-then one summary table. Each script also runs alone; see docs/benchmarks.md.
+then one summary table, each headline beside its target, and the list of the targets missed.
+Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,hf_trainer,l2l,pipeline,l2l_scaling,data_parallel,planner,axonn,compile,lora,qlora,data_cache,long_context,sequence_parallel,moe,dpo] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,hf_trainer,...,muon,lowbit] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -104,6 +105,14 @@ def medians_table(headlines: dict) -> Table:
     return table
 
 
+def missed_line(headlines: dict) -> str:
+    """The headlines whose median misses its target, each with both, or that none does."""
+    missed = [f"{key} {h['median']:.3f} ({'<' if h['lower_is_better'] else '>='} {h['target']})"
+              for key, h in headlines.items() if not h["met"]]
+    return f"targets missed ({len(missed)} of {len(headlines)}): " + "; ".join(missed) if missed else \
+        f"every target met ({len(headlines)} headlines)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(BENCHMARKS))
@@ -115,6 +124,7 @@ def main() -> None:
             results[name] = run(name, BENCHMARKS[name], Path(workdir))
     headlines = {key: h for result in results.values() for key, h in result.get("headlines", {}).items()}
     Console().print(medians_table(headlines))
+    print(missed_line(headlines))
     if args.out:
         Path(args.out).write_text(json.dumps({"headlines": headlines, **results}, indent=2) + "\n")
 

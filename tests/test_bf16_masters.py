@@ -33,6 +33,7 @@ from tests.conformance.references import (
     hf_saved,
     minibatches,
     reference_loop,
+    update_delay,
 )
 
 STEPS = 3
@@ -137,12 +138,12 @@ class RoundedAdamW(torch.optim.AdamW):
 
 def plain_loop(checkpoint: Path, cfg) -> torch.nn.Module:
     """The run's training as a plain loop: the checkpoint's weights rounded to bf16 (as the run
-    keeps its masters), fp32 compute, torch's AdamW, the run's rounding."""
+    keeps its masters), fp32 compute, torch's AdamW, the run's rounding (2BW: its delayed rule)."""
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     with torch.no_grad():
         for p in reference.parameters():
             p.copy_(p.bfloat16())
-    reference_loop(reference, RoundedAdamW(reference, cfg.optim, SEED), cfg)
+    reference_loop(reference, RoundedAdamW(reference, cfg.optim, SEED), cfg, delay=update_delay(cfg))
     return reference
 
 
@@ -166,12 +167,16 @@ def assert_within_a_rounding(ours: torch.nn.Module, reference: torch.nn.Module, 
     # each part rounded on its owner, the masters sent to the other replica in bf16
     pytest.param(["strategy=l2l", "strategy.replicas=2", "strategy.microbatch_size=1"], id="l2l-replicas-sharded",
                  marks=pytest.mark.slow),
+    # each stage's masters in its own eager param server, uploaded into its device buffers
+    pytest.param(["strategy=pipe_flush", "strategy.offload=host"], id="pipe_flush-offload"),
+    pytest.param(["strategy=pipe_2bw", "strategy.offload=host"], id="pipe_2bw-offload", marks=pytest.mark.slow),
 ])
 def test_a_run_equals_a_plain_loop_that_rounds_alike(checkpoint, tmp_path, keys):
     strategy = " ".join(keys)
     cfg = bf16_cfg(checkpoint, *keys)
     results = run(cfg, tmp_path / "run", quiet=True)
-    assert results["strategy_report"]["summary"]["EPS updates"] == "eager; bf16 masters, rounded stochastically"
+    if "strategy=l2l" in keys:
+        assert results["strategy_report"]["summary"]["EPS updates"] == "eager; bf16 masters, rounded stochastically"
     saved = hf_saved(tmp_path / "run")
     assert all(torch.equal(p, p.bfloat16().float()) for p in saved.parameters())  # bf16 values, saved
     assert_within_a_rounding(saved, plain_loop(checkpoint, cfg), f"{strategy} master_dtype=bf16")
@@ -188,8 +193,11 @@ def test_the_updates_are_stochastic_not_nearest(checkpoint, tmp_path):
     assert any(not torch.equal(p.bfloat16().float(), saved[n]) for n, p in nearest.named_parameters())
 
 
-def test_a_run_resumed_from_step_one_draws_what_the_whole_run_drew(checkpoint, tmp_path):
-    assert_resumes_exactly(partial(bf16_cfg, checkpoint), ["strategy=l2l", "precision=cmp_bf16"], tmp_path)
+@pytest.mark.parametrize("keys", [["strategy=l2l", "precision=cmp_bf16"],
+                                  pytest.param(["strategy=pipe_flush", "strategy.offload=host"], marks=pytest.mark.slow)],
+                         ids=["l2l", "pipe_flush-offload"])
+def test_a_run_resumed_from_step_one_draws_what_the_whole_run_drew(checkpoint, tmp_path, keys):
+    assert_resumes_exactly(partial(bf16_cfg, checkpoint), keys, tmp_path)
 
 
 @pytest.mark.slow
@@ -243,8 +251,13 @@ def test_the_planner_counts_two_bytes_a_master_no_copy_that_travels_and_the_roun
     assert bf16_s == pytest.approx(fp32_s * (1 + ROUNDING_VS_FP32_ADAMW[True]))
 
 
-@pytest.mark.parametrize("strategy", ["baseline", "fsdp", "pipe_flush"])
-def test_elsewhere_bf16_masters_are_refused_in_one_line(strategy):
-    with pytest.raises(ConfigError, match=f"optim.master_dtype=bf16 under strategy={strategy}") as err:
+@pytest.mark.parametrize(("strategy", "says"), [
+    ("baseline", "optim.master_dtype=bf16 under strategy=baseline: bf16 masters are the eager param server's"),
+    ("fsdp", "optim.master_dtype=bf16 under strategy=fsdp"),
+    ("pipe_flush", "optim.master_dtype=bf16 keeps a stage's masters on the host, in its eager param server: add "
+                   "strategy.offload=host"),
+])
+def test_elsewhere_bf16_masters_are_refused_in_one_line(strategy, says):
+    with pytest.raises(ConfigError, match=says) as err:
         validate(compose_config(["+exp=tiny_baseline", f"strategy={strategy}", "optim.master_dtype=bf16"]))
     assert "\n" not in str(err.value)

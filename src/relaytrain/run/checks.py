@@ -83,8 +83,8 @@ def _check_master_dtype(o, cls, name) -> None:
     """optim.master_dtype=bf16: masters the eager param server keeps; refused in one line elsewhere."""
     if str(o.get("master_dtype", "fp32")) == "bf16" and not cls.capabilities.bf16_masters:
         raise ConfigError(f"optim.master_dtype=bf16 under strategy={name}: bf16 masters are the eager param "
-                          f"server's host copies, under strategy=l2l or l2l_stash_cpu; use one of them, or "
-                          f"optim.master_dtype=fp32")
+                          f"server's host copies, under strategy=l2l, l2l_stash_cpu, or a pipeline with "
+                          f"strategy.offload=host; use one of them, or optim.master_dtype=fp32")
 
 
 def _check_pairs(objective, source, sequence_parts: int) -> None:

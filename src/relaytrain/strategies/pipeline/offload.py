@@ -37,6 +37,7 @@ from torch import nn
 
 from relaytrain.records.optimizer_state import load_optimizer_state, optimizer_state
 from relaytrain.step.precision import LossScaler
+from relaytrain.step.rounding import Bf16Masters, bf16_masters
 from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.eps import EagerParamServer, Shipment
 from relaytrain.strategies.pipeline.stage import StageModule
@@ -85,12 +86,17 @@ class HostVersions(VersionBuffers):
     its parameters become the masters, and the device buffers are copies of it.
     """
 
-    def __init__(self, stage: StageModule, versions: int, optim_cfg, device: torch.device):
+    def __init__(self, stage: StageModule, versions: int, optim_cfg, device: torch.device, seed: int = 0):
         super().__init__(version_copies(copy.deepcopy(stage).to(device), versions), stage)
         self.cuda = device.type == "cuda"
-        self.eps = EagerParamServer(stage_parts(stage), optim_cfg, LossScaler(False), pin=self.cuda)
         masters = dict(stage.named_parameters())
         self.masters = [masters[n] for n in self.names]  # aligned with every buffer's params
+        self._name = dict(zip(map(id, self.masters), self.hf_names, strict=True))
+        bf16 = Bf16Masters(seed, lambda p: self._name[id(p)], optim_cfg.host_loops) if bf16_masters(optim_cfg) else None
+        self.eps = EagerParamServer(stage_parts(stage), optim_cfg, LossScaler(False), pin=self.cuda, bf16=bf16)
+        if bf16 is not None:  # the buffers compute with the masters as the EPS keeps them: rounded to bf16
+            for version in range(len(self.buffers)):
+                self._load(version, dict(zip(self.hf_names, self.masters, strict=True)))
         position = {id(p): i for i, p in enumerate(self.masters)}
         self.grad_positions = [[position[id(p)] for p in part.masters] for part in self.eps.parts]
         self.owned_positions = [[position[id(p)] for p in part.owned] for part in self.eps.parts]
@@ -134,9 +140,8 @@ class HostVersions(VersionBuffers):
     def state(self) -> tuple[dict, dict, dict | None]:
         """The host master is the newest version; (2BW) the previous one is on the device."""
         self.settle()
-        name = dict(zip(map(id, self.masters), self.hf_names, strict=True))
         newest = {n: p.detach().cpu().clone() for n, p in zip(self.hf_names, self.masters, strict=True)}
-        optimizer = optimizer_state(self.optimizers(), lambda p: name[id(p)])
+        optimizer = optimizer_state(self.optimizers(), self._optimizer_name)
         previous = self._by_name(self.updates - 1) if len(self.buffers) == 2 else None
         return newest, optimizer, previous
 
@@ -149,8 +154,11 @@ class HostVersions(VersionBuffers):
         self._load(updates, weights)
         if len(self.buffers) == 2:
             self._load(updates - 1, previous if previous else weights)
-        name = dict(zip(map(id, self.masters), self.hf_names, strict=True))
-        load_optimizer_state(self.optimizers(), lambda p: name[id(p)], optimizer)
+        load_optimizer_state(self.optimizers(), self._optimizer_name, optimizer)
+
+    def _optimizer_name(self, p: torch.Tensor) -> str:
+        """The name of a parameter an EPS optimizer steps: its master's (a bf16 master's stand-in too)."""
+        return self._name[id(self.eps.master(p))]
 
     def host_bytes(self) -> dict[str, int]:
         return {"master weights": sum(_nbytes(p) for p in self.masters),

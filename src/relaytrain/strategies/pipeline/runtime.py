@@ -35,6 +35,7 @@ from relaytrain.models.layered import MicroBatch, eval_mode
 from relaytrain.objectives.base import Divisor
 from relaytrain.placement.layout import Layout
 from relaytrain.step.evaluation import EvalStats
+from relaytrain.step.rounding import bf16_masters
 from relaytrain.strategies.base import (
     Capabilities,
     StepResult,
@@ -89,7 +90,7 @@ class PipelineStrategy(Strategy):
 
     Config = PipelineConfig
     cost_model = PipelineCost  # what the planner asks: pipeline/cost.py's closed forms, under this schedule
-    capabilities = Capabilities(grad_clip=False, fp16=False)
+    capabilities = Capabilities(grad_clip=False, fp16=False, bf16_masters=True)  # bf16: with strategy.offload=host
     schedule: ClassVar[type[Schedule]]  # the program each stage runs, and its rules
 
     def __init_subclass__(cls, **kwargs):
@@ -133,6 +134,9 @@ class PipelineStrategy(Strategy):
         if s.execution == Execution.message_driven and not cls.schedule.reorderable:
             raise ConfigError(f"strategy.execution=message_driven: strategy={s.name}'s order across its chunks is "
                               f"its schedule's; use strategy.execution=static")
+        if bf16_masters(cfg.optim) and s.offload != Offload.host:
+            raise ConfigError("optim.master_dtype=bf16 keeps a stage's masters on the host, in its eager param "
+                              "server: add strategy.offload=host")
         jitter = StageJitter.from_environment()
         if jitter is not None and jitter.stage >= s.stages:
             raise ConfigError(f"{ENV} slows stage {jitter.stage}, but the pipeline has stages 0 to {s.stages - 1}")
@@ -219,7 +223,7 @@ class PipelineStrategy(Strategy):
         the host (`strategy.offload=host`; the stage stays where the model was built: the host)."""
         versions, optim = self.capabilities.weight_versions, self.cfg.optim
         if self.cfg.strategy.offload == Offload.host:
-            return HostVersions(stage, versions, optim, self.device)
+            return HostVersions(stage, versions, optim, self.device, self.cfg.train.seed)
         return WeightVersions(stage.to(self.device), versions, optim)
 
     def start(self, step: int) -> None:
