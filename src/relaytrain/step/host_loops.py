@@ -28,6 +28,7 @@ torch builds them with ninja and the C++ compiler on first use (about 30 s), cac
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -126,6 +127,7 @@ void round_to_bf16(torch::Tensor x, torch::Tensor out, int64_t key) {  // step/r
 }
 """
 
+_NAME = "relaytrain_host_loops"
 _OP: dict = {}  # "op": the built module, or "failure": why it did not build
 _FLOORS: dict[bytes, torch.Tensor] = {}
 
@@ -137,9 +139,12 @@ def host_loops(wanted: bool = True):
         return None
     if not _OP:
         try:
-            from torch.utils.cpp_extension import load_inline
+            from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-            _OP["op"] = load_inline("relaytrain_host_loops", _SOURCE + _ROUNDING_SOURCE,
+            if not (Path(_get_build_directory(_NAME, verbose=False)) / f"{_NAME}.so").exists():
+                print("relaytrain: building its C++ host loops (optim.host_loops) with the C++ compiler: about 30 s, "
+                      "once", file=sys.stderr, flush=True)
+            _OP["op"] = load_inline(_NAME, _SOURCE + _ROUNDING_SOURCE,
                                     functions=["adamw8bit_step", "round_to_bf16"],
                                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                                     extra_ldflags=["-fopenmp"], verbose=False)
