@@ -9,6 +9,7 @@ On a CUDA device, with the conformance suite's tiny BERT and its references:
 - half precision (amp_bf16 under the baseline and L2L, cmp_bf16 under L2L) lands within bf16's
   error of the fp32 reference;
 - FSDP with its shards and optimizer on the host (`strategy.offload=host`) equals the plain loop;
+- bf16 masters (`optim.master_dtype=bf16`) live in pinned bf16 buffers and round as on the CPU;
 - QLoRA (bitsandbytes' CUDA kernels) and the mixtures of experts train as on the CPU.
 
 Skipped where torch sees no CUDA device; `make test-gpu` then says so in one line and runs nothing.
@@ -105,6 +106,25 @@ def test_bf16_updates_stay_within_bf16_error_of_fp32(name, precision, tmp_path):
     initial = build_model(fp32.model, seed=fp32.train.seed).hf_model
     error = update_error(ours, plain_reference(fp32, 0, "cuda"), initial)
     assert error < BF16_UPDATE_ERROR, f"{name} {precision}: update off by {error:.1%} of its size"
+
+
+def test_bf16_masters_beside_a_gpu_round_as_the_same_run_on_the_cpu(tmp_path):
+    """optim.master_dtype=bf16 under l2l on CUDA: the masters are pinned bf16 buffers that travel
+    themselves, and the run ends within a rounding of the CPU's (fp32 compute, the order of sums
+    apart; without dropout, whose CUDA masks differ)."""
+    from tests.test_bf16_masters import assert_within_a_rounding
+
+    keys = ("optim.master_dtype=bf16", "optim.host_loops=false", NO_DROPOUT)
+    cfg, _, ours = trained_on_cuda("l2l", tmp_path, *keys)
+    cpu = conformance_cfg("l2l", *keys)
+    run(cpu, tmp_path / "cpu", quiet=True)
+    assert_within_a_rounding(ours, saved_weights(tmp_path / "cpu", cpu), "l2l bf16 masters, cuda against cpu")
+    strategy = build_strategy(build_model(cfg.model, seed=cfg.train.seed), cfg, "cuda")
+    try:
+        for part in (part for part in strategy.eps.parts if part.owned):
+            assert part.buffer.dtype == torch.bfloat16 and part.buffer.is_pinned()
+    finally:
+        strategy.close()
 
 
 def test_fsdp_with_shards_on_the_host_equals_the_plain_loop(tmp_path):

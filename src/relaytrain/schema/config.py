@@ -258,7 +258,7 @@ class OptimConfig:
     schedule: LRSchedule = LRSchedule.constant  # after warm-up: constant, linear or cosine decay to 0
     warmup_steps: int = 0  # linear learning-rate warm-up steps
     grad_clip: float = 0.0  # global-norm clipping; 0 disables
-    master_dtype: MasterDtype = MasterDtype.fp32  # the trained weights the optimizer keeps: fp32, or bf16 (l2l's host masters at 2 bytes a parameter; updates rounded stochastically, keyed by train.seed)
+    master_dtype: MasterDtype = MasterDtype.fp32  # the trained weights the optimizer keeps: fp32, or bf16 (the eager param server's host masters, under l2l or a pipeline with strategy.offload=host: 2 bytes a parameter, updates rounded stochastically, keyed by train.seed)
     host_loops: bool = True  # relaytrain's C++ loops for host updates with 8-bit states or bf16 masters, built by torch with the C++ compiler on first use (~30 s, cached); false: torch's and torchao's kernels
 
 
