@@ -1,5 +1,5 @@
-"""relaytrain's host loop for torchao's AdamW8bit (`step/host_loops.py`): the same update as
-torchao's compiled one, state for state and weight for weight (bf16 masters' rounding loop:
+"""relaytrain's host loop for torchao's AdamW8bit and AdamW4bit (`step/host_loops.py`): the same
+update as torchao's compiled one, state for state and weight for weight (bf16 masters' rounding loop:
 tests/test_bf16_masters.py).
 
 torch builds the loop with the C++ compiler on its first use (about 30 s on the 2-core VM): the
@@ -47,7 +47,7 @@ def test_the_table_gives_the_search_result_at_every_bucket_start_and_value(signe
     assert torch.equal(codes.to(torch.uint8), quantize_8bit_with_qmap(x, qmap))
 
 
-def pair(shape):
+def pair(shape, bits: int = 8):
     """Our optimizer and torchao's over equal copies of one tensor."""
     import torchao.optim
 
@@ -55,7 +55,8 @@ def pair(shape):
     ours = torch.nn.Parameter(torch.randn(shape))
     theirs = torch.nn.Parameter(ours.detach().clone())
     keys = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
-    return (ours, optimizer_class(8)([ours], **keys)), (theirs, torchao.optim.AdamW8bit([theirs], **keys))
+    torchaos = getattr(torchao.optim, f"AdamW{bits}bit")
+    return (ours, optimizer_class(bits)([ours], **keys)), (theirs, torchaos([theirs], **keys))
 
 
 def train(p, optimizer, grads) -> None:
@@ -65,17 +66,17 @@ def train(p, optimizer, grads) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [(256, 96), (4096,), (300,)], ids=str)
-def test_steps_equal_torchaos_compiled_update(shape):
+@pytest.mark.parametrize(("shape", "bits"), [((256, 96), 8), ((4096,), 8), ((300,), 8), ((256, 96), 4)], ids=str)
+def test_steps_equal_torchaos_compiled_update(shape, bits):
     """Bit for bit on this VM (2026-11-30); allowed to float noise, with a rare code flipped to its
     neighbour, where another compiler rounds an intermediate differently. A tensor torchao does
     not quantize (300 values) takes torchao's own update."""
     assert host_loops() is not None
-    (ours, mine), (theirs, reference) = pair(shape)
+    (ours, mine), (theirs, reference) = pair(shape, bits)
     grads = [torch.randn(shape) * 10.0 ** -k for k in range(STEPS)]  # moments over several decades of the map
     train(ours, mine, grads)
     train(theirs, reference, grads)
-    assert mine.kernel == "torchao AdamW8bit, relaytrain's host loop"
+    assert mine.kernel == f"torchao AdamW{bits}bit, relaytrain's host loop"
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
     for key in ("exp_avg", "exp_avg_sq"):
         a, b = mine.state[ours][key], reference.state[theirs][key]

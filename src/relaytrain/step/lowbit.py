@@ -20,7 +20,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from relaytrain.step.host_loops import adamw_8bit_host, fits, host_loops
+from relaytrain.step.host_loops import adamw_lowbit_host, fits, host_loops
 from relaytrain.utils.errors import ConfigError
 
 BLOCK = {8: 256, 4: 128}  # torchao's default block of each width
@@ -29,14 +29,13 @@ BLOCK = {8: 256, 4: 128}  # torchao's default block of each width
 # value in 8 bits), and decoding looks the codes up again. Measured on the 2-core VM
 # (2026-11-29, one 4 M-parameter tensor, 2 threads, compiled): 107.7 ms (8-bit) and 289.0 ms
 # (4-bit) against 2.8 ms. The planner times a host update from fp32's bytes times this; on a
-# GPU torchao's update is bandwidth-bound like AdamW's, and the bytes alone count there. The
-# same algorithm in torch's eager kernels is no faster on a CPU (2026-11-30: searchsorted alone
-# takes 110 ms for 4 M values; a table over the values' fp32 bits in place of the search, in
-# chunks, 147 ms the whole update against torchao's 95): what would help is a C++ loop.
+# GPU torchao's update is bandwidth-bound like AdamW's, and the bytes alone count there. On the
+# host relaytrain's C++ loop makes the same update faster (`host_loops`).
 HOST_TIME_VS_FP32 = {32: 1.0, 8: 38.0, 4: 100.0}
-# relaytrain's C++ loop for 8 bits (`host_loops`, optim.host_loops), the same measure (2026-11-30):
-# 28.7 and 42.2 ms in two runs against fused fp32 AdamW's 2.6 and 2.0 (torchao's: 91.6 and 90.8).
-HOST_LOOP_TIME_VS_FP32 = 16.0
+# relaytrain's C++ loop (`host_loops`, optim.host_loops), the same measure (2026-11-30, two runs
+# each): 8 bits 28.7 and 42.2 ms against fused fp32 AdamW's 2.6 and 2.0 (torchao's: 91.6 and 90.8);
+# 4 bits 27.7 and 28.3 ms against 2.3 and 2.3 (torchao's: 181.0 and 166.8).
+HOST_LOOP_TIME_VS_FP32 = {8: 16.0, 4: 12.5}
 STATE_BITS = (32, *BLOCK)  # 32: torch's AdamW with fp32 moments
 _CLASSES: dict[int, type] = {}
 
@@ -49,7 +48,7 @@ def state_bits(o) -> int:
 def host_time_vs_fp32(o) -> float:
     """A host update's time with the optimizer keys `o`, as so many times fp32 AdamW's."""
     bits = state_bits(o)
-    return HOST_LOOP_TIME_VS_FP32 if bits == 8 and o.get("host_loops", True) else HOST_TIME_VS_FP32[bits]
+    return HOST_LOOP_TIME_VS_FP32[bits] if bits != 32 and o.get("host_loops", True) else HOST_TIME_VS_FP32[bits]
 
 
 def state_words(bits: int) -> float:
@@ -72,8 +71,7 @@ def optimizer_class(bits: int) -> type:
         # nothing a run can act on (the update is only compiled again in a new process).
         warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
         base = getattr(_torchao_optim(bits), f"AdamW{bits}bit")
-        stepped = _HostEightBit if bits == 8 else _Stepped
-        _CLASSES[bits] = type(f"LowBitAdamW{bits}", (stepped, base), {"name": f"torchao AdamW{bits}bit"})
+        _CLASSES[bits] = type(f"LowBitAdamW{bits}", (_HostLoop, base), {"name": f"torchao AdamW{bits}bit"})
     return _CLASSES[bits]
 
 
@@ -107,8 +105,8 @@ class _Stepped:
         self.zero_grad(set_to_none=True)
 
 
-class _HostEightBit(_Stepped):
-    """8 bits: a host tensor's update runs relaytrain's C++ loop (`host_loops`, unless
+class _HostLoop(_Stepped):
+    """A host tensor's update runs relaytrain's C++ loop (`host_loops`, unless
     `optim.host_loops=false`), torchao's algorithm and state without its compiled loop, scalar
     on a CPU; anything else (device tensors, tensors whose moments torchao leaves in fp32, a dry
     run) torchao's own update."""
@@ -142,7 +140,7 @@ class _HostEightBit(_Stepped):
                 state["step"] += 1
                 rule = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"])
                 if fits(p, state):
-                    adamw_8bit_host(op, p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], *rule)
+                    adamw_lowbit_host(op, p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], *rule)
                 else:
                     _torchao_update(p, state, rule)
         return loss
