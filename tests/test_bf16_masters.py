@@ -29,6 +29,7 @@ from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder
 from tests.conformance.references import (
     assert_resumes_exactly,
+    assert_within_a_rounding,
     exempt_from_decay,
     hf_saved,
     minibatches,
@@ -145,20 +146,6 @@ def plain_loop(checkpoint: Path, cfg) -> torch.nn.Module:
             p.copy_(p.bfloat16())
     reference_loop(reference, RoundedAdamW(reference, cfg.optim, SEED), cfg, delay=update_delay(cfg))
     return reference
-
-
-def assert_within_a_rounding(ours: torch.nn.Module, reference: torch.nn.Module, what: str) -> None:
-    """Equal, but for the few elements where float noise in a gradient moved an update across a
-    draw: those are one bf16 step apart (at most two, once one of them fed the next update)."""
-    theirs = dict(reference.named_parameters())
-    differ = total = 0
-    for name, p in ours.named_parameters():
-        q = theirs[name]
-        step = torch.maximum(p.abs(), q.abs()).bfloat16().float() * 2 ** -7  # one bf16 step at that size
-        assert bool(((p - q).abs() <= 2 * step + 1e-30).all()), f"{what} {name}"
-        differ += int((p != q).sum())
-        total += p.numel()
-    assert differ <= total * 1e-3, f"{what}: {differ} of {total} elements differ"
 
 
 @pytest.mark.parametrize("keys", [

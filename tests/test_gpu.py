@@ -24,7 +24,7 @@ from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model
 from relaytrain.run.train import run
 from relaytrain.strategies import build_strategy, choices, strategy_class
-from tests.conformance.references import assert_same_weights
+from tests.conformance.references import assert_same_weights, assert_within_a_rounding
 from tests.test_conformance import conformance_cfg, plain_reference, saved_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -112,8 +112,6 @@ def test_bf16_masters_beside_a_gpu_round_as_the_same_run_on_the_cpu(tmp_path):
     """optim.master_dtype=bf16 under l2l on CUDA: the masters are pinned bf16 buffers that travel
     themselves, and the run ends within a rounding of the CPU's (fp32 compute, the order of sums
     apart; without dropout, whose CUDA masks differ)."""
-    from tests.test_bf16_masters import assert_within_a_rounding
-
     keys = ("optim.master_dtype=bf16", "optim.host_loops=false", NO_DROPOUT)
     cfg, _, ours = trained_on_cuda("l2l", tmp_path, *keys)
     cpu = conformance_cfg("l2l", *keys)

@@ -153,6 +153,20 @@ def assert_same_weights(ours: torch.nn.Module, reference: torch.nn.Module, what:
         torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=lambda m, key=key: f"{what} {key}: {m}")
 
 
+def assert_within_a_rounding(ours: torch.nn.Module, reference: torch.nn.Module, what: str) -> None:
+    """Equal, but for the few elements where float noise in a gradient moved an update across a
+    draw: those are one bf16 step apart (at most two, once one of them fed the next update)."""
+    theirs = dict(reference.named_parameters())
+    differ = total = 0
+    for name, p in ours.named_parameters():
+        q = theirs[name]
+        step = torch.maximum(p.abs(), q.abs()).bfloat16().float() * 2 ** -7  # one bf16 step at that size
+        assert bool(((p - q).abs() <= 2 * step + 1e-30).all()), f"{what} {name}"
+        differ += int((p != q).sum())
+        total += p.numel()
+    assert differ <= total * 1e-3, f"{what}: {differ} of {total} elements differ"
+
+
 # ------------------------------------------------------------------ a plain peft loop
 
 

@@ -38,6 +38,7 @@ HOST_TIME_VS_FP32 = {32: 1.0, 8: 38.0, 4: 100.0}
 HOST_LOOP_TIME_VS_FP32 = {8: 16.0, 4: 12.5}
 STATE_BITS = (32, *BLOCK)  # 32: torch's AdamW with fp32 moments
 _CLASSES: dict[int, type] = {}
+_COMPILED: dict = {}  # "update": torchao's per-tensor update, compiled (`_torchao_update`)
 
 
 def state_bits(o) -> int:
@@ -147,14 +148,16 @@ class _HostLoop(_Stepped):
 
 
 def _torchao_update(p: torch.Tensor, state: dict, rule: tuple) -> None:
-    """torchao's own update of one tensor, compiled as its optimizer compiles it."""
-    from torchao.optim.adam import single_param_adam
+    """torchao's own update of one tensor, compiled as its optimizer compiles it (the wrapper made
+    once, not per tensor and step)."""
+    if "update" not in _COMPILED:
+        from torchao.optim.adam import single_param_adam
 
+        _COMPILED["update"] = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
     lr, beta1, beta2, weight_decay, eps = rule
     with torch._dynamo.utils.disable_cache_limit():
-        torch.compile(single_param_adam, fullgraph=True, dynamic=False)(
-            p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None, lr, beta1, beta2,
-            weight_decay, eps, True, False)
+        _COMPILED["update"](p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None, lr,
+                            beta1, beta2, weight_decay, eps, True, False)
 
 
 def _torchao_optim(bits: int):

@@ -94,7 +94,6 @@ class EagerParamServer:
                 named = zip(self.stepped_names(part), part.stepped, strict=True)
                 part.optimizer = build_optimizer(named, optim_cfg, flat=True)
         # The baseline's parameter order (model.parameters()), so clipping sums the same way.
-        self.all_masters = [p for part in self.parts for p in part.stepped]
         self.my_masters = [p for part in self.local_parts() for p in part.stepped]
         kernels = sorted({part.optimizer.kernel for part in self.parts if part.optimizer is not None})
         self.stats = EpsStats(host_kernel=", ".join(kernels) or None)
