@@ -85,3 +85,24 @@ def test_steps_equal_torchaos_compiled_update(shape, bits):
             torch.testing.assert_close(a.scale, b.scale, atol=0, rtol=1e-5)
         else:
             torch.testing.assert_close(a, b, atol=0, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_dry_run_earlier_in_the_process_leaves_the_loop_on(monkeypatch):
+    """What turns the loop off is a dispatch mode on this thread (a dry run's tracker), not torch's
+    process-wide flag of one, which an earlier dry run's ranks (threads) once left set: the slow
+    step's loop tests then ran torchao's kernel. The meta tensors a dry run's EPS thread steps
+    take torchao's update uncompiled."""
+    from torch.utils import _python_dispatch
+
+    assert host_loops() is not None
+    monkeypatch.setattr(_python_dispatch, "_is_in_torch_dispatch_mode", True)
+    (_, mine), _ = pair((256, 96))
+    assert mine.kernel == "torchao AdamW8bit, relaytrain's host loop"
+    shape = (256, 96)
+    dry = torch.nn.Parameter(torch.empty(shape, device="meta"))
+    optimizer = optimizer_class(8)([dry], lr=1e-2)
+    dry.grad = torch.empty(shape, device="meta")
+    optimizer.step()
+    assert optimizer.kernel == "torchao AdamW8bit"
+    assert type(optimizer.state[dry]["exp_avg"]).__name__ == "OptimState8bit"

@@ -222,7 +222,11 @@ def test_l2l_drops_the_last_blocks_outputs_after_the_turnaround():
 def test_2bw_holds_one_gradient_copy_per_stage():
     """Updates are applied as soon as their sums arrive, so batch b's gradients are gone before
     batch b+1's accumulate: one gradient copy of the stage's weights at the peak, and two
-    weight versions."""
+    weight versions. Its stages, threads of this process that take turns, leave no dispatch mode
+    behind: torch's process-wide flag of one once stayed set after them, and torch.compile and the
+    low-bit optimizers' host loop, later in the same process, believed a dry run was still on."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
     cfg = compose_config(["model=gpt2_tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
                           "model.intermediate_size=1024", "model.vocab_size=2048", "data.seq_len=16",
                           "strategy=pipe_2bw", "strategy.num_microbatches=4", "strategy.microbatch_size=2", "optim=sgd"])
@@ -230,6 +234,7 @@ def test_2bw_holds_one_gradient_copy_per_stage():
         kinds = process.by_kind
         assert kinds["weights"] == 2 * kinds["optimizer state"]  # two versions, SGD momentum: one copy
         assert kinds["gradients"] == pytest.approx(kinds["optimizer state"], rel=0.01)
+    assert not is_in_torch_dispatch_mode()
 
 
 def test_a_dry_run_refuses_what_needs_values(capsys):

@@ -47,6 +47,31 @@ def active() -> DeviceMemory | None:
     return getattr(_local, "tracker", None)
 
 
+# torch's process-wide "a dispatch mode is active" flags, which each mode saves on entry and
+# restores on exit (torch.utils._python_dispatch)
+_TORCH_MODE_FLAGS = ("_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode",
+                     "_is_in_any_mode_without_ignore_compile_internals")
+
+
+@contextmanager
+def torch_mode_flags_kept():
+    """Around a dry run's ranks, threads that enter and leave their trackers in turns: torch keeps
+    whether a dispatch mode is active in flags of the whole process, not of a thread, so the
+    interleaved exits leave them set after every tracker has gone, and whatever reads them later
+    in this process (torch.compile) believes a mode is still active. Restored here."""
+    from torch.utils import _python_dispatch as dispatch
+
+    kept = {name: getattr(dispatch, name) for name in _TORCH_MODE_FLAGS if hasattr(dispatch, name)}
+    try:
+        yield
+    finally:
+        for name, value in kept.items():
+            setattr(dispatch, name, value)
+        if hasattr(dispatch, "set_is_in_mode_without_ignore_compile_internals"):
+            dispatch.set_is_in_mode_without_ignore_compile_internals(
+                kept.get("_is_in_any_mode_without_ignore_compile_internals", False))
+
+
 @contextmanager
 def on_host():
     """Tensors created inside live in host memory (an offload's copy), not on the device."""

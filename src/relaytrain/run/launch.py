@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from relaytrain.dryrun import memory
 from relaytrain.placement.world import (
     LocalGroup,
     StopRequest,
@@ -208,10 +209,11 @@ def _dry_run(entry, cfg, processes: int, payload):
             group._barrier.abort()  # the others would wait for it forever
 
     threads = [threading.Thread(target=work, args=(world,), name=f"relaytrain-dry-rank{world.rank}") for world in worlds]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with memory.torch_mode_flags_kept():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
     if real or errors:
         raise (real or errors)[0]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from relaytrain.step.host_loops import adamw_lowbit_host, fits, host_loops
 from relaytrain.utils.errors import ConfigError
@@ -82,6 +81,14 @@ def check_available(bits: int) -> None:
         _torchao_optim(bits)
 
 
+def in_a_dispatch_mode() -> bool:
+    """Whether this thread runs under a TorchDispatchMode (a dry run's memory tracker). torch's
+    `is_in_torch_dispatch_mode()` reads one flag for the whole process, which modes entered and
+    left on several threads in turns (a dry run's ranks) can leave set; the mode stack
+    itself is the thread's own."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
 class _Stepped:
     """`update()` and `drop_grads()`, as the eager param server steps its parts (`StepEachGroup`);
     under a dispatch mode (a dry run's memory tracker, which torch.compile refuses) the update
@@ -94,13 +101,18 @@ class _Stepped:
         return self.name
 
     def step(self, closure=None):
-        if not is_in_torch_dispatch_mode():
+        if not self._uncompiled():
             return super().step(closure)
         with torch.compiler.set_stance("force_eager"):
             return super().step(closure)
 
     def update(self) -> None:
         self.step()
+
+    def _uncompiled(self) -> bool:
+        """Under a dry run: its tracker's thread, or a thread stepping its meta tensors (the EPS's)."""
+        return in_a_dispatch_mode() or any(p.device.type == "meta" for group in self.param_groups
+                                           for p in group["params"])
 
     def drop_grads(self) -> None:
         self.zero_grad(set_to_none=True)
@@ -120,7 +132,7 @@ class _HostLoop(_Stepped):
         return f"{self.name}, relaytrain's host loop" if host and self._loops() is not None else self.name
 
     def _loops(self):
-        return None if is_in_torch_dispatch_mode() else host_loops(self.use_host_loops)
+        return None if self._uncompiled() else host_loops(self.use_host_loops)
 
     @torch.no_grad()
     def step(self, closure=None):
