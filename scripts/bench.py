@@ -57,6 +57,7 @@ COMPARED = {
     "lora_l2l_vs_full_l2l": "l2l samples/s, adapter=lora / full fine-tuning (the same model and batch)",
     "qlora_l2l_host_bytes_ratio": "l2l host bytes of the base, adapter=qlora (NF4) / adapter=lora (bf16), Llama-3-70B / 16",
     "qlora_l2l_vs_lora_l2l": "l2l samples/s, adapter=qlora (NF4 base) / adapter=lora (bf16 base)",
+    "moe_qlora_host_bytes_ratio": "l2l host bytes of the base, adapter=qlora / adapter=lora, experts in NF4 too (Qwen3-30B-A3B / 8)",
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
     "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d, 8 blocks) / bubble formula",
     "interleaved_vs_flush": "pipe_interleaved (d = 2, v = 2, m = 4) / pipe_flush (d = 2, m = 4)",

@@ -40,10 +40,10 @@ def parse_args() -> argparse.Namespace:
     return contest_args(__doc__, ("CHECKPOINT", "ADAPTER"), steps=4, untimed="the first is", rounds=5)
 
 
-def make_checkpoint(directory: Path, sizes: dict = SIZES) -> Path:
+def make_checkpoint(directory: Path, sizes: dict = SIZES, model_type: str = "llama") -> Path:
     """The bf16 checkpoint, written once by a process of its own (its fp32 build is not measured)."""
     code = ("import sys, torch; from transformers import AutoConfig, AutoModelForCausalLM; "
-            f"torch.manual_seed(0); c = AutoConfig.for_model('llama', **{sizes!r}); "
+            f"torch.manual_seed(0); c = AutoConfig.for_model({model_type!r}, **{sizes!r}); "
             "AutoModelForCausalLM.from_config(c).to(torch.bfloat16).save_pretrained(sys.argv[1])")
     subprocess.run([sys.executable, "-c", code, str(directory)], check=True)
     return directory

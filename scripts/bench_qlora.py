@@ -15,6 +15,9 @@ planner's closed form (`ModelFacts.frozen_host_bytes`). Headlines:
   each (the bytes of a build are exact; nothing is trained).
 - `qlora_l2l_vs_lora_l2l`: samples/s, NF4 base / bf16 base, median over alternating rounds of
   training runs (target >= 0.8), on a model of Llama-3-8B's proportions (`SIZES`).
+- `moe_qlora_host_bytes_ratio`: the same bytes ratio (target <= 0.35) of a mixture, Qwen3-30B-A3B
+  with every width cut by 8 and its depth and 128 experts kept (`THIRTY_B_A3B`: 48 blocks, 478 M
+  parameters), whose fused experts (97 % of a block) are held in NF4 too. Built once each.
 
 The bytes ratio is set by how much of the base is the blocks' linear weights (4.5 bits a weight
 under NF4) against the embeddings, norms and head (kept in bf16 in both runs, as bitsandbytes
@@ -45,6 +48,12 @@ SIZES = {**LORA_SIZES, "intermediate_size": 3584}
 # and 8 KV heads of 128 -> 8 and 1 of 64 (the same 8:1 grouping), vocabulary 128256 -> 8016.
 SEVENTY_B = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=80, num_attention_heads=8,
                  num_key_value_heads=1, vocab_size=8016, tie_word_embeddings=False)
+# Qwen3-30B-A3B with every width / 8 and its depth and experts: hidden 2048 -> 256, expert MLP 768 -> 96
+# (the dense MLP 6144 -> 768 is never built: every layer routes), 32 query and 4 KV heads of 128 -> of 16,
+# vocabulary 151936 -> 18992; 128 experts, 8 a token.
+THIRTY_B_A3B = dict(hidden_size=256, moe_intermediate_size=96, intermediate_size=768, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=16, vocab_size=18992, num_experts=128,
+                    num_experts_per_tok=8, tie_word_embeddings=False)
 BUILD_ONLY = 0  # --steps of a child that builds the strategy and trains nothing
 
 
@@ -128,23 +137,32 @@ def main() -> None:
         rounds = alternating_rounds(ADAPTERS, args.rounds, lambda adapter: one_run(checkpoint, adapter, runs, args.steps))
         seventy = make_checkpoint(workdir / "seventy_b", SEVENTY_B)
         built = {adapter: one_run(seventy, adapter, runs, BUILD_ONLY) for adapter in ADAPTERS}
+        mixture = make_checkpoint(workdir / "thirty_b_a3b", THIRTY_B_A3B, "qwen3_moe")
+        moe_built = {adapter: one_run(mixture, adapter, runs, BUILD_ONLY) for adapter in ADAPTERS}
     speed = [r["qlora"]["samples_per_s"] / r["lora"]["samples_per_s"] for r in rounds]
     results = {
         "command": "python scripts/bench_qlora.py " + f"--rounds {args.rounds} --steps {args.steps}",
         "model": {**SIZES, "checkpoint_dtype": "bfloat16"}, "run": RUN, "rounds": rounds,
         "host_bytes_model": {**SEVENTY_B, "checkpoint_dtype": "bfloat16"}, "host_bytes_builds": built,
         "closed_form_ratio": ratio(built, "closed_form_base_bytes"),
+        "moe_host_bytes_model": {**THIRTY_B_A3B, "model_type": "qwen3_moe", "checkpoint_dtype": "bfloat16"},
+        "moe_host_bytes_builds": moe_built, "moe_closed_form_ratio": ratio(moe_built, "closed_form_base_bytes"),
         "host_bytes_ratio_8b_proportions": ratio(rounds[0], "base_bytes"),  # storage bytes: the same every round
         "closed_form_ratio_8b_proportions": ratio(rounds[0], "closed_form_base_bytes"),
         "other_load_cores": load.cores,
         "headlines": {"qlora_l2l_host_bytes_ratio": headline([ratio(built, "base_bytes")], 0.35, lower_is_better=True),
-                      "qlora_l2l_vs_lora_l2l": headline(speed, 0.8)},
+                      "qlora_l2l_vs_lora_l2l": headline(speed, 0.8),
+                      "moe_qlora_host_bytes_ratio": headline([ratio(moe_built, "base_bytes")], 0.35,
+                                                             lower_is_better=True)},
     }
     for name, h in results["headlines"].items():
         print(headline_line(name, h))
     print(f"  Llama-3-70B / 16 (built): closed-form ratio {results['closed_form_ratio']:.3f}")
     for adapter in ADAPTERS:
         print("    " + described(adapter, built[adapter]))
+    print(f"  Qwen3-30B-A3B / 8 (built): closed-form ratio {results['moe_closed_form_ratio']:.3f}")
+    for adapter in ADAPTERS:
+        print("    " + described(adapter, moe_built[adapter]))
     print(f"  Llama-3-8B's proportions (trained): bytes ratio {results['host_bytes_ratio_8b_proportions']:.3f}, "
           f"closed form {results['closed_form_ratio_8b_proportions']:.3f}")
     for adapter in ADAPTERS:

@@ -52,16 +52,23 @@ def qlora_checkpoints(root: Path) -> tuple[Path, Path, Path]:
 
 def nf4_round_trip(base: Path, directory: Path, double: bool = False) -> Path:
     """`base` with every linear weight of its blocks replaced by bitsandbytes' NF4 round trip."""
-    bnb = bitsandbytes()
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
         for name, module in model.named_modules():
             if ".layers." in name and isinstance(module, torch.nn.Linear):
-                codes, state = bnb.functional.quantize_4bit(module.weight, blocksize=64, quant_type="nf4",
-                                                            compress_statistics=double)
-                module.weight.copy_(bnb.functional.dequantize_4bit(codes, state))
+                module.weight.copy_(nf4_round_trip_of(module.weight, double))
     model.save_pretrained(directory)
     return directory
+
+
+def nf4_round_trip_of(matrix: torch.Tensor, double: bool = False) -> torch.Tensor:
+    """bitsandbytes' NF4 round trip of `matrix` (quantize_4bit, then dequantize_4bit), made of its
+    values in a row: bitsandbytes' CPU kernel misreads a 2-D shape whose rows are not whole blocks
+    of 64, as the tiny models' are (`test_an_nf4_weight_decodes_by_the_nf4_table`)."""
+    bnb = bitsandbytes()
+    codes, state = bnb.functional.quantize_4bit(matrix.detach().reshape(-1).contiguous(), blocksize=64,
+                                                quant_type="nf4", compress_statistics=double)
+    return bnb.functional.dequantize_4bit(codes, state).view(matrix.shape)
 
 
 def qlora_cfg(base: Path, adapter: Path, variant: str, *overrides: str):
@@ -119,18 +126,34 @@ def test_resume_over_an_nf4_base_is_exact(llama, tmp_path):
 
 @pytest.mark.parametrize("double", [False, True])
 def test_an_nf4_layer_computes_with_bitsandbytes_round_trip(double):
-    bnb = bitsandbytes()
     torch.manual_seed(0)
     layer = torch.nn.Linear(40, 24)  # 960 weights: the last block of 64 is partial, a nested block too
     quantized = NF4Linear.of(layer, double)
-    codes, state = bnb.functional.quantize_4bit(layer.weight.detach(), blocksize=64, quant_type="nf4",
-                                                compress_statistics=double)
-    rounded = bnb.functional.dequantize_4bit(codes, state)
+    rounded = nf4_round_trip_of(layer.weight, double)
     x = torch.randn(3, 40)
     assert torch.equal(quantized.weight, rounded)
     assert torch.equal(quantized(x), torch.nn.functional.linear(x, rounded, layer.bias))
     assert quantized.nf4.dtype == torch.uint8 and not quantized.nf4.requires_grad
     assert quantized.nf4.numel() == Layout((24, 40), double).nbytes
+
+
+@pytest.mark.parametrize("width", [40, 128])
+def test_an_nf4_weight_decodes_by_the_nf4_table(width):
+    """Each value is its 4-bit code's NF4 value times its block's absmax, blocks of 64 consecutive
+    values whatever the width: bitsandbytes' own CPU dequantize of a (24, 40) shape, whose rows are
+    not whole blocks, gets blocks after the first wrong (0.50.2), so relaytrain reads the codes in
+    rows of one block."""
+    bnb = bitsandbytes()
+    torch.manual_seed(0)
+    weight = torch.randn(24, width)
+    codes, state = bnb.functional.quantize_4bit(weight, blocksize=64, quant_type="nf4")
+    packed = codes.reshape(-1)
+    nibbles = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)[:weight.numel()].long()
+    decoded = state.code[nibbles] * state.absmax.repeat_interleave(64)[:weight.numel()]
+    layer = torch.nn.Linear(width, 24)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    assert torch.equal(NF4Linear.of(layer, double=False).weight, decoded.view(24, width))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "autocast_bf16"])

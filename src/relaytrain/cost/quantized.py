@@ -1,6 +1,7 @@
 """What a 4-bit base (`model.quantize=nf4`, adapter=qlora) weighs, for the cost models.
 
-The blocks' linear weights are held as NF4 (`models.quantize`): packed 4-bit codes and their
+The blocks' linear weights and a mixture's fused experts are held as NF4 (`models.quantize`,
+`models.quantize_experts`): packed 4-bit codes and their
 absmax scales (or, doubly quantized, 8-bit scales and their own), about 4.5 bits a weight
 (4.13 doubly). A part's parameter count in `models.part_parameters` counts that storage's bytes
 (a uint8 tensor); the cost models need both what the weights are (values, for the FLOPs and
@@ -16,6 +17,7 @@ import torch
 
 from relaytrain.cost.work import one_block_on_meta
 from relaytrain.models.quantize import NF4Linear
+from relaytrain.models.quantize_experts import quantized_values
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ def quantized_parts(m, adapter) -> tuple[QuantizedPart, QuantizedPart, Quantized
 
 
 def _quantized_in(module: torch.nn.Module) -> QuantizedPart:
+    """The part's linear layers and fused experts held in NF4."""
     layers = [layer for layer in module.modules() if isinstance(layer, NF4Linear)]
-    return QuantizedPart(sum(layer.in_features * layer.out_features for layer in layers),
-                         sum(layer.nf4.numel() for layer in layers))
+    experts = [quantized_values(m) for m in module.modules()]
+    return QuantizedPart(sum(layer.in_features * layer.out_features for layer in layers) + sum(v for v, _ in experts),
+                         sum(layer.nf4.numel() for layer in layers) + sum(b for _, b in experts))

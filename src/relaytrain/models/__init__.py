@@ -17,7 +17,7 @@ import transformers
 
 # The families register themselves when their modules are imported: every one is imported here.
 from relaytrain.models import adapter as adapters
-from relaytrain.models import bert, decoder, gpt2, moe, quantize  # noqa: F401
+from relaytrain.models import bert, decoder, gpt2, moe, quantize, quantize_experts  # noqa: F401
 from relaytrain.models.family import Family, families, family_of, family_spec
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 from relaytrain.models.pretrained import load_hf_config
@@ -102,6 +102,7 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     if adapter is not None and adapters.enabled(adapter):
         if str(getattr(m, "quantize", "none")) == quantize.NF4:  # the frozen base in 4 bits, before peft wraps it
             quantize.quantize_blocks(model, bool(m.quantize_double), device)
+            quantize_experts.quantize_blocks_experts(model, bool(m.quantize_double), device)
         adapters.attach(model, adapter, m.checkpoint_dtype if m.pretrained else None, quiet=quiet)
     return model
 

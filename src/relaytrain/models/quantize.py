@@ -101,13 +101,21 @@ def packed(codes: torch.Tensor, state, layout: Layout) -> torch.Tensor:
 
 
 def dequantize(storage: torch.Tensor, layout: Layout, dtype: torch.dtype) -> torch.Tensor:
-    """The weight, (out, in) in `dtype`, on `storage`'s device, through bitsandbytes' ops."""
+    """The weight, (out, in) in `dtype`, on `storage`'s device, through bitsandbytes' ops.
+
+    The codes are read as rows of one block each (or one row where the weight is not whole
+    blocks), then shaped: bitsandbytes quantizes blocks of 64 consecutive values whatever the
+    shape, but its CPU kernel (0.50) dequantizes a shape whose rows are not whole blocks (a width
+    under 64, or not a multiple of it) as if each row began a block, which is wrong from the
+    second block on."""
     piece = layout.unpack(storage)
     absmax = piece["absmax"]
     if layout.double:
         absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, piece["absmax2"], piece["code2"], NESTED_BLOCK,
                                                              torch.float32) + piece["offset"]
-    return torch.ops.bitsandbytes.dequantize_4bit(piece["codes"], absmax, BLOCK, NF4, list(layout.shape), dtype)
+    values = layout.shape[0] * layout.shape[1]
+    rows = [values // BLOCK, BLOCK] if values % BLOCK == 0 else [values]
+    return torch.ops.bitsandbytes.dequantize_4bit(piece["codes"], absmax, BLOCK, NF4, rows, dtype).view(layout.shape)
 
 
 class NF4Matmul(torch.autograd.Function):

@@ -34,8 +34,10 @@ def attach(model, a, checkpoint_dtype: str | None = None, quiet: bool = False) -
                           f"use the model.pretrained it was trained on") from err
     # Here, not at the top: it imports peft's layer classes, seconds that a run without adapters skips.
     from relaytrain.models.adapter.fused import use_fused_forward
+    from relaytrain.models.quantize_experts import use_nf4_param_wrappers
 
     use_fused_forward(model.hf_model)
+    use_nf4_param_wrappers(model.hf_model)
     _refuse_tied(model.hf_model, tied)
     if a.merge_on_save:
         _refuse_unmergeable(model.hf_model)

@@ -1,0 +1,250 @@
+"""`model.quantize=nf4` on a mixture's fused experts: each expert's matrices in NF4.
+
+A sparse-MLP block's experts are fused 3-D tensors (`experts.gate_up_proj`, `experts.down_proj`:
+[experts, rows, columns]), not `nn.Linear`s, so the linear layers' `NF4Linear` passes them by;
+in a mixture they are nearly all of a block's weights (97 % of Qwen3-30B-A3B's). Here a fused
+tensor's experts are stacked into one matrix and quantized as `models.quantize` quantizes a linear
+weight (bitsandbytes' NF4, one absmax scale per block of 64 weights, so each expert's matrix is
+its own blocks; double quantization alike: `ExpertsLayout`), held in one frozen uint8 parameter
+under the tensor's own name: `mlp.experts.gate_up_proj` is its 4-bit bytes, so every strategy
+carries it as it carries an `NF4Linear`'s (the EPS keeps it once on the host, the relay uploads it
+as it is, FSDP2 shards it).
+
+The experts module keeps Hugging Face's class and forward (eager, grouped_mm, a dry run's), which
+reads `self.gate_up_proj`: the module's class gains a property of that name that dequantizes the
+whole tensor on the module's device (one bitsandbytes call) in its input's dtype, once per visit (the forward,
+or a recompute), the copy dropped when the forward returns. What backward keeps of it is what
+autograd keeps of any weight the experts multiply by: one block's dense experts while that block
+waits for its backward (under l2l, or `strategy.recompute=block`, one block's at a time).
+
+LoRA on the experts (`adapter.target_parameters`) is peft's `ParamWrapper`, which folds its delta
+into the parameter through `torch.nn.utils.parametrize`: that cannot hold a uint8 tensor standing
+for a float one, so a wrapper over 4-bit experts takes `NF4ParamWrapper`'s class, which folds the
+same delta (peft's own factors and `baddbmm`, or its delta weight) into the dequantized tensor
+instead, bit for bit what peft computes over the NF4 round trip (tests/models/test_qlora_moe.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from relaytrain.models.quantize import Layout, dequantize, pack
+
+EXPERTS_NDIM = 3  # [experts, rows, columns]: a mixture's fused expert tensor
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """One fused tensor's storage: its experts' matrices stacked into one matrix of `experts` x
+    rows rows, in NF4 as `models.quantize` holds a linear weight. A matrix of a multiple of 64
+    values (every published mixture's) is whole blocks, so each expert's scales are its own, as
+    if quantized alone; under double quantization the second-level blocks of 256 scales run on
+    across experts, as they run across a linear weight's rows. One bitsandbytes call reads it."""
+
+    experts: int
+    matrix: Layout  # of the stacked matrix: (experts x rows, columns)
+    dtype: torch.dtype  # the dense tensor's, as loaded
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, double: bool) -> ExpertsLayout:
+        experts, rows, columns = weight.shape
+        return cls(experts, Layout((experts * rows, columns), double), weight.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        rows, columns = self.matrix.shape
+        return (self.experts, rows // self.experts, columns)
+
+    @property
+    def values(self) -> int:
+        return self.matrix.shape[0] * self.matrix.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.matrix.nbytes
+
+    def pack(self, weight: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        if weight.device.type == "meta":  # a dry run: the storage's size, no values
+            return torch.empty(self.nbytes, dtype=torch.uint8, device="meta")
+        return pack(weight.reshape(self.matrix.shape), self.matrix, device)
+
+    def dequantize(self, storage: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if storage.device.type == "meta":
+            return torch.empty(self.shape, dtype=dtype, device="meta")
+        return dequantize(storage, self.matrix, dtype).view(self.shape)
+
+
+class NF4Experts(nn.Module):
+    """The behaviour a quantized experts module's class gains (`quantize_experts`): its fused
+    tensors read dense, once per visit, with an adapter's delta folded in where one is active."""
+
+    nf4_layouts: dict[str, ExpertsLayout]
+
+    def dense(self, name: str) -> torch.Tensor:
+        """The fused tensor `name`, dequantized in the dtype of the visit's input (that of the
+        hidden states, which the block's other weights share: bf16 under a bf16 device copy), or
+        outside a visit in the dtype it was loaded in. Outside a visit a parameter FSDP2 has sharded
+        is itself: FSDP2 finds its parameters by name, and unshards them before the visit."""
+        visit = self.__dict__.get("_visit")
+        if visit is not None and name in visit:
+            return visit[name]
+        stored = self._parameters[name]
+        if visit is None and isinstance(stored, DTensor):
+            return stored
+        layout = self.nf4_layouts[name]
+        dtype = self.__dict__.get("_visit_dtype") or layout.dtype
+        weight = layout.dequantize(stored, dtype)
+        fold = self.__dict__.get("_folds", {}).get(name)
+        weight = weight if fold is None else fold(weight)
+        if visit is not None:
+            visit[name] = weight
+        return weight
+
+    def stand_in(self, name: str) -> torch.Tensor:
+        """The dense tensor's shape, dtype and device, without its values or memory (peft reads
+        no more of the parameter it adapts)."""
+        layout = self.nf4_layouts[name]
+        return torch.empty((), dtype=layout.dtype, device=self._parameters[name].device).expand(layout.shape)
+
+    @contextmanager
+    def folded(self, name: str, fold):
+        """While an adapter's forward runs: `name` reads `fold(dense)`."""
+        folds = self.__dict__.setdefault("_folds", {})
+        folds[name] = fold
+        try:
+            yield
+        finally:
+            folds.pop(name, None)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        outer = "_visit" in self.__dict__
+        if not outer:
+            self.__dict__.update(_visit={}, _visit_dtype=hidden_states.dtype)
+        try:
+            return super().forward(hidden_states, *args, **kwargs)
+        finally:
+            if not outer:
+                del self.__dict__["_visit"], self.__dict__["_visit_dtype"]
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}: nf4{', double' if layout.matrix.double else ''}"
+                         for name, layout in self.nf4_layouts.items())
+
+
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _quantized_class(cls: type, names: tuple[str, ...]) -> type:
+    """`cls` with NF4Experts' behaviour and a dequantizing property for each fused tensor of
+    `names` (a property is the class's, and shadows the parameter of its name)."""
+    if (cls, names) not in _CLASSES:
+        properties = {name: property(lambda self, name=name: self.dense(name)) for name in names}
+        _CLASSES[cls, names] = type(f"NF4{cls.__name__}", (NF4Experts, cls), properties)
+    return _CLASSES[cls, names]
+
+
+def fused_tensors(module: nn.Module) -> list[str]:
+    """The names of `module`'s own fused expert tensors (3-D floating parameters)."""
+    return [name for name, p in module.named_parameters(recurse=False)
+            if p.ndim == EXPERTS_NDIM and p.is_floating_point()]
+
+
+def quantize_experts(module: nn.Module, double: bool, device: torch.device | None = None) -> None:
+    """`module`'s fused expert tensors held in NF4 (in place; a module without any is left as it is)."""
+    names = fused_tensors(module)
+    if not names:
+        return
+    layouts = {}
+    for name in names:
+        weight = module._parameters[name].detach()
+        layout = ExpertsLayout.of(weight, double)
+        module._parameters[name] = nn.Parameter(layout.pack(weight, device), requires_grad=False)
+        layouts[name] = layout
+    module.__class__ = _quantized_class(type(module), tuple(names))
+    module.nf4_layouts = layouts
+
+
+def quantize_blocks_experts(model, double: bool, device: torch.device | None = None) -> None:
+    """Every fused expert tensor of `model`'s blocks held in NF4 (after `quantize.quantize_blocks`
+    has taken their linear layers), on a CUDA `device` where given (bitsandbytes' kernels)."""
+    work = device if device is not None and device.type == "cuda" else None
+    for block in model.blocks:
+        for module in list(block.layer.modules()):
+            quantize_experts(module, double, work)
+
+
+def quantized_values(module: nn.Module) -> tuple[int, int]:
+    """(dense values, storage bytes) of `module`'s experts held in NF4 (none: (0, 0))."""
+    if not isinstance(module, NF4Experts):
+        return 0, 0
+    layouts = module.nf4_layouts.values()
+    return sum(layout.values for layout in layouts), sum(layout.nbytes for layout in layouts)
+
+
+# --------------------------------------------------------------------------- LoRA on 4-bit experts
+
+
+def use_nf4_param_wrappers(model: nn.Module) -> None:
+    """Every peft ParamWrapper over 4-bit experts takes NF4ParamWrapper's class (its parameters,
+    state dict and saving stay peft's)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    for module in model.modules():
+        if type(module) is ParamWrapper and isinstance(module.get_base_layer(), NF4Experts):
+            module.__class__ = _nf4_param_wrapper()
+
+
+_WRAPPER: dict = {}
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off, as peft folds its factors (the meta device of a dry run has no autocast of torch's)."""
+    return nullcontext() if device.type == "meta" else torch.autocast(device_type=device.type, enabled=False)
+
+
+def _nf4_param_wrapper() -> type:
+    """peft's ParamWrapper folding its delta into the dequantized experts (made on first use: it
+    imports peft's layers)."""
+    if "class" in _WRAPPER:
+        return _WRAPPER["class"]
+    from peft.tuners.lora.layer import ParamWrapper
+
+    class NF4ParamWrapper(ParamWrapper):
+        """LoRA on a fused tensor held in NF4: the delta peft folds into the parameter through
+        `parametrize` (its factors' `baddbmm` for one adapter, its delta weight otherwise),
+        folded into the dequantized tensor for the duration of the forward."""
+
+        def get_param(self):
+            return self.get_base_layer().stand_in(self.parameter_name)
+
+        @contextmanager
+        def _activate_lora(self, active_adapters: list[str]):
+            adapters = [a for a in active_adapters if a in self.lora_A]
+            if not adapters:
+                yield
+                return
+            if len(adapters) == 1 and self.num_experts > 1:
+                lhs, rhs, scaling = self.get_delta_factors(adapters[0])
+
+                def fold(weight):  # the factors in the weight's dtype, as peft casts them to its parameter's
+                    with _no_autocast(weight.device):
+                        return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=scaling)
+            else:
+                delta = sum(self.get_delta_weight(a) for a in adapters)
+
+                def fold(weight):
+                    return weight + delta.to(weight.dtype)
+            with self.get_base_layer().folded(self.parameter_name, fold):
+                yield
+
+        def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+            raise NotImplementedError("a LoRA over 4-bit experts merges into the unquantized base "
+                                      "(adapter.merge_on_save builds it), never into the NF4 bytes")
+
+    _WRAPPER["class"] = NF4ParamWrapper
+    return NF4ParamWrapper
