@@ -212,6 +212,16 @@ def test_plan_command_writes_plan_json_and_prints_the_table(tmp_path, capsys):
     assert plan["request"]["workers"] == 2
 
 
+def test_the_printed_command_keeps_a_list_value_as_given(tmp_path, capsys):
+    """The command printed is plan.json's, brackets and all (rich read `[q_proj,v_proj]` as a markup
+    tag and printed `adapter.target_modules=`, which trains every linear layer instead)."""
+    assert main(["plan", "model=llama_tiny", "adapter=lora", "adapter.target_modules=[q_proj,v_proj]",
+                 "plan.workers=1", "plan.device=h100_80gb", "--out", str(tmp_path)]) == 0
+    printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run it: "))
+    command = json.loads((tmp_path / "plan.json").read_text())["best"]["command"]
+    assert printed == f"run it: {command}" and "'adapter.target_modules=[q_proj,v_proj]'" in command
+
+
 def test_an_infeasible_request_says_so_in_one_line_and_exits_2(tmp_path, capsys):
     code = main(["plan", *TINY, "plan.batch_size=8", "plan.device_memory_gb=0.0001", "--out", str(tmp_path)])
     captured = capsys.readouterr()

@@ -91,6 +91,7 @@ class _Region(threading.local):
     depth = 0
     cache: dict | None = None
     rule: AutocastRule | None = None
+    paused = False  # inside `paused()`: autocast off, as torch.autocast(enabled=False) turns it off
 
 
 _region = _Region()
@@ -105,6 +106,8 @@ class AutocastRule(TorchFunctionMode):
         self.lower, self.fp32, self.fp32_dtype, self.promote = RULES[rule]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _region.paused:
+            return func(*args, **(kwargs or {}))
         args, kwargs = self.apply(operator_name(func), args, kwargs or {})
         return func(*args, **kwargs)
 
@@ -204,11 +207,22 @@ def autocast(dtype: torch.dtype, rule: str | None = None, device_type: str = "me
         _region.depth, _region.cache, _region.rule = 0, None, None
 
 
+@contextlib.contextmanager
+def paused():
+    """No casting inside, in a region or not: what `torch.autocast(device, enabled=False)` does on a
+    real device (peft's fold of LoRA into a mixture's experts computes in the weight's dtype)."""
+    before, _region.paused = _region.paused, True
+    try:
+        yield
+    finally:
+        _region.paused = before
+
+
 def operands(name: str, *tensors):
     """`tensors` as operator `name` gets them in the region this thread is in (as they are outside
     one): for an operator called through torch.ops, which no TorchFunctionMode sees (the dry run's
     attention kernel stands for `scaled_dot_product_attention`, which autocast casts)."""
-    if _region.rule is None:
+    if _region.rule is None or _region.paused:
         return tensors
     return _region.rule.apply(name, tensors, {})[0]
 

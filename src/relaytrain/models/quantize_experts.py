@@ -17,16 +17,14 @@ or a recompute), the copy dropped when the forward returns. What backward keeps 
 autograd keeps of any weight the experts multiply by: one block's dense experts while that block
 waits for its backward (under l2l, or `strategy.recompute=block`, one block's at a time).
 
-LoRA on the experts (`adapter.target_parameters`) is peft's `ParamWrapper`, which folds its delta
-into the parameter through `torch.nn.utils.parametrize`: that cannot hold a uint8 tensor standing
-for a float one, so a wrapper over 4-bit experts takes `NF4ParamWrapper`'s class, which folds the
-same delta (peft's own factors and `baddbmm`, or its delta weight) into the dequantized tensor
-instead, bit for bit what peft computes over the NF4 round trip (tests/models/test_qlora_moe.py).
+LoRA on the experts (`adapter.target_parameters`) folds its delta into the dequantized tensor
+through `folded` (`models/adapter/experts.py`), bit for bit what peft computes over the NF4 round
+trip (tests/models/test_qlora_moe.py).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -184,67 +182,3 @@ def quantized_values(module: nn.Module) -> tuple[int, int]:
         return 0, 0
     layouts = module.nf4_layouts.values()
     return sum(layout.values for layout in layouts), sum(layout.nbytes for layout in layouts)
-
-
-# --------------------------------------------------------------------------- LoRA on 4-bit experts
-
-
-def use_nf4_param_wrappers(model: nn.Module) -> None:
-    """Every peft ParamWrapper over 4-bit experts takes NF4ParamWrapper's class (its parameters,
-    state dict and saving stay peft's)."""
-    from peft.tuners.lora.layer import ParamWrapper
-
-    for module in model.modules():
-        if type(module) is ParamWrapper and isinstance(module.get_base_layer(), NF4Experts):
-            module.__class__ = _nf4_param_wrapper()
-
-
-_WRAPPER: dict = {}
-
-
-def _no_autocast(device: torch.device):
-    """Autocast off, as peft folds its factors (the meta device of a dry run has no autocast of torch's)."""
-    return nullcontext() if device.type == "meta" else torch.autocast(device_type=device.type, enabled=False)
-
-
-def _nf4_param_wrapper() -> type:
-    """peft's ParamWrapper folding its delta into the dequantized experts (made on first use: it
-    imports peft's layers)."""
-    if "class" in _WRAPPER:
-        return _WRAPPER["class"]
-    from peft.tuners.lora.layer import ParamWrapper
-
-    class NF4ParamWrapper(ParamWrapper):
-        """LoRA on a fused tensor held in NF4: the delta peft folds into the parameter through
-        `parametrize` (its factors' `baddbmm` for one adapter, its delta weight otherwise),
-        folded into the dequantized tensor for the duration of the forward."""
-
-        def get_param(self):
-            return self.get_base_layer().stand_in(self.parameter_name)
-
-        @contextmanager
-        def _activate_lora(self, active_adapters: list[str]):
-            adapters = [a for a in active_adapters if a in self.lora_A]
-            if not adapters:
-                yield
-                return
-            if len(adapters) == 1 and self.num_experts > 1:
-                lhs, rhs, scaling = self.get_delta_factors(adapters[0])
-
-                def fold(weight):  # the factors in the weight's dtype, as peft casts them to its parameter's
-                    with _no_autocast(weight.device):
-                        return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=scaling)
-            else:
-                delta = sum(self.get_delta_weight(a) for a in adapters)
-
-                def fold(weight):
-                    return weight + delta.to(weight.dtype)
-            with self.get_base_layer().folded(self.parameter_name, fold):
-                yield
-
-        def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-            raise NotImplementedError("a LoRA over 4-bit experts merges into the unquantized base "
-                                      "(adapter.merge_on_save builds it), never into the NF4 bytes")
-
-    _WRAPPER["class"] = NF4ParamWrapper
-    return NF4ParamWrapper

@@ -29,7 +29,8 @@ def print_plan(plan: Plan, path: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console() if Console().is_terminal else Console(width=WIDE)
+    # No markup: a printed command's list values (adapter.target_modules=[q_proj,v_proj]) would read as tags
+    console = Console(markup=False) if Console().is_terminal else Console(width=WIDE, markup=False)
     r, p = plan.request, plan.profile
     _print_header(plan, console)
     best = plan.best

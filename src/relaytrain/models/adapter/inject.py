@@ -33,11 +33,11 @@ def attach(model, a, checkpoint_dtype: str | None = None, quiet: bool = False) -
         raise ConfigError(f"adapter.pretrained={a.pretrained} was made for another base ({first_line(err)}); "
                           f"use the model.pretrained it was trained on") from err
     # Here, not at the top: it imports peft's layer classes, seconds that a run without adapters skips.
+    from relaytrain.models.adapter.experts import use_experts_param_wrappers
     from relaytrain.models.adapter.fused import use_fused_forward
-    from relaytrain.models.quantize_experts import use_nf4_param_wrappers
 
     use_fused_forward(model.hf_model)
-    use_nf4_param_wrappers(model.hf_model)
+    use_experts_param_wrappers(model.hf_model)
     _refuse_tied(model.hf_model, tied)
     if a.merge_on_save:
         _refuse_unmergeable(model.hf_model)
