@@ -246,6 +246,22 @@ def test_the_output_directory_check_leaves_nothing_behind_and_the_run_makes_it(t
     assert (tmp_path / "a" / "b" / "results.json").is_file()
 
 
+def test_a_run_from_a_checkpoint_is_named_after_it(tmp_path, monkeypatch):
+    """outputs/DATE/TIME_STRATEGY_NAME names the checkpoint's directory (or hub name), not the model
+    config the run started from (bert_tiny, the default, for any `model.pretrained=DIR`)."""
+    from relaytrain.run.compose import run_label
+    from tests.checkpoints import tiny_decoder
+
+    checkpoint = tiny_decoder(tmp_path / "my-llama", "llama", layers=1)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"model.pretrained={checkpoint}/", "train.steps=1", "data.seq_len=16",
+                 "data.num_samples=32"]) == 0
+    [run_dir] = (tmp_path / "outputs").glob("*/*")
+    assert run_dir.name.endswith("_baseline_my-llama")
+    assert run_label("llama_tiny", "meta-llama/Llama-3.1-8B") == "Llama-3.1-8B"
+    assert run_label("bert_tiny", None) == "bert_tiny"
+
+
 @pytest.mark.slow  # over 8 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 @pytest.mark.parametrize("strategy", ["baseline", "pipe_flush"])
 def test_a_run_whose_output_reader_went_away_trains_on_and_finishes(tmp_path, strategy):

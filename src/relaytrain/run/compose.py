@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from relaytrain.run.checks import check_layers, check_shared
 from relaytrain.run.resolve import Choices, choose
@@ -35,8 +37,16 @@ _NODE_KINDS = {"IntegerNode": "integer", "FloatNode": "number", "BooleanNode": "
                "StringNode": "string"}
 
 
+def run_label(name: str, pretrained: str | None) -> str:
+    """What a run directory is named after (`run_label` in config.yaml's hydra.run.dir): the
+    checkpoint's directory or hub name where the run starts from one, else the model config's."""
+    return Path(str(pretrained).rstrip("/")).name or name if pretrained else name
+
+
 def register_schema() -> None:
-    """Store the root schema and every strategy's and optimizer's schema in Hydra's ConfigStore."""
+    """Store the root schema and every strategy's and optimizer's schema in Hydra's ConfigStore;
+    register `run_label` for the run directory's name."""
+    OmegaConf.register_new_resolver("run_label", run_label, replace=True)
     store = ConfigStore.instance()
     store.store(name="relaytrain_schema", node=RelayTrainConfig)
     for name, schema in optimizer_schemas().items():
