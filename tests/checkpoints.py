@@ -85,6 +85,34 @@ MOE_ARCHITECTURES = {
 MOE_BALANCING = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 
 
+# Tiny mixtures balanced by a routing bias instead of a loss term (DeepSeek-V3's auxiliary-loss-free
+# routing; GLM-4.5 and dots.llm1 route the same way): 4 experts in 2 groups, the tokens' top 2 from
+# the best group, a shared expert, the first layer dense. DeepSeek-V3 with its multi-head latent
+# attention: low-rank queries and keys/values, a rotary slice of 4 of each head's 12 query dims.
+_ROUTED_BY_BIAS = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "n_shared_experts": 1,
+                   "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1}
+BIAS_BALANCED_ARCHITECTURES = {
+    "deepseek_v3": {**_ROUTED_BY_BIAS, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "head_dim": 4,
+                    "qk_nope_head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4, "routed_scaling_factor": 2.5},
+    "glm4_moe": dict(_ROUTED_BY_BIAS),
+    "dots1": dict(_ROUTED_BY_BIAS),
+}
+
+
+def tiny_bias_balanced(directory: Path, model_type: str = "deepseek_v3", *, layers: int = 3) -> Path:
+    """A random checkpoint of a mixture balanced by a routing bias (see above), its bias drawn too
+    (a checkpoint's is trained; zeros would not show a strategy that lost it)."""
+    tiny_decoder(directory, model_type, layers=layers, **BIAS_BALANCED_ARCHITECTURES[model_type])
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, bias in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                bias.copy_(torch.randn_like(bias) * 0.5)
+    model.save_pretrained(directory)
+    return Path(directory)
+
+
 def tiny_moe(directory: Path, model_type: str = "qwen3_moe", *, layers: int = 3, **overrides) -> Path:
     """A random mixture-of-experts checkpoint of `model_type` (see `tiny_decoder`), its router's
     balancing loss on."""

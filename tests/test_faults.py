@@ -24,6 +24,9 @@ from tests.conftest import TINY_GPT2, wait_for
 RUN = ["train", *[o for o in TINY_GPT2 if not o.startswith("model.dropout")], "model.dropout=0.1",
        "train.steps=8", "train.untimed_steps=1", "train.checkpoint_every=2", "train.save_model=true",
        "data.eval_fraction=0.1", "eval.every=2", "eval.max_batches=2", "strategy.timeout_s=5"]
+# A run meant to finish waits as long as a loaded machine needs: the 5 s above is for the runs a
+# fault stops (a hung worker given up on), and a slow finish under load must not read as one.
+FINISHING = "strategy.timeout_s=300"
 
 STRATEGIES = {
     "pipe_flush": ["strategy=pipe_flush", "strategy.stages=2"],
@@ -77,7 +80,7 @@ def uninterrupted(tmp_path_factory):
     def weights(strategy: str) -> dict:
         if strategy not in made:
             run_dir = tmp_path_factory.mktemp("whole") / strategy
-            ended(start(run_dir, strategy), 0)
+            ended(start(run_dir, strategy, "", None, FINISHING), 0)
             made[strategy] = load_file(run_dir / "model" / "model.safetensors")
         return made[strategy]
 
@@ -85,7 +88,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def resumes_to_the_uninterrupted_weights(run_dir: Path, strategy: str, uninterrupted, step: int) -> str:
-    out, _ = ended(start(run_dir, strategy, "", None, "train.resume=auto"), 0)
+    out, _ = ended(start(run_dir, strategy, "", None, "train.resume=auto", FINISHING), 0)
     assert f"resuming from step {step} of" in out
     ours, theirs = load_file(run_dir / "model" / "model.safetensors"), uninterrupted(strategy)
     assert ours.keys() == theirs.keys()

@@ -17,6 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from relaytrain.models import family_of, family_spec
 from relaytrain.models.decoder import PROVEN
+from relaytrain.models.moe import BIAS_BALANCED
 from relaytrain.objectives import objective
 from relaytrain.utils.errors import ConfigError
 from tests.models.equality import assert_layered_equals_hf, padded_batch
@@ -29,7 +30,13 @@ VOCAB = 128
 TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, intermediate_size=64, max_position_embeddings=64, num_experts=4, num_local_experts=4,
             n_routed_experts=4, moe_intermediate_size=16, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2)
+            eos_token_id=2,
+            # mixtures routed by a bias (DeepSeek-V3, GLM-4.5, dots.llm1): groups, a shared expert, a dense
+            # first layer; DeepSeek-V3's latent attention, its rotary slice the head width
+            n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+# What one type needs beside TINY: DeepSeek-V3's latent attention has a key and value per query head.
+PER_TYPE = {"deepseek_v3": {"num_key_value_heads": 4}}
 # The extra steps' scalars at values far from the identity, and a window of 4 tokens switched on
 # from the second layer (Qwen2/3: `use_sliding_window`, `max_window_layers`).
 EXTRA = dict(embedding_multiplier=12.0, logits_scaling=8.0, logit_scale=0.0625, final_logit_softcapping=3.0,
@@ -53,6 +60,7 @@ def tiny_config(model_type: str):
     wanted = {key: value for key, value in {**TINY, **EXTRA}.items() if _has(default, key)}
     if model_type in NO_HEAD_DIM:
         wanted.pop("head_dim", None)
+    wanted.update(PER_TYPE.get(model_type, {}))
     try:
         return AutoConfig.for_model(model_type, **wanted)
     except Exception:  # noqa: BLE001 - any of a foreign config's validations
@@ -111,7 +119,10 @@ def test_a_proven_type_trains_what_hugging_face_computes(model_type):
     reference = AutoModelForCausalLM.from_config(config, attn_implementation=DECODER.attention(config, "sdpa"))
     reference.train()
     model = DECODER.layered(reference, objective("causal_lm"))
-    assert model.routing is None or (model.routing.balances and model.routing.coef == 0.5), model_type
+    if model_type in BIAS_BALANCED:  # routed by a bias: no loss term, whatever the config carries
+        assert not model.routing.balances and model.routing.coef == 0.0, model_type
+    else:
+        assert model.routing is None or (model.routing.balances and model.routing.coef == 0.5), model_type
     ids, mask, labels = padded_batch(rows=2, length=12, vocab=VOCAB)
     assert_layered_equals_hf(model, reference, ids, mask, labels, what=model_type)
 

@@ -1,7 +1,8 @@
 """Mixture-of-experts decoders: the router's load-balancing loss, exact block by block.
 
 Hugging Face's sparse-MLP decoders (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral,
-OLMoE) are decoders of the Llama layout whose MLP is a router and fused 3-D expert tensors
+OLMoE; DeepSeek-V3, GLM-4.5 and dots.llm1, which balance by a routing bias and have no balancing
+term: `BIAS_BALANCED`) are decoders of the Llama layout whose MLP is a router and fused 3-D expert tensors
 (`experts.gate_up_proj`, `experts.down_proj`); the blocks run Hugging Face's own layers, so the
 experts compute as transformers computes them. What the layered model adds is the router's
 balancing term, which Hugging Face computes over every layer at once
@@ -54,7 +55,12 @@ ROUTER = "router"  # the shared-context entry holding the micro-batch's RouterTa
 # The sparse-MLP types whose whole forward the layered decoder computes as Hugging Face does
 # (tests/models/test_moe.py): router logits at output 0 of the router module their model class
 # records (`_can_record_outputs["router_logits"]`), Hugging Face's `load_balancing_loss_func`.
-PROVEN_MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+PROVEN_MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "dots1")
+# Mixtures that balance their experts without a loss term: DeepSeek-V3's auxiliary-loss-free routing
+# (a per-expert bias added to the selection scores, nudged between steps by the expert loads; GLM-4.5
+# and dots.llm1 route the same way). Hugging Face adds no balancing term to their loss and keeps the
+# bias as a buffer it never updates, so the layered model trains the same: cross-entropy alone.
+BIAS_BALANCED = ("deepseek_v3", "glm4_moe", "dots1")
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -94,12 +100,17 @@ class Routing:
         recorder = type(hf_model)._can_record_outputs["router_logits"]
         router_class = recorder.target_class
         layers = sum(1 for layer in hf_model.model.layers if router_path(layer, router_class) is not None)
-        return cls(experts=expert_count(config), top_k=config.num_experts_per_tok,
-                   coef=float(config.router_aux_loss_coef), layers=layers, router_class=router_class,
-                   balances=bool(config.output_router_logits))
+        return cls(experts=expert_count(config), top_k=config.num_experts_per_tok, coef=aux_coef(config),
+                   layers=layers, router_class=router_class,
+                   balances=bool(config.output_router_logits) and config.model_type not in BIAS_BALANCED)
 
     def tally(self, mask: torch.Tensor | None) -> RouterTally:
         return RouterTally(self, None if mask is None else mask.reshape(-1).float())
+
+
+def aux_coef(config) -> float:
+    """The balancing term's coefficient (0: a mixture balanced by its routing bias, which has none)."""
+    return float(getattr(config, "router_aux_loss_coef", None) or 0.0)
 
 
 def router_path(layer: nn.Module, router_class: type) -> str | None:
@@ -309,7 +320,28 @@ def tally_key(mb) -> object:
 EXPERT_ATTRIBUTES = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
                      "qwen2_moe": ("num_experts", "moe_intermediate_size"),
                      "mixtral": ("num_local_experts", "intermediate_size"),
-                     "olmoe": ("num_experts", "intermediate_size")}
+                     "olmoe": ("num_experts", "intermediate_size"),
+                     **dict.fromkeys(BIAS_BALANCED, ("n_routed_experts", "moe_intermediate_size"))}
+
+
+# What a bias-balanced type's config holds that no `model` key names: its expert groups, shared
+# experts and dense first layers, and DeepSeek-V3's latent attention. A checkpoint's values ride in
+# `model.architecture` (`moe_facts`), so that what the cost models build from the keys (one block on
+# the meta device) is the checkpoint's block; a published shape's config file sets them.
+_BIAS_ROUTING = ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
+                 "norm_topk_prob")
+ARCHITECTURE_KEYS = {
+    "deepseek_v3": (*_BIAS_ROUTING, "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                    "rope_interleave", "attention_bias"),
+    "glm4_moe": (*_BIAS_ROUTING, "use_qk_norm", "attention_bias"),
+    "dots1": (*_BIAS_ROUTING, "attention_bias"),
+}
+
+
+def architecture_facts(c) -> dict | None:
+    """`model.architecture` of a checkpoint's config (None: its type needs none)."""
+    keys = ARCHITECTURE_KEYS.get(c.model_type)
+    return None if keys is None else {key: getattr(c, key) for key in keys if hasattr(c, key)}
 
 
 def moe_sizes(m) -> dict:
@@ -327,6 +359,13 @@ def moe_sizes(m) -> dict:
     count, width = EXPERT_ATTRIBUTES[model_type]
     sizes = {count: m.num_experts, "num_experts_per_tok": m.experts_per_token,
              width: m.expert_intermediate_size or m.intermediate_size}
+    if model_type in BIAS_BALANCED:  # shared experts: model.architecture's n_shared_experts of the experts' width
+        if not m.architecture:
+            raise ConfigError(f"model.model_type={model_type}: a fresh {model_type} model needs its architecture's own "
+                              f"settings (expert groups, shared experts, dense first layers"
+                              f"{', latent attention' if model_type == 'deepseek_v3' else ''}), which a checkpoint's "
+                              f"config carries: start from one, model.pretrained=DIR")
+        return {**sizes, **dict(m.architecture)}
     if m.shared_expert_intermediate_size:
         if model_type != "qwen2_moe":
             raise ConfigError(f"model.shared_expert_intermediate_size={m.shared_expert_intermediate_size}: a "
@@ -341,12 +380,15 @@ def moe_facts(c) -> dict:
     experts = expert_count(c)
     if not experts:
         return {"num_experts": 0, "experts_per_token": 0, "expert_intermediate_size": None,
-                "shared_expert_intermediate_size": 0}
+                "shared_expert_intermediate_size": 0, "architecture": None}
     width = EXPERT_ATTRIBUTES.get(c.model_type, (None, "intermediate_size"))[1]
+    shared = getattr(c, "shared_expert_intermediate_size", 0) or 0
+    if c.model_type in BIAS_BALANCED:  # n_shared_experts of the experts' width, in one MLP
+        shared = getattr(c, width) * (getattr(c, "n_shared_experts", 0) or 0)
     return {"num_experts": experts, "experts_per_token": c.num_experts_per_tok,
             "expert_intermediate_size": getattr(c, width), "output_router_logits": bool(c.output_router_logits),
-            "shared_expert_intermediate_size": int(getattr(c, "shared_expert_intermediate_size", 0) or 0),
-            "router_aux_loss_coef": float(c.router_aux_loss_coef)}
+            "shared_expert_intermediate_size": int(shared), "router_aux_loss_coef": aux_coef(c),
+            "architecture": architecture_facts(c)}
 
 
 def run_settings(hf_config, m) -> None:
@@ -354,6 +396,10 @@ def run_settings(hf_config, m) -> None:
     keeps the checkpoint's); saved with the model, so Hugging Face continues with the same loss."""
     if not expert_count(hf_config):
         return
+    if hf_config.model_type in BIAS_BALANCED and (m.output_router_logits or m.router_aux_loss_coef):
+        raise ConfigError(f"model.output_router_logits / model.router_aux_loss_coef: a {hf_config.model_type} model "
+                          f"balances its experts by a routing bias, with no balancing term in its loss (Hugging "
+                          f"Face adds none); drop them")
     if m.output_router_logits is not None:
         hf_config.output_router_logits = bool(m.output_router_logits)
     if m.router_aux_loss_coef is not None:
