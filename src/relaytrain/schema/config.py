@@ -138,8 +138,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert's MLP width (0: none)
     output_router_logits: bool | None = None  # the router's balancing loss in the loss (default: the checkpoint's, else off)
     router_aux_loss_coef: float | None = None  # its coefficient (default: the checkpoint's, else the architecture's)
-    # set from model.pretrained: the architecture's own config attributes no key above names (DeepSeek-V3's latent-attention ranks, expert groups and shared experts; models/moe.py ARCHITECTURE_KEYS); null: none
-    architecture: Any = None
+    architecture: Any = None  # set from model.pretrained: its architecture's own config attributes no key above names (DeepSeek-V3's latent-attention ranks, expert groups, shared experts; models/moe.py ARCHITECTURE_KEYS); null: none
 
 
 @dataclass
