@@ -81,6 +81,8 @@ MOE_ARCHITECTURES = {
                   "shared_expert_intermediate_size": 40},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    # GPT-OSS: attention sinks, biased and clamped SwiGLU experts, sliding layers (a window of 4) among full ones
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
 }
 MOE_BALANCING = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 
@@ -110,6 +112,35 @@ def tiny_bias_balanced(directory: Path, model_type: str = "deepseek_v3", *, laye
             if name.endswith("e_score_correction_bias"):
                 bias.copy_(torch.randn_like(bias) * 0.5)
     model.save_pretrained(directory)
+    return Path(directory)
+
+
+def tiny_gpt_oss_mxfp4(directory: Path) -> Path:
+    """A tiny GPT-OSS checkpoint stored as OpenAI publishes GPT-OSS: its experts in MXFP4 (per
+    fused tensor, `_blocks` of packed FP4 pairs, 32 values a block, and `_scales`, one power-of-two
+    exponent a block), the rest in the checkpoint's dtype, a `quantization_config` naming mxfp4.
+    The codes and exponents are drawn (any bytes are a valid MXFP4 tensor), the exponents small as
+    published experts' weights are: where GPT-OSS's SwiGLU clamp binds, a rounding's worth of
+    difference in a value changes its gradient from whole to none."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_moe(directory, "gpt_oss")
+    [weights] = list(Path(directory).glob("*.safetensors"))
+    tensors = load_file(weights)
+    draws = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, columns, rows = tensors.pop(name).shape  # stored transposed: (experts, in, out)
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, rows, columns // 32, 16), generator=draws,
+                                                  dtype=torch.uint8)
+        tensors[f"{name}_scales"] = torch.randint(117, 122, (experts, rows, columns // 32), generator=draws,
+                                                  dtype=torch.uint8)  # 2^-10 .. 2^-6: weights up to 0.09
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config = json.loads((Path(directory) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (Path(directory) / "config.json").write_text(json.dumps(config))
     return Path(directory)
 
 

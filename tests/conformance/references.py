@@ -62,10 +62,15 @@ def exempt_from_decay(name: str) -> bool:
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on every weight but the norms' and the biases."""
+    """Weight decay on every weight but the norms', the biases (GPT-OSS's experts' `gate_up_proj_bias`
+    too) and other vectors (GPT-OSS's attention sinks)."""
     named = list(model.named_parameters())  # a tied weight once
-    exempt = [p for name, p in named if exempt_from_decay(name)]
-    decayed = [p for name, p in named if not exempt_from_decay(name)]
+
+    def undecayed(name: str, p) -> bool:
+        return exempt_from_decay(name) or name.endswith("bias") or p.ndim < 2
+
+    decayed = [p for name, p in named if not undecayed(name, p)]
+    exempt = [p for name, p in named if undecayed(name, p)]
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": exempt, "weight_decay": 0.0}]
 
 

@@ -217,10 +217,10 @@ def test_an_encoder_decoder_checkpoint_is_refused_naming_it(tmp_path, capsys):
     assert "'t5'" in line and "encoder-decoder" in line and "Llama" in line
 
 
-# Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE train (tests/models/test_moe.py), DeepSeek-V3, GLM-4.5 and
+# Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GPT-OSS train (tests/models/test_moe.py), DeepSeek-V3, GLM-4.5 and
 # dots.llm1 too (tests/models/test_moe_bias_balanced.py); the other mixtures are refused.
-@pytest.mark.parametrize("model_type,experts", [("gpt_oss", {"num_local_experts": 4}),
-                                                ("phimoe", {"num_local_experts": 4})])
+@pytest.mark.parametrize("model_type,experts", [("phimoe", {"num_local_experts": 4}),
+                                                ("granitemoe", {"num_local_experts": 4})])
 def test_a_mixture_of_experts_checkpoint_not_proven_is_refused_naming_it(tmp_path, capsys, model_type, experts):
     config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=16, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, **experts)

@@ -218,7 +218,32 @@ def test_the_evaluation_reports_the_balancing_term_beside_the_cross_entropy(vari
     assert read_metrics(tmp_path / "run")[-1]["eval_router_aux"] == pytest.approx(figures["router_aux"])
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "phimoe"])
+def test_gpt_oss_as_published_loads_its_mxfp4_experts_dequantized_and_trains_as_hugging_face(tmp_path, capsys):
+    """OpenAI's GPT-OSS checkpoints store the experts in MXFP4: they load dequantized, as
+    transformers' `Mxfp4Config(dequantize=True)` makes them, say so, and train as a plain Hugging
+    Face loop over that dequantized model; the saved model is dense (no quantization_config)."""
+    from transformers import Mxfp4Config
+
+    from tests.checkpoints import tiny_gpt_oss_mxfp4
+
+    pretrained = tiny_gpt_oss_mxfp4(tmp_path / "gpt_oss")
+    cfg = compose_config([f"model.pretrained={pretrained}", "strategy=l2l", *RUN_KEYS])
+    results = run(cfg, tmp_path / "run", table=False)
+    assert "its experts are stored in MXFP4; loaded dequantized" in capsys.readouterr().out
+    o = cfg.optim
+    reference = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32,
+                                                     quantization_config=Mxfp4Config(dequantize=True))
+    assert reference.model.layers[0].mlp.experts.gate_up_proj.abs().max() > 0.03  # the drawn codes, not zeros
+    optimizer = torch.optim.AdamW(decay_groups(reference, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    losses, terms = moe_loop(reference, optimizer, cfg)
+    ours = saved(tmp_path / "run")
+    assert_same_weights(ours, reference, "gpt_oss from MXFP4 under l2l")
+    assert results["loss"] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+    assert results["loss_terms"]["router_aux"] == pytest.approx(terms, rel=1e-5)
+    assert getattr(ours.config, "quantization_config", None) is None
+
+
+@pytest.mark.parametrize("model_type", ["phimoe", "granitemoe"])
 def test_mixture_types_not_proven_are_refused_in_one_line(model_type):
     config = AutoConfig.for_model(model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, intermediate_size=64, vocab_size=320)

@@ -88,6 +88,9 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
         half = m.checkpoint_dtype in ("bfloat16", "float16") and adapted and compact_base
         hf_model, fresh = _load_pretrained(m, auto, family, objective,
                                            getattr(torch, m.checkpoint_dtype) if half else torch.float32)
+        if not quiet and quantize.stored_in_mxfp4(load_hf_config(m.pretrained, m.trust_remote_code)):
+            print(f"model.pretrained={m.pretrained}: its experts are stored in MXFP4; loaded dequantized "
+                  f"(fp32 masters{', then NF4 under model.quantize=nf4' if adapted else ''})", flush=True)
         if fresh and not quiet:
             shown = ", ".join(fresh[:4]) + (f" and {len(fresh) - 4} more" if len(fresh) > 4 else "")
             print(f"model.pretrained={m.pretrained}: a new {objective.name} head"
@@ -126,7 +129,8 @@ def _load_pretrained(m, auto, family: Family, objective, dtype: torch.dtype = to
         # updates, its masters; train.save_model writes them back in the checkpoint's dtype.
         hf_model, info = auto.from_pretrained(source, config=config, attn_implementation=attention,
                                               ignore_mismatched_sizes=True, output_loading_info=True,
-                                              dtype=dtype, trust_remote_code=m.trust_remote_code)
+                                              dtype=dtype, trust_remote_code=m.trust_remote_code,
+                                              **_dequantized_as_loaded(config))
     except (OSError, ValueError) as err:
         raise ConfigError(
             f"model.pretrained={m.pretrained} could not be loaded ({first_line(err)}); "
@@ -136,6 +140,15 @@ def _load_pretrained(m, auto, family: Family, objective, dtype: torch.dtype = to
         quiet_loading()
     fresh = sorted(set(info.get("missing_keys", [])) | {key for key, *_ in info.get("mismatched_keys", [])})
     return hf_model, fresh
+
+
+def _dequantized_as_loaded(config) -> dict:
+    """`from_pretrained`'s keys that dequantize MXFP4 experts as they load (none for any other)."""
+    if not quantize.stored_in_mxfp4(config):
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def _no_progress_bars():

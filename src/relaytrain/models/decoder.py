@@ -487,7 +487,7 @@ SPEC = register_family(Family(
     dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout"),
     run_settings=run_settings, rotary_positions=True, tp_plan=transformers_block_plan,
     description="decoders of the Llama layout of a proven model type (Llama, Qwen2/3, Mistral, Gemma, Phi-3, "
-                "Granite, Cohere, OLMo, ...; mixtures of experts: Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, "
+                "Granite, Cohere, OLMo, ...; mixtures of experts: Qwen2/3-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3, "
                 "GLM-4.5, dots.llm1; causal LM, "
                 "sequence classification and reward models)",
 ))

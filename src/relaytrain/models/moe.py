@@ -1,7 +1,7 @@
 """Mixture-of-experts decoders: the router's load-balancing loss, exact block by block.
 
 Hugging Face's sparse-MLP decoders (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral,
-OLMoE; DeepSeek-V3, GLM-4.5 and dots.llm1, which balance by a routing bias and have no balancing
+OLMoE, GPT-OSS with its attention sinks and clamped SwiGLU experts; DeepSeek-V3, GLM-4.5 and dots.llm1, which balance by a routing bias and have no balancing
 term: `BIAS_BALANCED`) are decoders of the Llama layout whose MLP is a router and fused 3-D expert tensors
 (`experts.gate_up_proj`, `experts.down_proj`); the blocks run Hugging Face's own layers, so the
 experts compute as transformers computes them. What the layered model adds is the router's
@@ -55,7 +55,7 @@ ROUTER = "router"  # the shared-context entry holding the micro-batch's RouterTa
 # The sparse-MLP types whose whole forward the layered decoder computes as Hugging Face does
 # (tests/models/test_moe.py): router logits at output 0 of the router module their model class
 # records (`_can_record_outputs["router_logits"]`), Hugging Face's `load_balancing_loss_func`.
-PROVEN_MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "dots1")
+PROVEN_MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe", "dots1")
 # Mixtures that balance their experts without a loss term: DeepSeek-V3's auxiliary-loss-free routing
 # (a per-expert bias added to the selection scores, nudged between steps by the expert loads; GLM-4.5
 # and dots.llm1 route the same way). Hugging Face adds no balancing term to their loss and keeps the
@@ -321,6 +321,7 @@ EXPERT_ATTRIBUTES = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
                      "qwen2_moe": ("num_experts", "moe_intermediate_size"),
                      "mixtral": ("num_local_experts", "intermediate_size"),
                      "olmoe": ("num_experts", "intermediate_size"),
+                     "gpt_oss": ("num_local_experts", "intermediate_size"),
                      **dict.fromkeys(BIAS_BALANCED, ("n_routed_experts", "moe_intermediate_size"))}
 
 

@@ -222,11 +222,24 @@ def stored_4bit(module: nn.Module) -> bool:
     return type(module).__name__ == "Linear4bit"
 
 
+MXFP4 = "mxfp4"  # GPT-OSS's experts as published: loaded dequantized (`stored_in_mxfp4`)
+
+
+def stored_in_mxfp4(hf_config) -> bool:
+    """Whether the checkpoint stores its experts in MXFP4 (GPT-OSS as OpenAI publishes it):
+    transformers dequantizes them as it loads (`Mxfp4Config(dequantize=True)`), and the dense
+    weights train, or become NF4 under adapter=qlora, as any checkpoint's."""
+    stored = getattr(hf_config, "quantization_config", None)
+    stored = {} if stored is None else stored if isinstance(stored, dict) else stored.to_dict()
+    return stored.get("quant_method") == MXFP4
+
+
 def stored_quantization(hf_config) -> dict:
     """The `model.quantize` keys of a checkpoint saved quantized (a quantization_config of
-    bitsandbytes 4-bit NF4: its bytes are used as stored); one line for any other quantization."""
+    bitsandbytes 4-bit NF4: its bytes are used as stored; MXFP4 experts: none, they load
+    dequantized); one line for any other quantization."""
     stored = getattr(hf_config, "quantization_config", None)
-    if stored is None:
+    if stored is None or stored_in_mxfp4(hf_config):
         return {}
     stored = stored if isinstance(stored, dict) else stored.to_dict()
     method, kind = stored.get("quant_method", "?"), stored.get("bnb_4bit_quant_type", "fp4")
@@ -234,4 +247,5 @@ def stored_quantization(hf_config) -> dict:
         return {"quantize": NF4, "quantize_double": bool(stored.get("bnb_4bit_use_double_quant"))}
     what = f"bitsandbytes {'4-bit ' + kind if stored.get('load_in_4bit') else '8-bit'}" if method == "bitsandbytes" else method
     raise ConfigError(f"the checkpoint is saved quantized ({what}); relaytrain trains over bitsandbytes 4-bit nf4 "
-                      f"checkpoints, or quantizes a bf16/fp32 one itself: give that with model.quantize=nf4")
+                      f"checkpoints and MXFP4 experts (dequantized as they load), or quantizes a bf16/fp32 one "
+                      f"itself: give that with model.quantize=nf4")

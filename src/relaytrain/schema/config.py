@@ -131,7 +131,7 @@ class ModelConfig:
     # model.pretrained and an adapter (a quantized weight cannot train).
     quantize: Quantize = Quantize.none  # nf4: the frozen base's block linear weights as NormalFloat-4 (bitsandbytes; scales over blocks of 64)
     quantize_double: bool = False  # nf4: quantize the scales too (8 bits, blocks of 256): 4.13 bits a weight, not 4.5
-    # mixtures of experts (decoders of model_type qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, glm4_moe, dots1; models/moe.py). 0: dense
+    # mixtures of experts (decoders of model_type qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss, deepseek_v3, glm4_moe, dots1; models/moe.py). 0: dense
     num_experts: int = 0  # experts of each routed layer
     experts_per_token: int = 0  # experts each token is routed to (top-k)
     expert_intermediate_size: int | None = None  # one expert's MLP width (default: intermediate_size)

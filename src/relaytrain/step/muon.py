@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from relaytrain.step.decay import decays
 from relaytrain.step.flat import FlatState
 from relaytrain.step.stepping import AdamWRule, StepEachGroup
 
@@ -63,7 +64,7 @@ def is_router(name: str) -> bool:
 def takes_muon(name: str, p: torch.Tensor) -> bool:
     """Whether Muon steps `p` (named `name`): a matrix (or a stack of experts' matrices) in a
     block that is no router."""
-    return p.ndim >= 2 and in_a_block(name) and not is_router(name)
+    return p.ndim >= 2 and in_a_block(name) and not is_router(name) and not name.endswith("bias")
 
 
 def muon_groups(named_params: Iterable[tuple[str, nn.Parameter]], o) -> list[dict]:
@@ -79,7 +80,7 @@ def muon_groups(named_params: Iterable[tuple[str, nn.Parameter]], o) -> list[dic
     for name, p in named_params:
         if p.requires_grad:
             adamw = not takes_muon(name, p)
-            groups.setdefault((adamw, adamw and p.ndim < 2, isinstance(p, DTensor)), []).append(p)
+            groups.setdefault((adamw, adamw and not decays(name, p), isinstance(p, DTensor)), []).append(p)
     # As build_optimizer's AdamW: a dry run (the meta device) takes the multi-tensor rule, no fused kernel there.
     meta = any(p.device.type == "meta" for params in groups.values() for p in params)
     adamw_rule = {"kind": "adamw", "lr": adamw_lr, "lr_scale": adamw_lr / o.lr if o.lr else 1.0,

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.sgd import sgd
 
 from relaytrain.schema.config import Choice, OptimConfig
+from relaytrain.step.decay import decays
 from relaytrain.step.flat import FlatState
 from relaytrain.step.lowbit import lowbit_adamw
 from relaytrain.step.lowbit import state_words as lowbit_state_words
@@ -136,19 +137,14 @@ class SGDConfig(OptimConfig):
 # --------------------------------------------------------------------------- building
 
 
-def decays(p: torch.Tensor) -> bool:
-    """Matrices and embeddings are decayed (and LAMB-adapted); biases and norm weights are not."""
-    return p.ndim >= 2
-
-
 def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     """Weight decay on matrices and embeddings only; biases and norm weights are not decayed. Parameters
     split over tensor-parallel ranks (DTensors) go in groups of their own: a fused kernel takes one kind."""
     groups: dict[tuple[bool, bool], list] = {}  # (not decayed, split) -> parameters; decayed first
-    for _, p in named_params:
+    for name, p in named_params:
         if p.requires_grad:
-            groups.setdefault((not decays(p), isinstance(p, DTensor)), []).append(p)
-    return [{"params": params, "weight_decay": 0.0 if plain else weight_decay}
+            groups.setdefault((not decays(name, p), isinstance(p, DTensor)), []).append(p)
+    return [{"params": params, "weight_decay": 0.0 if plain else weight_decay, "decayed": not plain}
             for (plain, _), params in sorted(groups.items())]
 
 
@@ -158,6 +154,7 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o, flat: b
     if o.name == "muon":
         return (FlatMuonWithAdamW if flat else MuonWithAdamW)(muon_groups(named_params, o))
     groups = param_groups(named_params, o.weight_decay)
+    decayed = [group.pop("decayed") for group in groups]  # by kind, whatever weight_decay is (LAMB's trust ratio)
     if o.name == "adamw" and o.state_bits != 32:
         return lowbit_adamw(groups, o)
     if o.name == "adamw":
@@ -170,8 +167,8 @@ def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], o, flat: b
         return kind(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=o.fused and not meta,
                     foreach=True if meta else None)
     if o.name == "lamb":
-        for group in groups:  # the trust ratio where weight decay is, by kind (see Lamb)
-            group["trust_ratio"] = decays(group["params"][0])
+        for group, by_kind in zip(groups, decayed, strict=True):  # the trust ratio where weight decay is (see Lamb)
+            group["trust_ratio"] = by_kind
         return (FlatLamb if flat else Lamb)(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     return (FlatSGD if flat else torch.optim.SGD)(groups, lr=o.lr, momentum=o.momentum, foreach=True)
 
