@@ -370,7 +370,10 @@ def test_a_fresh_lora_on_the_experts_and_attention_trains_as_a_plain_hugging_fac
 
 # (total, active per token) as published, billions.
 PUBLISHED = {"qwen3_30b_a3b": (30.5, 3.3), "qwen3_235b_a22b": (235.0, 22.0), "mixtral_8x7b": (46.7, 12.9),
-             "olmoe_1b_7b": (6.9, 1.3)}
+             "olmoe_1b_7b": (6.9, 1.3), "gpt_oss_120b": (116.8, 5.1), "gpt_oss_20b": (20.9, 3.6)}
+# OpenAI's model card counts GPT-OSS's active parameters without the embedding table (a lookup, not a
+# matmul; the untied unembedding is counted)
+ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_120b", "gpt_oss_20b"}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -382,11 +385,13 @@ def test_a_published_mixture_counts_every_expert_for_memory_and_the_active_ones_
     assert embed + m.num_layers * block + head == count_parameters(m)
     # FLOPs: 2 per active weight per token (the top-k experts and the router, never the idle ones)
     per_token = embed + head + m.num_layers * block_matmul_flops(block_shape(m)) / 2
+    per_token -= embed if name in ACTIVE_WITHOUT_EMBEDDING else 0
     assert per_token / 1e9 == pytest.approx(active, rel=0.03)
 
 
-def test_a_dry_run_of_a_mixture_counts_every_expert_in_fp32(tmp_path):
-    keys = ["model=olmoe_1b_7b", "model.output_router_logits=true", "model.num_layers=2", "train.device=meta",
+@pytest.mark.parametrize("name", ["olmoe_1b_7b", "gpt_oss_20b"])  # GPT-OSS: experts stored (in, out), with biases
+def test_a_dry_run_of_a_mixture_counts_every_expert_in_fp32(name, tmp_path):
+    keys = [f"model={name}", "model.output_router_logits=true", "model.num_layers=2", "train.device=meta",
             "strategy=baseline", "data.seq_len=64", "train.steps=1", "strategy.microbatch_size=1",
             "strategy.num_microbatches=2"]
     cfg = compose_config(keys)

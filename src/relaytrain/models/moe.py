@@ -420,9 +420,20 @@ def dry_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     whole size, as a GPU's."""
     tokens, k = top_k_index.shape
     rows = hidden_states.repeat_interleave(k, dim=0)  # (tokens * k, hidden)
-    up = self._apply_gate(rows @ self.gate_up_proj[0].transpose(0, 1))
-    out = (up @ self.down_proj[0].transpose(0, 1)) * top_k_weights.reshape(-1, 1)
+    up = self._apply_gate(rows @ _as_in_out(self, self.gate_up_proj[0]) + _bias(self, "gate_up_proj_bias"))
+    out = (up @ _as_in_out(self, self.down_proj[0]) + _bias(self, "down_proj_bias")) * top_k_weights.reshape(-1, 1)
     return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _as_in_out(experts, matrix: torch.Tensor) -> torch.Tensor:
+    """One expert's matrix as (in, out): stored (out, in) unless the experts say they are
+    transposed (GPT-OSS stores (in, out))."""
+    return matrix if getattr(experts, "is_transposed", False) else matrix.transpose(0, 1)
+
+
+def _bias(experts, name: str) -> torch.Tensor | float:
+    """One expert's bias where the experts have biases (GPT-OSS), else nothing to add."""
+    return getattr(experts, name)[0] if getattr(experts, "has_bias", False) else 0.0
 
 
 def register_dry_experts() -> None:
