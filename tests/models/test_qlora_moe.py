@@ -63,7 +63,19 @@ def nf4_round_trip(base: Path, directory: Path) -> Path:
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v in FAST else pytest.mark.slow) for v in VARIANTS])
 def test_lora_over_4_bit_experts_equals_a_plain_peft_loop_over_the_round_trip(variant, moe, tmp_path):
-    base, adapter, rounded = moe
+    continues_over_4_bit_experts(*moe, variant, tmp_path)
+
+
+@pytest.mark.slow  # GPT-OSS's experts are stored (in, out), with biases that stay as they are
+def test_gpt_oss_lora_over_4_bit_experts_equals_a_plain_peft_loop_over_the_round_trip(tmp_path):
+    base = tiny_moe(tmp_path / "base", "gpt_oss")
+    continues_over_4_bit_experts(base, expert_adapter(base, tmp_path / "adapter"),
+                                 nf4_round_trip(base, tmp_path / "rounded"), "l2l", tmp_path)
+
+
+def continues_over_4_bit_experts(base: Path, adapter: Path, rounded: Path, variant: str, tmp_path: Path) -> None:
+    """The adapter continued over the 4-bit base under `variant` equals the plain peft loop's over
+    the round trip, to float noise, and so do the losses and the balancing term."""
     cfg = compose_config([f"model.pretrained={base}", f"adapter.pretrained={adapter}", "model.quantize=nf4",
                           *RUN_KEYS, *VARIANTS[variant]])
     results = run(cfg, tmp_path / "run", table=False)
