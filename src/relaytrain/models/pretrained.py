@@ -123,7 +123,7 @@ def resolve(cfg, explicit: Iterable[str] = ()):
     if "task" not in said and "task" not in given:  # a bare body: the family's usual head
         OmegaConf.update(resolved, "model.task", _bare_body_task(resolved.model), merge=False)
     if "name" not in given:
-        OmegaConf.update(resolved, "model.name", _name(pretrained), merge=False)
+        OmegaConf.update(resolved, "model.name", checkpoint_name(pretrained), merge=False)
     if (pad := _classifier_pad_id(resolved, hf_config)) is not None:
         OmegaConf.update(resolved, "model.pad_token_id", pad, merge=False)
     OmegaConf.update(resolved, "model.resolved_from", pretrained, merge=False)
@@ -153,7 +153,7 @@ def _classifier_pad_id(cfg, hf_config) -> int | None:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def _name(pretrained: str) -> str:
+def checkpoint_name(pretrained: str) -> str:
     """What the report calls the model: the directory's name (a run's `model/`: the run's name too)."""
     path = Path(pretrained)
     return f"{path.parent.name}/{path.name}" if path.name == "model" and path.parent.name else path.name or pretrained

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from relaytrain.models.pretrained import checkpoint_name
 from relaytrain.run.checks import check_layers, check_shared
 from relaytrain.run.resolve import Choices, choose
 from relaytrain.schema.config import RelayTrainConfig
@@ -38,9 +38,10 @@ _NODE_KINDS = {"IntegerNode": "integer", "FloatNode": "number", "BooleanNode": "
 
 
 def run_label(name: str, pretrained: str | None) -> str:
-    """What a run directory is named after (`run_label` in config.yaml's hydra.run.dir): the
-    checkpoint's directory or hub name where the run starts from one, else the model config's."""
-    return Path(str(pretrained).rstrip("/")).name or name if pretrained else name
+    """What a run directory is named after (`run_label` in config.yaml's hydra.run.dir): the name
+    the report gives a checkpoint where the run starts from one (one directory level: a run's
+    `RUN/model` becomes `RUN-model`), else the model config's."""
+    return checkpoint_name(str(pretrained)).replace("/", "-") if pretrained else name
 
 
 def register_schema() -> None:
