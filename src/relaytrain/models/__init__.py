@@ -86,9 +86,9 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     elif m.pretrained:
         adapted = adapter is not None and adapters.enabled(adapter)
         half = m.checkpoint_dtype in ("bfloat16", "float16") and adapted and compact_base
-        hf_model, fresh = _load_pretrained(m, auto, family, objective,
-                                           getattr(torch, m.checkpoint_dtype) if half else torch.float32)
-        if not quiet and quantize.stored_in_mxfp4(load_hf_config(m.pretrained, m.trust_remote_code)):
+        hf_model, fresh, mxfp4 = _load_pretrained(m, auto, family, objective,
+                                                  getattr(torch, m.checkpoint_dtype) if half else torch.float32)
+        if mxfp4 and not quiet:
             print(f"model.pretrained={m.pretrained}: its experts are stored in MXFP4; loaded dequantized "
                   f"(fp32 masters{', then NF4 under model.quantize=nf4' if adapted else ''})", flush=True)
         if fresh and not quiet:
@@ -112,7 +112,8 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
 
 def _load_pretrained(m, auto, family: Family, objective, dtype: torch.dtype = torch.float32) -> tuple:
     """The checkpoint under `auto`'s head, with the run's dropout and number of labels, in
-    `dtype`; and the names of the weights the checkpoint did not have (initialised here)."""
+    `dtype`; the names of the weights the checkpoint did not have (initialised here); and whether
+    its experts were stored in MXFP4 (loaded dequantized)."""
     config = load_hf_config(m.pretrained, m.trust_remote_code)
     family.set_dropout(config, m.dropout)
     family.run_settings(config, m)
@@ -127,10 +128,11 @@ def _load_pretrained(m, auto, family: Family, objective, dtype: torch.dtype = to
     try:
         # fp32 whatever the checkpoint stores (most are bf16): these are the weights the optimizer
         # updates, its masters; train.save_model writes them back in the checkpoint's dtype.
+        mxfp4 = quantize.stored_in_mxfp4(config)
         hf_model, info = auto.from_pretrained(source, config=config, attn_implementation=attention,
                                               ignore_mismatched_sizes=True, output_loading_info=True,
                                               dtype=dtype, trust_remote_code=m.trust_remote_code,
-                                              **_dequantized_as_loaded(config))
+                                              **(_dequantized_as_loaded() if mxfp4 else {}))
     except (OSError, ValueError) as err:
         raise ConfigError(
             f"model.pretrained={m.pretrained} could not be loaded ({first_line(err)}); "
@@ -139,13 +141,11 @@ def _load_pretrained(m, auto, family: Family, objective, dtype: torch.dtype = to
     finally:
         quiet_loading()
     fresh = sorted(set(info.get("missing_keys", [])) | {key for key, *_ in info.get("mismatched_keys", [])})
-    return hf_model, fresh
+    return hf_model, fresh, mxfp4
 
 
-def _dequantized_as_loaded(config) -> dict:
-    """`from_pretrained`'s keys that dequantize MXFP4 experts as they load (none for any other)."""
-    if not quantize.stored_in_mxfp4(config):
-        return {}
+def _dequantized_as_loaded() -> dict:
+    """`from_pretrained`'s keys that dequantize MXFP4 experts as they load."""
     from transformers import Mxfp4Config
 
     return {"quantization_config": Mxfp4Config(dequantize=True)}

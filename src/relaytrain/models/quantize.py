@@ -225,23 +225,26 @@ def stored_4bit(module: nn.Module) -> bool:
 MXFP4 = "mxfp4"  # GPT-OSS's experts as published: loaded dequantized (`stored_in_mxfp4`)
 
 
+def _stored(hf_config) -> dict:
+    """The checkpoint's `quantization_config` as a mapping (empty: stored unquantized)."""
+    stored = getattr(hf_config, "quantization_config", None)
+    return {} if stored is None else stored if isinstance(stored, dict) else stored.to_dict()
+
+
 def stored_in_mxfp4(hf_config) -> bool:
     """Whether the checkpoint stores its experts in MXFP4 (GPT-OSS as OpenAI publishes it):
     transformers dequantizes them as it loads (`Mxfp4Config(dequantize=True)`), and the dense
     weights train, or become NF4 under adapter=qlora, as any checkpoint's."""
-    stored = getattr(hf_config, "quantization_config", None)
-    stored = {} if stored is None else stored if isinstance(stored, dict) else stored.to_dict()
-    return stored.get("quant_method") == MXFP4
+    return _stored(hf_config).get("quant_method") == MXFP4
 
 
 def stored_quantization(hf_config) -> dict:
     """The `model.quantize` keys of a checkpoint saved quantized (a quantization_config of
     bitsandbytes 4-bit NF4: its bytes are used as stored; MXFP4 experts: none, they load
     dequantized); one line for any other quantization."""
-    stored = getattr(hf_config, "quantization_config", None)
-    if stored is None or stored_in_mxfp4(hf_config):
+    stored = _stored(hf_config)
+    if not stored or stored.get("quant_method") == MXFP4:
         return {}
-    stored = stored if isinstance(stored, dict) else stored.to_dict()
     method, kind = stored.get("quant_method", "?"), stored.get("bnb_4bit_quant_type", "fp4")
     if method == "bitsandbytes" and stored.get("load_in_4bit") and kind == NF4:
         return {"quantize": NF4, "quantize_double": bool(stored.get("bnb_4bit_use_double_quant"))}

@@ -110,9 +110,11 @@ class _Stepped:
         self.step()
 
     def _uncompiled(self) -> bool:
-        """Under a dry run: its tracker's thread, or a thread stepping its meta tensors (the EPS's)."""
-        return in_a_dispatch_mode() or any(p.device.type == "meta" for group in self.param_groups
-                                           for p in group["params"])
+        """Under a dry run: its tracker's thread, or a thread stepping its meta tensors (the EPS's;
+        an optimizer's tensors never change device, so that is asked once, not every step)."""
+        if "_on_meta" not in self.__dict__:
+            self._on_meta = any(p.device.type == "meta" for group in self.param_groups for p in group["params"])
+        return self._on_meta or in_a_dispatch_mode()
 
     def drop_grads(self) -> None:
         self.zero_grad(set_to_none=True)

@@ -63,8 +63,8 @@ def is_router(name: str) -> bool:
 
 def takes_muon(name: str, p: torch.Tensor) -> bool:
     """Whether Muon steps `p` (named `name`): a matrix (or a stack of experts' matrices) in a
-    block that is no router."""
-    return p.ndim >= 2 and in_a_block(name) and not is_router(name) and not name.endswith("bias")
+    block that is no router: what weight decay reaches there (`decays`: no bias, whatever its shape)."""
+    return decays(name, p) and in_a_block(name) and not is_router(name)
 
 
 def muon_groups(named_params: Iterable[tuple[str, nn.Parameter]], o) -> list[dict]:
