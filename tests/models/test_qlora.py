@@ -51,12 +51,18 @@ def qlora_checkpoints(root: Path) -> tuple[Path, Path, Path]:
 
 
 def nf4_round_trip(base: Path, directory: Path, double: bool = False) -> Path:
-    """`base` with every linear weight of its blocks replaced by bitsandbytes' NF4 round trip."""
+    """`base` with every linear weight of its blocks, and each expert's matrix of a mixture's fused
+    experts, replaced by bitsandbytes' NF4 round trip."""
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
         for name, module in model.named_modules():
-            if ".layers." in name and isinstance(module, torch.nn.Linear):
+            if ".layers." not in name:
+                continue
+            if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(nf4_round_trip_of(module.weight, double))
+            for p in module.parameters(recurse=False):
+                if p.ndim == 3:  # experts: one matrix at a time
+                    p.copy_(torch.stack([nf4_round_trip_of(matrix, double) for matrix in p]))
     model.save_pretrained(directory)
     return directory
 

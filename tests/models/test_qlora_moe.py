@@ -25,7 +25,7 @@ from relaytrain.run.train import run
 from tests.checkpoints import tiny_moe
 from tests.models.test_lora import RUN_KEYS, adapters_of
 from tests.models.test_moe import EXPERT_TENSORS, expert_adapter, moe_loop
-from tests.models.test_qlora import nf4_round_trip_of
+from tests.models.test_qlora import nf4_round_trip
 
 VARIANTS = {
     "l2l": ["strategy=l2l"],
@@ -42,23 +42,6 @@ def moe(tmp_path_factory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("qlora_moe")
     base = tiny_moe(root / "base", "qwen3_moe")
     return base, expert_adapter(base, root / "adapter"), nf4_round_trip(base, root / "rounded")
-
-
-def nf4_round_trip(base: Path, directory: Path) -> Path:
-    """`base` with every linear weight of its blocks and each expert's matrix replaced by
-    bitsandbytes' NF4 round trip."""
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if ".layers." not in name:
-                continue
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(nf4_round_trip_of(module.weight))
-            for p in module.parameters(recurse=False):
-                if p.ndim == 3:
-                    p.copy_(torch.stack([nf4_round_trip_of(matrix) for matrix in p]))
-    model.save_pretrained(directory)
-    return directory
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v in FAST else pytest.mark.slow) for v in VARIANTS])

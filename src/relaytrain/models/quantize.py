@@ -198,10 +198,16 @@ class NF4Linear(nn.Linear):
         return f"{super().extra_repr()}, nf4{', double' if self.layout.double else ''}"
 
 
+def work_device(device: torch.device | None) -> torch.device | None:
+    """Where quantizing runs: on a CUDA `device` (bitsandbytes' kernels there are fast), else in place."""
+    return device if device is not None and device.type == "cuda" else None
+
+
 def quantize_blocks(model, double: bool, device: torch.device | None = None) -> None:
     """Every linear layer of `model`'s blocks replaced by its NF4Linear (in place: the blocks
-    hold the Hugging Face layers themselves); recorded as `model.quantized`."""
-    work = device if device is not None and device.type == "cuda" else None
+    hold the Hugging Face layers themselves); recorded as `model.quantized`. A mixture's fused
+    experts are `quantize_experts.quantize_blocks_experts`'."""
+    work = work_device(device)
     names = {id(module): name for name, module in model.hf_model.named_modules()}
     for block in model.blocks:
         for parent in list(block.layer.modules()):

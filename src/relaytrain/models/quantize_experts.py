@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from relaytrain.models.quantize import Layout, dequantize, pack
+from relaytrain.models.quantize import Layout, dequantize, pack, work_device
 
 EXPERTS_NDIM = 3  # [experts, rows, columns]: a mixture's fused expert tensor
 
@@ -168,12 +168,11 @@ def quantize_experts(module: nn.Module, double: bool, device: torch.device | Non
 
 
 def quantize_blocks_experts(model, double: bool, device: torch.device | None = None) -> None:
-    """Every fused expert tensor of `model`'s blocks held in NF4 (after `quantize.quantize_blocks`
-    has taken their linear layers), on a CUDA `device` where given (bitsandbytes' kernels)."""
-    work = device if device is not None and device.type == "cuda" else None
+    """Every fused expert tensor of `model`'s blocks held in NF4 (beside `quantize.quantize_blocks`,
+    which takes their linear layers), where it quantizes (`quantize.work_device`)."""
     for block in model.blocks:
         for module in list(block.layer.modules()):
-            quantize_experts(module, double, work)
+            quantize_experts(module, double, work_device(device))
 
 
 def quantized_values(module: nn.Module) -> tuple[int, int]:
