@@ -50,6 +50,22 @@ def chat_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
     return fast
 
 
+def bos_adding_tokenizer(directory: Path, chat_template: str | None = None) -> Path:
+    """The chat tokenizer (with `chat_template` when given), saved in `directory`, with a bos that
+    tokenizing text adds and the chat template's tokenizing does not: TRL's trainers tokenize
+    text and conversations each way, and a test tells them apart by it."""
+    from tokenizers import processors
+
+    tok = chat_tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    bos = tok.bos_token
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.bos_token_id)])
+    tok.save_pretrained(directory)
+    return Path(directory)
+
+
 def tiny_decoder(directory: Path, model_type: str = "llama", *, layers: int = 3, dtype: torch.dtype = torch.float32,
                  seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
     """A random decoder checkpoint of `model_type` (and, unless told otherwise, its chat

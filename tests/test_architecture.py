@@ -94,7 +94,7 @@ def test_imports_point_one_way():
 
 # The layers, top first (docs/design.md, "The layout"): each a folder of src/relaytrain, and a
 # module imports only from its own folder or from a folder below it.
-LAYERS = ("commands", "planner", "run", "strategies", "cost", "placement", "records", "data", "models",
+LAYERS = ("commands", "planner", "run", "rollout", "strategies", "cost", "placement", "records", "data", "models",
           "objectives", "step", "dryrun", "schema", "utils")
 
 

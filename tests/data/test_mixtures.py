@@ -111,5 +111,5 @@ def test_shares_of_huge_weights_do_not_overflow():
 def test_a_mixture_is_refused_for_a_source_that_reads_one_dataset(parts):
     a, _, _ = parts
     cfg = compose_config(["data=glue", f"data.mix=[{{path: {a}}}]"])
-    with pytest.raises(ConfigError, match="data.mix mixes record sets for data=chat or jsonl or preference; data=glue"):
+    with pytest.raises(ConfigError, match="data.mix mixes record sets for data=chat or jsonl or preference or prompts; data=glue"):
         validate(cfg)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import processors
 
 from relaytrain.data import build_datasets
 from relaytrain.data.sources import source
@@ -18,7 +17,7 @@ from relaytrain.objectives import objective
 from relaytrain.objectives.cross_entropy import CausalLM
 from relaytrain.run.compose import compose_config
 from relaytrain.utils.errors import ConfigError
-from tests.checkpoints import CHATML, chat_tokenizer, tiny_decoder
+from tests.checkpoints import CHATML, bos_adding_tokenizer, tiny_decoder
 
 SEQ_LEN = 64
 END = "<|im_end|>"
@@ -79,14 +78,7 @@ FORMS = {
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The ChatML test tokenizer with TEMPLATE, and a bos that tokenizing text adds (and the chat
     template's tokenizing does not), so both ways TRL tokenizes are told apart."""
-    tok = chat_tokenizer()
-    tok.chat_template = TEMPLATE
-    bos = tok.bos_token
-    tok._tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.bos_token_id)])
-    directory = tmp_path_factory.mktemp("preference_tokenizer")
-    tok.save_pretrained(directory)
-    return directory
+    return bos_adding_tokenizer(tmp_path_factory.mktemp("preference_tokenizer"), TEMPLATE)
 
 
 @pytest.fixture(scope="module")

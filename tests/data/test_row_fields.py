@@ -102,7 +102,7 @@ def test_the_dataset_the_micro_batch_and_the_cache_hold_the_defined_fields_in_or
         assert tuple(f.name for f in dataclasses.fields(holder))[: len(row.FIELDS)] == row.names()
     ids = torch.zeros(2, 3, dtype=torch.long)
     stored = cache._stored(TokenDataset(ids, ids))
-    assert tuple(stored) == (*row.names(), "facts", "rows_per_item") and stored["input_ids"].dtype == torch.int32
+    assert tuple(stored) == (*row.names(), "facts", "rows_per_item", "records") and stored["input_ids"].dtype == torch.int32
     assert MicroBatch(ids, ids, ids).attention_mask is ids  # positional construction keeps its meaning
 
 

@@ -121,7 +121,7 @@ def test_a_second_start_reuses_the_reference_cache(checkpoints, tmp_path, capfd)
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
-    (["objective.loss_type=exo_pair"], "one of TRL's that relaytrain does not offer"),
+    (["objective.loss_type=exo_pair"], "one of TRL's DPO losses that relaytrain does not offer"),
     (["objective.loss_type=sigmod"], "is not a DPO loss"),
     (["objective.label_smoothing=0.1"], "set objective.loss_type=robust"),
     (["objective.beta=0"], "must be positive"),

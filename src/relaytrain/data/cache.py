@@ -81,7 +81,9 @@ def cache_key(cfg, inputs: list[Input], chat: bool, objective: Objective, family
     if labels.masked_token_labels(objective):
         data["seed"] = cfg.data.seed  # which tokens are masked
     location = tokenizer_location(m.pretrained, cfg.data.tokenizer, chat)
-    pairs = {"pairs": objective.pair_tokenization} if objective.rows_per_item > 1 else {}  # how a pair is tokenized
+    shaped = {"pairs": objective.pair_tokenization} if objective.rows_per_item > 1 else {}  # how a pair is tokenized
+    if objective.learns_online:  # which prompts fit beside the longest completion (data=prompts drops the rest)
+        shaped = {"completion_tokens": objective.max_completion_length}
     if objective.unpaired:  # KTO's KL rows pair each example with a neighbour in its micro-batch (data/preference.py)
         data["kl_group"] = cfg.strategy.microbatch_size
     return {
@@ -91,7 +93,7 @@ def cache_key(cfg, inputs: list[Input], chat: bool, objective: Objective, family
         "data": data,
         "labels": {"classes": labels.class_labels(objective), "next_token": labels.next_token_labels(objective),
                    "masked": labels.masked_token_labels(objective), "num_labels": m.num_labels,
-                   "vocab_size": m.vocab_size, "family": family.name, "max_seq_len": m.max_seq_len, **pairs},
+                   "vocab_size": m.vocab_size, "family": family.name, "max_seq_len": m.max_seq_len, **shaped},
     }
 
 
@@ -162,10 +164,10 @@ def _write_entry(entry: Path, key: dict, load) -> None:
 
 def _stored(dataset: TokenDataset) -> dict:
     """Every row field by name (`relaytrain.schema.row.FIELDS`), integers at half the width
-    (token ids and -100 fit int32), and the facts."""
+    (token ids and -100 fit int32), the facts and the records (plain values: weights_only loads them)."""
     tensors = {f.name: None if (t := getattr(dataset, f.name)) is None else t.to(_stored_dtype(f))
                for f in FIELDS}
-    return {**tensors, "facts": dataset.facts, "rows_per_item": dataset.rows_per_item}
+    return {**tensors, "facts": dataset.facts, "rows_per_item": dataset.rows_per_item, "records": dataset.records}
 
 
 def _stored_dtype(f: Field) -> torch.dtype:
@@ -205,4 +207,4 @@ def _dataset(stored: dict) -> TokenDataset:
         return None if t is None else t.to(f.dtype)
 
     return TokenDataset(**{f.name: tensor(f) for f in FIELDS}, facts=stored["facts"],
-                        rows_per_item=stored.get("rows_per_item", 1))
+                        rows_per_item=stored.get("rows_per_item", 1), records=stored.get("records"))

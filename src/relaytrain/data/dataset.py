@@ -26,10 +26,15 @@ class TokenDataset:
 
     `rows_per_item`: how many consecutive rows make one item of the data, the unit that is
     shuffled, held out and counted by strategy.microbatch_size: 1, or 2 for a preference pair
-    (its chosen row, then its rejected row), whose rows must travel in one micro-batch."""
+    (its chosen row, then its rejected row), whose rows must travel in one micro-batch.
+
+    `records`: the records as the source read them, where something after the tokenizer reads
+    them (data=prompts: the prompt as written and the columns the rewards take), indexed by the
+    rows' `record` field; None for other data."""
 
     facts: dict = field(default_factory=dict)
     rows_per_item: int = 1
+    records: list | None = None
 
     def __post_init__(self) -> None:
         """A field filled in the wrong shape is said where it is made, not steps later in a loss."""
@@ -62,8 +67,9 @@ class TokenDataset:
         return MicroBatch(**self._rows(items), draw=draw)
 
     def subset(self, items: torch.Tensor) -> TokenDataset:
-        """These items; `facts` stay with the whole (they describe reading the source)."""
-        return TokenDataset(**self._rows(items), rows_per_item=self.rows_per_item)
+        """These items; `facts` stay with the whole (they describe reading the source), `records`
+        go with every part (the rows' `record` numbers index the whole list)."""
+        return TokenDataset(**self._rows(items), rows_per_item=self.rows_per_item, records=self.records)
 
 
 def hold_out(dataset: TokenDataset, fraction: float, seed: int) -> tuple[TokenDataset, TokenDataset]:

@@ -137,11 +137,17 @@ class Tokenized:
 
 def read_pairs(records: Records, key: str) -> list[Pair]:
     """Every row of `records` as a checked `Pair`, all of one form."""
-    pairs = [parse_pair(record, where) for where, record in records.rows()]
-    if not pairs:
-        raise ConfigError(f"{key}={records.location} holds no records; write one pair a record, e.g. {EXAMPLE}")
-    check_one_form(pairs)
-    return pairs
+    return read_parsed(records, key, parse_pair, "pair", EXAMPLE)
+
+
+def read_parsed(records: Records, key: str, parse, noun: str, example: str) -> list:
+    """Every row of `records` parsed by `parse(record, where)`, at least one, all of one form;
+    `noun` and `example`: what a record holds, for the message when there is none."""
+    parsed = [parse(record, where) for where, record in records.rows()]
+    if not parsed:
+        raise ConfigError(f"{key}={records.location} holds no records; write one {noun} a record, e.g. {example}")
+    check_one_form(parsed)
+    return parsed
 
 
 def check_one_form(parsed: list[Record]) -> None:
@@ -255,11 +261,7 @@ def _margin(record: dict, where) -> float | None:
 def read_examples(records: Records, key: str) -> list[Example]:
     """Every row of `records` as checked unpaired examples, all of one form: an unpaired record is
     one, a pair two (TRL's `unpair_preference_dataset`, its order kept)."""
-    parsed = [parse_record(record, where) for where, record in records.rows()]
-    if not parsed:
-        raise ConfigError(f"{key}={records.location} holds no records; write one example a record, e.g. "
-                          f"{UNPAIRED_EXAMPLE}")
-    check_one_form(parsed)
+    parsed = read_parsed(records, key, parse_record, "example", UNPAIRED_EXAMPLE)
     if isinstance(parsed[0], Example):
         return parsed
     return [example for start in range(0, len(parsed), UNPAIR_BATCH)

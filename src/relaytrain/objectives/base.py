@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from relaytrain.objectives.chunked import Chunking
+from relaytrain.utils.errors import ConfigError
 
 if TYPE_CHECKING:
     from relaytrain.step.evaluation import EvalStats
@@ -56,8 +57,10 @@ class LossTerms:
 
     def over(self, divisor: Divisor) -> torch.Tensor:
         """Its share of the minibatch's loss: the sum over the whole minibatch's item count, plus
-        the micro-batch's own term over the minibatch's micro-batches (so that term's mean)."""
-        return self.total / divisor.items + self.per_microbatch / divisor.microbatches
+        the micro-batch's own term over the minibatch's micro-batches (so that term's mean). A
+        minibatch of no items (every completion masked) has nothing to learn: its sums are 0, and
+        so is its loss (TRL and Hugging Face clamp the count at 1), not 0/0."""
+        return self.total / max(divisor.items, 1) + self.per_microbatch / divisor.microbatches
 
 
 class Objective(ABC):
@@ -87,6 +90,9 @@ class Objective(ABC):
     # How data=preference tokenizes a pair: as TRL's DPOTrainer ("dpo") or as its CPO and ORPO trainers
     # ("cpo", data/cpo_tokens.py), which differ (bos, the prompt's last token, chat templates as text).
     pair_tokenization: ClassVar[str] = "dpo"
+    # Its rows are rollouts: completions the policy samples for data=prompts' prompts as it trains,
+    # scored and turned into rows by `relaytrain.rollout` each time a batch is due (GRPO's).
+    learns_online: ClassVar[bool] = False
 
     def configured(self, settings: dict) -> Objective:
         """This objective with the run's `objective.*` keys (`settings`: plain values by key);
@@ -134,3 +140,13 @@ class Objective(ABC):
     def head_eval_stats(self, head: nn.Module, hidden: torch.Tensor, mb: Batch, chunking: Chunking) -> EvalStats:
         """`eval_stats` of the head's output on `hidden` (by chunks where `head_loss` cuts them)."""
         return self.eval_stats(head(hidden), mb)
+
+
+def check_loss_type(loss_type: str, offered: tuple[str, ...], trl_only: tuple[str, ...], kind: str) -> None:
+    """objective.loss_type against the `kind` of loss it names (DPO, GRPO): one of TRL's that
+    relaytrain does not offer is refused by name, any other word as unknown; each in one line."""
+    if loss_type in trl_only:
+        raise ConfigError(f"objective.loss_type={loss_type} is one of TRL's {kind} losses that relaytrain does not "
+                          f"offer; use {', '.join(offered)}")
+    if loss_type not in offered:
+        raise ConfigError(f"objective.loss_type={loss_type} is not a {kind} loss; use {', '.join(offered)}")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from relaytrain.objectives import register_objective
-from relaytrain.objectives.base import Batch, LossTerms
+from relaytrain.objectives.base import Batch, LossTerms, check_loss_type
 from relaytrain.objectives.cross_entropy import CausalLM
 from relaytrain.step.evaluation import IGNORE_INDEX, EvalStats
 from relaytrain.utils.errors import ConfigError
@@ -117,12 +117,7 @@ class DPO(CausalLM):
 
     def check(self) -> None:
         """Its keys, each wrong one in one line."""
-        if self.loss_type in TRL_ONLY_LOSS_TYPES:
-            raise ConfigError(f"objective.loss_type={self.loss_type} is one of TRL's that relaytrain does not "
-                              f"offer; use {', '.join(DPO_LOSS_TYPES)}")
-        if self.loss_type not in DPO_LOSS_TYPES:
-            raise ConfigError(f"objective.loss_type={self.loss_type} is not a DPO loss; use "
-                              f"{', '.join(DPO_LOSS_TYPES)}")
+        check_loss_type(self.loss_type, DPO_LOSS_TYPES, TRL_ONLY_LOSS_TYPES, "DPO")
         if not self.beta > 0:
             raise ConfigError(f"objective.beta={self.beta} must be positive (e.g. 0.1)")
         if not 0 <= self.label_smoothing < 0.5:

@@ -155,7 +155,8 @@ class Reward(Classification):
 def refuse_other_keys(settings: dict) -> None:
     """Another objective's key set for this one (objective.beta, objective.ref_model, ...): one
     line, rather than a setting that silently does nothing."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ObjectiveConfig)}
+    defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                for f in dataclasses.fields(ObjectiveConfig)}
     for key, value in settings.items():
         if key not in KEYS and key in defaults and value != defaults[key]:
             raise ConfigError(f"objective.{key}={value} is not a key of objective=reward (it takes "

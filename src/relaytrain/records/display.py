@@ -62,13 +62,15 @@ class StepProgress:
             return "?"
         return duration(per_step * (self.total - self.step))
 
-    def update(self, step: int, loss: float | None, step_time: float, skipped: bool = False) -> None:
+    def update(self, step: int, loss: float | None, step_time: float, skipped: bool = False, aside: str = "") -> None:
+        """`aside`: what the line shows besides the loss (an online objective's reward and the
+        time its rollouts took, which `step_time` includes)."""
         self.step, self.step_started = step, time.monotonic()
         self.times.append(step_time)
         if not self.enabled:
             return
         note = " (skipped: fp16 overflow)" if skipped else ""
-        shown = "n/a" if loss is None else f"{loss:.4f}"  # a dry run has no values
+        shown = ("n/a" if loss is None else f"{loss:.4f}") + (f"  {aside}" if aside else "")  # a dry run has no values
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{shown}{note}", inside="", eta=self.eta())
         elif step % self.log_every == 0 or step == self.total or step == self.first + 1:

@@ -49,7 +49,7 @@ def write_model(cfg, model, weights: dict, run_dir: Path, out: Path, merge_key: 
                 p.copy_(weights[name])
             elif p.requires_grad:  # a frozen base is the checkpoint's, as loaded; what trains must be there
                 raise ConfigError(f"no process holds the weights of {name}; the model cannot be saved")
-    tokenizer = _run_tokenizer(cfg, run_dir)
+    tokenizer = run_tokenizer(cfg.model.pretrained, cfg.model.trust_remote_code, run_dir)
     if tokenizer is not None and hf_model.can_generate():
         _set_special_ids(hf_model.generation_config, tokenizer, hf_model.get_input_embeddings().weight.shape[0],
                          inherited=bool(cfg.model.pretrained))
@@ -168,8 +168,8 @@ def _cast_state(tensors: dict, dtype: torch.dtype) -> dict:
     return state
 
 
-def _run_tokenizer(cfg, run_dir: Path):
-    """The tokenizer the saved model travels with: the one the run's data used (RUN_DIR/tokenizer),
+def run_tokenizer(pretrained: str | None, trust_remote_code: bool, run_dir: Path):
+    """The tokenizer of the run in `run_dir`: the one the run's data used (RUN_DIR/tokenizer),
     else model.pretrained's (synthetic data reads no tokenizer); None when there is neither."""
     from transformers import AutoTokenizer
 
@@ -177,12 +177,12 @@ def _run_tokenizer(cfg, run_dir: Path):
 
     source = run_dir / "tokenizer"
     if not source.is_dir():
-        if not cfg.model.pretrained or not may_hold_tokenizer(cfg.model.pretrained):
+        if not pretrained or not may_hold_tokenizer(pretrained):
             return None
-        pretrained = Path(cfg.model.pretrained).expanduser()
-        source = pretrained if pretrained.is_dir() else cfg.model.pretrained  # a hub id, while online
+        local = Path(pretrained).expanduser()
+        source = local if local.is_dir() else pretrained  # a hub id, while online
     try:
-        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=cfg.model.trust_remote_code)
+        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:  # a tokenizer it cannot read must not cost the trained weights
         print(f"train.save_model: the model is saved without a tokenizer: {source}'s could not be loaded "
               f"({first_line(err)})", flush=True)

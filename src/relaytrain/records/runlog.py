@@ -37,6 +37,14 @@ COLUMNS = [
 RUNNING, FINISHED, FAILED, INTERRUPTED = "running", "finished", "failed", "interrupted"
 
 
+def columns(extra: Sequence[str] = ()) -> list[str]:
+    """metrics.csv's columns: COLUMNS, with a run's own figures (`extra`: an online objective's
+    rewards, named by the run's reward functions) after the loss terms."""
+    added = [name for name in dict.fromkeys(extra) if name not in COLUMNS]
+    at = COLUMNS.index("lr")
+    return [*COLUMNS[:at], *added, *COLUMNS[at:]]
+
+
 def write_status(run_dir: Path, status: str, **fields) -> None:
     """status.json, replaced atomically: a reader never sees half of it. An error is this
     write's own: one an earlier attempt ended with (a SIGINT, then a resume) does not stay."""
@@ -81,15 +89,16 @@ class MetricsLog:
     the steps after those (never a step twice); a tracker new to the run gets the kept rows first.
     """
 
-    def __init__(self, run_dir: Path, resume_from_step: int = 0, trackers: Sequence = ()):
+    def __init__(self, run_dir: Path, resume_from_step: int = 0, trackers: Sequence = (), extra: Sequence[str] = ()):
         path = Path(run_dir) / METRICS
+        self._columns = columns(extra)
         earlier = [row for row in read_metrics(run_dir) if row["step"] is not None] if resume_from_step else []
         kept = [row for row in earlier if row["step"] <= resume_from_step]
         self._file = open(path, "w", newline="")
-        self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        self._csv = csv.DictWriter(self._file, fieldnames=self._columns)
         self._csv.writeheader()
         for row in kept:
-            self._csv.writerow({k: _cell(row.get(k)) for k in COLUMNS})
+            self._csv.writerow({k: _cell(row.get(k)) for k in self._columns})
         self._file.flush()
         self._trackers = list(trackers)
         logged = max((row["step"] for row in earlier), default=0)
@@ -98,7 +107,7 @@ class MetricsLog:
             self._track(row)
 
     def write(self, row: dict) -> None:
-        self._csv.writerow({k: _cell(row.get(k)) for k in COLUMNS})
+        self._csv.writerow({k: _cell(row.get(k)) for k in self._columns})
         self._file.flush()
         self._track(row)
 

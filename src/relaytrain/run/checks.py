@@ -38,6 +38,21 @@ def check_shared(cfg, chosen) -> None:
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
 
+def _check_online(objective, processes: int, strategy: str, held_out: bool) -> None:
+    """What an objective that samples its own completions cannot do yet, each in one line."""
+    if objective.rollout_engine != "builtin":
+        raise ConfigError(f"objective.rollout_engine={objective.rollout_engine}: relaytrain samples with its own "
+                          f"engine only (objective.rollout_engine=builtin), which reads the run's weights where they "
+                          f"are; an external engine is not built in yet")
+    if processes > 1:
+        raise ConfigError(f"objective={objective.name} samples its completions in one process for now, and "
+                          f"strategy={strategy} starts {processes}; use a strategy that runs in one process (no "
+                          f"pipeline stages), with strategy.replicas=1")
+    if held_out:
+        raise ConfigError(f"objective={objective.name} scores no held-out prompts yet (each would need its completions "
+                          f"sampled); drop data.eval_path, data.eval_split and data.eval_fraction")
+
+
 MUON_LR_SCALINGS = (None, "original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
 
 
@@ -90,14 +105,26 @@ def _check_master_dtype(o, cls, name) -> None:
 def _check_pairs(objective, source, sequence_parts: int) -> None:
     """An objective whose items are several rows (a preference pair) needs a source that makes
     them; it sums each row's log-probs over all its tokens, and a classifier reads each row at one
-    token (a decoder's: its last): a row cut over sequence-parallel workers would need them gathered."""
-    if objective.rows_per_item > 1 and not source.gives_pairs:
+    token (a decoder's: its last): a row cut over sequence-parallel workers would need them gathered.
+    An objective that learns online needs prompts (its items' rows are the completions its rollout
+    stage samples for each, not a source's), and sums each completion's log-probs whole too."""
+    if objective.learns_online and not source.gives_prompts:
+        from relaytrain.data.sources import sources
+
+        prompts = " or ".join(f"data={name}" for name, s in sources().items() if s.gives_prompts)
+        raise ConfigError(f"objective={objective.name} samples completions for prompts, which {prompts} gives; "
+                          f"data={source.name} gives whole rows: use {prompts} (records {{\"prompt\": ...}})")
+    if objective.rows_per_item > 1 and not source.gives_pairs and not objective.learns_online:
         raise ConfigError(f"objective={objective.name} compares the two rows of each item (a preference pair, an "
                           f"example and its KL row), which data=preference makes; data={source.name} gives single "
                           f"rows: use data=preference")
     if objective.classifies and sequence_parts > 1:
         raise ConfigError(f"strategy.sequence_parallel={sequence_parts} cuts sequences, and objective={objective.name} "
                           f"scores each whole one at one of its tokens; drop strategy.sequence_parallel")
+    if objective.learns_online and sequence_parts > 1:
+        raise ConfigError(f"strategy.sequence_parallel={sequence_parts} cuts sequences, and objective={objective.name} "
+                          f"sums each sampled completion's log-probs over the whole sequence; drop "
+                          f"strategy.sequence_parallel")
     if objective.rows_per_item > 1 and sequence_parts > 1:
         raise ConfigError(f"strategy.sequence_parallel={sequence_parts} cuts sequences, and objective={objective.name} "
                           f"compares whole ones (a pair's log-probs); drop strategy.sequence_parallel")
@@ -112,6 +139,8 @@ def check_layers(cfg, chosen) -> None:
 
     check_preset(cfg.strategy)
     chosen.strategy.check_config(cfg)
+    if chosen.objective.learns_online:  # how many processes the strategy starts: its to say, once its keys are checked
+        _check_online(chosen.objective, chosen.strategy.processes(cfg), cfg.strategy.name, has_held_out_data(cfg.data))
     chosen.source.check(cfg, chosen.objective)
     check_model(cfg.model, cfg.adapter, chosen.family, chosen.objective, defaults=AdapterConfig())
 

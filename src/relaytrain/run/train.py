@@ -29,7 +29,7 @@ from relaytrain.models.pretrained import resolve as resolve_pretrained
 from relaytrain.placement.world import StopVotes, World, pick_device, under_torchrun
 from relaytrain.records import checkpoint, runlog, trackers
 from relaytrain.records.display import StepProgress, print_one_line, print_results_table
-from relaytrain.records.export import save_model, saved_model_facts
+from relaytrain.records.export import run_tokenizer, save_model, saved_model_facts
 from relaytrain.run import dirs as run_dirs
 from relaytrain.run import elastic
 from relaytrain.run.compose import validate
@@ -37,6 +37,7 @@ from relaytrain.run.launch import launch
 from relaytrain.run.preflight import check_can_start
 from relaytrain.run.resolve import RunSpec, describe_run
 from relaytrain.run.results import assemble_results, process_report, write_results
+from relaytrain.run.rollouts import Rollouts
 from relaytrain.step import metrics
 from relaytrain.step.evaluation import better
 from relaytrain.utils import failpoints
@@ -243,6 +244,11 @@ class Trainer:
             job.eval_dataset, s.microbatch_size * spec.replicas, s.num_microbatches, cfg.eval.max_batches)
         self.glue_task = spec.benchmark_task
         self.progress: StepProgress | None = None
+        # An online objective's rows are sampled from the policy as it trains (`run/rollouts.py`).
+        self.rollouts = None if not spec.objective.learns_online else Rollouts(
+            spec, strategy, job.dataset.records, run_tokenizer(cfg.model.pretrained, cfg.model.trust_remote_code,
+                                                               job.run_dir),
+            cfg.data.seq_len, cfg.train.seed, job.run_dir, self.reporter, cfg.adapter.name != "none", world.simulated)
 
     def run(self) -> dict | None:
         steps = self.cfg.train.steps
@@ -253,7 +259,8 @@ class Trainer:
         title = f"{self.cfg.strategy.name} · {self.cfg.model.name}" + (" (dry run)" if self.world.simulated else "")
         progress = StepProgress(steps, self.cfg.train.log_every, title, enabled=self.reporter and not self.job.quiet,
                                 first=step, estimate_s=self.job.estimate_s)
-        self.log = runlog.MetricsLog(self.job.run_dir, step, self._open_trackers()) if self.reporter else None
+        extra = () if self.rollouts is None else self.rollouts.columns()
+        self.log = runlog.MetricsLog(self.job.run_dir, step, self._open_trackers(), extra) if self.reporter else None
         if self.reporter:
             self.strategy.on_progress = progress.inside
         self.world.stop.how_long = self._time_to_next_safe_point
@@ -361,7 +368,7 @@ class Trainer:
             self.strategy.reset_measurements()  # phase times cover the measured steps, as the step time does
         self.world.mark("step", step + 1)
         failpoints.reach("step", step + 1, self.world.rank)
-        minibatch = self.loader.minibatch(step)
+        minibatch = self.loader.minibatch(step) if self.rollouts is None else self.rollouts.minibatch(step, self.loader)
         start = time.perf_counter()
         self.lr = self.spec.schedule.at(self.applied)
         result = self.strategy.step(minibatch, self.lr)
@@ -372,6 +379,8 @@ class Trainer:
         self.applied += not result.skipped  # a skipped step consumes no warm-up (as HF and accelerate)
         self.votes.after(step)
         terms = self.strategy.loss_terms()  # beside the loss: a mixture's router term (every process: summed over replicas)
+        rollout = {} if self.rollouts is None else self.rollouts.take_figures()  # a rollout batch made for this step
+        terms = {**rollout, **terms}
         if not self.reporter:
             return
         held = self.history.setdefault("loss_terms", {})
@@ -387,7 +396,8 @@ class Trainer:
         elif result.loss is not None and not math.isfinite(result.loss):
             raise self._diverged(result.loss, step + 1)
         self.history["losses"].append(result.loss)
-        self.progress.update(step + 1, result.loss, elapsed, result.skipped)
+        aside = "" if self.rollouts is None else self.rollouts.progress_note(rollout)
+        self.progress.update(step + 1, result.loss, elapsed + rollout.get("rollout_s", 0.0), result.skipped, aside)
 
     def _diverged(self, loss: float, step: int) -> TrainingDiverged:
         """Nothing of the step that diverged is saved; the user continues from the newest checkpoint."""
@@ -409,6 +419,8 @@ class Trainer:
         share = self.strategy.state_dict() or dict(EMPTY_SHARE)
         share = {**share, "rng": checkpoint.rng_state(self.world.device)}
         trainer = {"step": step, "applied_updates": self.applied, "history": self.history} if self.reporter else None
+        if trainer is not None and self.rollouts is not None:
+            trainer["rollout"] = self.rollouts.state()
         manifest = {"strategy": self.spec.name, "layout": self.spec.layout,
                     "identity": self.spec.identity, "base": self._base()}
         return checkpoint.save(self.world, self.directory, step, share, trainer, manifest,
@@ -426,6 +438,8 @@ class Trainer:
         if self.job.resume is None:
             torch.manual_seed(self.cfg.train.seed)
             self.strategy.start(0)
+            if self.rollouts is not None:
+                self.rollouts.load_state(None, 0)
             return 0
         found = checkpoint.read(self.job.resume, self.spec.identity, self.cfg.train.steps, self.spec.name,
                                 self.spec.layout, self._base())
@@ -439,6 +453,8 @@ class Trainer:
             torch.manual_seed(self.cfg.train.seed + found.step)
         if self.reporter:
             self.history = {"eval": [], **found.trainer()["history"]}
+        if self.rollouts is not None:
+            self.rollouts.load_state(found.trainer().get("rollout"), found.step)
         return found.step
 
     # -- the end --------------------------------------------------------------------------------

@@ -178,6 +178,22 @@ class ObjectiveConfig:
     cpo_alpha: float = 1.0  # simpo: weight of the NLL term on the chosen replies (TRL's CPOConfig.cpo_alpha); 0: SimPO as published
     # reward (objectives/reward.py): a one-score sequence classifier on pairs, Bradley-Terry as TRL's RewardTrainer.
     center_rewards_coefficient: float | None = None  # reward: weight of the mean squared (chosen + rejected) score, pulling scores towards 0 (TRL's RewardConfig; it recommends 0.01); null: none
+    # grpo (objectives/grpo.py): online RL on data=prompts, TRL's GRPOConfig names and defaults (beta 0, loss_type
+    # dapo: configs/objective/grpo.yaml). A micro-batch holds strategy.microbatch_size prompts x num_generations rows.
+    num_generations: int = 8  # grpo: completions sampled per prompt (G), the group each completion's advantage is taken over
+    max_completion_length: int = 512  # grpo: most tokens a completion may have; data.seq_len holds the prompt and this
+    temperature: float = 1.0  # grpo: sampling temperature; the loss's log-probs are taken at it too (TRL)
+    top_p: float = 1.0  # grpo: nucleus sampling's cut (1: none)
+    top_k: int = 0  # grpo: sample among the k likeliest tokens (0: all)
+    epsilon: float = 0.2  # grpo: the ratio's clipping range below 1 (and above, without epsilon_high)
+    epsilon_high: float | None = None  # grpo: the clipping range above 1 (DAPO's clip-higher: 0.28); null: epsilon
+    num_iterations: int = 1  # grpo: updates per rollout batch (mu); above 1 the loss reads the sampling policy's log-probs
+    scale_rewards: str = "group"  # grpo: divide advantages by the group's reward std (group), the batch's (batch) or not (none: Dr. GRPO)
+    mask_truncated_completions: bool = False  # grpo: a completion cut at max_completion_length counts in no loss (DAPO)
+    rewards: list[str] = field(default_factory=list)  # grpo: reward functions, package.module:function (TRL's signature) or a built-in: exact_answer, contains_answer, format_regex, math_answer
+    reward_weights: list[float] | None = None  # grpo: each reward's weight in the summed reward; null: 1 each
+    use_bias_correction_kl: bool = True  # grpo: the KL term times the ratio (TRL 1.16's default, DeepSeek-V3.2's unbiased reverse-KL gradient)
+    rollout_engine: str = "builtin"  # grpo: who samples the completions: builtin (the run's own weights, keyed sampling) or vllm
 
 
 @dataclass

@@ -76,6 +76,19 @@ FIELDS: tuple[Field, ...] = (
     # A reward model's pair margin (objectives/reward.py; TRL's `margin` column): on both rows of the pair.
     Field("margin", "how far the pair's chosen score should exceed its rejected one's (TRL's margin); None "
           "for data without one", Per.ROW, dtype=torch.float32, optional=True, pad=0.0, target=True),
+    # A prompt's record (data=prompts): where the rollout stage finds the prompt as written and the
+    # columns the rewards read (`TokenDataset.records`).
+    # A target, so a row that only fills up a micro-batch has none (-1) and counts nowhere.
+    Field("record", "the row's record number in its set's `records` (data=prompts, and the rollouts made of "
+          "them); None for other data", Per.ROW, optional=True, pad=-1, target=True),
+    # A rollout's (objectives/grpo.py): made by the rollout stage from the policy's completions.
+    Field("advantage", "the completion's advantage over its group (GRPO); None for other data", Per.ROW,
+          dtype=torch.float32, optional=True, pad=0.0, target=True),
+    Field("old_logps", "each completion token's log-prob under the policy that sampled it (GRPO with "
+          "num_iterations > 1); None where the loss takes the policy's own, detached", Per.TOKEN,
+          dtype=torch.float32, optional=True, pad=0.0, target=True),
+    Field("ref_token_logps", "each completion token's log-prob under the reference (GRPO's KL term, beta > 0); "
+          "None without one", Per.TOKEN, dtype=torch.float32, optional=True, pad=0.0, target=True),
 )
 
 

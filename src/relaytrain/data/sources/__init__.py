@@ -55,6 +55,9 @@ class DataSource(abc.ABC):
     chat_template: bool = False  # renders records with the tokenizer's chat template (which tokenizer it picks)
     streams: bool = False  # data.streaming: it answers `stream(cfg, tokenizer_dir, objective, family)` (data/stream.py)
     gives_pairs: bool = False  # items of two rows, for an objective that compares them (`Objective.rows_per_item`)
+    # Prompts alone, a row each: for an objective that learns online (`Objective.learns_online`), whose
+    # rollout stage samples the completions and reads the prompt as written from `TokenDataset.records`.
+    gives_prompts: bool = False
 
     @classmethod
     @abc.abstractmethod

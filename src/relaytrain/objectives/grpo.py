@@ -1,0 +1,218 @@
+"""Group Relative Policy Optimization (`objective=grpo`), as TRL's GRPOTrainer computes it.
+
+The rows are rollouts (`Objective.learns_online`): for each prompt of a minibatch the policy
+samples `num_generations` completions (`relaytrain.rollout`), the rewards score them, and each
+completion's advantage is its reward against its group's (`rollout.rewards.advantages`). A row
+is the prompt followed by one completion: its labels are the completion's tokens up to and
+including the first end token (TRL's `completion_mask`; all -100 for a truncated completion with
+`mask_truncated_completions`), its `advantage` the completion's. A micro-batch holds whole groups
+(`rows_per_item` is G), so a replica's or a pipeline's share of it keeps its groups together.
+
+Each completion token's log-prob is taken at the sampling temperature (the logits divided by
+it, as TRL's `_get_per_token_logps_and_entropies`); the token's loss is PPO's clipped surrogate
+-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A), r the ratio to the policy that sampled the
+completion (`old_logps`; with one update per rollout batch the policy's own log-prob, detached,
+so r = 1), plus `beta` times the k3 estimate of the KL to the reference (`ref_token_logps`),
+times r (`use_bias_correction_kl`, TRL 1.16's default: the unbiased reverse-KL gradient of
+DeepSeek-V3.2; the ratio's gradient counts even where its value is 1).
+"Losses are sums" (docs/design.md): TRL's four reductions become a sum over the micro-batch
+and the items it is over, so accumulating over micro-batches, replicas and stages gives TRL's
+loss of the same minibatch:
+
+| loss_type | TRL's reduction | total (a micro-batch's) | items |
+| --- | --- | --- | --- |
+| grpo | each completion's token mean, then the mean over completions | the completions' token means | completions |
+| dr_grpo | the token sum over completions x max_completion_length | token sum / max_completion_length | completions |
+| dapo | the token sum over the generation batch's tokens | token sum | completion tokens |
+| bnpo | each micro-batch's token mean, then the mean over micro-batches | a per-micro-batch term | completions |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from relaytrain.objectives import register_objective
+from relaytrain.objectives.base import Batch, LossTerms, check_loss_type
+from relaytrain.objectives.cross_entropy import CausalLM
+from relaytrain.step.evaluation import IGNORE_INDEX, EvalStats
+from relaytrain.utils.errors import ConfigError
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+# TRL 1.16's loss types beyond those, refused by name rather than as unknown words.
+TRL_ONLY_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
+SCALE_REWARDS = ("group", "batch", "none")
+ROLLOUT_ENGINES = ("builtin", "vllm")
+# What the loss reports each step, in TRL's names: means over the minibatch's completion tokens.
+FIGURES = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """A micro-batch's completion tokens as the loss sees them: the policy's log-prob of each
+    (at the sampling temperature) and its entropy, aligned with the labels they predict."""
+
+    logps: torch.Tensor  # [rows, seq - 1]: position p predicts token p + 1
+    entropy: torch.Tensor  # [rows, seq - 1]
+    mask: torch.Tensor  # [rows, seq - 1]: 1 on a completion token the loss counts
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> TokenTerms:
+        x = logits[:, :-1].float() / temperature
+        y = labels[:, 1:]
+        log_probs = x.log_softmax(-1)
+        logps = torch.gather(log_probs, -1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        with torch.no_grad():  # TRL's entropy_from_logits: reported, never trained
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return cls(logps=logps, entropy=entropy, mask=(y != IGNORE_INDEX).float())
+
+
+@register_objective
+@dataclass(frozen=True)
+class GRPO(CausalLM):
+    """GRPO (Shao et al. 2024) with TRL's loss types: grpo, dr_grpo (Liu et al. 2025), dapo (Yu
+    et al. 2025) and bnpo; asymmetric clipping (`epsilon_high`, DAPO's clip-higher); `num_iterations`
+    updates per rollout batch against the sampling policy's log-probs."""
+
+    name: ClassVar[str] = "grpo"
+    metric: ClassVar[str] = "perplexity"
+    figures: ClassVar[tuple[str, ...]] = FIGURES
+    learns_online: ClassVar[bool] = True
+
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    mask_truncated_completions: bool = False
+    rewards: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] | None = None
+    rollout_engine: str = "builtin"
+    use_bias_correction_kl: bool = True
+
+    @property
+    def rows_per_item(self) -> int:  # type: ignore[override]  # a prompt's group of completions
+        return self.num_generations
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def configured(self, settings: dict) -> GRPO:
+        weights = settings.get("reward_weights")
+        high = settings.get("epsilon_high")
+        chosen = dataclasses.replace(
+            self, num_generations=int(settings["num_generations"]),
+            max_completion_length=int(settings["max_completion_length"]),
+            temperature=float(settings["temperature"]), top_p=float(settings["top_p"]), top_k=int(settings["top_k"]),
+            beta=float(settings["beta"]), epsilon=float(settings["epsilon"]),
+            epsilon_high=None if high is None else float(high), num_iterations=int(settings["num_iterations"]),
+            loss_type=str(settings["loss_type"]), scale_rewards=str(settings["scale_rewards"]),
+            mask_truncated_completions=bool(settings["mask_truncated_completions"]),
+            rewards=tuple(str(r) for r in settings.get("rewards") or ()),
+            reward_weights=None if weights is None else tuple(float(w) for w in weights),
+            rollout_engine=str(settings["rollout_engine"]),
+            use_bias_correction_kl=bool(settings.get("use_bias_correction_kl", True)))
+        chosen.check()
+        return chosen
+
+    @property
+    def settings(self) -> dict:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["rewards"] = list(self.rewards)
+        values["reward_weights"] = None if self.reward_weights is None else list(self.reward_weights)
+        return values
+
+    def check(self) -> None:
+        """Its keys, each wrong one in one line (the rewards themselves are checked by loading them)."""
+        check_loss_type(self.loss_type, LOSS_TYPES, TRL_ONLY_LOSS_TYPES, "GRPO")
+        if self.num_generations < 2:
+            raise ConfigError(f"objective.num_generations={self.num_generations}: GRPO's advantage is a completion's "
+                              f"reward against its group's, so it needs at least 2 completions a prompt (TRL: 8)")
+        if self.max_completion_length < 1:
+            raise ConfigError(f"objective.max_completion_length={self.max_completion_length} must be at least 1")
+        if not self.temperature > 0:
+            raise ConfigError(f"objective.temperature={self.temperature} must be positive: GRPO samples its "
+                              f"completions (TRL: 1.0)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"objective.top_p={self.top_p} must be in (0, 1] (1: no nucleus cut)")
+        if self.top_k < 0:
+            raise ConfigError(f"objective.top_k={self.top_k} must be at least 0 (0: no top-k cut)")
+        if self.beta < 0:
+            raise ConfigError(f"objective.beta={self.beta} must be at least 0 (0: no KL term, TRL's default)")
+        if not (0 <= self.epsilon < 1 and self.clip_high >= 0):
+            raise ConfigError(f"objective.epsilon={self.epsilon} (and epsilon_high={self.epsilon_high}) must be in "
+                              f"[0, 1) (TRL: 0.2; DAPO's clip-higher: epsilon_high=0.28)")
+        if self.num_iterations < 1:
+            raise ConfigError(f"objective.num_iterations={self.num_iterations} must be at least 1 (updates per "
+                              f"rollout batch)")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError(f"objective.scale_rewards={self.scale_rewards} is not one of {', '.join(SCALE_REWARDS)}")
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ConfigError(f"objective.rollout_engine={self.rollout_engine} is not one of "
+                              f"{', '.join(ROLLOUT_ENGINES)}")
+        if not self.rewards:
+            raise ConfigError("objective=grpo needs rewards: set objective.rewards=[package.module:function, ...] "
+                              "(TRL's reward-function signature) or a built-in, e.g. objective.rewards=[exact_answer]")
+
+    # -- the loss -----------------------------------------------------------------------------
+    def token_losses(self, t: TokenTerms, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Each completion token's loss [rows, seq - 1] (0 off the mask) and the per-token
+        values the figures average."""
+        advantage = mb.advantage.float().unsqueeze(1)
+        old = t.logps.detach() if mb.old_logps is None else mb.old_logps[:, 1:].float()
+        ratio = torch.exp(t.logps - old)
+        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.clip_high)
+        loss = -torch.min(ratio * advantage, clipped * advantage)
+        values = {"entropy": t.entropy}
+        if self.beta != 0:
+            ref = mb.ref_token_logps[:, 1:].float()
+            kl = torch.exp(ref - t.logps) - (ref - t.logps) - 1  # k3, as TRL
+            if self.use_bias_correction_kl:  # TRL 1.16's default: weighted by the ratio, whose gradient counts at r = 1
+                kl = kl * ratio
+            loss = loss + self.beta * kl
+            values["kl"] = kl.detach()
+        with torch.no_grad():
+            low = (ratio < 1 - self.epsilon) & (advantage < 0)
+            high = (ratio > 1 + self.clip_high) & (advantage > 0)
+            values.update({"clip_ratio/low_mean": low.float(), "clip_ratio/high_mean": high.float(),
+                           "clip_ratio/region_mean": (low | high).float()})
+        return loss * t.mask, values
+
+    def loss(self, logits: torch.Tensor, mb: Batch) -> LossTerms:
+        t = TokenTerms.of(logits, mb.labels, self.temperature)
+        losses, values = self.token_losses(t, mb)
+        tokens = t.mask.sum()
+        per_row = losses.sum(-1)
+        total, per_microbatch = torch.zeros((), device=losses.device), 0.0
+        if self.loss_type == "grpo":
+            total = (per_row / t.mask.sum(-1).clamp(min=1)).sum()
+        elif self.loss_type == "dr_grpo":
+            total = per_row.sum() / self.max_completion_length
+        elif self.loss_type == "dapo":
+            total = per_row.sum()
+        else:  # bnpo: the micro-batch's token mean, a term of the micro-batch
+            per_microbatch = per_row.sum() / tokens.clamp(min=1)
+        with torch.no_grad():
+            figures = {name: ((v * t.mask).sum(), tokens) for name, v in values.items()}
+        return LossTerms(total, per_microbatch, figures)
+
+    def items(self, mb: Batch) -> int:
+        if self.loss_type == "dapo":
+            return int((mb.labels[:, 1:] != IGNORE_INDEX).sum())
+        return int((mb.record >= 0).sum()) if mb.record is not None else mb.labels.shape[0]
+
+    def eval_stats(self, logits: torch.Tensor, mb: Batch) -> EvalStats:
+        """Held-out prompts are not scored by a loss (their completions are sampled, not given):
+        refused by the config checks before any run; this is never reached."""
+        raise ConfigError("objective=grpo evaluates no held-out set yet; drop data.eval_path, data.eval_split "
+                          "and data.eval_fraction")

@@ -1,0 +1,125 @@
+"""The trainer's side of an online objective (`objective=grpo`): which model samples, which is
+the reference, and when a rollout batch is made.
+
+The policy is the strategy's own Hugging Face model, whose weights are the run's current ones
+once the strategy has drained (a whole-model strategy's on its device; L2L's masters on the
+host): sampling reads them where they are and copies nothing. The reference of the KL term
+(`beta` > 0) is the initial model, as TRL's: with an adapter, the policy with its adapters off;
+without one, a copy of the model as the run built it (its checkpoint, or the seeded fresh
+weights), taken before any checkpoint of the run is loaded and held beside the policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from pathlib import Path
+
+from torch import nn
+
+from relaytrain.models.layered import MicroBatch
+from relaytrain.rollout.stage import RolloutBatch, RolloutStage, figures_of_total
+from relaytrain.schema.row import row_values
+
+
+class Rollouts:
+    """Makes each step's rows for the trainer: the stage's batch when one is due, else the
+    current one again (`num_iterations` > 1), keyed for the step. It takes plain values, not the
+    config (resolved by the trainer)."""
+
+    def __init__(self, spec, strategy, records: list[dict], tokenizer, seq_len: int, seed: int, run_dir: Path,
+                 reporter: bool, adapter: bool, simulated: bool = False):
+        self.strategy, self.reporter = strategy, reporter
+        self.simulated = simulated  # a dry run: rows of the longest completions, nothing sampled
+        objective = spec.objective
+        hf = strategy.model.hf_model
+        self.stage = RolloutStage(objective, records, tokenizer, seq_len, seed, seed, run_dir if reporter else None,
+                                  spec.precision)
+        vocab = hf.get_input_embeddings().weight.shape[0]
+        self.stage.set_end_ids(getattr(getattr(hf, "generation_config", None), "eos_token_id", None), vocab)
+        # The reference of the KL term: the initial model, taken before any checkpoint is loaded
+        # (the strategy's model is as the run built it); with adapters, the policy with them off.
+        wanted = objective.beta != 0 and not simulated and not adapter
+        self.reference = copy.deepcopy(hf).requires_grad_(False) if wanted else None
+        self.figures: dict[str, float] = {}  # the last rollout batch's, for the step that made it
+
+    def minibatch(self, step: int, loader) -> list[MicroBatch]:
+        stage = self.stage
+        if stage.due(step) and self.simulated:
+            stage.make_unsampled(step, loader.minibatch(stage.batch_of(step)))
+        elif stage.due(step):
+            self.strategy.drain()  # every update so far lands before the policy samples
+            started = time.perf_counter()
+            policy = self.strategy.model.hf_model
+            reference = self.reference
+            if reference is None and stage.objective.beta != 0:
+                reference = _ReferenceView(policy)
+            made = stage.make(step, loader.minibatch(stage.batch_of(step)), policy, reference, self.reporter)
+            self.figures = {**made.figures, "rollout_s": time.perf_counter() - started} if self.reporter else {}
+        return stage.rows_for(step)
+
+    def columns(self) -> list[str]:
+        """The figures a rollout batch reports, for metrics.csv's header: the loss's, the rewards'
+        (in TRL's names), the completions' lengths, and the time the batch took."""
+        return [*self.stage.objective.figures, *self.stage.figure_names(), "rollout_s"]
+
+    @staticmethod
+    def progress_note(figures: dict[str, float]) -> str:
+        """What the progress line shows of a rollout batch: the mean summed reward and the
+        time sampling and scoring took ("" at a step that made none)."""
+        if "rollout_s" not in figures:
+            return ""
+        reward = figures_of_total()[0]  # TRL's name of the summed reward's mean
+        return f"{reward} {figures[reward]:.4f}  rollout {figures['rollout_s']:.3f} s"
+
+    def take_figures(self) -> dict[str, float]:
+        """The figures of the rollout batch made for the step just run, once (None at later steps)."""
+        figures, self.figures = self.figures, {}
+        return figures
+
+    # -- checkpoints: a rollout batch trained on again after a resume (num_iterations > 1) ------
+    def state(self) -> dict | None:
+        current = self.stage.current
+        if current is None or self.stage.objective.num_iterations == 1:
+            return None
+        return {"batch": current.batch, "rows": [row_values(mb) for mb in current.rows]}
+
+    def load_state(self, state: dict | None, step: int) -> None:
+        self.stage.forget_after(step)
+        if state is not None:
+            rows = [MicroBatch(**values) for values in state["rows"]]
+            self.stage.current = RolloutBatch(state["batch"], rows, {})
+
+
+class _ReferenceView(nn.Module):
+    """The policy with its adapters off, as the reference (TRL's `disable_adapter()` for a peft
+    model): peft's layers skip their adapters while this view computes."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "policy", policy)  # not a submodule: the view owns nothing
+
+    def parameters(self, recurse: bool = True):
+        return self.policy.parameters(recurse)
+
+    def forward(self, **kwargs):
+        with adapters_off(self.policy):
+            return self.policy(**kwargs)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """peft's adapter layers of `model` computing as their base layers alone, for the duration."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:  # the flag itself: peft's enable_adapters(False) would also freeze the adapters' weights
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, before, strict=True):
+            m._disable_adapters = flag
+

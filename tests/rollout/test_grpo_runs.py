@@ -1,0 +1,203 @@
+"""`objective=grpo` runs: every one-process strategy samples the same completions and trains the
+same weights, and TRL's GRPO loss on a plain Hugging Face model, replayed on the completions a
+run records in rollouts.jsonl, reproduces the run's update (SGD and AdamW; each loss type;
+one and two updates per rollout batch; with and without the KL term); resume is exact."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from relaytrain.models.pretrained import resolve
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
+from relaytrain.utils.errors import ConfigError
+from tests.checkpoints import chat_tokenizer, tiny_decoder
+from tests.objectives.grpo_reference import trl_inputs, trl_scoring, trl_token_logps, trl_trainer
+
+PROMPTS, G, ACCUMULATE, LENGTH, SEQ, STEPS = 2, 3, 2, 6, 32, 2
+LR = {"sgd": 0.5, "adamw": 1e-2}
+OPTIM = {"sgd": ["optim=sgd", "optim.momentum=0.0"], "adamw": ["optim=adamw"]}
+HERE = "tests.rollout.test_grpo_runs"
+
+
+def length_reward(prompts, completions, **kwargs):
+    """A reward that differs within a group: the completion's length in characters, over 10."""
+    return [len(c) / 10 for c in completions]
+
+
+def digit_reward(prompts, completions, answer, **kwargs):
+    """A second reward reading a column: 1 where the completion holds a digit of the record's answer."""
+    return [float(any(d in c for d in a)) for c, a in zip(completions, answer, strict=True)]
+
+
+def failing_reward(prompts, completions, **kwargs):
+    raise ValueError("this reward is broken")
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_runs")
+    # Many end tokens (the checkpoint's generation config names them, as a chat model's names its
+    # end of turn): about half the completions end within LENGTH, the rest are cut there.
+    checkpoint = tiny_decoder(root / "llama", layers=2, eos_token_id=[chat_tokenizer().eos_token_id, *range(10, 40)])
+    records = [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(12)]
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return checkpoint, data, root
+
+
+def grpo_run(setting, run_dir: Path, optim: str = "sgd", *overrides: str) -> dict:
+    checkpoint, data, root = setting
+    cfg = compose_config([
+        f"model.pretrained={checkpoint}", "data=prompts", f"data.path={data}", f"data.seq_len={SEQ}",
+        "data.shuffle=false", f"data.cache_dir={root / 'cache'}", "objective=grpo", f"objective.num_generations={G}",
+        f"objective.max_completion_length={LENGTH}", "objective.temperature=0.9",
+        f"objective.rewards=[{HERE}:length_reward,{HERE}:digit_reward]", "objective.reward_weights=[1.0,0.5]",
+        f"strategy.microbatch_size={PROMPTS}", f"strategy.num_microbatches={ACCUMULATE}", f"train.steps={STEPS}",
+        "train.untimed_steps=0", "train.save_model=true", f"optim.lr={LR[optim]}", "optim.weight_decay=0.0",
+        *OPTIM[optim], *overrides])
+    return run(resolve(cfg, ()), run_dir, quiet=True)
+
+
+def rollouts(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+
+
+def trained(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+def assert_same_weights(a: dict, b: dict, **tolerance) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=name, **tolerance)
+
+
+@pytest.mark.parametrize("strategy", ["l2l", pytest.param("l2l_stash_cpu", marks=pytest.mark.slow)])
+def test_every_strategy_samples_the_same_completions_and_trains_the_same_weights(setting, tmp_path, strategy):
+    grpo_run(setting, tmp_path / "baseline", "adamw", "strategy=baseline", "objective.beta=0.04")
+    grpo_run(setting, tmp_path / strategy, "adamw", f"strategy={strategy}", "objective.beta=0.04")
+    ours, theirs = rollouts(tmp_path / strategy), rollouts(tmp_path / "baseline")
+    assert [r["completion_ids"] for r in ours] == [r["completion_ids"] for r in theirs]
+    assert len(ours) == STEPS * PROMPTS * ACCUMULATE * G
+    assert_same_weights(trained(tmp_path / strategy), trained(tmp_path / "baseline"), rtol=1e-5, atol=1e-6)
+
+
+def replay_with_trl(setting, run_dir: Path, optim: str, loss_type: str, beta: float, iterations: int,
+                    masked_truncated: bool = False) -> dict[str, torch.Tensor]:
+    """TRL's loss on a plain Hugging Face model, stepped on the run's recorded completions."""
+    checkpoint, _, root = setting
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    tok = chat_tokenizer()
+    trainer = trl_trainer(model, tok, root / f"trl-{run_dir.name}", microbatch_rows=PROMPTS * G,
+                          accumulate=ACCUMULATE, generations=G, completion_length=LENGTH, loss_type=loss_type,
+                          beta=beta, temperature=0.9, num_iterations=iterations,
+                          mask_truncated_completions=masked_truncated)
+    if beta:
+        trl_scoring(trainer, trainer.ref_model)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=LR[optim]) if optim == "sgd" else
+                 torch.optim.AdamW(model.parameters(), lr=LR[optim], eps=1e-6, weight_decay=0.0))
+    recorded = rollouts(run_dir)
+    per_step = PROMPTS * G * ACCUMULATE
+    old = None
+    for step in range(STEPS):
+        batch = step // iterations
+        rows = [r for r in recorded if r["step"] == batch * iterations + 1]
+        assert len(rows) == per_step
+        masked = [masked_truncated and r["truncated"] for r in rows]
+        tokens = sum(len(r["completion_ids"]) for r, m in zip(rows, masked, strict=True) if not m)
+        inputs = []
+        for k in range(ACCUMULATE):
+            part = rows[k * PROMPTS * G:(k + 1) * PROMPTS * G]
+            inputs.append(trl_inputs(trainer, [r["prompt_ids"] for r in part], [r["completion_ids"] for r in part],
+                                     torch.tensor([r["advantage"] for r in part]), tokens,
+                                     masked[k * PROMPTS * G:(k + 1) * PROMPTS * G],
+                                     ref=(lambda i: trl_token_logps(trainer, trainer.ref_model, i)) if beta else None))
+        if iterations > 1 and step % iterations == 0:  # the sampling policy's log-probs, kept for the batch
+            old = [trl_token_logps(trainer, model, i) for i in inputs]
+        model.train()
+        optimizer.zero_grad()
+        for k, i in enumerate(inputs):
+            if iterations > 1:
+                i["old_per_token_logps"] = old[k]
+            trainer._compute_loss(model, i).backward()
+        optimizer.step()
+    return {name: p.detach() for name, p in model.state_dict().items()}
+
+
+CASES = [  # (optimizer, loss type, beta, updates per rollout batch, truncated masked): each loss type, KL, mu = 2
+    pytest.param("sgd", "dapo", 0.0, 1, False, id="sgd-dapo"),
+    pytest.param("adamw", "grpo", 0.04, 2, False, id="adamw-grpo-kl-mu2"),
+    pytest.param("sgd", "dr_grpo", 0.04, 1, False, id="sgd-dr_grpo-kl", marks=pytest.mark.slow),
+    pytest.param("adamw", "bnpo", 0.0, 2, False, id="adamw-bnpo-mu2", marks=pytest.mark.slow),
+    pytest.param("adamw", "dapo", 0.0, 1, True, id="adamw-dapo-truncated-masked", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("optim, loss_type, beta, iterations, masked", CASES)
+def test_trls_loss_replayed_on_the_recorded_completions_reproduces_the_run(setting, tmp_path, optim, loss_type, beta,
+                                                                           iterations, masked):
+    run_dir = tmp_path / "run"
+    grpo_run(setting, run_dir, optim, f"objective.loss_type={loss_type}", f"objective.beta={beta}",
+             f"objective.num_iterations={iterations}", f"objective.mask_truncated_completions={masked}".lower())
+    ours = trained(run_dir)
+    cut = [r["truncated"] for r in rollouts(run_dir)]
+    assert 0 < sum(cut) < len(cut)
+    theirs = replay_with_trl(setting, run_dir, optim, loss_type, beta, iterations, masked)
+    assert_same_weights({k: ours[k] for k in theirs}, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_the_recorded_rewards_and_advantages_are_the_functions_and_trls_formula(setting, tmp_path):
+    from trl.trainer.utils import nanstd as trl_nanstd
+
+    grpo_run(setting, tmp_path / "run", "sgd", "train.steps=1")
+    rows = rollouts(tmp_path / "run")
+    completions, answers = [r["completion"] for r in rows], [str(2 * int(r["prompt"].split()[2])) for r in rows]
+    assert [r["rewards"]["length_reward"] for r in rows] == pytest.approx(length_reward(None, completions))
+    assert [r["rewards"]["digit_reward"] for r in rows] == pytest.approx(digit_reward(None, completions, answers))
+    rewards = torch.tensor([r["reward"] for r in rows]).view(-1, G)
+    expected = (rewards - rewards.mean(1, keepdim=True)) / (trl_nanstd(rewards, dim=1).unsqueeze(1) + 1e-4)
+    assert [r["advantage"] for r in rows] == pytest.approx(expected.flatten().tolist(), abs=1e-5)
+
+
+def test_a_run_resumed_inside_a_rollout_batch_ends_as_the_uninterrupted_one(setting, tmp_path):
+    """Two updates a rollout batch, a checkpoint after the first: the resumed run trains the second
+    on the saved batch, not a new one, and rollouts.jsonl holds each batch once."""
+    grpo_run(setting, tmp_path / "whole", "adamw", "objective.num_iterations=2", "train.steps=4")
+    grpo_run(setting, tmp_path / "cut", "adamw", "objective.num_iterations=2", "train.steps=1",
+             "train.checkpoint_every=1")
+    grpo_run(setting, tmp_path / "cut", "adamw", "objective.num_iterations=2", "train.steps=4",
+             f"train.resume={tmp_path / 'cut'}")
+    assert rollouts(tmp_path / "cut") == rollouts(tmp_path / "whole")
+    assert_same_weights(trained(tmp_path / "cut"), trained(tmp_path / "whole"), rtol=0, atol=0)
+
+
+def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        grpo_run(setting, tmp_path / "run", "sgd", f"objective.rewards=[{HERE}:failing_reward]",
+                 "objective.reward_weights=null")
+    message = str(err.value)
+    assert "failing_reward" in message and "this reward is broken" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["strategy=pipe_flush", "strategy.stages=2"], "samples its completions in one process for now"),
+    (["data.eval_fraction=0.25"], "scores no held-out prompts yet"),
+    (["objective.rollout_engine=vllm"], "objective.rollout_engine=vllm"),
+    (["data=chat"], "samples completions for prompts, which data=prompts gives"),
+])
+def test_what_grpo_cannot_do_yet_is_refused_in_one_line(setting, tmp_path, overrides, says):
+    with pytest.raises(ConfigError) as err:
+        grpo_run(setting, tmp_path / "run", "sgd", *overrides)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
