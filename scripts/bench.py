@@ -2,7 +2,7 @@
 then one summary table, each headline beside its target, and the list of the targets missed.
 Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,hf_trainer,...,muon,lowbit] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,hf_trainer,...,muon,lowbit,grpo] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ BENCHMARKS = {
     "dpo": HERE / "bench_dpo.py",
     "muon": HERE / "bench_muon.py",
     "lowbit": HERE / "bench_lowbit.py",
+    "grpo": HERE / "bench_grpo.py",
 }
 # The comparisons each script reports as a median over its rounds (scripts/benchlib.py), in
 # the order of the summary table, with what each compares.
@@ -83,6 +84,9 @@ COMPARED = {
     "muon_l2l_vs_adamw_l2l": "samples/s under l2l, optim=muon / optim=adamw (Llama layout, 4 x 512)",
     "lowbit_host_bytes_ratio": "l2l EPS host bytes, 8-bit states + bf16 masters / fp32 (Llama layout, 4 x 512, cmp_bf16)",
     "lowbit_eps_vs_fp32_eps": "l2l samples/s, 8-bit states + bf16 masters / fp32 (the same run)",
+    "grpo_vs_trl": "s per GRPO step, TRL's GRPOTrainer / baseline (Llama layout, 4 x 256, G = 8, 48-token completions)",
+    "rollout_vs_hf_generate": "completion tokens/s, relaytrain's rollout engine / model.generate (the same batch)",
+    "grpo_l2l_vs_baseline": "s per GRPO step, baseline / l2l (the same model and batch)",
 }
 def run(name: str, script: Path, workdir: Path) -> dict:
     out = workdir / f"{name}.json"

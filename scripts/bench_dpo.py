@@ -20,11 +20,18 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
-from benchlib import alternating_rounds, child_run, contest_args, contest_dirs, headline, report
+from benchlib import (
+    alternating_rounds,
+    chat_llama_checkpoint,
+    child_run,
+    contest_args,
+    contest_dirs,
+    headline,
+    report,
+    step_timer,
+)
 
 HERE = Path(__file__).resolve().parent
 SIZES = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -51,19 +58,7 @@ def parse_args():
 
 def make_inputs(workdir: Path) -> None:
     """The checkpoint, its tokenizer, the pairs (jsonl) and the same rows as conversations (SFT)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    sys.path.insert(0, str(HERE.parent))
-    from tests.checkpoints import chat_tokenizer
-
-    torch.manual_seed(0)
-    tokenizer = chat_tokenizer()
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "llama", **SIZES, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id))
-    model.save_pretrained(workdir / "checkpoint")
-    tokenizer.save_pretrained(workdir / "checkpoint")
+    chat_llama_checkpoint(workdir / "checkpoint", SIZES)
     words = "the quick brown fox jumps over the lazy dog and what is the capital of france".split()
     pairs, chats = [], []
     for i in range(PAIRS):
@@ -97,17 +92,8 @@ def relaytrain_child(name: str, workdir: Path, run_dir: Path, steps: int) -> dic
 def trl_child(workdir: Path, run_dir: Path, steps: int) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
-
-    class StepTimer(TrainerCallback):
-        times: list[float] = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
 
     records = [json.loads(line) for line in (workdir / "pairs.jsonl").read_text().splitlines()]
     model = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", dtype=torch.float32)
@@ -117,7 +103,7 @@ def trl_child(workdir: Path, run_dir: Path, steps: int) -> dict:
         save_strategy="no", max_length=SEQ, bf16=False, use_cpu=True, disable_tqdm=True, logging_steps=1000,
         train_sampling_strategy="sequential", precompute_ref_log_probs=True, gradient_checkpointing=False,
         optim="adamw_torch", adam_epsilon=1e-6)
-    timer = StepTimer()
+    timer = step_timer()
     trainer = DPOTrainer(model=model, args=arguments, train_dataset=Dataset.from_list(records),
                          processing_class=AutoTokenizer.from_pretrained(workdir / "checkpoint"), callbacks=[timer])
     trainer.train()

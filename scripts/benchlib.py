@@ -62,6 +62,43 @@ def llama_checkpoint(directory: Path, sizes: dict) -> Path:
     return directory
 
 
+def chat_llama_checkpoint(directory: Path, sizes: dict) -> Path:
+    """A random float32 checkpoint of the Llama layout of `sizes` with the tests' byte-level BPE
+    tokenizer and its chat template (the special ids its config names are the tokenizer's)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.checkpoints import chat_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = chat_tokenizer()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", **sizes, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def step_timer():
+    """A Trainer callback that keeps each optimizer step's wall time (`.times`), for the scripts
+    that time Hugging Face's or TRL's trainers."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    return StepTimer()
+
+
 def child_run(script: str, steps: int, child_args: list[str], workdir: Path, name: str) -> dict:
     """One run of `script` in a process of its own (a clean allocator and thread pool), as
     `script --steps STEPS --child *CHILD_ARGS RUN_DIR`, in a new directory of `workdir` named

@@ -80,10 +80,22 @@ def assert_same_weights(a: dict, b: dict, **tolerance) -> None:
         torch.testing.assert_close(a[name], b[name], msg=name, **tolerance)
 
 
-@pytest.mark.parametrize("strategy", ["l2l", pytest.param("l2l_stash_cpu", marks=pytest.mark.slow)])
+STRATEGIES = {  # every placement: one process, and two (two replicas; two stages; two shards)
+    "l2l": ["strategy=l2l"], "l2l_stash_cpu": ["strategy=l2l_stash_cpu"],
+    "baseline-replicas": ["strategy=baseline", "strategy.replicas=2", "strategy.num_microbatches=1",
+                          f"strategy.microbatch_size={PROMPTS}"],
+    "pipe_flush": ["strategy=pipe_flush", "strategy.stages=2"],
+    "fsdp": ["strategy=fsdp", "strategy.replicas=2", "strategy.num_microbatches=1", f"strategy.microbatch_size={PROMPTS}"],
+}
+DEFAULT_STRATEGIES = ("l2l", "pipe_flush")
+
+
+@pytest.mark.parametrize("strategy", [pytest.param(name, marks=() if name in DEFAULT_STRATEGIES else pytest.mark.slow)
+                                      for name in STRATEGIES])
 def test_every_strategy_samples_the_same_completions_and_trains_the_same_weights(setting, tmp_path, strategy):
+    """Two replicas of one micro-batch each hold what one process's two micro-batches hold."""
     grpo_run(setting, tmp_path / "baseline", "adamw", "strategy=baseline", "objective.beta=0.04")
-    grpo_run(setting, tmp_path / strategy, "adamw", f"strategy={strategy}", "objective.beta=0.04")
+    grpo_run(setting, tmp_path / strategy, "adamw", *STRATEGIES[strategy], "objective.beta=0.04")
     ours, theirs = rollouts(tmp_path / strategy), rollouts(tmp_path / "baseline")
     assert [r["completion_ids"] for r in ours] == [r["completion_ids"] for r in theirs]
     assert len(ours) == STEPS * PROMPTS * ACCUMULATE * G
@@ -188,7 +200,7 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_p
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["strategy=pipe_flush", "strategy.stages=2"], "samples its completions in one process for now"),
+    (["strategy=pipe_flush", "strategy.stages=2", "adapter=lora"], "samples in one process for now"),
     (["data.eval_fraction=0.25"], "scores no held-out prompts yet"),
     (["objective.rollout_engine=vllm"], "objective.rollout_engine=vllm"),
     (["data=chat"], "samples completions for prompts, which data=prompts gives"),

@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from relaytrain.objectives import register_objective
 from relaytrain.objectives.base import Batch, LossTerms, check_loss_type
+from relaytrain.objectives.chunked import Chunking
 from relaytrain.objectives.cross_entropy import CausalLM
 from relaytrain.step.evaluation import IGNORE_INDEX, EvalStats
 from relaytrain.utils.errors import ConfigError
@@ -52,22 +54,32 @@ FIGURES = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip
 
 @dataclass(frozen=True)
 class TokenTerms:
-    """A micro-batch's completion tokens as the loss sees them: the policy's log-prob of each
-    (at the sampling temperature) and its entropy, aligned with the labels they predict."""
+    """A micro-batch's counted completion tokens, flattened: the policy's log-prob of each (at
+    the sampling temperature), its entropy, and which row it is of. A position p of a row
+    predicts token p + 1; only the positions whose next token the loss counts are computed."""
 
-    logps: torch.Tensor  # [rows, seq - 1]: position p predicts token p + 1
-    entropy: torch.Tensor  # [rows, seq - 1]
-    mask: torch.Tensor  # [rows, seq - 1]: 1 on a completion token the loss counts
+    logps: torch.Tensor  # [tokens]
+    entropy: torch.Tensor  # [tokens]
+    rows: torch.Tensor  # [tokens]: each token's row
+    counted: torch.Tensor  # [rows, seq - 1]: where the tokens are (True: position p predicts a counted token)
 
     @classmethod
-    def of(cls, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> TokenTerms:
-        x = logits[:, :-1].float() / temperature
-        y = labels[:, 1:]
-        log_probs = x.log_softmax(-1)
-        logps = torch.gather(log_probs, -1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    def of(cls, logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, temperature: float) -> TokenTerms:
+        """`logits` [tokens, vocab] of the `counted` positions, in row-major order."""
+        log_probs = (logits.float() / temperature).log_softmax(-1)
+        logps = torch.gather(log_probs, -1, labels[:, 1:][counted].unsqueeze(-1)).squeeze(-1)
         with torch.no_grad():  # TRL's entropy_from_logits: reported, never trained
             entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return cls(logps=logps, entropy=entropy, mask=(y != IGNORE_INDEX).float())
+        return cls(logps=logps, entropy=entropy, rows=counted.nonzero()[:, 0], counted=counted)
+
+    def at(self, per_position: torch.Tensor) -> torch.Tensor:
+        """A row field given at each token's own position [rows, seq] (old or reference
+        log-probs), at the counted tokens [tokens]."""
+        return per_position[:, 1:][self.counted].float()
+
+    def per_row(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` [tokens] summed over each row's tokens [rows]."""
+        return values.new_zeros(self.counted.shape[0]).index_add(0, self.rows, values)
 
 
 @register_objective
@@ -165,17 +177,44 @@ class GRPO(CausalLM):
                               "(TRL's reward-function signature) or a built-in, e.g. objective.rewards=[exact_answer]")
 
     # -- the loss -----------------------------------------------------------------------------
+    def head_loss(self, head: nn.Module, hidden: torch.Tensor, mb: Batch, chunking: Chunking) -> LossTerms:
+        """The head over the positions that predict a completion token only (not the prompt's,
+        nor padding): TRL's `logits_to_keep`, which spares the logits of every other position."""
+        counted = mb.labels[:, 1:] != IGNORE_INDEX
+        return self.token_loss(head(hidden[:, :-1][counted]), mb, counted)
+
+    def loss(self, logits: torch.Tensor, mb: Batch) -> LossTerms:
+        counted = mb.labels[:, 1:] != IGNORE_INDEX
+        return self.token_loss(logits[:, :-1][counted], mb, counted)
+
+    def token_loss(self, logits: torch.Tensor, mb: Batch, counted: torch.Tensor) -> LossTerms:
+        """The micro-batch's loss terms from the logits of its `counted` positions [tokens, vocab]."""
+        t = TokenTerms.of(logits, mb.labels, counted, self.temperature)
+        losses, values = self.token_losses(t, mb)
+        tokens = counted.sum()
+        total, per_microbatch = losses.new_zeros(()), 0.0
+        if self.loss_type == "grpo":
+            total = (t.per_row(losses) / counted.sum(-1).clamp(min=1)).sum()
+        elif self.loss_type == "dr_grpo":
+            total = losses.sum() / self.max_completion_length
+        elif self.loss_type == "dapo":
+            total = losses.sum()
+        else:  # bnpo: the micro-batch's token mean, a term of the micro-batch
+            per_microbatch = losses.sum() / tokens.clamp(min=1)
+        with torch.no_grad():
+            figures = {name: (v.sum(), tokens) for name, v in values.items()}
+        return LossTerms(total, per_microbatch, figures)
+
     def token_losses(self, t: TokenTerms, mb: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Each completion token's loss [rows, seq - 1] (0 off the mask) and the per-token
-        values the figures average."""
-        advantage = mb.advantage.float().unsqueeze(1)
-        old = t.logps.detach() if mb.old_logps is None else mb.old_logps[:, 1:].float()
+        """Each counted token's loss [tokens] and the per-token values the figures average."""
+        advantage = mb.advantage.float()[t.rows]
+        old = t.logps.detach() if mb.old_logps is None else t.at(mb.old_logps)
         ratio = torch.exp(t.logps - old)
         clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.clip_high)
         loss = -torch.min(ratio * advantage, clipped * advantage)
         values = {"entropy": t.entropy}
         if self.beta != 0:
-            ref = mb.ref_token_logps[:, 1:].float()
+            ref = t.at(mb.ref_token_logps)
             kl = torch.exp(ref - t.logps) - (ref - t.logps) - 1  # k3, as TRL
             if self.use_bias_correction_kl:  # TRL 1.16's default: weighted by the ratio, whose gradient counts at r = 1
                 kl = kl * ratio
@@ -186,25 +225,7 @@ class GRPO(CausalLM):
             high = (ratio > 1 + self.clip_high) & (advantage > 0)
             values.update({"clip_ratio/low_mean": low.float(), "clip_ratio/high_mean": high.float(),
                            "clip_ratio/region_mean": (low | high).float()})
-        return loss * t.mask, values
-
-    def loss(self, logits: torch.Tensor, mb: Batch) -> LossTerms:
-        t = TokenTerms.of(logits, mb.labels, self.temperature)
-        losses, values = self.token_losses(t, mb)
-        tokens = t.mask.sum()
-        per_row = losses.sum(-1)
-        total, per_microbatch = torch.zeros((), device=losses.device), 0.0
-        if self.loss_type == "grpo":
-            total = (per_row / t.mask.sum(-1).clamp(min=1)).sum()
-        elif self.loss_type == "dr_grpo":
-            total = per_row.sum() / self.max_completion_length
-        elif self.loss_type == "dapo":
-            total = per_row.sum()
-        else:  # bnpo: the micro-batch's token mean, a term of the micro-batch
-            per_microbatch = per_row.sum() / tokens.clamp(min=1)
-        with torch.no_grad():
-            figures = {name: ((v * t.mask).sum(), tokens) for name, v in values.items()}
-        return LossTerms(total, per_microbatch, figures)
+        return loss, values
 
     def items(self, mb: Batch) -> int:
         if self.loss_type == "dapo":

@@ -181,6 +181,16 @@ class World:
         dist.gather_object(obj, out, dst=to, group=self.control)
         return out
 
+    def broadcast(self, obj, src: int):
+        """Process `src`'s `obj`, on every process (pickled over the control group); itself with one."""
+        if not self.distributed:
+            return obj
+        if isinstance(self.control, LocalGroup):
+            return self.control.exchange(self.rank, obj)[src]
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.control)
+        return box[0]
+
     def max_int(self, value: int) -> int:
         if not self.distributed:
             return value

@@ -38,16 +38,16 @@ def check_shared(cfg, chosen) -> None:
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
 
-def _check_online(objective, processes: int, strategy: str, held_out: bool) -> None:
+def _check_online(objective, processes: int, adapter: str, held_out: bool) -> None:
     """What an objective that samples its own completions cannot do yet, each in one line."""
     if objective.rollout_engine != "builtin":
         raise ConfigError(f"objective.rollout_engine={objective.rollout_engine}: relaytrain samples with its own "
                           f"engine only (objective.rollout_engine=builtin), which reads the run's weights where they "
                           f"are; an external engine is not built in yet")
-    if processes > 1:
-        raise ConfigError(f"objective={objective.name} samples its completions in one process for now, and "
-                          f"strategy={strategy} starts {processes}; use a strategy that runs in one process (no "
-                          f"pipeline stages), with strategy.replicas=1")
+    if processes > 1 and adapter != "none":
+        raise ConfigError(f"adapter={adapter} with objective={objective.name} samples in one process for now, and "
+                          f"this strategy starts {processes}; use a strategy that runs in one process (no pipeline "
+                          f"stages, strategy.replicas=1), or train every weight")
     if held_out:
         raise ConfigError(f"objective={objective.name} scores no held-out prompts yet (each would need its completions "
                           f"sampled); drop data.eval_path, data.eval_split and data.eval_fraction")
@@ -140,7 +140,7 @@ def check_layers(cfg, chosen) -> None:
     check_preset(cfg.strategy)
     chosen.strategy.check_config(cfg)
     if chosen.objective.learns_online:  # how many processes the strategy starts: its to say, once its keys are checked
-        _check_online(chosen.objective, chosen.strategy.processes(cfg), cfg.strategy.name, has_held_out_data(cfg.data))
+        _check_online(chosen.objective, chosen.strategy.processes(cfg), cfg.adapter.name, has_held_out_data(cfg.data))
     chosen.source.check(cfg, chosen.objective)
     check_model(cfg.model, cfg.adapter, chosen.family, chosen.objective, defaults=AdapterConfig())
 

@@ -28,20 +28,29 @@ class Rollouts:
     current one again (`num_iterations` > 1), keyed for the step. It takes plain values, not the
     config (resolved by the trainer)."""
 
-    def __init__(self, spec, strategy, records: list[dict], tokenizer, seq_len: int, seed: int, run_dir: Path,
-                 reporter: bool, adapter: bool, simulated: bool = False):
-        self.strategy, self.reporter = strategy, reporter
-        self.simulated = simulated  # a dry run: rows of the longest completions, nothing sampled
+    def __init__(self, spec, strategy, world, records: list[dict], tokenizer, seq_len: int, seed: int, run_dir: Path,
+                 reporter: bool, adapter: bool):
+        self.strategy, self.world, self.reporter = strategy, world, reporter
+        self.simulated = world.simulated  # a dry run: rows of the longest completions, nothing sampled
+        # Several processes: the first samples for all, from the weights they gather to it, and
+        # hands every process the rows (`_spread`); one process samples from its own model.
+        self.spread = world.size > 1 and not self.simulated
+        self.maker = not self.spread or world.rank == 0
         objective = spec.objective
-        hf = strategy.model.hf_model
-        self.stage = RolloutStage(objective, records, tokenizer, seq_len, seed, seed, run_dir if reporter else None,
-                                  spec.precision)
-        vocab = hf.get_input_embeddings().weight.shape[0]
-        self.stage.set_end_ids(getattr(getattr(hf, "generation_config", None), "eos_token_id", None), vocab)
+        config = strategy.model.hf_config
+        self.stage = RolloutStage(objective, records, tokenizer, seq_len, seed, seed,
+                                  run_dir if self.maker and (reporter or self.spread) else None, spec.precision)
+        self.policy = None if self.spread else strategy.model.hf_model
+        if self.spread and self.maker:
+            self.policy = _whole_model(config, world.device)
+        self.stage.set_end_ids(_end_ids(self.policy, config), config.vocab_size)
         # The reference of the KL term: the initial model, taken before any checkpoint is loaded
         # (the strategy's model is as the run built it); with adapters, the policy with them off.
-        wanted = objective.beta != 0 and not simulated and not adapter
-        self.reference = copy.deepcopy(hf).requires_grad_(False) if wanted else None
+        self.reference = None
+        if objective.beta != 0 and not self.simulated and not adapter:
+            if self.spread:
+                self._load_weights()
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False) if self.maker else None
         self.figures: dict[str, float] = {}  # the last rollout batch's, for the step that made it
 
     def minibatch(self, step: int, loader) -> list[MicroBatch]:
@@ -51,13 +60,29 @@ class Rollouts:
         elif stage.due(step):
             self.strategy.drain()  # every update so far lands before the policy samples
             started = time.perf_counter()
-            policy = self.strategy.model.hf_model
-            reference = self.reference
-            if reference is None and stage.objective.beta != 0:
-                reference = _ReferenceView(policy)
-            made = stage.make(step, loader.minibatch(stage.batch_of(step)), policy, reference, self.reporter)
+            if self.spread:
+                self._load_weights()
+            made = None
+            if self.maker:
+                reference = self.reference
+                if reference is None and stage.objective.beta != 0:
+                    reference = _ReferenceView(self.policy)
+                made = stage.make(step, loader.minibatch(stage.batch_of(step)), self.policy, reference,
+                                  self.reporter or self.spread)
+            if self.spread:
+                made = self.world.broadcast(made, 0)
+                stage.current = made
             self.figures = {**made.figures, "rollout_s": time.perf_counter() - started} if self.reporter else {}
         return stage.rows_for(step)
+
+    def _load_weights(self) -> None:
+        """The run's current weights, gathered from every process into the first one's whole model
+        (a collective: every process calls it)."""
+        shares = self.world.gather(self.strategy.weights(), 0)
+        if self.maker:
+            whole = {name: t for share in shares if share is not None for name, t in share.items()}
+            self.policy.load_state_dict(whole, strict=False)
+            self.policy.tie_weights()
 
     def columns(self) -> list[str]:
         """The figures a rollout batch reports, for metrics.csv's header: the loss's, the rewards'
@@ -123,3 +148,17 @@ def adapters_off(model: nn.Module):
         for m, flag in zip(layers, before, strict=True):
             m._disable_adapters = flag
 
+
+def _whole_model(config, device):
+    """A Hugging Face causal LM of the run's config, on the first process's device: the weights
+    other processes hold are gathered into it before each rollout batch."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config).to(device).requires_grad_(False)
+
+
+def _end_ids(model, config):
+    """The model's generation config's end ids (an end-of-turn token), else its config's."""
+    generation = getattr(model, "generation_config", None)
+    ends = getattr(generation, "eos_token_id", None)
+    return getattr(config, "eos_token_id", None) if ends is None else ends

@@ -246,9 +246,9 @@ class Trainer:
         self.progress: StepProgress | None = None
         # An online objective's rows are sampled from the policy as it trains (`run/rollouts.py`).
         self.rollouts = None if not spec.objective.learns_online else Rollouts(
-            spec, strategy, job.dataset.records, run_tokenizer(cfg.model.pretrained, cfg.model.trust_remote_code,
-                                                               job.run_dir),
-            cfg.data.seq_len, cfg.train.seed, job.run_dir, self.reporter, cfg.adapter.name != "none", world.simulated)
+            spec, strategy, world, job.dataset.records,
+            run_tokenizer(cfg.model.pretrained, cfg.model.trust_remote_code, job.run_dir), cfg.data.seq_len,
+            cfg.train.seed, job.run_dir, self.reporter, cfg.adapter.name != "none")
 
     def run(self) -> dict | None:
         steps = self.cfg.train.steps
