@@ -191,6 +191,16 @@ def test_a_run_resumed_inside_a_rollout_batch_ends_as_the_uninterrupted_one(sett
     assert_same_weights(trained(tmp_path / "cut"), trained(tmp_path / "whole"), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("strategy", ["l2l", "baseline"])
+def test_a_dry_run_trains_on_the_longest_completions_without_sampling(setting, tmp_path, strategy):
+    """The meta device has no values to sample from: the rows are the longest completions every
+    prompt may have (what the planner's dry runs measure), and nothing is written as a rollout."""
+    results = grpo_run(setting, tmp_path / "dry", "sgd", f"strategy={strategy}", "train.device=meta",
+                       "train.save_model=false", "objective.beta=0.04", "objective.num_iterations=2")
+    assert results["memory"]["device"]["simulated"] and results["memory"]["device"]["peak_allocated_bytes"] > 0
+    assert not (tmp_path / "dry" / "rollouts.jsonl").exists()
+
+
 def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_path):
     with pytest.raises(ConfigError) as err:
         grpo_run(setting, tmp_path / "run", "sgd", f"objective.rewards=[{HERE}:failing_reward]",

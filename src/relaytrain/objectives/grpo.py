@@ -56,30 +56,46 @@ FIGURES = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip
 class TokenTerms:
     """A micro-batch's counted completion tokens, flattened: the policy's log-prob of each (at
     the sampling temperature), its entropy, and which row it is of. A position p of a row
-    predicts token p + 1; only the positions whose next token the loss counts are computed."""
+    predicts token p + 1; only the positions whose next token the loss counts are computed
+    (`counted`), except in a dry run, where no value says which: there every position is
+    (`counted` None), the most a micro-batch of rows can hold."""
 
     logps: torch.Tensor  # [tokens]
     entropy: torch.Tensor  # [tokens]
     rows: torch.Tensor  # [tokens]: each token's row
-    counted: torch.Tensor  # [rows, seq - 1]: where the tokens are (True: position p predicts a counted token)
+    per_row_tokens: torch.Tensor  # [rows]: each row's counted tokens
+    counted: torch.Tensor | None  # [rows, seq - 1]: where the tokens are; None: everywhere (a dry run)
 
     @classmethod
-    def of(cls, logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, temperature: float) -> TokenTerms:
+    def of(cls, logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor | None,
+           temperature: float) -> TokenTerms:
         """`logits` [tokens, vocab] of the `counted` positions, in row-major order."""
+        shape = labels[:, 1:].shape
+        if counted is None:
+            rows = torch.arange(shape[0], device=labels.device).repeat_interleave(shape[1])
+            per_row = torch.full((shape[0],), shape[1], device=labels.device)
+        else:
+            rows, per_row = counted.nonzero()[:, 0], counted.sum(-1)
         log_probs = (logits.float() / temperature).log_softmax(-1)
-        logps = torch.gather(log_probs, -1, labels[:, 1:][counted].unsqueeze(-1)).squeeze(-1)
+        logps = torch.gather(log_probs, -1, cls._select(labels, counted).clamp(min=0).unsqueeze(-1)).squeeze(-1)
         with torch.no_grad():  # TRL's entropy_from_logits: reported, never trained
             entropy = -(log_probs.exp() * log_probs).sum(-1)
-        return cls(logps=logps, entropy=entropy, rows=counted.nonzero()[:, 0], counted=counted)
+        return cls(logps=logps, entropy=entropy, rows=rows, per_row_tokens=per_row, counted=counted)
+
+    @staticmethod
+    def _select(per_position: torch.Tensor, counted: torch.Tensor | None) -> torch.Tensor:
+        """A [rows, seq] field's values at the tokens the positions predict [tokens]."""
+        following = per_position[:, 1:]
+        return following.flatten() if counted is None else following[counted]
 
     def at(self, per_position: torch.Tensor) -> torch.Tensor:
         """A row field given at each token's own position [rows, seq] (old or reference
         log-probs), at the counted tokens [tokens]."""
-        return per_position[:, 1:][self.counted].float()
+        return self._select(per_position, self.counted).float()
 
     def per_row(self, values: torch.Tensor) -> torch.Tensor:
         """`values` [tokens] summed over each row's tokens [rows]."""
-        return values.new_zeros(self.counted.shape[0]).index_add(0, self.rows, values)
+        return values.new_zeros(self.per_row_tokens.shape[0]).index_add(0, self.rows, values)
 
 
 @register_objective
@@ -180,6 +196,8 @@ class GRPO(CausalLM):
     def head_loss(self, head: nn.Module, hidden: torch.Tensor, mb: Batch, chunking: Chunking) -> LossTerms:
         """The head over the positions that predict a completion token only (not the prompt's,
         nor padding): TRL's `logits_to_keep`, which spares the logits of every other position."""
+        if hidden.device.type == "meta":  # a dry run: every position (`TokenTerms`)
+            return self.token_loss(head(hidden[:, :-1].flatten(0, 1)), mb, None)
         counted = mb.labels[:, 1:] != IGNORE_INDEX
         return self.token_loss(head(hidden[:, :-1][counted]), mb, counted)
 
@@ -187,14 +205,14 @@ class GRPO(CausalLM):
         counted = mb.labels[:, 1:] != IGNORE_INDEX
         return self.token_loss(logits[:, :-1][counted], mb, counted)
 
-    def token_loss(self, logits: torch.Tensor, mb: Batch, counted: torch.Tensor) -> LossTerms:
+    def token_loss(self, logits: torch.Tensor, mb: Batch, counted: torch.Tensor | None) -> LossTerms:
         """The micro-batch's loss terms from the logits of its `counted` positions [tokens, vocab]."""
         t = TokenTerms.of(logits, mb.labels, counted, self.temperature)
         losses, values = self.token_losses(t, mb)
-        tokens = counted.sum()
+        tokens = t.per_row_tokens.sum()
         total, per_microbatch = losses.new_zeros(()), 0.0
         if self.loss_type == "grpo":
-            total = (t.per_row(losses) / counted.sum(-1).clamp(min=1)).sum()
+            total = (t.per_row(losses) / t.per_row_tokens.clamp(min=1)).sum()
         elif self.loss_type == "dr_grpo":
             total = losses.sum() / self.max_completion_length
         elif self.loss_type == "dapo":

@@ -77,6 +77,7 @@ class Request:
     seq_len: int = 0  # data.seq_len: what a plan's answer depends on as much as on the batch
     rows_per_item: int = 1  # sequences a sample is (`Objective.rows_per_item`: a preference pair's 2)
     needs_reference: bool = False  # the objective reads a reference's log-probs, computed by a pass first
+    sampled: bool = False  # an online objective's rows, sampled each step: the plan times the update alone
 
     @property
     def tokens_per_step(self) -> int:

@@ -19,6 +19,7 @@ import torch
 from relaytrain.cost.formulas import microbatch_rows
 from relaytrain.cost.work import model_flops_per_token
 from relaytrain.planner.plan import predict
+from relaytrain.run.resolve import choose
 from relaytrain.utils.errors import ConfigError
 from relaytrain.utils.units import duration
 
@@ -32,6 +33,7 @@ class Estimate:
     run_s: float
     flops_per_step: float
     device_memory_bytes: int | None  # the dry run's peak, where there is a separate device
+    sampled: bool = False  # an online objective's rows: sampling them each step is not in the figures
 
     def line(self, steps: int, device: torch.device) -> str:
         text = (f"estimate (a prediction): about {duration(self.step_s)} a step, {duration(self.run_s)} for "
@@ -40,6 +42,8 @@ class Estimate:
         if self.device_memory_bytes is not None:
             text += f", {self.device_memory_bytes / GiB:.2f} GiB of device memory, simulated"
         text += ")"
+        if self.sampled:
+            text += "; the update only: sampling the completions each step comes on top (metrics.csv's rollout_s)"
         if device.type == "cpu" and self.run_s > LONG_RUN_S:
             text += ("; this config is meant for a GPU: to try it on this CPU, shorten it, e.g. train.steps=3 "
                      "model.num_layers=2 strategy.microbatch_size=2 strategy.num_microbatches=1")
@@ -64,4 +68,5 @@ def estimate(cfg, cls) -> Estimate | None:
     except ConfigError:
         return None
     step = prediction.step_time_s
-    return Estimate(step, step * cfg.train.steps, step_flops(cfg, cls), prediction.device_memory_bytes)
+    return Estimate(step, step * cfg.train.steps, step_flops(cfg, cls), prediction.device_memory_bytes,
+                    sampled=choose(cfg).objective.learns_online)

@@ -65,6 +65,9 @@ def print_plan(plan: Plan, path: Path) -> None:
                   f"{best.memory_bytes / GiB:.2f} GiB of device memory (simulated)", highlight=False)
     if best.reference is not None:
         console.print(reference_line(best), highlight=False)
+    if plan.request.sampled:
+        console.print("the update only: sampling each step's completions (the rollouts) is not in these figures "
+                      "yet; a run reports it as rollout_s", highlight=False)
     console.print(f"run it: {plan.command(best)}", highlight=False, soft_wrap=True)
     if plan.checkpoint_needed:
         console.print(f"{CHECKPOINT}: your copy of the checkpoint of this shape, a Hugging Face directory (or a hub "

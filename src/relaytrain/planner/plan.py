@@ -71,7 +71,8 @@ def read_request(cfg, overrides: list[str], profile_memory: int | None) -> Reque
                           f"plan.batch_size={batch} must be positive")
     goal = choose(cfg).objective  # a preference pair is two sequences, and its reference is a pass of its own
     return Request(p.workers, float(memory), batch, str(p.device), tuple(_strategies(p.strategies)), cfg.train.threads,
-                   host_memory_budget(p), cfg.data.seq_len, goal.rows_per_item, goal.needs_reference)
+                   host_memory_budget(p), cfg.data.seq_len, goal.rows_per_item, goal.needs_reference,
+                   goal.learns_online)
 
 
 def host_memory_budget(p) -> float | None:
