@@ -183,9 +183,10 @@ class RolloutStage:
         """Each labelled token's log-prob under `model` at the sampling temperature, at the
         token's own position [rows, seq] (0 elsewhere), as the loss aligns them."""
         device = next(model.parameters()).device
-        with _eval(model), self._autocast(device) or contextlib.nullcontext():
+        underlying = getattr(model, "policy", model)  # a view of the policy (its adapters off) computes with it
+        with _eval(underlying), self._autocast(device) or contextlib.nullcontext():
             logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
-                           **sampling.quiet_router(getattr(model, "policy", model))).logits
+                           **sampling.quiet_router(underlying)).logits
         x = logits[:, :-1].float() / self.objective.temperature
         y = mb.labels[:, 1:].to(device)
         token = torch.gather(x.log_softmax(-1), -1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
