@@ -201,6 +201,23 @@ def test_a_dry_run_trains_on_the_longest_completions_without_sampling(setting, t
     assert not (tmp_path / "dry" / "rollouts.jsonl").exists()
 
 
+def test_held_out_prompts_are_sampled_and_scored_and_the_best_reward_is_kept(setting, tmp_path):
+    """Evaluation samples each held-out prompt's G completions from the policy of that step
+    (keyed apart from training's) and reports TRL's reward figures over them; train.keep_best
+    keeps the checkpoint of the highest mean reward."""
+    results = grpo_run(setting, tmp_path / "run", "sgd", "data.eval_fraction=0.25", "eval.every=1",
+                       "train.keep_best=reward", "train.checkpoint_every=1")
+    evaluated = results["eval"]
+    assert [e["step"] for e in evaluated] == list(range(1, STEPS + 1))
+    assert all(e["items"] == 3 and 0 <= e["completions/mean_length"] <= LENGTH for e in evaluated)
+    assert all(e["reward"] == pytest.approx(e["rewards/length_reward/mean"] + 0.5 * e["rewards/digit_reward/mean"])
+               for e in evaluated)
+    best = max(evaluated, key=lambda e: e["reward"])["step"]
+    assert json.loads((tmp_path / "run" / "checkpoints" / "best.json").read_text())["step"] == best
+    training = {tuple(r["prompt_ids"]) for r in rollouts(tmp_path / "run")}
+    assert len(training) == PROMPTS * ACCUMULATE * STEPS  # the held-out prompts are not trained on
+
+
 def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_path):
     with pytest.raises(ConfigError) as err:
         grpo_run(setting, tmp_path / "run", "sgd", f"objective.rewards=[{HERE}:failing_reward]",
@@ -211,7 +228,8 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_p
 
 @pytest.mark.parametrize("overrides, says", [
     (["strategy=pipe_flush", "strategy.stages=2", "adapter=lora"], "samples in one process for now"),
-    (["data.eval_fraction=0.25"], "scores no held-out prompts yet"),
+    (["data.eval_fraction=0.25", "eval.every=1", "train.keep_best=loss", "train.checkpoint_every=1"],
+     "train.keep_best=loss is not a metric of objective=grpo; choose one of reward"),
     (["objective.rollout_engine=vllm"], "objective.rollout_engine=vllm"),
     (["data=chat"], "samples completions for prompts, which data=prompts gives"),
 ])

@@ -63,7 +63,7 @@ class MicroBatch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
-    def rows(self, index: slice, replica: int | None = None) -> MicroBatch:
+    def rows(self, index: slice | torch.Tensor, replica: int | None = None) -> MicroBatch:
         """These rows of every tensor (a replica's share of a micro-batch): `replica` names whose
         they are, so that each replica draws its own masks for its own rows."""
         share = self._map(lambda t: t[index])

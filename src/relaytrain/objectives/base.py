@@ -93,6 +93,9 @@ class Objective(ABC):
     # Its rows are rollouts: completions the policy samples for data=prompts' prompts as it trains,
     # scored and turned into rows by `relaytrain.rollout` each time a batch is due (GRPO's).
     learns_online: ClassVar[bool] = False
+    # Its held-out figures include a loss (an online objective's are its rewards: completions are
+    # sampled, and no loss is taken of them).
+    evaluates_loss: ClassVar[bool] = True
 
     def configured(self, settings: dict) -> Objective:
         """This objective with the run's `objective.*` keys (`settings`: plain values by key);

@@ -106,7 +106,8 @@ class GRPO(CausalLM):
     updates per rollout batch against the sampling policy's log-probs."""
 
     name: ClassVar[str] = "grpo"
-    metric: ClassVar[str] = "perplexity"
+    metric: ClassVar[str] = "reward"  # held out: the mean summed reward of the prompts' sampled completions
+    evaluates_loss: ClassVar[bool] = False
     figures: ClassVar[tuple[str, ...]] = FIGURES
     learns_online: ClassVar[bool] = True
 
@@ -252,6 +253,5 @@ class GRPO(CausalLM):
 
     def eval_stats(self, logits: torch.Tensor, mb: Batch) -> EvalStats:
         """Held-out prompts are not scored by a loss (their completions are sampled, not given):
-        refused by the config checks before any run; this is never reached."""
-        raise ConfigError("objective=grpo evaluates no held-out set yet; drop data.eval_path, data.eval_split "
-                          "and data.eval_fraction")
+        the rollout stage samples and scores them instead (`RolloutStage.evaluate`)."""
+        raise NotImplementedError("objective=grpo's held-out prompts are evaluated by the rollout stage")

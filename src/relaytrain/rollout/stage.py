@@ -32,6 +32,7 @@ from relaytrain.rollout.rewards import Rewards, advantages, figures
 from relaytrain.schema.row import IGNORE_INDEX
 
 ROLLOUTS_FILE = "rollouts.jsonl"
+EVALUATION_BATCHES = 1 << 40  # an evaluation after step s samples as batch 2**40 + s: apart from every training batch
 
 
 @dataclass
@@ -100,17 +101,9 @@ class RolloutStage:
         minibatch for it), with `policy` (a Hugging Face causal LM holding the current weights)
         and, for the KL term, `reference`."""
         batch = self.batch_of(step)
-        g = self.objective.num_generations
         completions = self._sample(batch, prompts, policy)
-        texts = self.tokenizer.batch_decode([c.ids for c in completions], skip_special_tokens=True)
-        records = [self.records[c.record] for c in completions]
-        shown = [_completion(r["prompt"], text) for r, text in zip(records, texts, strict=True)]
-        scores = self.rewards.score(
-            prompts=[r["prompt"] for r in records], completions=shown, completion_ids=[c.ids for c in completions],
-            columns=_columns(records), where=[str(r.get("where", f"record {c.record}")) for r, c in
-                                              zip(records, completions, strict=True)])
-        total = self.rewards.total(scores)
-        advantage, zero_std = advantages(total, g, self.objective.scale_rewards)
+        texts, scores, total = self._score(completions, self.records)
+        advantage, zero_std = advantages(total, self.objective.num_generations, self.objective.scale_rewards)
         rows = self._rows(completions, advantage, len(prompts))
         if self.objective.num_iterations > 1:
             rows = [dataclasses.replace(mb, old_logps=self._token_logps(policy, mb)) for mb in rows]
@@ -122,6 +115,30 @@ class RolloutStage:
             self._write(step, completions, texts, scores, total, advantage)
         self.current = RolloutBatch(batch, rows, shown_figures)
         return self.current
+
+    def evaluate(self, step: int, prompts: list[MicroBatch], policy: nn.Module, records: list[dict]) -> dict[str, float]:
+        """Held-out prompts' figures after `step` steps: each prompt's G completions sampled from
+        the policy (keyed apart from every training batch), scored, and TRL's reward and length
+        figures over them; `items`: the prompts. `records`: the held-out set's."""
+        real = [mb.rows(mb.record >= 0) for mb in prompts]  # not the rows that only fill a micro-batch up
+        completions = self._sample(EVALUATION_BATCHES + step, [mb for mb in real if mb.num_samples], policy)
+        _, scores, total = self._score(completions, records)
+        _, zero_std = advantages(total, self.objective.num_generations, self.objective.scale_rewards)
+        return {**figures(self.rewards.names, scores, total, zero_std), **_length_figures(completions),
+                "items": sum(mb.num_samples for mb in real)}
+
+    def _score(self, completions: list[Completion], records: list[dict]
+               ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """The completions' texts as decoded, each reward's scores [completions, rewards] and
+        their weighted sum [completions], TRL's way (the records' other columns passed on)."""
+        texts = self.tokenizer.batch_decode([c.ids for c in completions], skip_special_tokens=True)
+        held = [records[c.record] for c in completions]
+        shown = [_completion(r["prompt"], text) for r, text in zip(held, texts, strict=True)]
+        scores = self.rewards.score(
+            prompts=[r["prompt"] for r in held], completions=shown, completion_ids=[c.ids for c in completions],
+            columns=_columns(held), where=[str(r.get("where", f"record {c.record}")) for r, c in
+                                           zip(held, completions, strict=True)])
+        return texts, scores, self.rewards.total(scores)
 
     def make_unsampled(self, step: int, prompts: list[MicroBatch]) -> RolloutBatch:
         """A dry run's rollout batch: every completion as long as it may be (its tokens the pad

@@ -38,7 +38,7 @@ def check_shared(cfg, chosen) -> None:
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
 
-def _check_online(objective, processes: int, adapter: str, held_out: bool) -> None:
+def _check_online(objective, processes: int, adapter: str) -> None:
     """What an objective that samples its own completions cannot do yet, each in one line."""
     if objective.rollout_engine != "builtin":
         raise ConfigError(f"objective.rollout_engine={objective.rollout_engine}: relaytrain samples with its own "
@@ -48,9 +48,6 @@ def _check_online(objective, processes: int, adapter: str, held_out: bool) -> No
         raise ConfigError(f"adapter={adapter} with objective={objective.name} samples in one process for now, and "
                           f"this strategy starts {processes}; use a strategy that runs in one process (no pipeline "
                           f"stages, strategy.replicas=1), or train every weight")
-    if held_out:
-        raise ConfigError(f"objective={objective.name} scores no held-out prompts yet (each would need its completions "
-                          f"sampled); drop data.eval_path, data.eval_split and data.eval_fraction")
 
 
 MUON_LR_SCALINGS = (None, "original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
@@ -140,7 +137,7 @@ def check_layers(cfg, chosen) -> None:
     check_preset(cfg.strategy)
     chosen.strategy.check_config(cfg)
     if chosen.objective.learns_online:  # how many processes the strategy starts: its to say, once its keys are checked
-        _check_online(chosen.objective, chosen.strategy.processes(cfg), cfg.adapter.name, has_held_out_data(cfg.data))
+        _check_online(chosen.objective, chosen.strategy.processes(cfg), cfg.adapter.name)
     chosen.source.check(cfg, chosen.objective)
     check_model(cfg.model, cfg.adapter, chosen.family, chosen.objective, defaults=AdapterConfig())
 
@@ -228,7 +225,9 @@ def _check_keep_best(cfg, chosen) -> None:
 
     allowed = metric_names(chosen.objective, chosen.source.benchmark_task(cfg.data.name))
     if cfg.train.keep_best not in allowed:
-        raise ConfigError(f"train.keep_best={cfg.train.keep_best} is not a metric of model.task={cfg.model.task}; "
+        named = f"objective={chosen.objective.name}" if cfg.objective.name != cfg.model.task else \
+            f"model.task={cfg.model.task}"
+        raise ConfigError(f"train.keep_best={cfg.train.keep_best} is not a metric of {named}; "
                           f"choose one of {', '.join(allowed)}")
     if not has_held_out_data(cfg.data) or not cfg.train.checkpoint_every:
         raise ConfigError(f"train.keep_best={cfg.train.keep_best} keeps the best evaluated checkpoint: it needs "

@@ -75,6 +75,24 @@ class Rollouts:
             self.figures = {**made.figures, "rollout_s": time.perf_counter() - started} if self.reporter else {}
         return stage.rows_for(step)
 
+    def evaluate(self, step: int, batches: list[list[MicroBatch]], records: list[dict]) -> dict[str, float]:
+        """The held-out prompts' reward figures after `step` steps (`RolloutStage.evaluate`), made
+        by the process that samples and handed to every one (a collective with several)."""
+        started = time.perf_counter()
+        figures = None
+        if self.simulated:
+            figures = {}  # a dry run samples nothing
+        else:
+            if self.spread:
+                self._load_weights()
+            if self.maker:
+                prompts = [mb for group in batches for mb in group]
+                figures = {**self.stage.evaluate(step, prompts, self.policy, records),
+                           "rollout_s": time.perf_counter() - started}
+            if self.spread:
+                figures = self.world.broadcast(figures, 0)
+        return figures
+
     def _load_weights(self) -> None:
         """The run's current weights, gathered from every process into the first one's whole model
         (a collective: every process calls it)."""
@@ -87,7 +105,8 @@ class Rollouts:
     def columns(self) -> list[str]:
         """The figures a rollout batch reports, for metrics.csv's header: the loss's, the rewards'
         (in TRL's names), the completions' lengths, and the time the batch took."""
-        return [*self.stage.objective.figures, *self.stage.figure_names(), "rollout_s"]
+        names = [*self.stage.figure_names(), "rollout_s"]
+        return [*self.stage.objective.figures, *names, *(f"eval_{name}" for name in names)]
 
     @staticmethod
     def progress_note(figures: dict[str, float]) -> str:

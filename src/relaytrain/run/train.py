@@ -345,10 +345,13 @@ class Trainer:
         """Evaluate on the held-out set; True on every process when `train.keep_best`'s metric improved."""
         self.world.mark("evaluation", step)
         failpoints.reach("evaluate", step, self.world.rank)
-        stats = self.strategy.evaluate(self.eval_batches)
+        if self.rollouts is not None:  # an online objective's held-out prompts: sampled and scored (every process)
+            online = self.rollouts.evaluate(step, self.eval_batches, self.job.eval_dataset.records)
+        else:
+            stats = self.strategy.evaluate(self.eval_batches)
         improved = False
         if self.reporter:
-            figures = stats.metrics(self.spec.objective, self.glue_task)
+            figures = online if self.rollouts is not None else stats.metrics(self.spec.objective, self.glue_task)
             self.history["eval"].append({"step": step, **figures})
             self.progress.evaluated(step, figures)
             metric = self.cfg.train.keep_best

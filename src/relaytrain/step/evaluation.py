@@ -35,7 +35,7 @@ LOWER_IS_BETTER = {"loss", "perplexity"}
 def metric_names(objective, glue_task: str | None = None) -> list[str]:
     """The figures `EvalStats.metrics` reports for this objective (`relaytrain.objectives`: what
     train.keep_best may name)."""
-    names = ["loss", objective.metric]
+    names = ["loss", objective.metric] if objective.evaluates_loss else [objective.metric]
     if objective.classifies and glue_task in GLUE_METRIC:
         names.append(GLUE_METRIC[glue_task])
     return names
