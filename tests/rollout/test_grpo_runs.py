@@ -18,7 +18,7 @@ from relaytrain.models.pretrained import resolve
 from relaytrain.run.compose import compose_config
 from relaytrain.run.train import run
 from relaytrain.utils.errors import ConfigError
-from tests.checkpoints import chat_tokenizer, tiny_decoder
+from tests.checkpoints import chat_tokenizer, tiny_decoder, tiny_moe
 from tests.objectives.grpo_reference import trl_inputs, trl_scoring, trl_token_logps, trl_trainer
 
 PROMPTS, G, ACCUMULATE, LENGTH, SEQ, STEPS = 2, 3, 2, 6, 32, 2
@@ -41,12 +41,25 @@ def failing_reward(prompts, completions, **kwargs):
     raise ValueError("this reward is broken")
 
 
+# Many end tokens (the checkpoint's generation config names them, as a chat model's names its
+# end of turn): about half the completions end within LENGTH, the rest are cut there.
+ENDS = {"eos_token_id": [chat_tokenizer().eos_token_id, *range(10, 40)]}
+
+
 @pytest.fixture(scope="module")
 def setting(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_runs")
-    # Many end tokens (the checkpoint's generation config names them, as a chat model's names its
-    # end of turn): about half the completions end within LENGTH, the rest are cut there.
-    checkpoint = tiny_decoder(root / "llama", layers=2, eos_token_id=[chat_tokenizer().eos_token_id, *range(10, 40)])
+    return prompts_for(tiny_decoder(root / "llama", layers=2, **ENDS), root)
+
+
+@pytest.fixture(scope="module")
+def moe_setting(tmp_path_factory):
+    """A tiny Qwen3-MoE, its router's balancing loss on (tests/checkpoints.py's coefficient 0.5)."""
+    root = tmp_path_factory.mktemp("grpo_runs_moe")
+    return prompts_for(tiny_moe(root / "qwen3_moe", layers=2, **ENDS), root)
+
+
+def prompts_for(checkpoint: Path, root: Path) -> tuple[Path, Path, Path]:
     records = [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(12)]
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -103,19 +116,32 @@ def test_every_strategy_samples_the_same_completions_and_trains_the_same_weights
 
 
 def replay_with_trl(setting, run_dir: Path, optim: str, loss_type: str, beta: float, iterations: int,
-                    masked_truncated: bool = False) -> dict[str, torch.Tensor]:
-    """TRL's loss on a plain Hugging Face model, stepped on the run's recorded completions."""
+                    masked_truncated: bool = False, adapter: Path | None = None) -> dict[str, torch.Tensor]:
+    """TRL's loss on a plain Hugging Face model (with `adapter`: peft's, continued from it, its
+    reference the model with the adapter off, as TRL takes it), stepped on the run's recorded
+    completions; the trained weights (the adapter's, by peft's names)."""
+    from peft import PeftModel, get_peft_model_state_dict
+
     checkpoint, _, root = setting
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
     tok = chat_tokenizer()
     trainer = trl_trainer(model, tok, root / f"trl-{run_dir.name}", microbatch_rows=PROMPTS * G,
                           accumulate=ACCUMULATE, generations=G, completion_length=LENGTH, loss_type=loss_type,
                           beta=beta, temperature=0.9, num_iterations=iterations,
                           mask_truncated_completions=masked_truncated)
-    if beta:
+    reference = None
+    if beta and adapter is None:
         trl_scoring(trainer, trainer.ref_model)
-    optimizer = (torch.optim.SGD(model.parameters(), lr=LR[optim]) if optim == "sgd" else
-                 torch.optim.AdamW(model.parameters(), lr=LR[optim], eps=1e-6, weight_decay=0.0))
+        reference = lambda i: trl_token_logps(trainer, trainer.ref_model, i)  # noqa: E731
+    elif beta:
+        def reference(i):
+            with model.disable_adapter():
+                return trl_token_logps(trainer, model, i)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = (torch.optim.SGD(trained, lr=LR[optim]) if optim == "sgd" else
+                 torch.optim.AdamW(trained, lr=LR[optim], eps=1e-6, weight_decay=0.0))
     recorded = rollouts(run_dir)
     per_step = PROMPTS * G * ACCUMULATE
     old = None
@@ -130,8 +156,7 @@ def replay_with_trl(setting, run_dir: Path, optim: str, loss_type: str, beta: fl
             part = rows[k * PROMPTS * G:(k + 1) * PROMPTS * G]
             inputs.append(trl_inputs(trainer, [r["prompt_ids"] for r in part], [r["completion_ids"] for r in part],
                                      torch.tensor([r["advantage"] for r in part]), tokens,
-                                     masked[k * PROMPTS * G:(k + 1) * PROMPTS * G],
-                                     ref=(lambda i: trl_token_logps(trainer, trainer.ref_model, i)) if beta else None))
+                                     masked[k * PROMPTS * G:(k + 1) * PROMPTS * G], ref=reference))
         if iterations > 1 and step % iterations == 0:  # the sampling policy's log-probs, kept for the batch
             old = [trl_token_logps(trainer, model, i) for i in inputs]
         model.train()
@@ -141,6 +166,8 @@ def replay_with_trl(setting, run_dir: Path, optim: str, loss_type: str, beta: fl
                 i["old_per_token_logps"] = old[k]
             trainer._compute_loss(model, i).backward()
         optimizer.step()
+    if adapter is not None:
+        return {name: p.detach() for name, p in get_peft_model_state_dict(model).items()}
     return {name: p.detach() for name, p in model.state_dict().items()}
 
 
@@ -164,6 +191,34 @@ def test_trls_loss_replayed_on_the_recorded_completions_reproduces_the_run(setti
     assert 0 < sum(cut) < len(cut)
     theirs = replay_with_trl(setting, run_dir, optim, loss_type, beta, iterations, masked)
     assert_same_weights({k: ours[k] for k in theirs}, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_mixture_trains_as_trl_with_its_router_term(moe_setting, tmp_path):
+    """A Qwen3-MoE whose checkpoint turns the balancing loss on: TRL adds the router's term to each
+    micro-batch's loss (over the prompt's and completion's tokens), and so does relaytrain."""
+    run_dir = tmp_path / "run"
+    grpo_run(moe_setting, run_dir, "sgd", "strategy=l2l", "objective.loss_type=grpo")  # SGD: AdamW would magnify
+    # the float noise of the embedding rows whose gradient is near 0 (this model's embedding moved 9e-5 apart)
+    ours = AutoModelForCausalLM.from_pretrained(run_dir / "model").state_dict()  # the experts as transformers fuses them
+    theirs = replay_with_trl(moe_setting, run_dir, "sgd", "grpo", 0.0, 1)
+    assert_same_weights({k: ours[k] for k in theirs}, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_a_lora_run_with_the_kl_term_equals_trl_with_peft(setting, tmp_path):
+    """A continued peft adapter (both matrices non-zero, so the adapter matters): the reference is
+    the model with its adapter off, in relaytrain as in TRL; the trained adapters agree."""
+    from safetensors.torch import load_file as load_adapter
+
+    from tests.conformance.references import peft_adapter
+
+    adapter = peft_adapter(setting[0], tmp_path / "adapter")
+    run_dir = tmp_path / "run"
+    grpo_run(setting, run_dir, "adamw", "strategy=l2l", "adapter=lora", f"adapter.pretrained={adapter}",
+             "objective.beta=0.04")
+    ours = load_adapter(run_dir / "model" / "adapter_model.safetensors")
+    theirs = replay_with_trl(setting, run_dir, "adamw", "dapo", 0.04, 1, adapter=adapter)
+    assert_same_weights(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
 def test_the_recorded_rewards_and_advantages_are_the_functions_and_trls_formula(setting, tmp_path):
