@@ -221,6 +221,20 @@ def test_a_lora_run_with_the_kl_term_equals_trl_with_peft(setting, tmp_path):
     assert_same_weights(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_replicas_of_a_lora_model_sample_from_the_first_and_train_as_one_process(setting, tmp_path):
+    """Replicas hold the whole model: the first samples from its own (its adapters on), no gather."""
+    lora = ["adapter=lora", "objective.beta=0.04"]
+    grpo_run(setting, tmp_path / "one", "adamw", "strategy=baseline", *lora)
+    grpo_run(setting, tmp_path / "two", "adamw", *STRATEGIES["baseline-replicas"], *lora)
+    assert [r["completion_ids"] for r in rollouts(tmp_path / "two")] == \
+        [r["completion_ids"] for r in rollouts(tmp_path / "one")]
+    from safetensors.torch import load_file as load_adapter
+
+    ours, theirs = (load_adapter(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("two", "one"))
+    assert_same_weights(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_the_recorded_rewards_and_advantages_are_the_functions_and_trls_formula(setting, tmp_path):
     from trl.trainer.utils import nanstd as trl_nanstd
 
@@ -282,7 +296,7 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_p
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["strategy=pipe_flush", "strategy.stages=2", "adapter=lora"], "samples in one process for now"),
+    (["strategy=pipe_flush", "strategy.stages=2", "adapter=lora"], "samples from a whole copy of the model"),
     (["data.eval_fraction=0.25", "eval.every=1", "train.keep_best=loss", "train.checkpoint_every=1"],
      "train.keep_best=loss is not a metric of objective=grpo; choose one of reward"),
     (["objective.rollout_engine=vllm"], "objective.rollout_engine=vllm"),

@@ -71,6 +71,12 @@ class Layout:
         return math.prod(self.degrees.values())
 
     @property
+    def replicates_whole(self) -> bool:
+        """Whether every process holds the whole model: replicas alone (no shards, stages,
+        sequence or tensor parts)."""
+        return self.replicate == self.size
+
+    @property
     def data_parallel(self) -> int:
         """How many shares every minibatch's rows are split into: one per replica and shard."""
         return self.replicate * self.shard

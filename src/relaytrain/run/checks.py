@@ -38,16 +38,17 @@ def check_shared(cfg, chosen) -> None:
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
 
-def _check_online(objective, processes: int, adapter: str) -> None:
+def _check_online(objective, layout, adapter: str) -> None:
     """What an objective that samples its own completions cannot do yet, each in one line."""
     if objective.rollout_engine != "builtin":
         raise ConfigError(f"objective.rollout_engine={objective.rollout_engine}: relaytrain samples with its own "
                           f"engine only (objective.rollout_engine=builtin), which reads the run's weights where they "
                           f"are; an external engine is not built in yet")
-    if processes > 1 and adapter != "none":
-        raise ConfigError(f"adapter={adapter} with objective={objective.name} samples in one process for now, and "
-                          f"this strategy starts {processes}; use a strategy that runs in one process (no pipeline "
-                          f"stages, strategy.replicas=1), or train every weight")
+    if not layout.replicates_whole and adapter != "none":
+        raise ConfigError(f"adapter={adapter} with objective={objective.name} samples from a whole copy of the model "
+                          f"(one process, or replicas), and this strategy splits it over {layout.size} processes; "
+                          f"use a strategy that holds the whole model in every process (strategy.replicas welcome), or train "
+                          f"every weight")
 
 
 MUON_LR_SCALINGS = (None, "original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
@@ -136,8 +137,8 @@ def check_layers(cfg, chosen) -> None:
 
     check_preset(cfg.strategy)
     chosen.strategy.check_config(cfg)
-    if chosen.objective.learns_online:  # how many processes the strategy starts: its to say, once its keys are checked
-        _check_online(chosen.objective, chosen.strategy.processes(cfg), cfg.adapter.name)
+    if chosen.objective.learns_online:  # where the strategy puts the model: its to say, once its keys are checked
+        _check_online(chosen.objective, chosen.strategy.rank_layout(cfg), cfg.adapter.name)
     chosen.source.check(cfg, chosen.objective)
     check_model(cfg.model, cfg.adapter, chosen.family, chosen.objective, defaults=AdapterConfig())
 

@@ -32,23 +32,26 @@ class Rollouts:
                  reporter: bool, adapter: bool):
         self.strategy, self.world, self.reporter = strategy, world, reporter
         self.simulated = world.simulated  # a dry run: rows of the longest completions, nothing sampled
-        # Several processes: the first samples for all, from the weights they gather to it, and
-        # hands every process the rows (`_spread`); one process samples from its own model.
+        # Several processes: the first samples for all and hands every process the rows. Replicas
+        # of the whole model (no shards, stages or tensor parts) sample from the first's own model,
+        # current as every replica's; otherwise the processes gather their weights into a whole
+        # model there (`_load_weights`).
         self.spread = world.size > 1 and not self.simulated
         self.maker = not self.spread or world.rank == 0
+        self.gathers = self.spread and not strategy.layout.replicates_whole
         objective = spec.objective
         config = strategy.model.hf_config
         self.stage = RolloutStage(objective, records, tokenizer, seq_len, seed, seed,
                                   run_dir if self.maker and (reporter or self.spread) else None, spec.precision)
-        self.policy = None if self.spread else strategy.model.hf_model
-        if self.spread and self.maker:
+        self.policy = strategy.model.hf_model if self.maker and not self.gathers else None
+        if self.gathers and self.maker:
             self.policy = _whole_model(config, world.device)
         self.stage.set_end_ids(_end_ids(self.policy, config), config.vocab_size)
         # The reference of the KL term: the initial model, taken before any checkpoint is loaded
         # (the strategy's model is as the run built it); with adapters, the policy with them off.
         self.reference = None
         if objective.beta != 0 and not self.simulated and not adapter:
-            if self.spread:
+            if self.gathers:
                 self._load_weights()
             self.reference = copy.deepcopy(self.policy).requires_grad_(False) if self.maker else None
         self.figures: dict[str, float] = {}  # the last rollout batch's, for the step that made it
@@ -60,7 +63,7 @@ class Rollouts:
         elif stage.due(step):
             self.strategy.drain()  # every update so far lands before the policy samples
             started = time.perf_counter()
-            if self.spread:
+            if self.gathers:
                 self._load_weights()
             made = None
             if self.maker:
@@ -83,7 +86,7 @@ class Rollouts:
         if self.simulated:
             figures = {}  # a dry run samples nothing
         else:
-            if self.spread:
+            if self.gathers:
                 self._load_weights()
             if self.maker:
                 prompts = [mb for group in batches for mb in group]
