@@ -287,6 +287,29 @@ def test_held_out_prompts_are_sampled_and_scored_and_the_best_reward_is_kept(set
     assert len(training) == PROMPTS * ACCUMULATE * STEPS  # the held-out prompts are not trained on
 
 
+def test_a_reward_model_scores_completions_as_trl_scores_with_one(setting, tmp_path):
+    """`objective.rewards=[model:DIR]`: a one-label sequence classifier (what objective=reward
+    saves) scores each prompt and completion joined, unpadded on the right, its logit 0: TRL's
+    way, here checked against transformers' own forward of each text alone."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    checkpoint = setting[0]
+    scorer = AutoModelForSequenceClassification.from_pretrained(checkpoint, num_labels=1)
+    scorer.config.pad_token_id = chat_tokenizer().pad_token_id
+    scorer.save_pretrained(tmp_path / "rm")
+    chat_tokenizer().save_pretrained(tmp_path / "rm")
+    grpo_run(setting, tmp_path / "run", "sgd", "train.steps=1", f"objective.rewards=[model:{tmp_path / 'rm'}]",
+             "objective.reward_weights=null")
+    rows = rollouts(tmp_path / "run")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "rm")
+    scorer.eval()
+    for row in rows[:4]:
+        ids = tok(row["prompt"] + row["completion"], add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            expected = float(scorer(**ids).logits[0, 0])
+        assert row["rewards"]["rm"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
 def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_path):
     with pytest.raises(ConfigError) as err:
         grpo_run(setting, tmp_path / "run", "sgd", f"objective.rewards=[{HERE}:failing_reward]",
@@ -301,6 +324,8 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_p
      "train.keep_best=loss is not a metric of objective=grpo; choose one of reward"),
     (["objective.rollout_engine=vllm"], "objective.rollout_engine=vllm"),
     (["data=chat"], "samples completions for prompts, which data=prompts gives"),
+    (["objective.rewards=[model:/no/such/dir]", "objective.reward_weights=null"],
+     "objective.rewards=model:/no/such/dir: no such directory"),
 ])
 def test_what_grpo_cannot_do_yet_is_refused_in_one_line(setting, tmp_path, overrides, says):
     with pytest.raises(ConfigError) as err:

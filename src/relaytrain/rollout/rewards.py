@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from relaytrain.rollout import reward_model
 from relaytrain.utils.errors import ConfigError, first_line
 
 SCALES = ("group", "batch", "none")
@@ -175,6 +176,8 @@ def _origin(fn: Callable) -> str:
 
 def _load_one(path: str) -> Callable:
     spec = str(path).strip()
+    if spec.startswith(reward_model.PREFIX):  # a trained reward model: model:DIR
+        return reward_model.RewardModel(spec[len(reward_model.PREFIX):])
     if ":" not in spec:
         if spec in BUILTINS:
             missing = [m for m in _NEEDS.get(spec, ()) if importlib.util.find_spec(m) is None]

@@ -28,6 +28,7 @@ from torch import nn
 
 from relaytrain.models.layered import Draw, MicroBatch
 from relaytrain.rollout import sampling
+from relaytrain.rollout.reward_model import RewardModel
 from relaytrain.rollout.rewards import Rewards, advantages, figures
 from relaytrain.schema.row import IGNORE_INDEX
 
@@ -101,6 +102,7 @@ class RolloutStage:
         minibatch for it), with `policy` (a Hugging Face causal LM holding the current weights)
         and, for the KL term, `reference`."""
         batch = self.batch_of(step)
+        self._place_reward_models(policy)
         completions = self._sample(batch, prompts, policy)
         texts, scores, total = self._score(completions, self.records)
         advantage, zero_std = advantages(total, self.objective.num_generations, self.objective.scale_rewards)
@@ -120,12 +122,20 @@ class RolloutStage:
         """Held-out prompts' figures after `step` steps: each prompt's G completions sampled from
         the policy (keyed apart from every training batch), scored, and TRL's reward and length
         figures over them; `items`: the prompts. `records`: the held-out set's."""
+        self._place_reward_models(policy)
         real = [mb.rows(mb.record >= 0) for mb in prompts]  # not the rows that only fill a micro-batch up
         completions = self._sample(EVALUATION_BATCHES + step, [mb for mb in real if mb.num_samples], policy)
         _, scores, total = self._score(completions, records)
         _, zero_std = advantages(total, self.objective.num_generations, self.objective.scale_rewards)
         return {**figures(self.rewards.names, scores, total, zero_std), **_length_figures(completions),
                 "items": sum(mb.num_samples for mb in real)}
+
+    def _place_reward_models(self, policy: nn.Module) -> None:
+        """Reward models score where the policy samples (its device)."""
+        device = next(policy.parameters()).device
+        for fn in self.rewards.functions:
+            if isinstance(fn, RewardModel):
+                fn.to(device)
 
     def _score(self, completions: list[Completion], records: list[dict]
                ) -> tuple[list[str], torch.Tensor, torch.Tensor]:

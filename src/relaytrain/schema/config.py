@@ -190,7 +190,7 @@ class ObjectiveConfig:
     num_iterations: int = 1  # grpo: updates per rollout batch (mu); above 1 the loss reads the sampling policy's log-probs
     scale_rewards: str = "group"  # grpo: divide advantages by the group's reward std (group), the batch's (batch) or not (none: Dr. GRPO)
     mask_truncated_completions: bool = False  # grpo: a completion cut at max_completion_length counts in no loss (DAPO)
-    rewards: list[str] = field(default_factory=list)  # grpo: reward functions, package.module:function (TRL's signature) or a built-in: exact_answer, contains_answer, format_regex, math_answer
+    rewards: list[str] = field(default_factory=list)  # grpo: reward functions, package.module:function (TRL's signature) or a built-in: exact_answer, contains_answer, format_regex, math_answer; or model:DIR, a reward model
     reward_weights: list[float] | None = None  # grpo: each reward's weight in the summed reward; null: 1 each
     use_bias_correction_kl: bool = True  # grpo: the KL term times the ratio (TRL 1.16's default, DeepSeek-V3.2's unbiased reverse-KL gradient)
     rollout_engine: str = "builtin"  # grpo: who samples the completions: builtin (the run's own weights, keyed sampling) or vllm
