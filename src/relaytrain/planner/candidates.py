@@ -43,6 +43,7 @@ from omegaconf import OmegaConf
 from relaytrain.cost.formulas import ModelFacts, StepCost
 from relaytrain.cost.profile import Profile
 from relaytrain.cost.reference import ReferenceCost, reference_cost
+from relaytrain.cost.rollout import kv_cache_bytes
 from relaytrain.cost.shape import DEGREES, Shape
 from relaytrain.planner.dryrun import simulate
 from relaytrain.run.compose import validate
@@ -195,6 +196,7 @@ class Candidate:
     why_not: str | None = None
     tokens_per_step: int = 0  # every sequence of the batch (`Request.tokens_per_step`)
     reference: ReferenceCost | None = None  # the reference pass before training, where the objective has one
+    kv_cache_bytes: int | None = None  # an online objective's: sampling a micro-batch's completions (`cost.rollout`)
 
     @property
     def memory_bytes(self) -> int | None:
@@ -222,6 +224,7 @@ class Candidate:
                                                           "tokens_per_s": self.tokens_per_s,
                                                           "parts_s": self.cost.parts, "notes": self.cost.notes},
             "reference_pass": None if self.reference is None else reference_json(self.reference),
+            "sampling_kv_cache_gb": None if self.kv_cache_bytes is None else self.kv_cache_bytes / GiB,
             "closed_form_memory_gb": self.closed_form_bytes / GiB,
             "simulated_memory_gb": None if self.simulated_bytes is None else self.simulated_bytes / GiB,
             "host_state_gb": self.host_state_bytes / GiB,
@@ -251,6 +254,8 @@ def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, req
         candidate.fits, candidate.why_not = False, str(err)
         return candidate
     candidate.cost = model.step_cost(cfg, facts, profile)
+    if request.sampled:
+        candidate.kv_cache_bytes = kv_cache_bytes(facts, shape.microbatch_size * request.rows_per_item, request.seq_len)
     if profile.device_type == "cpu":  # the host state is in the same memory the dry run counts
         candidate.host_state_bytes = model.host_state_bytes(cfg, facts)
     budget = request.host_memory_bytes

@@ -66,8 +66,7 @@ def print_plan(plan: Plan, path: Path) -> None:
     if best.reference is not None:
         console.print(reference_line(best), highlight=False)
     if plan.request.sampled:
-        console.print("the update only: sampling each step's completions (the rollouts) is not in these figures "
-                      "yet; a run reports it as rollout_s", highlight=False)
+        console.print(sampling_line(best, plan.request), highlight=False)
     console.print(f"run it: {plan.command(best)}", highlight=False, soft_wrap=True)
     if plan.checkpoint_needed:
         console.print(f"{CHECKPOINT}: your copy of the checkpoint of this shape, a Hugging Face directory (or a hub "
@@ -94,6 +93,14 @@ def request_line(r: Request) -> str:
     rows = f" ({r.rows_per_item} sequences each: {r.batch * r.rows_per_item})" if r.rows_per_item > 1 else ""
     return (f"planned for: a batch of {r.batch} samples{rows} of {r.seq_len} tokens ({r.tokens_per_step:,} tokens "
             f"a step; plan.batch_size, data.seq_len) on {r.workers} worker(s) of {r.memory_bytes / GiB:g} GiB")
+
+
+def sampling_line(c: Candidate, r: Request) -> str:
+    """What sampling the best candidate's completions holds, and what the figures leave out."""
+    sequences = c.shape.microbatch_size * r.rows_per_item
+    return (f"sampling: a micro-batch's {sequences} sequences hold up to {c.kv_cache_bytes / GiB:.2f} GiB of keys and "
+            f"values at {r.seq_len} tokens (closed form), where the policy samples, beside its weights; the figures "
+            f"above are the update's: sampling's time is not in them yet (a run reports it as rollout_s)")
 
 
 def reference_line(c: Candidate) -> str:
