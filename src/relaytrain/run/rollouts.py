@@ -16,9 +16,12 @@ import copy
 import time
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from relaytrain.models.layered import MicroBatch
+from relaytrain.rollout import on_device
+from relaytrain.rollout.on_device import DeviceCopy
 from relaytrain.rollout.stage import RolloutBatch, RolloutStage, figures_of_total
 from relaytrain.schema.row import row_values
 
@@ -29,7 +32,7 @@ class Rollouts:
     config (resolved by the trainer)."""
 
     def __init__(self, spec, strategy, world, records: list[dict], tokenizer, seq_len: int, seed: int, run_dir: Path,
-                 reporter: bool, adapter: bool):
+                 reporter: bool, adapter: bool, prompts_per_microbatch: int = 1):
         self.strategy, self.world, self.reporter = strategy, world, reporter
         self.simulated = world.simulated  # a dry run: rows of the longest completions, nothing sampled
         # Several processes: the first samples for all and hands every process the rows. Replicas
@@ -47,6 +50,8 @@ class Rollouts:
         if self.gathers and self.maker:
             self.policy = _whole_model(config, world.device)
         self.stage.set_end_ids(_end_ids(self.policy, config), config.vocab_size)
+        sequences = prompts_per_microbatch * objective.num_generations
+        self.device_copy = self._device_copy(world.device, spec.precision, config, sequences, seq_len)
         # The reference of the KL term: the initial model, taken before any checkpoint is loaded
         # (the strategy's model is as the run built it); with adapters, the policy with them off.
         self.reference = None
@@ -67,11 +72,12 @@ class Rollouts:
                 self._load_weights()
             made = None
             if self.maker:
-                reference = self.reference
-                if reference is None and stage.objective.beta != 0:
-                    reference = _ReferenceView(self.policy)
-                made = stage.make(step, loader.minibatch(stage.batch_of(step)), self.policy, reference,
-                                  self.reporter or self.spread)
+                with self._sampling_policy() as policy:
+                    reference = self.reference
+                    if reference is None and stage.objective.beta != 0:
+                        reference = _ReferenceView(policy)
+                    made = stage.make(step, loader.minibatch(stage.batch_of(step)), policy, reference,
+                                      self.reporter or self.spread)
             if self.spread:
                 made = self.world.broadcast(made, 0)
                 stage.current = made
@@ -90,11 +96,35 @@ class Rollouts:
                 self._load_weights()
             if self.maker:
                 prompts = [mb for group in batches for mb in group]
-                figures = {**self.stage.evaluate(step, prompts, self.policy, records),
-                           "rollout_s": time.perf_counter() - started}
+                with self._sampling_policy() as policy:
+                    figures = {**self.stage.evaluate(step, prompts, policy, records),
+                               "rollout_s": time.perf_counter() - started}
             if self.spread:
                 figures = self.world.broadcast(figures, 0)
         return figures
+
+    def _device_copy(self, device: torch.device, precision, config, sequences: int, tokens: int
+                     ) -> DeviceCopy | None:
+        """A device copy of a policy held on the host (L2L's), where it and a micro-batch's KV
+        cache fit in the device's free memory; None where the policy samples where it is."""
+        if self.policy is None or self.simulated or device.type == "cpu":
+            return None
+        if next(self.policy.parameters()).device.type == device.type:  # already there (the whole-model strategies)
+            return None
+        dtype = precision.half if precision.cross else None
+        made = DeviceCopy(self.policy, device, dtype)
+        cache = on_device.kv_cache_bytes(config, sequences, tokens, dtype or torch.float32)
+        if on_device.fits(made.bytes, cache, device):
+            return made
+        if self.reporter:
+            print(f"rollouts: the policy ({made.bytes / 2**30:.1f} GiB) and a micro-batch's KV cache "
+                  f"({cache / 2**30:.1f} GiB) do not fit in the device's free memory: sampling on the host, from "
+                  f"its copy there", flush=True)
+        return None
+
+    def _sampling_policy(self):
+        """The model the policy samples with: its device copy for the batch, else itself."""
+        return self.device_copy.on_device() if self.device_copy is not None else contextlib.nullcontext(self.policy)
 
     def _load_weights(self) -> None:
         """The run's current weights, gathered from every process into the first one's whole model

@@ -248,7 +248,8 @@ class Trainer:
         self.rollouts = None if not spec.objective.learns_online else Rollouts(
             spec, strategy, world, job.dataset.records,
             run_tokenizer(cfg.model.pretrained, cfg.model.trust_remote_code, job.run_dir), cfg.data.seq_len,
-            cfg.train.seed, job.run_dir, self.reporter, cfg.adapter.name != "none")
+            cfg.train.seed, job.run_dir, self.reporter, cfg.adapter.name != "none",
+            cfg.strategy.microbatch_size * spec.replicas)
 
     def run(self) -> dict | None:
         steps = self.cfg.train.steps
