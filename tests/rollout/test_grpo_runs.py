@@ -6,7 +6,6 @@ one and two updates per rollout batch; with and without the KL term); resume is 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -333,5 +332,9 @@ def test_what_grpo_cannot_do_yet_is_refused_in_one_line(setting, tmp_path, overr
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
+def test_the_summary_shows_the_sampling_time_the_step_time_leaves_out():
+    from relaytrain.records.display import rollout_rows
+
+    assert rollout_rows({"rollout_s": [0.5, None, 1.5]}) == [
+        ("rollouts (mean per batch)", "1.000 s sampling and scoring 2 batches, beside the step time")]
+    assert rollout_rows({"router_aux": [0.1]}) == []

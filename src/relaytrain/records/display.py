@@ -170,6 +170,16 @@ def saved_model_line(saved: dict | None) -> str:
     return line
 
 
+def rollout_rows(terms: dict) -> list[tuple[str, str]]:
+    """An online objective's sampling and scoring time (its `rollout_s`), which the step time
+    above leaves out: the mean over the rollout batches the run made."""
+    times = [s for s in terms.get("rollout_s", []) if s is not None]
+    if not times:
+        return []
+    return [("rollouts (mean per batch)", f"{sum(times) / len(times):.3f} s sampling and scoring {len(times)} "
+                                          f"batches, beside the step time")]
+
+
 def print_results_table(results: dict, path: Path) -> None:
     t = results["throughput"]
     table = Table(title=f"relaytrain · {results['strategy']} · {results['model']['name']}", show_header=False)
@@ -191,6 +201,7 @@ def print_results_table(results: dict, path: Path) -> None:
         ("samples/s", si(t["samples_per_s"]) if t["samples_per_s"] is not None else "n/a (a dry run times nothing)"),
         ("tokens/s", si(t["tokens_per_s"])),
         ("step time (mean)", "n/a" if t["step_time_s"] is None else f"{t['step_time_s']:.3f} s"),
+        *rollout_rows(results.get("loss_terms") or {}),
         ("model FLOP/s (estimate)", si(t["model_flops_per_s"], "FLOP/s")),
         *compile_rows(results.get("compile")),
         *memory_rows(results["memory"]),
