@@ -6,6 +6,7 @@ one and two updates per rollout batch; with and without the KL term); resume is 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,13 @@ def test_the_summary_shows_the_sampling_time_the_step_time_leaves_out():
     assert rollout_rows({"rollout_s": [0.5, None, 1.5]}) == [
         ("rollouts (mean per batch)", "1.000 s sampling and scoring 2 batches, beside the step time")]
     assert rollout_rows({"router_aux": [0.1]}) == []
+
+
+@pytest.mark.slow
+def test_qlora_grpo_samples_from_the_4_bit_base_and_trains_its_adapter(setting, tmp_path):
+    """A 4-bit base with a LoRA adapter: sampling runs on the quantized model as training does, the
+    KL term's reference is the base alone (adapters off), and the adapter trains."""
+    results = grpo_run(setting, tmp_path / "run", "adamw", "strategy=l2l", "adapter=qlora", "objective.beta=0.04")
+    rows = rollouts(tmp_path / "run")
+    assert len(rows) == STEPS * PROMPTS * ACCUMULATE * G and all(math.isfinite(x) for x in results["loss"])
+    assert (tmp_path / "run" / "model" / "adapter_model.safetensors").is_file()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,10 +103,12 @@ def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device
 
 @torch.no_grad()
 def sample(model: nn.Module, prompts: list[list[int]], keys: list[int], sampling: Sampling, max_new_tokens: int,
-           end_ids: set[int], pad_id: int, device: torch.device, autocast=None) -> list[list[int]]:
+           end_ids: set[int], pad_id: int, device: torch.device, autocast=None,
+           on_token: Callable[[int], None] | None = None) -> list[list[int]]:
     """Each prompt's completion: the tokens drawn up to and including the first end token, or
     `max_new_tokens` of them (truncated). `keys`: one per prompt (`sample_key`); `autocast`: the
-    run's precision context, entered around every forward (None: the weights' own dtype)."""
+    run's precision context, entered around every forward (None: the weights' own dtype);
+    `on_token(t)`: told after each token drawn (progress)."""
     from transformers import DynamicCache
 
     ids, mask, positions = left_padded(prompts, pad_id, device)
@@ -125,6 +128,8 @@ def sample(model: nn.Module, prompts: list[list[int]], keys: list[int], sampling
         token = torch.where(done, torch.full_like(token, pad_id), token)
         drawn.append(token)
         done |= torch.isin(token, ends)
+        if on_token is not None:
+            on_token(t + 1)
         if bool(done.all()):
             break
         step_ids = token.unsqueeze(1)

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +61,9 @@ class RolloutStage:
     """Makes the rows of each rollout batch (see the module's docstring), the same on every process."""
 
     def __init__(self, objective, records: list[dict], tokenizer, seq_len: int, seed: int, dropout_seed: int,
-                 run_dir: Path | None, precision=None):
+                 run_dir: Path | None, precision=None, progress: Callable[[str], None] | None = None):
         self.objective = objective
+        self.progress = progress  # where a long rollout batch is, for a user watching (`Strategy.progress`)
         self.records = records
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -171,18 +173,26 @@ class RolloutStage:
         device = next(policy.parameters()).device
         out, number = [], 0
         with _eval(policy):
-            for mb in prompts:
+            for i, mb in enumerate(prompts):
+                told = self._telling(f"sampling micro-batch {i + 1}/{len(prompts)}")
                 ids = [row[mask.bool()].tolist() for row, mask in zip(mb.input_ids, mb.attention_mask, strict=True)]
                 which = [number + i for i in range(len(ids))]
                 number += len(ids)
                 repeated = [p for p in ids for _ in range(o.num_generations)]
                 keys = [sampling.sample_key(self.seed, batch, j, k) for j in which for k in range(o.num_generations)]
                 drawn = sampling.sample(policy, repeated, keys, how, o.max_completion_length, self.end_ids,
-                                        self.pad_id, device, self._autocast(device))
+                                        self.pad_id, device, self._autocast(device), told)
                 records = [int(r) for r in mb.record for _ in range(o.num_generations)]
                 out += [Completion(r, p, c, truncated=not (c and c[-1] in self.end_ids))
                         for r, p, c in zip(records, repeated, drawn, strict=True)]
         return out
+
+    def _telling(self, what: str) -> Callable[[int], None] | None:
+        """`on_token` for `sampling.sample`: the progress line's text every 16 tokens."""
+        if self.progress is None:
+            return None
+        length = self.objective.max_completion_length
+        return lambda t: self.progress(f"{what}, token {t}/{length}") if t % 16 == 0 else None
 
     def _rows(self, completions: list[Completion], advantage: torch.Tensor, microbatches: int,
               counted: bool = False) -> list[MicroBatch]:

@@ -45,7 +45,8 @@ class Rollouts:
         objective = spec.objective
         config = strategy.model.hf_config
         self.stage = RolloutStage(objective, records, tokenizer, seq_len, seed, seed,
-                                  run_dir if self.maker and (reporter or self.spread) else None, spec.precision)
+                                  run_dir if self.maker and (reporter or self.spread) else None, spec.precision,
+                                  strategy.progress)
         self.policy = strategy.model.hf_model if self.maker and not self.gathers else None
         if self.gathers and self.maker:
             self.policy = _whole_model(config, world.device)
