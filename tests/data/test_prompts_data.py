@@ -35,6 +35,8 @@ class OnlineLM(CausalLM):
     rows_per_item = 4
     max_completion_length = COMPLETION
     rollout_engine = "builtin"
+    rewards = ("exact_answer",)
+    reward_weights = None
 
 
 ONLINE = objective(OnlineLM.name)  # its import path: tests.data.test_prompts_data:OnlineLM

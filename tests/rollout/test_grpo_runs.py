@@ -326,11 +326,13 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_p
     (["data=chat"], "samples completions for prompts, which data=prompts gives"),
     (["objective.rewards=[model:/no/such/dir]", "objective.reward_weights=null"],
      "objective.rewards=model:/no/such/dir: no such directory"),
+    (["objective.rewards=[exact_anser]", "objective.reward_weights=null"], "did you mean exact_answer?"),
 ])
 def test_what_grpo_cannot_do_yet_is_refused_in_one_line(setting, tmp_path, overrides, says):
     with pytest.raises(ConfigError) as err:
         grpo_run(setting, tmp_path / "run", "sgd", *overrides)
     assert says in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "run" / "metrics.csv").exists()  # refused by the config checks, before any step
 
 
 def test_the_summary_shows_the_sampling_time_the_step_time_leaves_out():

@@ -20,17 +20,34 @@ from relaytrain.utils.errors import ConfigError, first_line
 PREFIX = "model:"
 
 
+def checked(directory: str):
+    """What a config check takes of `model:DIR` before any work: that DIR is a directory (the
+    model loads when the run starts); a stand-in under the name the figures will use."""
+    _directory(directory)
+
+    def unloaded(prompts, completions, **kwargs):
+        raise RuntimeError("a reward model checked, not loaded")
+
+    unloaded.__name__ = Path(directory).expanduser().resolve().name
+    return unloaded
+
+
+def _directory(directory: str) -> Path:
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"objective.rewards={PREFIX}{directory}: no such directory; give a reward model saved by "
+                          f"objective=reward (train.save_model=true) or any one-label sequence classifier")
+    return path
+
+
 class RewardModel:
     """A reward function of TRL's signature that scores with a sequence classifier."""
 
     def __init__(self, directory: str):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        path = Path(directory).expanduser()
+        path = _directory(directory)
         key = f"objective.rewards={PREFIX}{directory}"
-        if not path.is_dir():
-            raise ConfigError(f"{key}: no such directory; give a reward model saved by objective=reward "
-                              f"(train.save_model=true) or any one-label sequence classifier")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path))
             self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval().requires_grad_(False)

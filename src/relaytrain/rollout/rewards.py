@@ -174,10 +174,11 @@ def _origin(fn: Callable) -> str:
     return f"{module}:{name}"
 
 
-def _load_one(path: str) -> Callable:
+def _load_one(path: str, models: bool = True) -> Callable:
     spec = str(path).strip()
     if spec.startswith(reward_model.PREFIX):  # a trained reward model: model:DIR
-        return reward_model.RewardModel(spec[len(reward_model.PREFIX):])
+        directory = spec[len(reward_model.PREFIX):]
+        return reward_model.RewardModel(directory) if models else reward_model.checked(directory)
     if ":" not in spec:
         if spec in BUILTINS:
             missing = [m for m in _NEEDS.get(spec, ()) if importlib.util.find_spec(m) is None]
@@ -236,15 +237,16 @@ class Rewards:
     weights: torch.Tensor  # float32 [functions]
 
     @classmethod
-    def load(cls, paths: list[str], weights: list[float] | None = None) -> Rewards:
+    def load(cls, paths: list[str], weights: list[float] | None = None, models: bool = True) -> Rewards:
         """The functions `objective.rewards` names, weighted by `objective.reward_weights` (all 1.0
-        when unset); a mistake in either is one ConfigError line naming the key and the fix."""
+        when unset); a mistake in either is one ConfigError line naming the key and the fix.
+        `models`: load the reward models it names (False: a config check, which only finds them)."""
         paths = _as_list(paths)
         if not paths:
             raise ConfigError(f"objective.rewards=[] names no reward function; give one or more, built-in "
                               f"({', '.join(BUILTINS)}) or package.module:function, e.g. "
                               f"objective.rewards=[exact_answer]")
-        functions = tuple(_load_one(path) for path in paths)
+        functions = tuple(_load_one(path, models) for path in paths)
         names = tuple(display_name(fn) for fn in functions)
         given = _as_list(weights)
         if weights is None:

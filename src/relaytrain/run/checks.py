@@ -39,7 +39,12 @@ def check_shared(cfg, chosen) -> None:
 
 
 def _check_online(objective, layout, adapter: str) -> None:
-    """What an objective that samples its own completions cannot do yet, each in one line."""
+    """An objective that samples its own completions: its rewards found (a user's imported, a
+    reward model's directory there), and what it cannot do yet, each in one line."""
+    from relaytrain.rollout.rewards import Rewards
+
+    Rewards.load(list(objective.rewards), None if objective.reward_weights is None else list(objective.reward_weights),
+                 models=False)
     if objective.rollout_engine != "builtin":
         raise ConfigError(f"objective.rollout_engine={objective.rollout_engine}: relaytrain samples with its own "
                           f"engine only (objective.rollout_engine=builtin), which reads the run's weights where they "
