@@ -92,6 +92,8 @@ def test_hydra_full_error_shows_the_traceback_of_bad_input(tmp_path):
         ("optim=adafactor", "optim=adafactor is not a known option; choose one of: adamw, lamb, muon, sgd"),  # no `_schema`
         ("strategy=l2k", "did you mean strategy=l2l? choose one of: baseline, fsdp, l2l, l2l_stash_cpu, pipe_2bw,"),
         ("model.num_layers=abc", "model.num_layers=abc is not a valid integer"),
+        ("adapter.target_modules=q_proj", "adapter.target_modules=q_proj: adapter.target_modules is a list; give "
+                                          "adapter.target_modules=[q_proj]"),
         ("train.save_model=maybe", "train.save_model"),
         ("model.hidden_size=0", "model.hidden_size=0 must be positive"),
         ("data.seq_len=1024", "data.seq_len=1024 exceeds the model's positions"),

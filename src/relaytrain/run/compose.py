@@ -143,6 +143,8 @@ def _omegaconf_message(err) -> str:
             hint = difflib.get_close_matches(str(value), choices, n=1)
             fix = f"did you mean {key}={hint[0]}? " if hint else ""
             return f"{key}={value} is not one of {', '.join(choices)}; {fix}".rstrip("; ").rstrip()
+        if type(node).__name__ == "ListConfig":  # one value where a list goes: the brackets forgotten
+            return f"{key}={value}: {key} is a list; give {key}=[{value}] (several: [a,b])"
         kind = _NODE_KINDS.get(type(node).__name__, "value of the key's type")
         return f"{key}={value} is not a valid {kind}; give one (see relaytrain train --help)"
     msg = getattr(err, "msg", str(err)).splitlines()[0]
