@@ -21,4 +21,9 @@ from relaytrain.cost.formulas import ModelFacts
 def kv_cache_bytes(facts: ModelFacts, sequences: int, tokens: int) -> int:
     """Every block's keys and values for `sequences` sequences of `tokens` tokens each."""
     s = facts.shape
-    return 2 * facts.num_layers * s.num_kv_heads * s.head_dim * sequences * tokens * facts.activation_bytes
+    return cache_bytes(facts.num_layers, s.num_kv_heads, s.head_dim, sequences, tokens, facts.activation_bytes)
+
+
+def cache_bytes(layers: int, kv_heads: int, head_dim: int, sequences: int, tokens: int, value_bytes: int) -> int:
+    """The closed form above, from the widths themselves (keys and values: 2)."""
+    return 2 * layers * kv_heads * head_dim * sequences * tokens * value_bytes

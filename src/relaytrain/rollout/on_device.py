@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from relaytrain.cost.rollout import cache_bytes
+
 
 class DeviceCopy:
     """A copy of `policy` made on `device` for the duration of `on_device()`, its weights the policy's."""
@@ -62,7 +64,7 @@ def kv_cache_bytes(config, sequences: int, tokens: int, dtype: torch.dtype) -> i
     model's closed form, `cost.rollout`, from a Hugging Face config)."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * width * sequences * tokens * torch.empty((), dtype=dtype).element_size()
+    return cache_bytes(config.num_hidden_layers, heads, width, sequences, tokens, dtype.itemsize)
 
 
 def _meta_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from relaytrain.models.layered import Draw, MicroBatch
+from relaytrain.models.layered import Draw, MicroBatch, eval_mode
 from relaytrain.rollout import sampling
 from relaytrain.rollout.reward_model import RewardModel
 from relaytrain.rollout.rewards import Rewards, advantages, figures
@@ -60,15 +60,14 @@ class RolloutBatch:
 class RolloutStage:
     """Makes the rows of each rollout batch (see the module's docstring), the same on every process."""
 
-    def __init__(self, objective, records: list[dict], tokenizer, seq_len: int, seed: int, dropout_seed: int,
+    def __init__(self, objective, records: list[dict], tokenizer, seq_len: int, seed: int,
                  run_dir: Path | None, precision=None, progress: Callable[[str], None] | None = None):
         self.objective = objective
         self.progress = progress  # where a long rollout batch is, for a user watching (`Strategy.progress`)
         self.records = records
         self.tokenizer = tokenizer
         self.seq_len = seq_len
-        self.seed = seed
-        self.dropout_seed = dropout_seed
+        self.seed = seed  # train.seed: what sampling's keys and the rows' dropout keys (the loader's) start from
         self.precision = precision
         self.rewards = Rewards.load(list(objective.rewards), None if objective.reward_weights is None
                                     else list(objective.reward_weights))
@@ -96,7 +95,7 @@ class RolloutStage:
 
     def rows_for(self, step: int) -> list[MicroBatch]:
         """The current rollout batch's rows keyed for `step` (dropout's draws are the step's)."""
-        return [dataclasses.replace(mb, draw=Draw(self.dropout_seed, step, k)) for k, mb in enumerate(self.current.rows)]
+        return [dataclasses.replace(mb, draw=Draw(self.seed, step, k)) for k, mb in enumerate(self.current.rows)]
 
     def make(self, step: int, prompts: list[MicroBatch], policy: nn.Module, reference: nn.Module | None,
              reporter: bool) -> RolloutBatch:
@@ -172,7 +171,7 @@ class RolloutStage:
         how = sampling.Sampling(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p)
         device = next(policy.parameters()).device
         out, number = [], 0
-        with _eval(policy):
+        with eval_mode(policy):
             for i, mb in enumerate(prompts):
                 told = self._telling(f"sampling micro-batch {i + 1}/{len(prompts)}")
                 ids = [row[mask.bool()].tolist() for row, mask in zip(mb.input_ids, mb.attention_mask, strict=True)]
@@ -221,7 +220,7 @@ class RolloutStage:
         token's own position [rows, seq] (0 elsewhere), as the loss aligns them."""
         device = next(model.parameters()).device
         underlying = getattr(model, "policy", model)  # a view of the policy (its adapters off) computes with it
-        with _eval(underlying), self._autocast(device) or contextlib.nullcontext():
+        with eval_mode(underlying), self._autocast(device) or contextlib.nullcontext():
             logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
                            **sampling.quiet_router(underlying)).logits
         x = logits[:, :-1].float() / self.objective.temperature
@@ -296,15 +295,3 @@ def _length_figures(completions: list[Completion]) -> dict[str, float]:
     truncated = torch.tensor([c.truncated for c in completions], dtype=torch.float32)
     values = (lengths.mean(), lengths.min(), lengths.max(), truncated.mean())
     return {name: float(v) for name, v in zip(LENGTH_FIGURES, values, strict=True)}
-
-
-@contextlib.contextmanager
-def _eval(model: nn.Module):
-    """`model` in eval mode for the duration (no dropout while sampling), its modes restored after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training

@@ -44,7 +44,7 @@ class Rollouts:
         self.gathers = self.spread and not strategy.layout.replicates_whole
         objective = spec.objective
         config = strategy.model.hf_config
-        self.stage = RolloutStage(objective, records, tokenizer, seq_len, seed, seed,
+        self.stage = RolloutStage(objective, records, tokenizer, seq_len, seed,
                                   run_dir if self.maker and (reporter or self.spread) else None, spec.precision,
                                   strategy.progress)
         self.policy = strategy.model.hf_model if self.maker and not self.gathers else None
