@@ -179,7 +179,7 @@ def test_help_names_every_config_group_and_section(tmp_path, capsys):
     assert f"Config groups (GROUP=OPTION): {', '.join(option_groups())}; experiments: +exp=NAME." in out
     assert f"Keys only (KEY=VALUE): {', '.join(key_sections())}." in out
     proc = relaytrain("train", "adapter=qlora", "--help", cwd=tmp_path, env_extra={"COLUMNS": "100"})
-    assert "  adapter    lora none *qlora" in proc.stdout and "  data       chat glue jsonl preference *synthetic" in proc.stdout
+    assert "  adapter    lora none *qlora" in proc.stdout and "  data       chat glue jsonl preference prompts *synthetic" in proc.stdout
     assert f"  {', '.join(key_sections())}: no options, keys only (below)" in proc.stdout
     assert "log.tensorboard = False" in proc.stdout
     groups = proc.stdout[proc.stdout.index("Config groups"):proc.stdout.index("Keys of this config")]

@@ -31,7 +31,7 @@ from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_decoder
 from tests.conformance.references import (
     assert_resumes_exactly,
-    assert_same_weights,
+    assert_same_weights_but_flipped_codes,
     exempt_from_decay,
     hf_saved,
     reference_loop,
@@ -109,7 +109,8 @@ def test_lowbit_states_train_as_torchaos_optimizer_in_a_plain_loop(checkpoint, t
         reference_loop(reference, optimizer, cfg, delay=update_delay(cfg))
     quantized = [s["exp_avg"] for s in optimizer.state.values() if type(s["exp_avg"]).__name__.startswith("OptimState")]
     assert quantized  # the test's model has matrices torchao quantizes
-    assert_same_weights(hf_saved(tmp_path / "run"), reference, f"{strategy} state_bits={bits}")
+    assert_same_weights_but_flipped_codes(hf_saved(tmp_path / "run"), reference, f"{strategy} state_bits={bits}",
+                                          within=STEPS * cfg.optim.lr)
 
 
 @needs_torchao
@@ -205,7 +206,9 @@ def _missing(bits: int):
 @pytest.mark.slow
 def test_relaytrains_host_loop_trains_as_torchaos_compiled_optimizer(checkpoint, tmp_path):
     """optim.host_loops: the host update in relaytrain's C++ loop equals torchao's compiled one (its
-    uncompiled one rounds a few intermediates differently, and a code can flip)."""
+    uncompiled one rounds a few intermediates differently, and a code can flip). The gradients it
+    steps carry the float noise of another order of operations (a block at a time against the
+    whole model): on an AVX2 CPU one code of 8192 flipped on that (2026-11-30)."""
     cfg = lowbit_cfg(checkpoint, "strategy=l2l", "optim.state_bits=8", "optim.host_loops=true")
     results = run(cfg, tmp_path / "run", quiet=True)
     assert results["strategy_report"]["eps"]["host_kernel"] == "torchao AdamW8bit, relaytrain's host loop"
@@ -213,4 +216,5 @@ def test_relaytrains_host_loop_trains_as_torchaos_compiled_optimizer(checkpoint,
     optimizer = torchao_adamw(reference, cfg.optim)
     with torch.compiler.set_stance("default"):
         reference_loop(reference, optimizer, cfg)
-    assert_same_weights(hf_saved(tmp_path / "run"), reference, "l2l state_bits=8 host loop")
+    assert_same_weights_but_flipped_codes(hf_saved(tmp_path / "run"), reference, "l2l state_bits=8 host loop",
+                                          within=STEPS * cfg.optim.lr)

@@ -158,15 +158,36 @@ def assert_same_weights(ours: torch.nn.Module, reference: torch.nn.Module, what:
         torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=lambda m, key=key: f"{what} {key}: {m}")
 
 
-def assert_within_a_rounding(ours: torch.nn.Module, reference: torch.nn.Module, what: str) -> None:
+def assert_same_weights_but_flipped_codes(ours: torch.nn.Module, reference: torch.nn.Module, what: str,
+                                         within: float) -> None:
+    """Equal to float noise (`assert_same_weights`), but for the few elements whose 8- or 4-bit
+    moment code flipped: noise in the last bit (eager against compiled, another CPU's vector width)
+    can move a moment across a code boundary, which moves that element's update by a fraction of
+    an AdamW step. Those stay `within` (the steps' rates summed) and are at most one in a thousand;
+    a wrong update rule moves every element."""
+    theirs = dict(reference.named_parameters())
+    flipped = total = 0
+    for name, p in ours.named_parameters():
+        q = theirs[name].detach()
+        close = torch.isclose(p.detach(), q, atol=2e-5, rtol=1e-4)
+        assert bool(((p - q).abs()[~close] <= within).all()), f"{what} {name}: a difference beyond {within}"
+        flipped += int((~close).sum())
+        total += p.numel()
+    assert flipped <= total * 1e-3, f"{what}: {flipped} of {total} elements differ beyond float noise"
+
+
+def assert_within_a_rounding(ours: torch.nn.Module, reference: torch.nn.Module, what: str,
+                             noise: float = 1e-6) -> None:
     """Equal, but for the few elements where float noise in a gradient moved an update across a
-    draw: those are one bf16 step apart (at most two, once one of them fed the next update)."""
+    draw: those are one bf16 step apart (at most two, once one of them fed the next update). Near
+    zero bf16's steps are finer than the noise an AdamW update carries wherever the weight lies
+    (lr·m/(√v+eps) in fp32: of order lr·1e-4 with these tests' rates), so `noise` bounds those."""
     theirs = dict(reference.named_parameters())
     differ = total = 0
     for name, p in ours.named_parameters():
         q = theirs[name]
         step = torch.maximum(p.abs(), q.abs()).bfloat16().float() * 2 ** -7  # one bf16 step at that size
-        assert bool(((p - q).abs() <= 2 * step + 1e-30).all()), f"{what} {name}"
+        assert bool(((p - q).abs() <= 2 * step + noise).all()), f"{what} {name}"
         differ += int((p != q).sum())
         total += p.numel()
     assert differ <= total * 1e-3, f"{what}: {differ} of {total} elements differ"
