@@ -178,3 +178,32 @@ def test_a_mixture_of_experts_trains_on_cuda_as_the_plain_hugging_face_loop(arch
     cfg = compose_config([f"model.pretrained={pretrained}", *VARIANTS[name], *RUN_KEYS, CUDA])
     results, _, _ = trains_as_hugging_face(pretrained, cfg, tmp_path / "run", f"{arch} under {name} on cuda", rel=1e-4)
     assert results["device"].startswith("cuda")
+
+
+@pytest.mark.parametrize("cache_on_host", [False, True])
+def test_a_relayed_policy_samples_on_cuda_what_a_whole_copy_samples(cache_on_host, tmp_path):
+    """GRPO's relay decode (`rollout.on_device.RelayCopy`): a host-held policy's blocks uploaded
+    on a side stream one ahead of the compute, the KV cache on the device or the host (Hugging
+    Face's offloaded cache), draws the tokens a whole copy on the device draws; nothing stays."""
+    from transformers import AutoModelForCausalLM
+
+    from relaytrain.rollout.on_device import DeviceCopy, RelayCopy
+    from relaytrain.rollout.sampling import Sampling, sample, sample_key
+    from tests.checkpoints import chat_tokenizer, tiny_decoder
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_decoder(tmp_path / "llama", layers=4)).eval()
+    for p in policy.parameters():
+        p.data = p.data.pin_memory()  # as L2L's masters are held beside a GPU
+    tok, cuda = chat_tokenizer(), torch.device("cuda")
+    prompts = [tok(t)["input_ids"] for t in ("What is two plus", "Hello there", "A")]
+    keys = [sample_key(3, 0, j, 0) for j in range(len(prompts))]
+    draw = dict(sampling=Sampling(temperature=0.7), max_new_tokens=12, end_ids={tok.eos_token_id},
+                pad_id=tok.pad_token_id, device=cuda)
+    with DeviceCopy(policy, cuda).on_device() as model:
+        expected = sample(model, prompts, keys, **draw)
+    relay = RelayCopy(policy, cuda, [f"model.layers.{i}" for i in range(4)], cache_on_host=cache_on_host)
+    before = torch.cuda.memory_allocated()
+    with relay.on_device() as model:
+        got = sample(model, prompts, keys, **draw, cache_on_host=cache_on_host)
+    assert got == expected
+    assert torch.cuda.memory_allocated() == before

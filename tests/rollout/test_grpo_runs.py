@@ -95,12 +95,17 @@ def assert_same_weights(a: dict, b: dict, **tolerance) -> None:
 
 STRATEGIES = {  # every placement: one process, and two (two replicas; two stages; two shards)
     "l2l": ["strategy=l2l"], "l2l_stash_cpu": ["strategy=l2l_stash_cpu"],
+    # L2L's host-held policy (and the KL term's reference) sampling from a device copy, or relayed a
+    # block at a time: here the "device" is the CPU, so the copies' filling and the relay's visits
+    # are what runs (tests/test_gpu.py relays on a GPU)
+    "l2l-copy": ["strategy=l2l", "objective.rollout_placement=copy"],
+    "l2l-relay": ["strategy=l2l", "objective.rollout_placement=relay"],
     "baseline-replicas": ["strategy=baseline", "strategy.replicas=2", "strategy.num_microbatches=1",
                           f"strategy.microbatch_size={PROMPTS}"],
     "pipe_flush": ["strategy=pipe_flush", "strategy.stages=2"],
     "fsdp": ["strategy=fsdp", "strategy.replicas=2", "strategy.num_microbatches=1", f"strategy.microbatch_size={PROMPTS}"],
 }
-DEFAULT_STRATEGIES = ("l2l",)  # the others in the slow step (the multi-process ones take ~9 s each here)
+DEFAULT_STRATEGIES = ("l2l", "l2l-relay")  # the others in the slow step (the multi-process ones take ~9 s each here)
 
 
 @pytest.mark.parametrize("strategy", [pytest.param(name, marks=() if name in DEFAULT_STRATEGIES else pytest.mark.slow)
@@ -323,6 +328,8 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_naming_it(setting, tmp_p
     (["data.eval_fraction=0.25", "eval.every=1", "train.keep_best=loss", "train.checkpoint_every=1"],
      "train.keep_best=loss is not a metric of objective=grpo; choose one of reward"),
     (["objective.rollout_engine=vllm"], "objective.rollout_engine=vllm"),
+    (["objective.rollout_placement=relay"], "objective.rollout_placement=relay chooses where a host-held policy"),
+    (["strategy=l2l", "objective.rollout_placement=nowhere"], "objective.rollout_placement=nowhere is not one of"),
     (["data=chat"], "samples completions for prompts, which data=prompts gives"),
     (["objective.rewards=[model:/no/such/dir]", "objective.reward_weights=null"],
      "objective.rewards=model:/no/such/dir: no such directory"),

@@ -48,6 +48,9 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 TRL_ONLY_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 ROLLOUT_ENGINES = ("builtin", "vllm")
+# Where a host-held policy (L2L's) samples: chosen by the device's free memory, a whole device copy,
+# a relay of its blocks through the device, or the host itself (`rollout.on_device`).
+ROLLOUT_PLACEMENTS = ("auto", "copy", "relay", "host")
 # What the loss reports each step, in TRL's names: means over the minibatch's completion tokens.
 FIGURES = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -126,6 +129,7 @@ class GRPO(CausalLM):
     rewards: tuple[str, ...] = ()
     reward_weights: tuple[float, ...] | None = None
     rollout_engine: str = "builtin"
+    rollout_placement: str = "auto"
     use_bias_correction_kl: bool = True
 
     @property
@@ -150,6 +154,7 @@ class GRPO(CausalLM):
             rewards=tuple(str(r) for r in settings.get("rewards") or ()),
             reward_weights=None if weights is None else tuple(float(w) for w in weights),
             rollout_engine=str(settings["rollout_engine"]),
+            rollout_placement=str(settings.get("rollout_placement", "auto")),
             use_bias_correction_kl=bool(settings.get("use_bias_correction_kl", True)))
         chosen.check()
         return chosen
@@ -189,6 +194,9 @@ class GRPO(CausalLM):
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ConfigError(f"objective.rollout_engine={self.rollout_engine} is not one of "
                               f"{', '.join(ROLLOUT_ENGINES)}")
+        if self.rollout_placement not in ROLLOUT_PLACEMENTS:
+            raise ConfigError(f"objective.rollout_placement={self.rollout_placement} is not one of "
+                              f"{', '.join(ROLLOUT_PLACEMENTS)}")
         if not self.rewards:
             raise ConfigError("objective=grpo needs rewards: set objective.rewards=[package.module:function, ...] "
                               "(TRL's reward-function signature) or a built-in, e.g. objective.rewards=[exact_answer]")

@@ -8,6 +8,14 @@ device footprint between batches). The copy's skeleton is made once on the meta 
 no storage with the policy (a deep copy whose tensors are meta stand-ins), so making it costs no
 host memory; its floating tensors take `dtype` (a cross-precision run's half dtype: the weights
 as its blocks compute with them on the device).
+
+Where the whole policy does not fit but a block does, `RelayCopy` decodes as L2L trains: the
+embeddings, final norm and head stay on the device for the batch, and each block is filled from
+the host as the forward reaches it and freed when it leaves, the next one uploading on a side
+stream meanwhile (at most two blocks on the device). Every decoded token streams the blocks
+through the device once, for all of the micro-batch's sequences together; their KV cache stays
+on the device where it fits, else on the host, each layer's brought back as its block runs
+(Hugging Face's offloaded cache).
 """
 
 from __future__ import annotations
@@ -21,9 +29,15 @@ from torch import nn
 
 from relaytrain.cost.rollout import cache_bytes
 
+GiB = 2**30
+
 
 class DeviceCopy:
     """A copy of `policy` made on `device` for the duration of `on_device()`, its weights the policy's."""
+
+    # Where its sampling keeps the KV cache: on the device (False), or on the host, each layer's
+    # brought to the device as its block runs (`RelayCopy` where the cache does not fit).
+    cache_on_host = False
 
     def __init__(self, policy: nn.Module, device: torch.device, dtype: torch.dtype | None = None):
         self.policy, self.device = policy, device
@@ -33,7 +47,7 @@ class DeviceCopy:
     @property
     def bytes(self) -> int:
         """What the copy holds on the device."""
-        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+        return _bytes(self.model)
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[nn.Module]:
@@ -51,12 +65,141 @@ class DeviceCopy:
                 torch.cuda.empty_cache()
 
 
-def fits(model_bytes: int, cache_bytes: int, device: torch.device, margin: float = 1.2) -> bool:
-    """Whether the copy and a micro-batch's KV cache fit in `device`'s free memory, with room."""
-    if device.type != "cuda":
-        return True
-    free, _ = torch.cuda.mem_get_info(device)
-    return (model_bytes + cache_bytes) * margin <= free
+class RelayCopy(DeviceCopy):
+    """`policy` on `device` a block at a time for the duration of `on_device()`: the parts
+    outside `block_names` (its decoder layers, by module name) held there, each block filled from
+    the policy as the forward reaches it and freed as it leaves."""
+
+    def __init__(self, policy: nn.Module, device: torch.device, block_names: list[str],
+                 dtype: torch.dtype | None = None, cache_on_host: bool = False):
+        super().__init__(policy, device, dtype)
+        self.cache_on_host = cache_on_host
+        self.block_names = block_names
+        self.blocks = [self.model.get_submodule(name) for name in block_names]
+        self.sources: list[dict[str, torch.Tensor]] = []  # each block's tensors in the policy, while on_device
+        inside = {id(m) for block in self.blocks for m in block.modules()}
+        self.resident = [m for m in self.model.modules() if id(m) not in inside]
+        self.visits = 0  # blocks filled so far (the tests count a relay's uploads)
+        self._ready: dict[int, torch.cuda.Event | None] = {}  # blocks filled or filling: their upload's end
+        self._stream: torch.cuda.Stream | None = None  # the uploads' own stream on a GPU (made on first use)
+        for i, block in enumerate(self.blocks):
+            block.register_forward_pre_hook(lambda module, args, i=i: self._enter(i))
+            block.register_forward_hook(lambda module, args, out, i=i: self._leave(i))
+
+    @property
+    def bytes(self) -> int:
+        """What the relay holds on the device at most: the resident parts and two blocks."""
+        return self.resident_bytes + 2 * self.block_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(_bytes(m, recurse=False) for m in self.resident)
+
+    @property
+    def block_bytes(self) -> int:
+        return max(_bytes(block) for block in self.blocks)
+
+    @property
+    def streamed_bytes(self) -> int:
+        """What one decoded token uploads: every block once."""
+        return sum(_bytes(block) for block in self.blocks)
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[nn.Module]:
+        """The resident parts on the device with the policy's current weights, the blocks
+        relayed as the model runs; everything freed on leaving."""
+        theirs = _tensors(self.policy)
+        self.sources = [_tensors(self.policy.get_submodule(name)) for name in self.block_names]
+        if self.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        try:
+            for m in self.resident:
+                m.to_empty(device=self.device, recurse=False)
+            with torch.no_grad():
+                for name, ours in _tensors(self.model).items():
+                    if ours.device.type != "meta":
+                        ours.copy_(theirs[name], non_blocking=True)
+            yield self.model
+        finally:
+            if self._stream is not None:
+                self._stream.synchronize()  # an upload of a block no token will read may still be under way
+            for i in list(self._ready):
+                self._free(i)
+            self.sources = []
+            self.model.to_empty(device="meta")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _enter(self, i: int) -> None:
+        """Block `i` on the device before it runs (waiting for its upload where one is under way),
+        and the next block's upload started beside its compute."""
+        if i not in self._ready:
+            self._fill(i)
+        done = self._ready[i]
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        following = (i + 1) % len(self.blocks)  # the last block's next: the first, for the next token
+        if following not in self._ready:
+            self._fill(following)
+
+    def _leave(self, i: int) -> None:
+        self._free(i)
+
+    def _fill(self, i: int) -> None:
+        """Upload block `i`'s current weights: on the side stream on a GPU (its storage allocated on
+        the compute stream, which frees it after use), else in place."""
+        block = self.blocks[i]
+        block.to_empty(device=self.device)
+        self.visits += 1
+        with torch.no_grad():
+            if self._stream is None:
+                _fill_from(block, self.sources[i])
+                self._ready[i] = None
+                return
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the allocation
+            with torch.cuda.stream(self._stream):
+                _fill_from(block, self.sources[i])
+                self._ready[i] = torch.cuda.Event()
+                self._ready[i].record(self._stream)
+
+    def _free(self, i: int) -> None:
+        self.blocks[i].to_empty(device="meta")
+        self._ready.pop(i, None)
+
+
+def free_bytes(device: torch.device) -> int:
+    """What the device has free now (a CPU: unbounded, for the host is where a CPU run samples anyway)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 62
+
+
+def choose(policy: nn.Module, device: torch.device, block_names: list[str], dtype: torch.dtype | None,
+           cache: int, free: int, margin: float = 1.2) -> tuple[DeviceCopy | None, str]:
+    """Where a host-held policy samples, given a micro-batch's KV cache (`cache` bytes) and the
+    device's `free` bytes (each needed with `margin` to spare): a whole copy on the device; else a
+    relay of its blocks with the cache there, else with the cache on the host; else nowhere (None:
+    on the host, from the policy itself). The sentence says which and what it costs ("" for a
+    whole copy)."""
+    whole = DeviceCopy(policy, device, dtype)
+    if (whole.bytes + cache) * margin <= free:
+        return whole, ""
+    said = (f"rollouts: the policy ({whole.bytes / GiB:.1f} GiB) and a micro-batch's KV cache ({cache / GiB:.1f} GiB) "
+            f"do not fit in the device's free memory ({free / GiB:.1f} GiB): ")
+    relay, where = relayed(policy, device, block_names, dtype, cache, free, margin)
+    if (relay.bytes + (2 * cache // len(block_names) if relay.cache_on_host else cache)) * margin > free:
+        return None, said + "sampling on the host, from its copy there"
+    return relay, said + where
+
+
+def relayed(policy: nn.Module, device: torch.device, block_names: list[str], dtype: torch.dtype | None,
+            cache: int, free: int, margin: float = 1.2) -> tuple[RelayCopy, str]:
+    """A relay of `policy`'s blocks through `device`, its KV cache there where the cache fits
+    beside the relay's parts, else on the host (a GPU's: a CPU's "device" is the host); and the
+    sentence saying what it streams and holds."""
+    relay = RelayCopy(policy, device, block_names, dtype)
+    relay.cache_on_host = device.type == "cuda" and (relay.bytes + cache) * margin > free
+    return relay, (f"relay decode, the blocks streamed through the device once a decoded token "
+                   f"({relay.streamed_bytes / GiB:.1f} GiB a token, at most {relay.bytes / GiB:.1f} GiB held), "
+                   f"the KV cache on the {'host' if relay.cache_on_host else 'device'}")
 
 
 def kv_cache_bytes(config, sequences: int, tokens: int, dtype: torch.dtype) -> int:
@@ -65,6 +208,16 @@ def kv_cache_bytes(config, sequences: int, tokens: int, dtype: torch.dtype) -> i
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return cache_bytes(config.num_hidden_layers, heads, width, sequences, tokens, dtype.itemsize)
+
+
+def _bytes(module: nn.Module, recurse: bool = True) -> int:
+    return sum(t.numel() * t.element_size()
+               for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)])
+
+
+def _fill_from(module: nn.Module, source: dict[str, torch.Tensor]) -> None:
+    for name, ours in _tensors(module).items():
+        ours.copy_(source[name], non_blocking=True)
 
 
 def _meta_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -104,16 +104,17 @@ def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device
 @torch.no_grad()
 def sample(model: nn.Module, prompts: list[list[int]], keys: list[int], sampling: Sampling, max_new_tokens: int,
            end_ids: set[int], pad_id: int, device: torch.device, autocast=None,
-           on_token: Callable[[int], None] | None = None) -> list[list[int]]:
+           on_token: Callable[[int], None] | None = None, cache_on_host: bool = False) -> list[list[int]]:
     """Each prompt's completion: the tokens drawn up to and including the first end token, or
     `max_new_tokens` of them (truncated). `keys`: one per prompt (`sample_key`); `autocast`: the
     run's precision context, entered around every forward (None: the weights' own dtype);
-    `on_token(t)`: told after each token drawn (progress)."""
+    `on_token(t)`: told after each token drawn (progress); `cache_on_host`: the KV cache kept on
+    the host, each layer's brought to the GPU as it runs (Hugging Face's offloaded cache; CUDA)."""
     from transformers import DynamicCache
 
     ids, mask, positions = left_padded(prompts, pad_id, device)
     numbers = uniforms(keys, max_new_tokens)
-    cache = DynamicCache(config=getattr(model, "config", None))
+    cache = DynamicCache(config=getattr(model, "config", None), offloading=cache_on_host)
     ends = torch.tensor(sorted(end_ids), dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     drawn: list[torch.Tensor] = []

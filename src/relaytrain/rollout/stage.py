@@ -69,6 +69,8 @@ class RolloutStage:
         self.seq_len = seq_len
         self.seed = seed  # train.seed: what sampling's keys and the rows' dropout keys (the loader's) start from
         self.precision = precision
+        # Whether sampling keeps the KV cache on the host (a relay of a policy whose cache does not fit beside it).
+        self.cache_on_host = False
         self.rewards = Rewards.load(list(objective.rewards), None if objective.reward_weights is None
                                     else list(objective.reward_weights))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -180,7 +182,7 @@ class RolloutStage:
                 repeated = [p for p in ids for _ in range(o.num_generations)]
                 keys = [sampling.sample_key(self.seed, batch, j, k) for j in which for k in range(o.num_generations)]
                 drawn = sampling.sample(policy, repeated, keys, how, o.max_completion_length, self.end_ids,
-                                        self.pad_id, device, self._autocast(device), told)
+                                        self.pad_id, device, self._autocast(device), told, self.cache_on_host)
                 records = [int(r) for r in mb.record for _ in range(o.num_generations)]
                 out += [Completion(r, p, c, truncated=not (c and c[-1] in self.end_ids))
                         for r, p, c in zip(records, repeated, drawn, strict=True)]

@@ -38,7 +38,7 @@ def check_shared(cfg, chosen) -> None:
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
 
-def _check_online(objective, layout, adapter: str) -> None:
+def _check_online(objective, cls, layout, adapter: str) -> None:
     """An objective that samples its own completions: its rewards found (a user's imported, a
     reward model's directory there), and what it cannot do yet, each in one line."""
     from relaytrain.rollout.rewards import Rewards
@@ -49,6 +49,10 @@ def _check_online(objective, layout, adapter: str) -> None:
         raise ConfigError(f"objective.rollout_engine={objective.rollout_engine}: relaytrain samples with its own "
                           f"engine only (objective.rollout_engine=builtin), which reads the run's weights where they "
                           f"are; an external engine is not built in yet")
+    if objective.rollout_placement != "auto" and not cls.capabilities.host_held_policy:
+        raise ConfigError(f"objective.rollout_placement={objective.rollout_placement} chooses where a host-held policy "
+                          f"samples (l2l's), and strategy={cls.name} holds the policy where it computes, which is where "
+                          f"it samples; leave it at auto")
     if not layout.replicates_whole and adapter != "none":
         raise ConfigError(f"adapter={adapter} with objective={objective.name} samples from a whole copy of the model "
                           f"(one process, or replicas), and this strategy splits it over {layout.size} processes; "
@@ -143,7 +147,7 @@ def check_layers(cfg, chosen) -> None:
     check_preset(cfg.strategy)
     chosen.strategy.check_config(cfg)
     if chosen.objective.learns_online:  # where the strategy puts the model: its to say, once its keys are checked
-        _check_online(chosen.objective, chosen.strategy.rank_layout(cfg), cfg.adapter.name)
+        _check_online(chosen.objective, chosen.strategy, chosen.strategy.rank_layout(cfg), cfg.adapter.name)
     chosen.source.check(cfg, chosen.objective)
     check_model(cfg.model, cfg.adapter, chosen.family, chosen.objective, defaults=AdapterConfig())
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from relaytrain.models.layered import MicroBatch
 from relaytrain.rollout import on_device
-from relaytrain.rollout.on_device import DeviceCopy
+from relaytrain.rollout.on_device import DeviceCopy, RelayCopy
 from relaytrain.rollout.stage import RolloutBatch, RolloutStage, figures_of_total
 from relaytrain.schema.row import row_values
 
@@ -53,6 +53,7 @@ class Rollouts:
         self.stage.set_end_ids(_end_ids(self.policy, config), config.vocab_size)
         sequences = prompts_per_microbatch * objective.num_generations
         self.device_copy = self._device_copy(world.device, spec.precision, config, sequences, seq_len)
+        self.stage.cache_on_host = self.device_copy is not None and self.device_copy.cache_on_host
         # The reference of the KL term: the initial model, taken before any checkpoint is loaded
         # (the strategy's model is as the run built it); with adapters, the policy with them off.
         self.reference = None
@@ -60,6 +61,9 @@ class Rollouts:
             if self.gathers:
                 self._load_weights()
             self.reference = copy.deepcopy(self.policy).requires_grad_(False) if self.maker else None
+        # A host-held reference scores as the policy samples: relayed through the device beside it.
+        self.reference_copy = None if self.reference is None or self.device_copy is None else RelayCopy(
+            self.reference, world.device, self._block_names(), spec.precision.half if spec.precision.cross else None)
         self.figures: dict[str, float] = {}  # the last rollout batch's, for the step that made it
 
     def minibatch(self, step: int, loader) -> list[MicroBatch]:
@@ -73,8 +77,7 @@ class Rollouts:
                 self._load_weights()
             made = None
             if self.maker:
-                with self._sampling_policy() as policy:
-                    reference = self.reference
+                with self._sampling_policy() as policy, self._scoring_reference() as reference:
                     if reference is None and stage.objective.beta != 0:
                         reference = _ReferenceView(policy)
                     made = stage.make(step, loader.minibatch(stage.batch_of(step)), policy, reference,
@@ -106,26 +109,43 @@ class Rollouts:
 
     def _device_copy(self, device: torch.device, precision, config, sequences: int, tokens: int
                      ) -> DeviceCopy | None:
-        """A device copy of a policy held on the host (L2L's), where it and a micro-batch's KV
-        cache fit in the device's free memory; None where the policy samples where it is."""
-        if self.policy is None or self.simulated or device.type == "cpu":
-            return None
-        if next(self.policy.parameters()).device.type == device.type:  # already there (the whole-model strategies)
+        """Where a policy held on the host (L2L's) samples, by objective.rollout_placement: auto
+        chooses by the device's free memory (`on_device.choose`: a device copy, a relay of its
+        blocks, or the host) and leaves a CPU run's policy where it is, as does host; copy and relay
+        are taken as asked (on a CPU too, where the "device" is the host). None: the policy
+        samples where it is (the whole-model strategies too)."""
+        placement = self.stage.objective.rollout_placement
+        if (self.policy is None or self.simulated or not self.strategy.capabilities.host_held_policy
+                or placement == "host" or (placement == "auto" and device.type == "cpu")):
             return None
         dtype = precision.half if precision.cross else None
-        made = DeviceCopy(self.policy, device, dtype)
         cache = on_device.kv_cache_bytes(config, sequences, tokens, dtype or torch.float32)
-        if on_device.fits(made.bytes, cache, device):
-            return made
-        if self.reporter:
-            print(f"rollouts: the policy ({made.bytes / 2**30:.1f} GiB) and a micro-batch's KV cache "
-                  f"({cache / 2**30:.1f} GiB) do not fit in the device's free memory: sampling on the host, from "
-                  f"its copy there", flush=True)
-        return None
+        free = on_device.free_bytes(device)
+        if placement == "copy":
+            return DeviceCopy(self.policy, device, dtype)
+        if placement == "relay":
+            made, said = on_device.relayed(self.policy, device, self._block_names(), dtype, cache, free)
+        else:
+            made, said = on_device.choose(self.policy, device, self._block_names(), dtype, cache, free)
+        if said and self.reporter:
+            print(said, flush=True)
+        return made
+
+    def _block_names(self) -> list[str]:
+        """The policy's decoder layers, by module name (the strategy's blocks wrap them)."""
+        names = {id(m): name for name, m in self.policy.named_modules()}
+        return [names[id(b.layer)] for b in self.strategy.model.blocks]
 
     def _sampling_policy(self):
-        """The model the policy samples with: its device copy for the batch, else itself."""
+        """The model the policy samples with: its device copy (or relay) for the batch, else itself."""
         return self.device_copy.on_device() if self.device_copy is not None else contextlib.nullcontext(self.policy)
+
+    def _scoring_reference(self):
+        """The reference the batch scores with: its relay through the device where the policy
+        samples there, else itself (None: none, or the policy's adapters off)."""
+        if self.reference_copy is not None:
+            return self.reference_copy.on_device()
+        return contextlib.nullcontext(self.reference)
 
     def _load_weights(self) -> None:
         """The run's current weights, gathered from every process into the first one's whole model

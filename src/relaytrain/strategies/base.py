@@ -48,6 +48,9 @@ class Capabilities:
     cross_precision: bool = False  # cmp_*: fp32 masters apart from the half weights computed with
     lowbit_states: bool = True  # optim.state_bits=8|4: torchao's AdamW over the strategy's own parameters
     bf16_masters: bool = False  # optim.master_dtype=bf16: the eager param server's masters in bf16
+    # An online objective's policy is the model it holds on the host (L2L's masters), which
+    # objective.rollout_placement puts on the device to sample; others sample where the model is.
+    host_held_policy: bool = False
 
     @property
     def update_delay(self) -> int:

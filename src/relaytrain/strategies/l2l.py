@@ -136,7 +136,7 @@ class L2L(ReplicatedStrategy):
 
     Config = L2LConfig
     cost_model = L2LSequenceCost  # what the planner asks: l2l_cost.py's closed forms
-    capabilities = Capabilities(cross_precision=True, bf16_masters=True)
+    capabilities = Capabilities(cross_precision=True, bf16_masters=True, host_held_policy=True)
     compact_base = True  # the relay casts an adapter's half-precision base to the compute dtype on upload
 
     @classmethod
