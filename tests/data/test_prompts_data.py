@@ -35,6 +35,7 @@ class OnlineLM(CausalLM):
     rows_per_item = 4
     max_completion_length = COMPLETION
     rollout_engine = "builtin"
+    rollout_placement = "auto"
     rewards = ("exact_answer",)
     reward_weights = None
 

@@ -353,8 +353,12 @@ def test_the_summary_shows_the_sampling_time_the_step_time_leaves_out():
 @pytest.mark.slow
 def test_qlora_grpo_samples_from_the_4_bit_base_and_trains_its_adapter(setting, tmp_path):
     """A 4-bit base with a LoRA adapter: sampling runs on the quantized model as training does, the
-    KL term's reference is the base alone (adapters off), and the adapter trains."""
+    KL term's reference is the base alone (adapters off), and the adapter trains; relayed a block
+    at a time (the 4-bit storage is what a relay uploads), it samples the same completions."""
     results = grpo_run(setting, tmp_path / "run", "adamw", "strategy=l2l", "adapter=qlora", "objective.beta=0.04")
     rows = rollouts(tmp_path / "run")
     assert len(rows) == STEPS * PROMPTS * ACCUMULATE * G and all(math.isfinite(x) for x in results["loss"])
     assert (tmp_path / "run" / "model" / "adapter_model.safetensors").is_file()
+    grpo_run(setting, tmp_path / "relay", "adamw", "strategy=l2l", "adapter=qlora", "objective.beta=0.04",
+             "objective.rollout_placement=relay")
+    assert [r["completion_ids"] for r in rollouts(tmp_path / "relay")] == [r["completion_ids"] for r in rows]

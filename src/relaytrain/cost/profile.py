@@ -23,16 +23,14 @@ import contextlib
 import copy
 import json
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from importlib import resources
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from relaytrain.cost.rates import REPEATS, links_of_this_machine, memory_rate, pinned_copy_rate
 from relaytrain.cost.work import model_work
 from relaytrain.models import build_model, part_parameters
 from relaytrain.models.layered import LayeredModel, MicroBatch
@@ -46,7 +44,6 @@ from relaytrain.step.precision import Precision
 from relaytrain.step.rounding import ROUNDING_VS_FP32_ADAMW, Bf16Masters, bf16_masters
 from relaytrain.utils.errors import ConfigError
 
-REPEATS = 5  # timed repetitions per figure, after one warm-up; the median is kept
 PART_BUDGET_S = 0.4  # a block's forward + backward slower than this: larger sizes are extrapolated
 SPEC_REQUIRED = ("name", "device", "source", "memory_gb", "peak_tflops", "compute_efficiency",
                  "tokens_half_efficiency", "memory_bandwidth_gb_s", "host_to_device_gb_s", "stage_link_gb_s",
@@ -118,6 +115,9 @@ class Profile:
     link_latency_s: float  # per message
     host_optimizer_s_per_param: float  # the EPS's optimizer step on the host, per parameter
     timings: dict[int, Timings]
+    # Bytes/s a device streams from its own memory (decoding reads every weight once a token):
+    # a spec's bandwidth times its efficiency, or a copy timed here (a CPU: the host's memory).
+    memory_bytes_per_s: float | None = None
 
     def for_workers(self, workers: int, configured_threads: int = 0) -> Timings:
         """The timings of one of `workers` processes running at once on this machine.
@@ -162,16 +162,17 @@ def measure(cfg, microbatch_sizes: list[int], worker_counts: list[int], device: 
             timings[threads] = measure_timings(cfg, sorted(set(microbatch_sizes)), device)
     finally:
         torch.set_num_threads(saved)
-    p2p, allreduce, latency, how = _links_of_this_machine(device, max(worker_counts))
+    p2p, allreduce, latency, how = links_of_this_machine(device, max(worker_counts))
     return Profile(
         name="this", device=_describe_this(device, cores), device_type=device.type,
         source=f"measured on this machine ({time.strftime('%Y-%m-%d %H:%M')}): one block of the configured model, "
                f"median of {REPEATS} timed repetitions after a warm-up; links: {how}",
         cores=cores, memory_bytes=torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
-        host_to_device_bytes_per_s=_pinned_copy_rate(device) if device.type == "cuda" else None,
+        host_to_device_bytes_per_s=pinned_copy_rate(device) if device.type == "cuda" else None,
         stage_link_bytes_per_s=p2p, allreduce_bytes_per_s=allreduce, inter_node_bytes_per_s=allreduce,
         devices_per_node=torch.cuda.device_count() if device.type == "cuda" else cores, link_latency_s=latency,
         host_optimizer_s_per_param=_host_optimizer_s_per_param(cfg, timings, device), timings=timings,
+        memory_bytes_per_s=memory_rate(device),
     )
 
 
@@ -304,89 +305,6 @@ def _block_parameters(cfg) -> int:
     return part_parameters(cfg.model)[1]
 
 
-def _pinned_copy_rate(device: torch.device, megabytes: int = 256) -> float:
-    """Host -> device bytes/s of a pinned copy, timed (the L2L relay's uploads are pinned)."""
-    host = torch.empty(megabytes * 2**20, dtype=torch.uint8).pin_memory()
-    target = torch.empty_like(host, device=device)
-    target.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(REPEATS):
-        target.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)
-    return REPEATS * host.numel() / (time.perf_counter() - start)
-
-
-def _links_of_this_machine(device: torch.device, workers: int) -> tuple[float, float, float, str]:
-    """Stage-to-stage and all-reduce bandwidth (bytes/s) and latency per message, and how they
-    were found. CPU workers talk over gloo on localhost: timed between two spawned processes
-    (only when a run may have several workers). CUDA: a copy between the first two devices."""
-    if device.type == "cuda":
-        if torch.cuda.device_count() < 2:
-            return float("inf"), float("inf"), 0.0, "one CUDA device: no link between workers"
-        rate = _device_copy_rate()
-        return rate, rate, 20e-6, "timed cuda:0 -> cuda:1 copy (all-reduce assumed at the same rate)"
-    if workers < 2:
-        return float("inf"), float("inf"), 0.0, "one worker: no link between workers"
-    p2p, allreduce, latency = gloo_rates()
-    return p2p, allreduce, latency, "gloo over localhost TCP between two ranks, timed"
-
-
-GLOO_BYTES = 16 * 2**20
-
-
-def gloo_rates() -> tuple[float, float, float]:
-    """Point-to-point bytes/s, all-reduce bus bytes/s and per-message latency of gloo on this
-    machine: two ranks over localhost TCP, the transport CPU workers use, as two threads of
-    this process (gloo releases the GIL while it moves bytes)."""
-    store = dist.HashStore()
-    figures: dict[int, tuple[float, float, float]] = {}
-    ranks = [threading.Thread(target=_gloo_rank, args=(rank, store, figures)) for rank in (0, 1)]
-    for rank in ranks:
-        rank.start()
-    for rank in ranks:
-        rank.join(60)
-    if 0 not in figures:
-        raise ConfigError("timing gloo on this machine failed; plan with plan.workers=1")
-    return figures[0]
-
-
-def _gloo_rank(rank: int, store, figures: dict) -> None:
-    group = dist.ProcessGroupGloo(dist.PrefixStore("relaytrain-plan", store), rank, 2, timedelta(seconds=60))
-    big, small = torch.ones(GLOO_BYTES // 4), torch.ones(1)
-    peer = 1 - rank
-
-    def round_trip(t: torch.Tensor) -> None:
-        first, second = (group.send, group.recv) if rank == 0 else (group.recv, group.send)
-        first([t], peer, 0).wait()
-        second([t], peer, 0).wait()
-
-    def timed(fn) -> float:
-        fn()
-        group.barrier().wait()
-        start = time.perf_counter()
-        for _ in range(REPEATS):
-            fn()
-        return (time.perf_counter() - start) / REPEATS
-
-    latency = timed(lambda: round_trip(small)) / 2
-    one_way = max(timed(lambda: round_trip(big)) / 2 - latency, 1e-9)
-    allreduce = timed(lambda: group.allreduce([big]).wait())
-    figures[rank] = (GLOO_BYTES / one_way, GLOO_BYTES / allreduce, latency)
-
-
-def _device_copy_rate(megabytes: int = 256) -> float:
-    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device="cuda:0")
-    target = torch.empty_like(source, device="cuda:1")
-    target.copy_(source)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(REPEATS):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    return REPEATS * source.numel() / (time.perf_counter() - start)
-
-
 def _describe_this(device: torch.device, cores: int) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} x {torch.cuda.device_count()} (this machine)"
@@ -447,7 +365,7 @@ def from_spec(spec: dict, cfg, microbatch_sizes: list[int]) -> Profile:
         inter_node_bytes_per_s=spec["inter_node_gb_s"] * link, devices_per_node=spec["devices_per_node"],
         link_latency_s=spec["link_latency_s"],
         host_optimizer_s_per_param=_spec_host_optimizer_s_per_param(cfg, spec["host_optimizer_gb_s"] * link),
-        timings={0: timings},
+        timings={0: timings}, memory_bytes_per_s=spec["memory_bandwidth_gb_s"] * link,
     )
 
 

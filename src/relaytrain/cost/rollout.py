@@ -9,11 +9,16 @@ prompt and max_completion_length), so the cache's bytes are bounded by
 
 the bytes being the weights' where they compute (the cache takes the activations' dtype). The
 planner reports it beside a plan's figures: the memory sampling needs where the policy samples,
-on top of the weights there (a whole-model strategy's device; L2L's host in this version). The
-step time and the fit do not count sampling yet (the planner says so).
+on top of the weights there.
+
+Sampling's time (`sampling_cost`) joins a plan's step: decoding is a forward of one position per
+sequence per token, bound by reading the weights (from device memory, or over the host link when
+L2L relays a policy that does not fit) more than by its FLOPs at the batch sizes GRPO samples.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from relaytrain.cost.formulas import ModelFacts
 
@@ -27,3 +32,75 @@ def kv_cache_bytes(facts: ModelFacts, sequences: int, tokens: int) -> int:
 def cache_bytes(layers: int, kv_heads: int, head_dim: int, sequences: int, tokens: int, value_bytes: int) -> int:
     """The closed form above, from the widths themselves (keys and values: 2)."""
     return 2 * layers * kv_heads * head_dim * sequences * tokens * value_bytes
+
+
+# -------------------------------------------------------------------------------- time
+
+# Where a policy samples, as the run chooses it (`rollout.on_device`): on the device that holds it
+# (a whole-model strategy; any run on a CPU, whose device is the host), a whole copy uploaded to
+# the GPU for the batch, or a relay of its blocks once per decoded token (L2L's host-held policy).
+WHERE = ("device", "copy", "relay")
+COPY_MARGIN = 1.2  # the room `rollout.on_device.choose` wants beside a copy and its cache
+
+
+@dataclass(frozen=True)
+class SamplingCost:
+    """A rollout batch's predicted seconds and where they go: every micro-batch's prompt pass
+    (prefill), its decoded tokens, and the scoring passes over the finished rows (the sampling
+    policy's log-probs for num_iterations > 1, the reference's for beta > 0); a copy's upload."""
+
+    batch_s: float
+    where: str
+    parts: dict[str, float]
+
+    def per_step(self, num_iterations: int) -> float:
+        """A step's share: a rollout batch serves num_iterations steps."""
+        return self.batch_s / num_iterations
+
+
+def weight_bytes(facts: ModelFacts) -> int:
+    """What decoding a token reads of the weights, as the device holds them (or a relay uploads
+    them): what trains in the compute dtype, a frozen base as kept (a 4-bit one as stored)."""
+    return facts.whole(facts.upload_bytes)
+
+
+def placement(host_held: bool, device_type: str, weights: int, cache: int, free: int | None) -> str:
+    """Where the run's policy samples (`WHERE`): a host-held policy beside a GPU is copied where
+    it and the cache fit in `free` bytes, else relayed; everything else samples where it is."""
+    if not host_held or device_type == "cpu":
+        return "device"
+    return "copy" if free is not None and (weights + cache) * COPY_MARGIN <= free else "relay"
+
+
+def sampling_cost(facts: ModelFacts, block_forward_s: float, head_forward_s: float, memory_rate: float,
+                  upload_rate: float | None, *, rows: int, microbatches: int, completion_tokens: int,
+                  scoring_passes: int, where: str) -> SamplingCost:
+    """One rollout batch of `microbatches` micro-batches of `rows` sequences, each decoding up to
+    `completion_tokens` after a prompt of the rest of data.seq_len (the bounds the run holds).
+
+    `block_forward_s` and `head_forward_s`: the profile's forward of one block and of the head
+    over `rows` sequences of data.seq_len tokens. A decoded token runs every block and the head
+    on one position of each sequence: the larger of that compute (the forward over one position's
+    share) and reading the weights once (from device memory at `memory_rate`, a micro-batch at a
+    time; a relay streams them from the host at `upload_rate` once for the whole batch), plus
+    reading the cache (half full on average). The prompt
+    pass and the scoring passes are forwards over their tokens. Launch overheads beyond the
+    profile's are not counted: a lower bound where they dominate (tiny models on a GPU)."""
+    seq = facts.seq_len
+    prompt = max(seq - completion_tokens, 1)
+    forward = facts.num_layers * block_forward_s + head_forward_s  # every block and the head, rows x seq tokens
+    weights = weight_bytes(facts)
+    relay = where == "relay" and bool(upload_rate)
+    streamed = weights / upload_rate if relay else weights / memory_rate
+    # A relay decodes the whole batch together (each token streams the model once for all of it);
+    # a model on the device, a micro-batch at a time.
+    together = microbatches if relay else 1
+    groups = microbatches // together
+    cache_read = kv_cache_bytes(facts, together * rows, prompt + completion_tokens // 2) / memory_rate
+    token = max(together * forward / seq, streamed) + cache_read
+    scoring = scoring_passes * (forward + (streamed if relay else 0.0))  # a micro-batch's rows at a time
+    parts = {"prefill": groups * max(together * forward * prompt / seq, streamed),
+             "decode": groups * completion_tokens * token, "scoring": microbatches * scoring}
+    if where == "copy" and upload_rate:
+        parts["upload"] = weights / upload_rate
+    return SamplingCost(sum(parts.values()), where, parts)

@@ -46,6 +46,7 @@ from relaytrain.cost.reference import ReferenceCost, reference_cost
 from relaytrain.cost.rollout import kv_cache_bytes
 from relaytrain.cost.shape import DEGREES, Shape
 from relaytrain.planner.dryrun import simulate
+from relaytrain.planner.sampling import free_between_steps, sampling_for, with_sampling
 from relaytrain.run.compose import validate
 from relaytrain.run.preflight import HEADROOM, check_can_start
 from relaytrain.run.resolve import choose
@@ -78,7 +79,7 @@ class Request:
     seq_len: int = 0  # data.seq_len: what a plan's answer depends on as much as on the batch
     rows_per_item: int = 1  # sequences a sample is (`Objective.rows_per_item`: a preference pair's 2)
     needs_reference: bool = False  # the objective reads a reference's log-probs, computed by a pass first
-    sampled: bool = False  # an online objective's rows, sampled each step: the plan times the update alone
+    sampled: bool = False  # an online objective's rows, sampled each rollout batch: its share is in each step
 
     @property
     def tokens_per_step(self) -> int:
@@ -253,7 +254,9 @@ def check_candidate(shape: Shape, base, facts: ModelFacts, profile: Profile, req
     except ConfigError as err:
         candidate.fits, candidate.why_not = False, str(err)
         return candidate
-    candidate.cost = model.step_cost(cfg, facts, profile)
+    free = free_between_steps(device_budget(request, profile), facts)
+    candidate.cost = with_sampling(model.step_cost(cfg, facts, profile),
+                                   sampling_for(cfg, cls, facts, profile, shape.workers, free), cfg)
     if request.sampled:
         candidate.kv_cache_bytes = kv_cache_bytes(facts, shape.microbatch_size * request.rows_per_item, request.seq_len)
     if profile.device_type == "cpu":  # the host state is in the same memory the dry run counts

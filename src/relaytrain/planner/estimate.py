@@ -33,7 +33,7 @@ class Estimate:
     run_s: float
     flops_per_step: float
     device_memory_bytes: int | None  # the dry run's peak, where there is a separate device
-    sampled: bool = False  # an online objective's rows: sampling them each step is not in the figures
+    sampled: bool = False  # an online objective's rows: the step includes its share of sampling them
 
     def line(self, steps: int, device: torch.device) -> str:
         text = (f"estimate (a prediction): about {duration(self.step_s)} a step, {duration(self.run_s)} for "
@@ -43,7 +43,8 @@ class Estimate:
             text += f", {self.device_memory_bytes / GiB:.2f} GiB of device memory, simulated"
         text += ")"
         if self.sampled:
-            text += "; the update only: sampling the completions each step comes on top (metrics.csv's rollout_s)"
+            text += ("; the step includes its share of sampling the completions, predicted from reading the weights "
+                     "once a decoded token (a run measures it as rollout_s)")
         if device.type == "cpu" and self.run_s > LONG_RUN_S:
             text += ("; this config is meant for a GPU: to try it on this CPU, shorten it, e.g. train.steps=3 "
                      "model.num_layers=2 strategy.microbatch_size=2 strategy.num_microbatches=1")

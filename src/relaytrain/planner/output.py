@@ -98,9 +98,12 @@ def request_line(r: Request) -> str:
 def sampling_line(c: Candidate, r: Request) -> str:
     """What sampling the best candidate's completions holds, and what the figures leave out."""
     sequences = c.shape.microbatch_size * r.rows_per_item
+    said = next((note for note in (c.cost.notes if c.cost else []) if note.startswith("sampling: ")), None)
+    timed = ("the step above includes its share of " + said.removeprefix("sampling: ") if said
+             else "sampling's time is not in the step above")
     return (f"sampling: a micro-batch's {sequences} sequences hold up to {c.kv_cache_bytes / GiB:.2f} GiB of keys and "
-            f"values at {r.seq_len} tokens (closed form), where the policy samples, beside its weights; the figures "
-            f"above are the update's: sampling's time is not in them yet (a run reports it as rollout_s)")
+            f"values at {r.seq_len} tokens (closed form), where the policy samples, beside its weights; {timed} "
+            f"(predicted; a run reports it as rollout_s)")
 
 
 def reference_line(c: Candidate) -> str:

@@ -42,6 +42,7 @@ from relaytrain.planner.candidates import (
     reference_json,
 )
 from relaytrain.planner.dryrun import simulate
+from relaytrain.planner.sampling import free_between_steps, sampling_for, with_sampling
 from relaytrain.run.compose import compose
 from relaytrain.run.launch import keep_freed_host_memory
 from relaytrain.run.resolve import choose
@@ -380,7 +381,9 @@ def predict(cfg) -> Prediction:
     facts = ModelFacts.of(cfg)
     sizes = sorted({facts.rows(b) for b in {*powers_of_two_dividing(s.microbatch_size), s.microbatch_size}})
     profile = measure_as_run(cfg, sizes, [cls.processes(cfg)], device)
-    cost = cls.cost_model.step_cost(cfg, facts, profile)
     memory = simulate(cfg).allocator_peak_bytes if device.type == "cuda" else None
+    free = free_between_steps(_device_memory(device), facts)  # where a host-held policy's copy must fit
+    cost = with_sampling(cls.cost_model.step_cost(cfg, facts, profile),
+                         sampling_for(cfg, cls, facts, profile, cls.processes(cfg), free), cfg)
     batch = s.microbatch_size * s.num_microbatches * cls.replicas(cfg)
     return Prediction(cost.step_s, batch / cost.step_s, memory)

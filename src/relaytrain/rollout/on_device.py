@@ -173,31 +173,33 @@ def free_bytes(device: torch.device) -> int:
 
 
 def choose(policy: nn.Module, device: torch.device, block_names: list[str], dtype: torch.dtype | None,
-           cache: int, free: int, margin: float = 1.2) -> tuple[DeviceCopy | None, str]:
-    """Where a host-held policy samples, given a micro-batch's KV cache (`cache` bytes) and the
-    device's `free` bytes (each needed with `margin` to spare): a whole copy on the device; else a
-    relay of its blocks with the cache there, else with the cache on the host; else nowhere (None:
-    on the host, from the policy itself). The sentence says which and what it costs ("" for a
-    whole copy)."""
+           cache: int, free: int, microbatches: int = 1, margin: float = 1.2) -> tuple[DeviceCopy | None, str]:
+    """Where a host-held policy samples, given a micro-batch's KV cache (`cache` bytes), the
+    micro-batches of a rollout batch and the device's `free` bytes (each needed with `margin` to
+    spare): a whole copy on the device, a micro-batch decoded at a time; else a relay of its blocks
+    decoding the whole batch together (its cache `microbatches` times a micro-batch's) with the
+    cache there, else with the cache on the host; else nowhere (None: on the host, from the
+    policy itself). The sentence says which and what it costs ("" for a whole copy)."""
     whole = DeviceCopy(policy, device, dtype)
     if (whole.bytes + cache) * margin <= free:
         return whole, ""
     said = (f"rollouts: the policy ({whole.bytes / GiB:.1f} GiB) and a micro-batch's KV cache ({cache / GiB:.1f} GiB) "
             f"do not fit in the device's free memory ({free / GiB:.1f} GiB): ")
-    relay, where = relayed(policy, device, block_names, dtype, cache, free, margin)
-    if (relay.bytes + (2 * cache // len(block_names) if relay.cache_on_host else cache)) * margin > free:
+    batch = cache * microbatches
+    relay, where = relayed(policy, device, block_names, dtype, batch, free, margin)
+    if (relay.bytes + (2 * batch // len(block_names) if relay.cache_on_host else batch)) * margin > free:
         return None, said + "sampling on the host, from its copy there"
     return relay, said + where
 
 
 def relayed(policy: nn.Module, device: torch.device, block_names: list[str], dtype: torch.dtype | None,
             cache: int, free: int, margin: float = 1.2) -> tuple[RelayCopy, str]:
-    """A relay of `policy`'s blocks through `device`, its KV cache there where the cache fits
-    beside the relay's parts, else on the host (a GPU's: a CPU's "device" is the host); and the
-    sentence saying what it streams and holds."""
+    """A relay of `policy`'s blocks through `device`, its KV cache (`cache`: the whole rollout
+    batch's, decoded together) there where it fits beside the relay's parts, else on the host (a
+    GPU's: a CPU's "device" is the host); and the sentence saying what it streams and holds."""
     relay = RelayCopy(policy, device, block_names, dtype)
     relay.cache_on_host = device.type == "cuda" and (relay.bytes + cache) * margin > free
-    return relay, (f"relay decode, the blocks streamed through the device once a decoded token "
+    return relay, (f"relay decode of the whole rollout batch, the blocks streamed through the device once a decoded token "
                    f"({relay.streamed_bytes / GiB:.1f} GiB a token, at most {relay.bytes / GiB:.1f} GiB held), "
                    f"the KV cache on the {'host' if relay.cache_on_host else 'device'}")
 

@@ -71,6 +71,9 @@ class RolloutStage:
         self.precision = precision
         # Whether sampling keeps the KV cache on the host (a relay of a policy whose cache does not fit beside it).
         self.cache_on_host = False
+        # Whether every prompt of a rollout batch decodes together (a relay: each token streams the
+        # model through the device once for all of them), not a micro-batch's at a time.
+        self.decode_whole_batch = False
         self.rewards = Rewards.load(list(objective.rewards), None if objective.reward_weights is None
                                     else list(objective.reward_weights))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -168,22 +171,26 @@ class RolloutStage:
         return self.current
 
     def _sample(self, batch: int, prompts: list[MicroBatch], policy: nn.Module) -> list[Completion]:
-        """Every prompt's G completions, prompt by prompt, a micro-batch's prompts decoded together."""
+        """Every prompt's G completions, prompt by prompt: a micro-batch's prompts decoded together,
+        or the whole batch's where `decode_whole_batch` (a relay streams the model once a token)."""
         o = self.objective
         how = sampling.Sampling(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p)
         device = next(policy.parameters()).device
+        groups = [prompts] if self.decode_whole_batch else [[mb] for mb in prompts]
         out, number = [], 0
         with eval_mode(policy):
-            for i, mb in enumerate(prompts):
-                told = self._telling(f"sampling micro-batch {i + 1}/{len(prompts)}")
-                ids = [row[mask.bool()].tolist() for row, mask in zip(mb.input_ids, mb.attention_mask, strict=True)]
+            for i, group in enumerate(groups):
+                told = self._telling(f"sampling micro-batch {i + 1}/{len(groups)}" if len(groups) > 1
+                                     else "sampling the rollout batch")
+                ids = [row[mask.bool()].tolist() for mb in group
+                       for row, mask in zip(mb.input_ids, mb.attention_mask, strict=True)]
                 which = [number + i for i in range(len(ids))]
                 number += len(ids)
                 repeated = [p for p in ids for _ in range(o.num_generations)]
                 keys = [sampling.sample_key(self.seed, batch, j, k) for j in which for k in range(o.num_generations)]
                 drawn = sampling.sample(policy, repeated, keys, how, o.max_completion_length, self.end_ids,
                                         self.pad_id, device, self._autocast(device), told, self.cache_on_host)
-                records = [int(r) for r in mb.record for _ in range(o.num_generations)]
+                records = [int(r) for mb in group for r in mb.record for _ in range(o.num_generations)]
                 out += [Completion(r, p, c, truncated=not (c and c[-1] in self.end_ids))
                         for r, p, c in zip(records, repeated, drawn, strict=True)]
         return out

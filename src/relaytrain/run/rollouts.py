@@ -32,7 +32,7 @@ class Rollouts:
     config (resolved by the trainer)."""
 
     def __init__(self, spec, strategy, world, records: list[dict], tokenizer, seq_len: int, seed: int, run_dir: Path,
-                 reporter: bool, adapter: bool, prompts_per_microbatch: int = 1):
+                 reporter: bool, adapter: bool, prompts_per_microbatch: int = 1, microbatches: int = 1):
         self.strategy, self.world, self.reporter = strategy, world, reporter
         self.simulated = world.simulated  # a dry run: rows of the longest completions, nothing sampled
         # Several processes: the first samples for all and hands every process the rows. Replicas
@@ -52,8 +52,9 @@ class Rollouts:
             self.policy = _whole_model(config, world.device)
         self.stage.set_end_ids(_end_ids(self.policy, config), config.vocab_size)
         sequences = prompts_per_microbatch * objective.num_generations
-        self.device_copy = self._device_copy(world.device, spec.precision, config, sequences, seq_len)
+        self.device_copy = self._device_copy(world.device, spec.precision, config, sequences, seq_len, microbatches)
         self.stage.cache_on_host = self.device_copy is not None and self.device_copy.cache_on_host
+        self.stage.decode_whole_batch = isinstance(self.device_copy, RelayCopy)
         # The reference of the KL term: the initial model, taken before any checkpoint is loaded
         # (the strategy's model is as the run built it); with adapters, the policy with them off.
         self.reference = None
@@ -107,7 +108,7 @@ class Rollouts:
                 figures = self.world.broadcast(figures, 0)
         return figures
 
-    def _device_copy(self, device: torch.device, precision, config, sequences: int, tokens: int
+    def _device_copy(self, device: torch.device, precision, config, sequences: int, tokens: int, microbatches: int
                      ) -> DeviceCopy | None:
         """Where a policy held on the host (L2L's) samples, by objective.rollout_placement: auto
         chooses by the device's free memory (`on_device.choose`: a device copy, a relay of its
@@ -124,9 +125,9 @@ class Rollouts:
         if placement == "copy":
             return DeviceCopy(self.policy, device, dtype)
         if placement == "relay":
-            made, said = on_device.relayed(self.policy, device, self._block_names(), dtype, cache, free)
+            made, said = on_device.relayed(self.policy, device, self._block_names(), dtype, cache * microbatches, free)
         else:
-            made, said = on_device.choose(self.policy, device, self._block_names(), dtype, cache, free)
+            made, said = on_device.choose(self.policy, device, self._block_names(), dtype, cache, free, microbatches)
         if said and self.reporter:
             print(said, flush=True)
         return made

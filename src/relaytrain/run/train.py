@@ -249,7 +249,7 @@ class Trainer:
             spec, strategy, world, job.dataset.records,
             run_tokenizer(cfg.model.pretrained, cfg.model.trust_remote_code, job.run_dir), cfg.data.seq_len,
             cfg.train.seed, job.run_dir, self.reporter, cfg.adapter.name != "none",
-            cfg.strategy.microbatch_size * spec.replicas)
+            cfg.strategy.microbatch_size * spec.replicas, cfg.strategy.num_microbatches)
 
     def run(self) -> dict | None:
         steps = self.cfg.train.steps
