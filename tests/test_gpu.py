@@ -10,7 +10,9 @@ On a CUDA device, with the conformance suite's tiny BERT and its references:
   error of the fp32 reference;
 - FSDP with its shards and optimizer on the host (`strategy.offload=host`) equals the plain loop;
 - bf16 masters (`optim.master_dtype=bf16`) live in pinned bf16 buffers and round as on the CPU;
-- QLoRA (bitsandbytes' CUDA kernels) and the mixtures of experts train as on the CPU.
+- QLoRA (bitsandbytes' CUDA kernels) and the mixtures of experts train as on the CPU;
+- GRPO's relay decode of a host-held policy (blocks uploaded on a side stream, the KV cache on the
+  device or offloaded to the host) draws the tokens a whole device copy draws, leaving nothing.
 
 Skipped where torch sees no CUDA device; `make test-gpu` then says so in one line and runs nothing.
 """
