@@ -70,10 +70,12 @@ def test_a_slow_forward_bounds_the_token_instead():
     ("baseline", "h100_80gb", "llama3_8b", "where the model is"),
     ("l2l", "rtx4090_24gb", "llama3_8b", "a device copy of the host-held policy"),  # 15 GiB of bf16 weights, 2 of cache
     ("l2l", "h100_80gb", "llama3_70b", "relayed through the device"),  # 131 GiB of them
+    ("fsdp", "h100_80gb", "llama3_8b", "a device copy of the host-held policy"),  # gathered on the first's host
 ])
 def test_a_grpo_plan_adds_a_steps_share_of_its_rollout_batch(strategy, device, model, where):
     """The planner's step is the update's and a step's share of sampling (num_iterations steps
-    share a batch), sampled where the run would: a host-held policy copied or relayed."""
+    share a batch), sampled where the run would: a host-held policy (L2L's, or the whole model
+    FSDP's shards gather) copied or relayed."""
     from relaytrain.cost.profile import from_spec, load_spec
     from relaytrain.planner.candidates import GiB
     from relaytrain.planner.sampling import free_between_steps, sampling_for, with_sampling

@@ -104,6 +104,8 @@ STRATEGIES = {  # every placement: one process, and two (two replicas; two stage
                           f"strategy.microbatch_size={PROMPTS}"],
     "pipe_flush": ["strategy=pipe_flush", "strategy.stages=2"],
     "fsdp": ["strategy=fsdp", "strategy.replicas=2", "strategy.num_microbatches=1", f"strategy.microbatch_size={PROMPTS}"],
+    # the whole model two stages gather on the first's host, relayed a block at a time
+    "pipe_flush-relay": ["strategy=pipe_flush", "strategy.stages=2", "objective.rollout_placement=relay"],
 }
 DEFAULT_STRATEGIES = ("l2l", "l2l-relay")  # the others in the slow step (the multi-process ones take ~9 s each here)
 

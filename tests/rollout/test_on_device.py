@@ -9,7 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from relaytrain.rollout.on_device import DeviceCopy, RelayCopy, choose, free_bytes, kv_cache_bytes
+from relaytrain.rollout.on_device import (
+    DeviceCopy,
+    RelayCopy,
+    choose,
+    decoder_layer_names,
+    free_bytes,
+    kv_cache_bytes,
+)
 from relaytrain.rollout.sampling import Sampling, sample, sample_key
 from tests.checkpoints import chat_tokenizer, tiny_decoder, tiny_moe
 
@@ -74,7 +81,7 @@ def test_a_relay_samples_what_the_policy_samples_a_block_at_a_time(tmp_path, kin
     relay draws the policy's tokens and scores its logits, each forward visiting every block
     once with two on the device (the one running, the next uploading), and leaves nothing behind."""
     policy = _policy(kind, tmp_path / kind)
-    assert len(_layers(policy)) == 3
+    assert _layers(policy) == decoder_layer_names(policy) and len(_layers(policy)) == 3
     tok, prompts, keys = _prompts()
     expected = sample(policy, prompts, keys, Sampling(temperature=0.7), 8, {tok.eos_token_id}, tok.pad_token_id, CPU)
     relay = RelayCopy(policy, CPU, _layers(policy))

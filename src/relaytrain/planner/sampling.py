@@ -34,7 +34,8 @@ def sampling_for(cfg, cls, facts: ModelFacts, profile: Profile, workers: int, fr
     rows = facts.rows(s.microbatch_size * cls.replicas(cfg))  # a micro-batch of every replica's prompts
     timings = profile.for_workers(workers, int(cfg.train.threads))
     cache = kv_cache_bytes(facts, rows, facts.seq_len)
-    host_held = cls.capabilities.host_held_policy
+    # L2L's policy, or the whole model that shards and stages gather on the first process's host
+    host_held = cls.capabilities.host_held_policy or not cls.rank_layout(cfg).replicates_whole
     where = PREDICTED[goal.rollout_placement] if host_held and profile.device_type != "cpu" else None
     where = where or placement(host_held, profile.device_type, weight_bytes(facts), cache, free)
     return sampling_cost(facts, timings.part("block", rows).forward_s, timings.part("head", rows).forward_s,

@@ -167,6 +167,16 @@ class RelayCopy(DeviceCopy):
         self._ready.pop(i, None)
 
 
+def decoder_layer_names(model: nn.Module) -> list[str]:
+    """The module names of a Hugging Face causal LM's decoder layers: the first list of modules
+    (in the model's own order, so before any list inside a layer) as long as its config's layers."""
+    layers = model.config.num_hidden_layers
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == layers:
+            return [f"{name}.{i}" for i in range(layers)]
+    raise ValueError(f"{type(model).__name__} has no list of its {layers} decoder layers")
+
+
 def free_bytes(device: torch.device) -> int:
     """What the device has free now (a CPU: unbounded, for the host is where a CPU run samples anyway)."""
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 62

@@ -49,10 +49,10 @@ def _check_online(objective, cls, layout, adapter: str) -> None:
         raise ConfigError(f"objective.rollout_engine={objective.rollout_engine}: relaytrain samples with its own "
                           f"engine only (objective.rollout_engine=builtin), which reads the run's weights where they "
                           f"are; an external engine is not built in yet")
-    if objective.rollout_placement != "auto" and not cls.capabilities.host_held_policy:
+    if objective.rollout_placement != "auto" and not cls.capabilities.host_held_policy and layout.replicates_whole:
         raise ConfigError(f"objective.rollout_placement={objective.rollout_placement} chooses where a host-held policy "
-                          f"samples (l2l's), and strategy={cls.name} holds the policy where it computes, which is where "
-                          f"it samples; leave it at auto")
+                          f"samples (l2l's, or the whole model shards and stages gather), and strategy={cls.name} holds "
+                          f"the whole policy where it computes, which is where it samples; leave it at auto")
     if not layout.replicates_whole and adapter != "none":
         raise ConfigError(f"adapter={adapter} with objective={objective.name} samples from a whole copy of the model "
                           f"(one process, or replicas), and this strategy splits it over {layout.size} processes; "

@@ -38,7 +38,8 @@ class Rollouts:
         # Several processes: the first samples for all and hands every process the rows. Replicas
         # of the whole model (no shards, stages or tensor parts) sample from the first's own model,
         # current as every replica's; otherwise the processes gather their weights into a whole
-        # model there (`_load_weights`).
+        # model on the first's host (`_load_weights`), which samples as L2L's host-held policy does:
+        # copied to its device, or relayed through it, where the device is a GPU.
         self.spread = world.size > 1 and not self.simulated
         self.maker = not self.spread or world.rank == 0
         self.gathers = self.spread and not strategy.layout.replicates_whole
@@ -49,7 +50,7 @@ class Rollouts:
                                   strategy.progress)
         self.policy = strategy.model.hf_model if self.maker and not self.gathers else None
         if self.gathers and self.maker:
-            self.policy = _whole_model(config, world.device)
+            self.policy = _whole_model(config)
         self.stage.set_end_ids(_end_ids(self.policy, config), config.vocab_size)
         sequences = prompts_per_microbatch * objective.num_generations
         self.device_copy = self._device_copy(world.device, spec.precision, config, sequences, seq_len, microbatches)
@@ -116,7 +117,8 @@ class Rollouts:
         are taken as asked (on a CPU too, where the "device" is the host). None: the policy
         samples where it is (the whole-model strategies too)."""
         placement = self.stage.objective.rollout_placement
-        if (self.policy is None or self.simulated or not self.strategy.capabilities.host_held_policy
+        host_held = self.strategy.capabilities.host_held_policy or self.gathers
+        if (self.policy is None or self.simulated or not host_held
                 or placement == "host" or (placement == "auto" and device.type == "cpu")):
             return None
         dtype = precision.half if precision.cross else None
@@ -133,7 +135,10 @@ class Rollouts:
         return made
 
     def _block_names(self) -> list[str]:
-        """The policy's decoder layers, by module name (the strategy's blocks wrap them)."""
+        """The policy's decoder layers, by module name: the ones the strategy's blocks wrap, or a
+        gathered model's own (a stage's blocks are only some of them)."""
+        if self.gathers:
+            return on_device.decoder_layer_names(self.policy)
         names = {id(m): name for name, m in self.policy.named_modules()}
         return [names[id(b.layer)] for b in self.strategy.model.blocks]
 
@@ -223,12 +228,13 @@ def adapters_off(model: nn.Module):
             m._disable_adapters = flag
 
 
-def _whole_model(config, device):
-    """A Hugging Face causal LM of the run's config, on the first process's device: the weights
-    other processes hold are gathered into it before each rollout batch."""
+def _whole_model(config):
+    """A Hugging Face causal LM of the run's config, on the first process's host (the whole model
+    need not fit one device): the weights every process holds are gathered into it before each
+    rollout batch."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(config).to(device).requires_grad_(False)
+    return AutoModelForCausalLM.from_config(config).requires_grad_(False)
 
 
 def _end_ids(model, config):

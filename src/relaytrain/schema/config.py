@@ -194,7 +194,7 @@ class ObjectiveConfig:
     reward_weights: list[float] | None = None  # grpo: each reward's weight in the summed reward; null: 1 each
     use_bias_correction_kl: bool = True  # grpo: the KL term times the ratio (TRL 1.16's default, DeepSeek-V3.2's unbiased reverse-KL gradient)
     rollout_engine: str = "builtin"  # grpo: who samples the completions: builtin (the run's own weights, keyed sampling) or vllm
-    rollout_placement: str = "auto"  # grpo under l2l: where the host-held policy samples: auto (copy where it and the KV cache fit on the device, else relay, else host), copy, relay (a block at a time), host
+    rollout_placement: str = "auto"  # grpo: where a host-held policy (l2l's; the whole model shards and stages gather) samples: auto (copy where it and the KV cache fit on the device, else relay, else host), copy, relay (a block at a time), host
 
 
 @dataclass
