@@ -131,6 +131,9 @@ def plan_of_everything():
                       "plan.device_memory_gb=4"])
 
 
+# The slow step: the plan of every strategy takes ~18 s on 2 cores (tests/planner plans and runs
+# every strategy dry in the default suite).
+@pytest.mark.slow
 @pytest.mark.parametrize("name", choices())
 def test_every_strategy_is_planned_with_a_time_and_a_dry_run(name, plan_of_everything):
     cls, keys = strategy_class(name), tiny_cfg("bert", f"strategy={name}", "model.num_layers=4").strategy

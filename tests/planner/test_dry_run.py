@@ -122,8 +122,8 @@ ALIKE = [
 ]
 
 
-# An L2L replica and a pipeline stage's in the default suite (~5 s each on 2 cores); the rest in the slow step.
-DEFAULT_ALIKE = (5, 7)
+# A pipeline stage's in the default suite (~4 s on 2 cores); the rest, an L2L replica's among them, in the slow step.
+DEFAULT_ALIKE = (7,)
 ALIKE_CASES = [pytest.param(o, marks=() if i in DEFAULT_ALIKE else pytest.mark.slow) for i, o in enumerate(ALIKE)]
 
 

@@ -242,6 +242,7 @@ def test_gpipe_message_driven_with_a_slow_first_stage_equals_the_plain_loop(tmp_
     assert last["out_of_order"] > 0, "the last stage never left GPipe's order: nothing was tested"
 
 
+@pytest.mark.slow  # over 7 s on 2 cores: the slow step (the default suite stays within 8 minutes)
 def test_2bw_message_driven_equals_the_delayed_gradient_rule(tmp_path):
     cfg = pipeline_cfg("bert", "model.num_layers=3", "strategy=pipe_2bw", MESSAGE_DRIVEN, "strategy.stages=3",
                        "strategy.microbatch_size=2", "strategy.num_microbatches=3", "optim=adamw", "optim.lr=1e-3")
