@@ -53,8 +53,8 @@ from relaytrain.run.resolve import choose
 from relaytrain.step.metrics import tokens_per_step
 from relaytrain.strategies import presets, strategy_class
 from relaytrain.utils.errors import ConfigError
+from relaytrain.utils.units import GiB
 
-GiB = 2**30
 PRUNE_FACTOR = 1.5  # closed-form memory above this many budgets: hopeless, not simulated
 CUDA_HEADROOM = 0.9  # of a GPU's memory for tensors: the CUDA context and allocator caching take the rest
 MAX_SIMULATIONS = 24  # dry runs per plan, at most

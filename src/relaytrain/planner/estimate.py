@@ -21,10 +21,9 @@ from relaytrain.cost.work import model_flops_per_token
 from relaytrain.planner.plan import predict
 from relaytrain.run.resolve import choose
 from relaytrain.utils.errors import ConfigError
-from relaytrain.utils.units import duration
+from relaytrain.utils.units import GiB, duration
 
 LONG_RUN_S = 3600.0
-GiB = 2**30
 
 
 @dataclass(frozen=True)

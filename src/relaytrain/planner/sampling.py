@@ -9,9 +9,9 @@ from relaytrain.cost.profile import Profile
 from relaytrain.cost.rollout import SamplingCost, kv_cache_bytes, placement, sampling_cost, weight_bytes
 from relaytrain.run.resolve import choose
 
-# objective.rollout_placement's choices the cost model predicts (host: decoding on the host's
-# cores beside a GPU, which no GPU profile times)
-PREDICTED = {"auto": None, "copy": "copy", "relay": "relay"}
+# objective.rollout_placement's choices taken as asked (auto: the run's rule, `placement`; host:
+# decoding on the host's cores beside a GPU, which no GPU profile times, is not predicted)
+ASKED = ("copy", "relay")
 
 
 def free_between_steps(device_bytes: float | None, facts: ModelFacts) -> int | None:
@@ -28,7 +28,7 @@ def sampling_for(cfg, cls, facts: ModelFacts, profile: Profile, workers: int, fr
     (`free_between_steps`). None: the objective samples nothing, or the placement asked for is
     not predicted."""
     goal = choose(cfg).objective
-    if not goal.learns_online or goal.rollout_placement not in PREDICTED or profile.memory_bytes_per_s is None:
+    if not goal.learns_online or goal.rollout_placement == "host" or profile.memory_bytes_per_s is None:
         return None
     s = cfg.strategy
     rows = facts.rows(s.microbatch_size * cls.replicas(cfg))  # a micro-batch of every replica's prompts
@@ -36,8 +36,10 @@ def sampling_for(cfg, cls, facts: ModelFacts, profile: Profile, workers: int, fr
     cache = kv_cache_bytes(facts, rows, facts.seq_len)
     # L2L's policy, or the whole model that shards and stages gather on the first process's host
     host_held = cls.capabilities.host_held_policy or not cls.rank_layout(cfg).replicates_whole
-    where = PREDICTED[goal.rollout_placement] if host_held and profile.device_type != "cpu" else None
-    where = where or placement(host_held, profile.device_type, weight_bytes(facts), cache, free)
+    if host_held and profile.device_type != "cpu" and goal.rollout_placement in ASKED:
+        where = goal.rollout_placement
+    else:
+        where = placement(host_held, profile.device_type, weight_bytes(facts), cache, free)
     return sampling_cost(facts, timings.part("block", rows).forward_s, timings.part("head", rows).forward_s,
                          profile.memory_bytes_per_s, profile.host_to_device_bytes_per_s, rows=rows,
                          microbatches=s.num_microbatches, completion_tokens=goal.max_completion_length,

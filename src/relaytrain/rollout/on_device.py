@@ -28,8 +28,7 @@ import torch
 from torch import nn
 
 from relaytrain.cost.rollout import cache_bytes
-
-GiB = 2**30
+from relaytrain.utils.units import GiB
 
 
 class DeviceCopy:
@@ -84,7 +83,7 @@ class RelayCopy(DeviceCopy):
         self._stream: torch.cuda.Stream | None = None  # the uploads' own stream on a GPU (made on first use)
         for i, block in enumerate(self.blocks):
             block.register_forward_pre_hook(lambda module, args, i=i: self._enter(i))
-            block.register_forward_hook(lambda module, args, out, i=i: self._leave(i))
+            block.register_forward_hook(lambda module, args, out, i=i: self._free(i))
 
     @property
     def bytes(self) -> int:
@@ -142,9 +141,6 @@ class RelayCopy(DeviceCopy):
         if following not in self._ready:
             self._fill(following)
 
-    def _leave(self, i: int) -> None:
-        self._free(i)
-
     def _fill(self, i: int) -> None:
         """Upload block `i`'s current weights: on the side stream on a GPU (its storage allocated on
         the compute stream, which frees it after use), else in place."""
@@ -191,13 +187,13 @@ def choose(policy: nn.Module, device: torch.device, block_names: list[str], dtyp
     cache there, else with the cache on the host; else nowhere (None: on the host, from the
     policy itself). The sentence says which and what it costs ("" for a whole copy)."""
     whole = DeviceCopy(policy, device, dtype)
-    if (whole.bytes + cache) * margin <= free:
+    if _fits(whole.bytes + cache, free, margin):
         return whole, ""
     said = (f"rollouts: the policy ({whole.bytes / GiB:.1f} GiB) and a micro-batch's KV cache ({cache / GiB:.1f} GiB) "
             f"do not fit in the device's free memory ({free / GiB:.1f} GiB): ")
     batch = cache * microbatches
     relay, where = relayed(policy, device, block_names, dtype, batch, free, margin)
-    if (relay.bytes + (2 * batch // len(block_names) if relay.cache_on_host else batch)) * margin > free:
+    if not _fits(relay.bytes + (2 * batch // len(block_names) if relay.cache_on_host else batch), free, margin):
         return None, said + "sampling on the host, from its copy there"
     return relay, said + where
 
@@ -208,7 +204,7 @@ def relayed(policy: nn.Module, device: torch.device, block_names: list[str], dty
     batch's, decoded together) there where it fits beside the relay's parts, else on the host (a
     GPU's: a CPU's "device" is the host); and the sentence saying what it streams and holds."""
     relay = RelayCopy(policy, device, block_names, dtype)
-    relay.cache_on_host = device.type == "cuda" and (relay.bytes + cache) * margin > free
+    relay.cache_on_host = device.type == "cuda" and not _fits(relay.bytes + cache, free, margin)
     return relay, (f"relay decode of the whole rollout batch, the blocks streamed through the device once a decoded token "
                    f"({relay.streamed_bytes / GiB:.1f} GiB a token, at most {relay.bytes / GiB:.1f} GiB held), "
                    f"the KV cache on the {'host' if relay.cache_on_host else 'device'}")
@@ -220,6 +216,11 @@ def kv_cache_bytes(config, sequences: int, tokens: int, dtype: torch.dtype) -> i
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return cache_bytes(config.num_hidden_layers, heads, width, sequences, tokens, dtype.itemsize)
+
+
+def _fits(nbytes: int, free: int, margin: float) -> bool:
+    """Whether `nbytes` fit in `free` bytes with `margin` to spare."""
+    return nbytes * margin <= free
 
 
 def _bytes(module: nn.Module, recurse: bool = True) -> int:

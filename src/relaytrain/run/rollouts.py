@@ -53,7 +53,9 @@ class Rollouts:
             self.policy = _whole_model(config)
         self.stage.set_end_ids(_end_ids(self.policy, config), config.vocab_size)
         sequences = prompts_per_microbatch * objective.num_generations
-        self.device_copy = self._device_copy(world.device, spec.precision, config, sequences, seq_len, microbatches)
+        # A copy on the device holds the weights as the blocks compute with them (a cross-precision run's half dtype).
+        self.copy_dtype = spec.precision.half if spec.precision.cross else None
+        self.device_copy = self._device_copy(world.device, config, sequences, seq_len, microbatches)
         self.stage.cache_on_host = self.device_copy is not None and self.device_copy.cache_on_host
         self.stage.decode_whole_batch = isinstance(self.device_copy, RelayCopy)
         # The reference of the KL term: the initial model, taken before any checkpoint is loaded
@@ -65,7 +67,7 @@ class Rollouts:
             self.reference = copy.deepcopy(self.policy).requires_grad_(False) if self.maker else None
         # A host-held reference scores as the policy samples: relayed through the device beside it.
         self.reference_copy = None if self.reference is None or self.device_copy is None else RelayCopy(
-            self.reference, world.device, self._block_names(), spec.precision.half if spec.precision.cross else None)
+            self.reference, world.device, self._block_names(), self.copy_dtype)
         self.figures: dict[str, float] = {}  # the last rollout batch's, for the step that made it
 
     def minibatch(self, step: int, loader) -> list[MicroBatch]:
@@ -109,7 +111,7 @@ class Rollouts:
                 figures = self.world.broadcast(figures, 0)
         return figures
 
-    def _device_copy(self, device: torch.device, precision, config, sequences: int, tokens: int, microbatches: int
+    def _device_copy(self, device: torch.device, config, sequences: int, tokens: int, microbatches: int
                      ) -> DeviceCopy | None:
         """Where a policy held on the host (L2L's) samples, by objective.rollout_placement: auto
         chooses by the device's free memory (`on_device.choose`: a device copy, a relay of its
@@ -121,11 +123,11 @@ class Rollouts:
         if (self.policy is None or self.simulated or not host_held
                 or placement == "host" or (placement == "auto" and device.type == "cpu")):
             return None
-        dtype = precision.half if precision.cross else None
-        cache = on_device.kv_cache_bytes(config, sequences, tokens, dtype or torch.float32)
-        free = on_device.free_bytes(device)
+        dtype = self.copy_dtype
         if placement == "copy":
             return DeviceCopy(self.policy, device, dtype)
+        cache = on_device.kv_cache_bytes(config, sequences, tokens, dtype or torch.float32)
+        free = on_device.free_bytes(device)
         if placement == "relay":
             made, said = on_device.relayed(self.policy, device, self._block_names(), dtype, cache * microbatches, free)
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+GiB = 2**30  # bytes in a GiB, every size the planner and the rollouts report
+
 
 def duration(seconds: float) -> str:
     """A human duration: 0.3 s, 12 s, 4 min, 2.5 h, 3.1 days."""
