@@ -33,16 +33,19 @@ def alternating_rounds(contestants, rounds: int, one_run) -> list[dict]:
 
 
 def contest_args(doc: str, child: tuple[str, ...], steps: int, untimed: str,
-                 comparisons: tuple[str, ...] = (), rounds: int = 3) -> argparse.Namespace:
+                 comparisons: tuple[str, ...] = (), rounds: int = 3, extra=()) -> argparse.Namespace:
     """The command line of a benchmark of two contestants in rounds: --rounds, --steps (`untimed`
     says which of them the figures leave out), --json, and the hidden --child CHILD... RUN_DIR
     by which the script runs one contestant in a process of its own (`child_run`). A script of
-    several `comparisons` (their headlines' names) gets --only NAME,... too, checked against them."""
+    several `comparisons` (their headlines' names) gets --only NAME,... too, checked against them;
+    `extra`: a script's own options, as (flag, argparse keywords) pairs."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--steps", type=int, default=steps, help=f"steps per run; {untimed} untimed")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", nargs=len(child) + 1, metavar=(*child, "RUN_DIR"), help=argparse.SUPPRESS)
+    for flag, keywords in extra:
+        p.add_argument(flag, **keywords)
     if comparisons:
         p.add_argument("--only", default=",".join(comparisons), help="the comparisons to run, comma-separated")
     args = p.parse_args()

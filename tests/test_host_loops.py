@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from relaytrain.step.host_loops import floors, host_loops
+from relaytrain.step.host_loops import _values, code_table, host_loops
 from relaytrain.step.lowbit import optimizer_class
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
@@ -22,29 +22,36 @@ STEPS = 4
 
 
 def maps() -> list[torch.Tensor]:
+    """torchao's maps: signed and unsigned, 8 and 4 bits."""
+    from torchao.optim.subclass_4bit import get_qmap_signed as signed4
+    from torchao.optim.subclass_4bit import get_qmap_unsigned as unsigned4
     from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
 
-    return [torch.tensor(get_qmap_signed()), torch.tensor(get_qmap_unsigned())]
+    return [torch.tensor(f()) for f in (get_qmap_signed, get_qmap_unsigned, signed4, unsigned4)]
 
 
-@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_the_table_gives_the_search_result_at_every_bucket_start_and_value(signed):
-    """At a bucket's lowest value the table is the search's answer; one comparison with the next
-    map value gives it anywhere else, torchao's codes for values over every decade of the map."""
-    from torchao.optim.quant_utils import quantize_8bit_with_qmap
+@pytest.mark.parametrize("qmap", range(4), ids=["signed8", "unsigned8", "signed4", "unsigned4"])
+def test_the_table_gives_torchaos_codes_at_every_turn_and_over_every_decade(qmap):
+    """The table's code of a value (one lookup and one comparison) is torchao's binary search and
+    rounding: on both sides of every turn from one code to the next, at the map's values and their
+    midpoints, and for values over every decade of the map."""
+    from torchao.optim.quant_utils import quantize_4bit_with_qmap, quantize_8bit_with_qmap
 
-    qmap = maps()[0 if signed else 1]
-    table = floors(qmap)
+    qmap = maps()[qmap]
+    table = code_table(qmap)
+    turns = table.long() >> 8
+    buckets = torch.arange(table.numel(), dtype=torch.int64)
+    starts = ((buckets - (1 << 16)) << 15)[turns < (1 << 15)] + turns[turns < (1 << 15)]
     torch.manual_seed(0)
-    x = torch.rand(1 << 16) * (2 if signed else 1) - (1 if signed else 0)
-    x = torch.cat([x * 10.0 ** -k for k in range(8)] + [qmap, (qmap[:-1] + qmap[1:]) / 2])
+    x = torch.rand(1 << 16) * 2 - 1
+    x = torch.cat([x * 10.0 ** -k for k in range(8)] + [qmap, (qmap[:-1] + qmap[1:]) / 2,
+                   _values(starts), _values(starts - 1), torch.tensor([0.0, -0.0, 1.0, -1.0])])
     bits = x.view(torch.int32)
-    bucket = (bits ^ (bits >> 31).bitwise_and(0x7FFFFFFF)).bitwise_right_shift(15) + (1 << 16)
-    below = table.long()[bucket]
-    below = below + ((below < 255) & (x >= qmap[(below + 1).clamp(max=255)])).long()
-    above = (below + 1).clamp(max=255)
-    codes = torch.where((x - qmap[below]) >= (qmap[above] - qmap[below]) * 0.5, above, below)
-    assert torch.equal(codes.to(torch.uint8), quantize_8bit_with_qmap(x, qmap))
+    ordered = bits ^ (bits >> 31).bitwise_and(0x7FFFFFFF)
+    entry = table.long()[(ordered >> 15) + (1 << 16)]
+    codes = (entry & 0xFF) + ((ordered & 0x7FFF) >= (entry >> 8)).long()
+    quantize = quantize_8bit_with_qmap if qmap.numel() == 256 else quantize_4bit_with_qmap
+    assert torch.equal(codes.to(torch.uint8), quantize(x, qmap))
 
 
 def pair(shape, bits: int = 8):

@@ -31,10 +31,10 @@ BLOCK = {8: 256, 4: 128}  # torchao's default block of each width
 # GPU torchao's update is bandwidth-bound like AdamW's, and the bytes alone count there. On the
 # host relaytrain's C++ loop makes the same update faster (`host_loops`).
 HOST_TIME_VS_FP32 = {32: 1.0, 8: 38.0, 4: 100.0}
-# relaytrain's C++ loop (`host_loops`, optim.host_loops), the same measure (2026-11-30, two runs
-# each): 8 bits 28.7 and 42.2 ms against fused fp32 AdamW's 2.6 and 2.0 (torchao's: 91.6 and 90.8);
-# 4 bits 27.7 and 28.3 ms against 2.3 and 2.3 (torchao's: 181.0 and 166.8).
-HOST_LOOP_TIME_VS_FP32 = {8: 16.0, 4: 12.5}
+# relaytrain's C++ loop (`host_loops`, optim.host_loops), the same measure (2026-11-30, the 2-core
+# AVX2 VM, medians of 7 alternating rounds, two runs): 8 bits 12.3 and 12.0 ms against fused fp32
+# AdamW's 3.2 and 3.4; 4 bits 14.8 and 16.1 ms. (Before the loop's table and AVX2 path: 16 and 12.5 times.)
+HOST_LOOP_TIME_VS_FP32 = {8: 3.7, 4: 4.7}
 STATE_BITS = (32, *BLOCK)  # 32: torch's AdamW with fp32 moments
 _CLASSES: dict[int, type] = {}
 _COMPILED: dict = {}  # "update": torchao's per-tensor update, compiled (`_torchao_update`)
