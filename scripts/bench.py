@@ -2,7 +2,7 @@
 then one summary table, each headline beside its target, and the list of the targets missed.
 Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,hf_trainer,...,muon,lowbit,grpo] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,hf_trainer,step_overhead,...,muon,lowbit,grpo] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = {
     "baseline": HERE / "bench_baseline.py",
     "hf_trainer": HERE / "bench_hf_trainer.py",
+    "step_overhead": HERE / "bench_step_overhead.py",
     "l2l": HERE / "bench_l2l.py",
     "pipeline": HERE / "bench_pipeline.py",
     "l2l_scaling": HERE / "bench_l2l_scaling.py",
@@ -47,6 +48,7 @@ COMPARED = {
     "baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (bert_base)",
     "compiled_vs_eager": "baseline, train.compile=true / eager (bert_base, after warm-up)",
     "decoder_baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (Llama layout, 8 x 512, GQA 8/2)",
+    "step_overhead_share": "baseline step outside the forward, backward and optimizer calls / the step (the same decoder)",
     "l2l_vs_recompute_baseline": "l2l / baseline with recompute",
     "decoder_l2l_vs_recompute_baseline": "l2l / baseline with recompute (the same Llama-layout model)",
     "moe_baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (Qwen3-MoE layout, 8 x 512, 8 experts, top 2)",

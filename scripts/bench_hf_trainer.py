@@ -108,11 +108,12 @@ def hf_trainer_contestant(overrides: list[str], steps: int, warmup: int) -> dict
     return {**train_with_trainer(compose(overrides, steps, warmup), warmup), **process_figures()}
 
 
-def train_with_trainer(cfg, warmup: int, **arguments) -> dict:
+def train_with_trainer(cfg, warmup: int, callbacks=(), **arguments) -> dict:
     """`cfg`'s training (as `compose` made it) under transformers.Trainer in this process, with
     `arguments` added to its TrainingArguments (bench_long_context.py: activation checkpointing):
     the samples/s and times of the steps after `warmup`, the mean loss, each step's loss where
-    `arguments` turn Trainer's per-step logging on, and whether its optimizer is relaytrain's."""
+    `arguments` turn Trainer's per-step logging on, and whether its optimizer is relaytrain's;
+    `callbacks`: more of Trainer's callbacks (bench_step_overhead.py's profiler)."""
     # Imported here, so only Trainer's process loads it: about 130 MB of RSS that would otherwise
     # count in relaytrain's peak too.
     from transformers import Trainer
@@ -128,7 +129,7 @@ def train_with_trainer(cfg, warmup: int, **arguments) -> dict:
     timer = step_timer()
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = Trainer(model=model, args=training_arguments(cfg, out_dir, **arguments),
-                          train_dataset=relaytrain_samples(cfg), callbacks=[timer])
+                          train_dataset=relaytrain_samples(cfg), callbacks=[timer, *callbacks])
         trainer.remove_callback(PrinterCallback)  # it prints the end-of-training figures, warm-up included
         # BERT's forward takes **kwargs, so Trainer assumes it divides the loss by the accumulated
         # minibatch's item count, and does not divide by the accumulation steps itself. Its
