@@ -389,6 +389,25 @@ def test_a_published_mixture_counts_every_expert_for_memory_and_the_active_ones_
     assert per_token / 1e9 == pytest.approx(active, rel=0.03)
 
 
+# The bias-balanced mixtures with dense first layers: (total, active per token) by their model
+# cards, billions. Their cards count a multi-token-prediction layer Hugging Face's model lacks, and
+# the cost models scale an expert layer by the layer count, so the dense first layers count as
+# expert layers (the largest block): a few per cent over, never under.
+PUBLISHED_DENSE_FIRST = {"deepseek_v3_671b": (671.0, 37.0), "glm4_5_355b": (355.0, 32.0), "kimi_k2_1t": (1000.0, 32.0)}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_DENSE_FIRST))
+def test_a_published_mixture_with_dense_first_layers_is_counted_by_its_expert_layers(name):
+    m = compose_config([f"model={name}"]).model
+    total, active = PUBLISHED_DENSE_FIRST[name]
+    assert count_parameters(m) / 1e9 == pytest.approx(total, rel=0.03)
+    embed, block, head = part_parameters(m)
+    scaled = embed + m.num_layers * block + head
+    assert count_parameters(m) < scaled < 1.05 * count_parameters(m)
+    per_token = embed + head + m.num_layers * block_matmul_flops(block_shape(m)) / 2
+    assert per_token / 1e9 == pytest.approx(active, rel=0.06)
+
+
 @pytest.mark.parametrize("name", ["olmoe_1b_7b", "gpt_oss_20b"])  # GPT-OSS: experts stored (in, out), with biases
 def test_a_dry_run_of_a_mixture_counts_every_expert_in_fp32(name, tmp_path):
     keys = [f"model={name}", "model.output_router_logits=true", "model.num_layers=2", "train.device=meta",
@@ -398,6 +417,18 @@ def test_a_dry_run_of_a_mixture_counts_every_expert_in_fp32(name, tmp_path):
     memory = run(cfg, tmp_path / "run", table=False, quiet=True)["memory"]["device"]["by_kind"]
     assert memory["weights"] == 4 * count_parameters(cfg.model)  # the fused expert tensors whole, in fp32
     assert memory["activations and temporaries"] > 0
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_671b", "glm4_5_355b"])
+def test_a_published_mixture_with_dense_first_layers_runs_dry(name, tmp_path):
+    """Its config's own architecture keys build the model Hugging Face builds (DeepSeek-V3's rotary
+    slice is head_dim, as its config sets it): the dense first layers and one expert layer."""
+    layers = compose_config([f"model={name}"]).model.architecture.first_k_dense_replace + 1
+    keys = [f"model={name}", f"model.num_layers={layers}", "train.device=meta", "strategy=l2l", "data.seq_len=64",
+            "train.steps=1", "strategy.microbatch_size=1", "strategy.num_microbatches=1"]
+    cfg = compose_config(keys)
+    results = run(cfg, tmp_path / "run", table=False, quiet=True)
+    assert results["memory"]["device"]["peak_allocated_bytes"] >= 4 * part_parameters(cfg.model)[1]  # the expert layer
 
 
 @pytest.mark.parametrize("variant", ["l2l", pytest.param("baseline", marks=pytest.mark.slow)])

@@ -34,11 +34,13 @@ from relaytrain.cost.shape import Shape as Shape
 from relaytrain.cost.shape import powers_of_two_dividing as powers_of_two_dividing
 from relaytrain.cost.work import (
     PartWork,
+    attention_output_width,
     block_matrix_weights,
     block_shape,
-    key_value_width,
+    key_width,
     model_work,
     query_width,
+    value_width,
 )
 from relaytrain.cost.work import block_activation_bytes as block_activation_bytes
 from relaytrain.cost.work import block_activation_values as block_activation_values
@@ -282,8 +284,9 @@ class ModelFacts:
         """What a cut worker's attention all-to-alls carry for b items through one block, one
         way (forward; the backward carries their gradients): its tokens' queries, keys and values,
         then the attention output back, at the activations' bytes."""
-        q, kv = query_width(self.shape), key_value_width(self.shape)
-        return self.rows(b) * self.tokens * (2 * q + 2 * kv) * self.activation_bytes
+        widths = query_width(self.shape) + key_width(self.shape) + value_width(self.shape) + \
+            attention_output_width(self.shape)
+        return self.rows(b) * self.tokens * widths * self.activation_bytes
 
     def stage_params(self, blocks: int, embed: bool, head: bool) -> int:
         """Parameters of a stage (or a whole model) holding `blocks` blocks and maybe the ends."""

@@ -24,7 +24,6 @@ read it through `cost.formulas`).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -67,13 +66,31 @@ def block_shape(m) -> BlockShape:
 
 
 def query_width(shape: BlockShape) -> int:
-    """Width of the queries (and of the attention's output): heads x head width."""
-    return shape.num_heads * shape.head_dim
+    """Width of the queries: heads x head width (a latent attention's heads are nope + rope wide)."""
+    latent = shape.latent
+    return shape.num_heads * (latent.nope + latent.rope if latent else shape.head_dim)
 
 
 def key_value_width(shape: BlockShape) -> int:
-    """Width of the keys, and of the values: grouped-query attention has fewer heads for them."""
+    """Width of the keys, and of the values: grouped-query attention has fewer heads for them (a
+    latent attention: see `key_width` and `value_width`, which differ)."""
     return shape.num_kv_heads * shape.head_dim
+
+
+def key_width(shape: BlockShape) -> int:
+    """Width of the keys attention scores against: a latent attention expands every head's."""
+    return query_width(shape) if shape.latent else key_value_width(shape)
+
+
+def value_width(shape: BlockShape) -> int:
+    """Width of the values, and of what the output projection takes: a latent attention's heads
+    are `value` wide; otherwise the keys' heads (the output projection then takes q)."""
+    return shape.num_heads * shape.latent.value if shape.latent else key_value_width(shape)
+
+
+def attention_output_width(shape: BlockShape) -> int:
+    """Width of the attention's output (the output projection's input): every query head's value."""
+    return shape.num_heads * shape.latent.value if shape.latent else query_width(shape)
 
 
 def mlp_projections(shape: BlockShape) -> int:
@@ -81,12 +98,24 @@ def mlp_projections(shape: BlockShape) -> int:
     return 3 if shape.gated_mlp else 2
 
 
+def attention_weights(shape: BlockShape) -> int:
+    """Weights of one block's attention projections: h x q + 2 h x kv + q x h; a latent
+    attention's: the queries' (through the rank-q bottleneck or directly), the shared latent and
+    rotary key (h x (kv rank + rope)), its expansion to every head's key and value (kv rank x
+    heads x (nope + value)) and the output projection (heads x value x h)."""
+    h, latent = shape.hidden, shape.latent
+    if latent is None:
+        return h * query_width(shape) + 2 * h * key_value_width(shape) + query_width(shape) * h
+    queries = (h * latent.q_rank + latent.q_rank * query_width(shape)) if latent.q_rank else h * query_width(shape)
+    return (queries + h * (latent.kv_rank + latent.rope) + latent.kv_rank * shape.num_heads * (latent.nope + latent.value)
+            + attention_output_width(shape) * h)
+
+
 def block_matrix_weights(shape: BlockShape) -> int:
-    """Weights of one block's attention and MLP matrices: the query, key, value and output
-    projections, h x q + 2 h x kv + q x h, and the MLP's 2 or 3 matrices of h x i (what tensor
-    parallelism splits; not the norms, biases or a router)."""
-    h, q, kv = shape.hidden, query_width(shape), key_value_width(shape)
-    return h * q + 2 * h * kv + q * h + mlp_projections(shape) * h * shape.intermediate
+    """Weights of one block's attention and MLP matrices: the attention's projections
+    (`attention_weights`) and the MLP's 2 or 3 matrices of h x i (what tensor parallelism
+    splits; not the norms, biases or a router)."""
+    return attention_weights(shape) + mlp_projections(shape) * shape.hidden * shape.intermediate
 
 
 def block_matmul_flops(shape: BlockShape) -> int:
@@ -97,9 +126,10 @@ def block_matmul_flops(shape: BlockShape) -> int:
 
 def attention_flops(shape: BlockShape, seq_len: int) -> int:
     """Forward FLOPs of one block's attention per token, scores and their weighted sum over the
-    values: 2 x 2 s q (every query head scores all s positions, grouped or not; causal
-    masking is not subtracted, as in the usual model-FLOPs count)."""
-    return 4 * seq_len * query_width(shape)
+    values: 2 s q + 2 s x (every query head's value width), 4 s q where heads are as wide for
+    both (every query head scores all s positions, grouped or not; causal masking is not
+    subtracted, as in the usual model-FLOPs count)."""
+    return 2 * seq_len * (query_width(shape) + attention_output_width(shape))
 
 
 def block_forward_flops(shape: BlockShape, seq_len: int) -> int:
@@ -111,10 +141,8 @@ def one_block_on_meta(m, **build):
     """The model the `model` section `m` describes with one block, built on the meta device
     (shapes only; no checkpoint read): what the cost models read a part's shapes off. `build`:
     more of `build_model`'s keywords (an adapter, the run's resolved family)."""
-    one_block = copy.deepcopy(m)
-    one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
     with torch.device("meta"):
-        return build_model(one_block, quiet=True, **build)
+        return build_model(m, quiet=True, one_block=True, **build)
 
 
 # --------------------------------------------------------------------------- the head
@@ -150,7 +178,8 @@ def block_activation_values(seq_len: int, shape: BlockShape, fused: bool = False
     34 sbh + 5 as^2b bytes at 2 bytes a value are 17 h + 2.5 a s values for q = kv = h, i = 4h):
 
     - attention: its input (the projections'), the queries (q), keys and values (kv each), the
-      output projection's input (q) and a dropout mask (h / 2); then by kernel: eager keeps the
+      output projection's input (q) and a dropout mask (h / 2), and a latent attention's
+      bottleneck outputs (its queries', its latent and rotary key); then by kernel: eager keeps the
       scores' softmax and its dropout, 2.5 a s (the s x s probabilities of every head); a fused
       kernel (`fused`: sdpa's flash or memory-efficient one) only its log-sum-exp, a values
       (its dropout mask is drawn again from a seed in the backward). A padding mask adds its
@@ -161,9 +190,12 @@ def block_activation_values(seq_len: int, shape: BlockShape, fused: bool = False
       product with up, which feeds the down projection (4 i: each product's backward needs
       both factors, and the activation's backward its input);
     - the two norms' inputs (2 h)."""
-    h, q, kv, i = shape.hidden, query_width(shape), key_value_width(shape), shape.intermediate
+    h, q, i = shape.hidden, query_width(shape), shape.intermediate
+    k, v, out = key_width(shape), value_width(shape), attention_output_width(shape)
     scores = shape.num_heads if fused else 2.5 * shape.num_heads * seq_len
-    attention = h + q + 2 * kv + q + h / 2 + scores
+    latent = shape.latent  # its bottlenecks' outputs feed the expansions: kept too
+    bottlenecks = latent.q_rank + latent.kv_rank + latent.rope if latent else 0
+    attention = h + q + k + v + out + h / 2 + scores + bottlenecks
     mlp = h + (4 if shape.gated_mlp else 2) * i + h / 2
     return attention + mlp + 2 * h
 

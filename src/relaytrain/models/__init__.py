@@ -58,7 +58,7 @@ def hf_config(m, family: Family | None = None):
 
 def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | None = None,
                 adapter=None, compact_base: bool = False, family: Family | None = None,
-                objective=None) -> LayeredModel:
+                objective=None, one_block: bool = False) -> LayeredModel:
     """A layered model on the CPU in fp32; strategies move what they need to the device.
 
     With `model.pretrained` (after `pretrained.resolve` made the config agree with it) the
@@ -69,8 +69,11 @@ def build_model(m, seed: int = 0, quiet: bool = False, device: torch.device | No
     (with `model.quantize=nf4` the blocks' linear weights first become NF4, `models.quantize`);
     `compact_base` then keeps the frozen base in the checkpoint's own half precision (a param
     server that keeps it on the host: half the bytes, every value as stored). `family`,
-    `objective`: the run's, resolved (see the module's docstring).
+    `objective`: the run's, resolved (see the module's docstring). `one_block`: the model cut to
+    one block of fresh weights (`_one_block_config`), what the cost models read shapes off.
     """
+    if one_block:
+        m = _one_block_config(m)
     torch.manual_seed(seed)
     family, objective = _family(m, family), _objective(m, objective)
     auto = auto_class(objective)
@@ -176,7 +179,7 @@ def part_parameters(m, adapter=None, trained: bool = False, family: Family | Non
     meta device: what the cost models and the profile scale by the number of blocks. With an
     `adapter` config its adapters are counted too, and `trained` counts only what trains."""
     with torch.device("meta"):
-        model = build_model(_one_block(m), quiet=True, adapter=adapter, family=family, objective=objective)
+        model = build_model(m, quiet=True, adapter=adapter, family=family, objective=objective, one_block=True)
     seen: set[int] = set()
 
     def count(module) -> int:
@@ -187,10 +190,15 @@ def part_parameters(m, adapter=None, trained: bool = False, family: Family | Non
     return count(model.embed), count(model.blocks[0]), count(model.head)
 
 
-def _one_block(m):
-    """The `model` config `m` cut to one block of fresh weights: shapes for the meta device."""
+def _one_block_config(m):
+    """The `model` config `m` cut to one block of fresh weights: shapes for the meta device. A
+    mixture whose first layers are dense (DeepSeek-V3's, GLM-4.5's first_k_dense_replace) is cut
+    to an expert layer: the largest block, which the cost models scale by the layer count (so
+    they count the dense first layers as expert layers, a few per cent over)."""
     one_block = copy.deepcopy(m)
     one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
+    if one_block.architecture and one_block.architecture.get("first_k_dense_replace"):
+        one_block.architecture.first_k_dense_replace = 0
     return one_block
 
 
@@ -211,7 +219,7 @@ def frozen_experts(m, a, family: Family | None = None, objective=None) -> tuple[
     if not m.num_experts or not adapters.enabled(a):
         return [], []
     with torch.device("meta"):
-        layer = build_model(_one_block(m), quiet=True, family=family, objective=objective).blocks[0].layer
+        layer = build_model(m, quiet=True, family=family, objective=objective, one_block=True).blocks[0].layer
     experts = [name for name, p in layer.named_parameters() if p.dim() == 3]
     targets = adapters.saved_targets(a.pretrained) if a.pretrained else list(a.target_parameters)
     return experts, [name for name in experts if not any(name == t or name.endswith("." + t) for t in targets)]

@@ -420,16 +420,6 @@ def _facts(c) -> dict:
     }
 
 
-def _block_shape(m) -> BlockShape:
-    """A block's widths; a mixture's MLP as one token's work: its top-k experts and shared expert."""
-    mlp, router = m.intermediate_size, 0
-    if m.num_experts:
-        mlp = m.experts_per_token * (m.expert_intermediate_size or m.intermediate_size) + m.shared_expert_intermediate_size
-        router = m.num_experts + (1 if m.shared_expert_intermediate_size else 0)  # Qwen2-MoE's shared-expert gate
-    return BlockShape(m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads,
-                      m.head_dim or m.hidden_size // m.num_heads, mlp, gated_mlp=True, router_outputs=router)
-
-
 def _refuses(c) -> str | None:
     """Why a checkpoint's config is not one the layered decoder computes as Hugging Face does
     (None: it is). The model type decides, before anything is built (`PROVEN`); the checks after
@@ -483,7 +473,7 @@ def _is_llama_layout(model: nn.Module) -> bool:
 
 SPEC = register_family(Family(
     name="decoder", layered=LayeredDecoder, objectives=(CausalLM, Classification), tokenizer="byte_bpe",
-    hf_config=_hf_config, facts=_facts, block_shape=_block_shape, refuses=_refuses, attention=attention_for,
+    hf_config=_hf_config, facts=_facts, block_shape=BlockShape.decoder, refuses=_refuses, attention=attention_for,
     dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop", "residual_dropout"),
     run_settings=run_settings, rotary_positions=True, tp_plan=transformers_block_plan,
     description="decoders of the Llama layout of a proven model type (Llama, Qwen2/3, Mistral, Gemma, Phi-3, "

@@ -22,6 +22,29 @@ from relaytrain.utils.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek-V3's multi-head latent attention (MLA), as its config gives it: queries through a
+    rank `q_rank` bottleneck (0: projected directly), keys and values from one shared latent of
+    `kv_rank` (plus a rotary key of `rope` shared by the heads), each head's query and key
+    `nope + rope` wide and its value `value` wide."""
+
+    q_rank: int
+    kv_rank: int
+    nope: int
+    rope: int
+    value: int
+
+    @classmethod
+    def of(cls, architecture) -> LatentAttention | None:
+        """The latent attention a checkpoint's architecture keys describe (None: it has none)."""
+        if not architecture or not architecture.get("kv_lora_rank"):
+            return None
+        a = architecture
+        return cls(a.get("q_lora_rank") or 0, a["kv_lora_rank"], a["qk_nope_head_dim"], a["qk_rope_head_dim"],
+                   a["v_head_dim"])
+
+
+@dataclass(frozen=True)
 class BlockShape:
     """What the cost model needs of one block: its widths and whether its MLP is gated."""
 
@@ -35,6 +58,7 @@ class BlockShape:
     # widths and a shared expert's), and the router scores this many outputs per token (its
     # experts, and Qwen2-MoE's shared-expert gate); 0: a dense block.
     router_outputs: int = 0
+    latent: LatentAttention | None = None  # DeepSeek-V3's latent attention: its widths replace head_dim's
 
     @classmethod
     def multi_head(cls, m) -> BlockShape:
@@ -42,6 +66,25 @@ class BlockShape:
         hidden / heads wide, and a plain two-matrix MLP."""
         return cls(m.hidden_size, m.num_heads, m.num_heads, m.hidden_size // m.num_heads, m.intermediate_size,
                    gated_mlp=False)
+
+    @classmethod
+    def decoder(cls, m) -> BlockShape:
+        """A block of the Llama layout (family=decoder): a gated MLP, grouped-query or latent
+        attention; a mixture's MLP as one token's work: its top-k experts and shared experts
+        (Qwen2-MoE's one of its own width, with a gate of its own; the bias-balanced types'
+        n_shared_experts of the experts' width, which a checkpoint's keys carry as one width and
+        a published shape's config in model.architecture). Their dense first layers count as
+        expert layers: the block the cost models scale by the layer count is the largest one."""
+        mlp, router = m.intermediate_size, 0
+        architecture = m.architecture or {}
+        if m.num_experts:
+            expert = m.expert_intermediate_size or m.intermediate_size
+            shared = m.shared_expert_intermediate_size or (architecture.get("n_shared_experts") or 0) * expert
+            mlp = m.experts_per_token * expert + shared
+            gate = str(m.model_type) == "qwen2_moe" and m.shared_expert_intermediate_size
+            router = m.num_experts + (1 if gate else 0)
+        return cls(m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.head_dim or m.hidden_size // m.num_heads,
+                   mlp, gated_mlp=True, router_outputs=router, latent=LatentAttention.of(architecture))
 
 
 @dataclass(frozen=True)
