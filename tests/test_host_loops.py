@@ -113,3 +113,28 @@ def test_a_dry_run_earlier_in_the_process_leaves_the_loop_on(monkeypatch):
     optimizer.step()
     assert optimizer.kernel == "torchao AdamW8bit"
     assert type(optimizer.state[dry]["exp_avg"]).__name__ == "OptimState8bit"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_loop_s_path_without_avx2_steps_as_its_vector_path(bits, monkeypatch):
+    """The loop's one-value-at-a-time path is what a CPU without AVX2 runs (an Arm host beside a
+    GPU). Built here with AVX2 switched off (about 30 s, once), it makes the vector path's
+    weights, codes and scales bit for bit: the same operations in the same order."""
+    from relaytrain.step import lowbit
+    from relaytrain.step.host_loops import build_loops
+
+    vector, scalar = host_loops(), build_loops("relaytrain_host_loops_scalar", ["-mno-avx2"])
+    assert vector is not None and scalar is not None
+    torch.manual_seed(1)
+    grads = [torch.randn(256, 96) * 10.0 ** -k for k in range(STEPS)]
+    stepped = []
+    for op in (vector, scalar):
+        monkeypatch.setattr(lowbit, "host_loops", lambda wanted=True, op=op: op)
+        (p, optimizer), _ = pair((256, 96), bits)
+        train(p, optimizer, grads)
+        stepped.append((p.detach(), optimizer.state[p]))
+    (p, state), (q, other) = stepped
+    assert torch.equal(p, q)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[key].codes, other[key].codes) and torch.equal(state[key].scale, other[key].scale)

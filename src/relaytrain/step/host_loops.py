@@ -218,21 +218,29 @@ def host_loops(wanted: bool = True):
         return None
     if not _OP:
         try:
-            from torch.utils.cpp_extension import _get_build_directory, load_inline
+            from torch.utils.cpp_extension import _get_build_directory
 
             if not (Path(_get_build_directory(_NAME, verbose=False)) / f"{_NAME}.so").exists():
                 print("relaytrain: building its C++ host loops (optim.host_loops) with the C++ compiler: about 30 s, "
                       "once", file=sys.stderr, flush=True)
-            _OP["op"] = load_inline(_NAME, _SOURCE + _ROUNDING_SOURCE,
-                                    functions=["adamw_lowbit_step", "round_to_bf16"],
-                                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+            _OP["op"] = build_loops()
         except Exception as err:  # noqa: BLE001 - no compiler, no ninja, a failed build: torch's kernels
             _OP["failure"] = err
             print(f"relaytrain: optim.host_loops: relaytrain's C++ loops did not build ({type(err).__name__}: "
                   f"{first_line(err)[:160]}); the host updates run torch's and torchao's kernels "
                   f"(optim.host_loops=false says so without trying)", file=sys.stderr, flush=True)
     return _OP.get("op")
+
+
+def build_loops(name: str = _NAME, extra_flags: tuple[str, ...] | list[str] = ()):
+    """The loops as torch's cpp_extension builds them under `name` (cached under
+    ~/.cache/torch_extensions), for this machine's CPU; `extra_flags` after relaytrain's (the tests
+    build the path a CPU without AVX2 runs with -mno-avx2)."""
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(name, _SOURCE + _ROUNDING_SOURCE, functions=["adamw_lowbit_step", "round_to_bf16"],
+                       extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *extra_flags],
+                       extra_ldflags=["-fopenmp"], verbose=False)
 
 
 QUANTIZED = {"OptimState8bit": 8, "OptimState4bit": 4}  # torchao's state classes, by their width
