@@ -24,7 +24,7 @@ def deepspeed_op(monkeypatch):
     """DeepSpeed's cpu_adam op, or the test is skipped with the reason."""
     if not _LOADED:
         monkeypatch.setattr(optim, "_DEEPSPEED", {})
-        optim.deepspeed_cpu_adam("auto")
+        optim._loaded_cpu_adam("auto")  # loads it, quietly where DeepSpeed is absent, timing nothing
         _LOADED.update(optim._DEEPSPEED)
     monkeypatch.setattr(optim, "_DEEPSPEED", dict(_LOADED))
     if "op" not in _LOADED:
@@ -159,3 +159,15 @@ def test_a_group_the_op_cannot_step_in_place_takes_torchs_update(deepspeed_op):
     step(ds, [ours], range(3))
     step(fused, [theirs], range(3))
     assert torch.equal(ours, theirs) and not torch.equal(ours, base.t())
+
+
+@pytest.mark.parametrize("faster", ["deepspeed", "torch"])
+def test_auto_takes_the_kernel_that_stepped_faster_here_and_says_so_once(deepspeed_op, monkeypatch, capsys, faster):
+    """`optim.host_kernel=auto` times both kernels once a process (the timing is replaced here: a
+    test's outcome must not hang on the machine's speed) and takes the faster."""
+    seconds = {"deepspeed": 0.002, "torch": 0.003} if faster == "deepspeed" else {"deepspeed": 0.004, "torch": 0.003}
+    monkeypatch.setattr(optim, "kernel_step_seconds", lambda: dict(seconds))
+    kinds = [type(build_optimizer(zip(NAMES, flat_params(), strict=True), cfg("auto"), flat=True)) for _ in range(2)]
+    assert kinds == [DeepSpeedAdamW if faster == "deepspeed" else FlatAdamW] * 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].endswith(f"the host optimizer runs {'DeepSpeed' if faster == 'deepspeed' else 'torch'}'s")

@@ -17,9 +17,10 @@ and, for fused AdamW, one kernel call per parameter group.
 Host AdamW (`optim.host_kernel`). The flat AdamW steps host tensors only, so it may run
 DeepSpeed's cpu_adam op instead of torch's fused kernel (`DeepSpeedAdamW`): the same rule to
 fp32 rounding, with its own vectorised C++ (its speed against torch's: docs/benchmarks.md,
-`eps_vs_deepspeed_cpu_adam`). `deepspeed` asks for it, `auto` takes it where DeepSpeed is
-installed and its op builds (`pip install relaytrain[fast]`); a missing or failing op falls
-back to torch's kernel, said in one line when it was asked for or installed. The default is
+`eps_vs_deepspeed_cpu_adam`). `deepspeed` asks for it; `auto` times both kernels once a
+process where DeepSpeed is installed and its op builds (`pip install relaytrain[fast]`) and
+takes the faster, said in one line; a missing or failing op falls back to torch's kernel, said
+in one line when it was asked for or installed. The default is
 `torch`: it keeps the host update bit for bit the device optimizer's (`strategy.offload=host`
 resumes a device run exactly, and the EPS's tests check it so). The optimizers on a device
 are always torch's.
@@ -31,7 +32,9 @@ import dataclasses
 import itertools
 import logging
 import math
+import statistics
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -78,7 +81,7 @@ def optimizer_schemas() -> dict[str, type[OptimConfig]]:
 class HostKernel(Choice):
     """Which kernel steps AdamW on the host (the eager param server's masters)."""
 
-    auto = "auto"  # deepspeed where it imports and its op builds, else torch
+    auto = "auto"  # the faster of the two here (timed once a process, said in one line), torch where DeepSpeed's op is missing
     torch = "torch"  # torch's fused AdamW (optim.fused)
     deepspeed = "deepspeed"  # DeepSpeed's cpu_adam op (falls back to torch, said once, when it cannot load)
 
@@ -179,10 +182,19 @@ _DEEPSPEED_IDS = itertools.count(1 << 20)  # the op's optimizer table is shared 
 
 def deepspeed_cpu_adam(host_kernel: str):
     """DeepSpeed's cpu_adam op when `optim.host_kernel` (auto, torch, deepspeed) asks for it and
-    it loads, else None: the host AdamW then runs torch's kernel. Tried once per process; a
-    failure is said in one line, once, unless `auto` found DeepSpeed simply not installed."""
+    it loads, else None: the host AdamW then runs torch's kernel. `auto` takes the op only where
+    it steps faster than torch's fused AdamW on this machine (`faster_kernel`)."""
     if host_kernel == "torch":
         return None
+    op = _loaded_cpu_adam(host_kernel)
+    if op is None or host_kernel != "auto":
+        return op
+    return op if faster_kernel() == "deepspeed" else None
+
+
+def _loaded_cpu_adam(host_kernel: str):
+    """The op, loaded once a process; a failure is said in one line, once, unless `auto` found
+    DeepSpeed simply not installed."""
     if not _DEEPSPEED:
         try:
             _DEEPSPEED["op"] = _load_cpu_adam()
@@ -197,6 +209,37 @@ def deepspeed_cpu_adam(host_kernel: str):
               f"({type(failure).__name__}: {reason}); the host optimizer runs torch's AdamW "
               f"(pip install relaytrain[fast] installs DeepSpeed)", file=sys.stderr, flush=True)
     return _DEEPSPEED.get("op")
+
+
+def faster_kernel() -> str:
+    """"deepspeed" or "torch": which of DeepSpeed's cpu_adam op and torch's fused AdamW steps
+    4 M host parameters faster on this machine at this thread's torch threads (the median of 5
+    steps each, after one), timed once a process and said in one line (`optim.host_kernel=auto`)."""
+    if "faster" not in _DEEPSPEED:
+        seconds = kernel_step_seconds()
+        _DEEPSPEED["faster"] = min(seconds, key=seconds.get)
+        print(f"relaytrain: optim.host_kernel=auto: AdamW over 4 M host parameters takes "
+              f"{seconds['deepspeed'] * 1e3:.1f} ms a step with DeepSpeed's cpu_adam and {seconds['torch'] * 1e3:.1f} ms "
+              f"with torch's fused kernel here; the host optimizer runs "
+              f"{'DeepSpeed' if _DEEPSPEED['faster'] == 'deepspeed' else 'torch'}'s", file=sys.stderr, flush=True)
+    return _DEEPSPEED["faster"]
+
+
+def kernel_step_seconds(elements: int = 1 << 22) -> dict[str, float]:
+    """Seconds of one AdamW step over `elements` host parameters, by kernel: the median of 5
+    after a first (warm-up) step."""
+    seconds = {}
+    for name, kind in (("deepspeed", DeepSpeedAdamW), ("torch", FlatAdamW)):
+        p = nn.Parameter(torch.zeros(elements))
+        optimizer = kind([{"params": [p], "weight_decay": 0.0}], lr=1e-3, fused=True)
+        times = []
+        for _ in range(6):
+            p.grad = torch.full_like(p, 1e-3)
+            start = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+        seconds[name] = statistics.median(times[1:])
+    return seconds
 
 
 def _load_cpu_adam():
