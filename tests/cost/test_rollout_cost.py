@@ -23,6 +23,26 @@ def test_the_kv_cache_of_a_micro_batchs_sequences_is_the_closed_form():
     assert held == kv_cache_bytes(ModelFacts.of(cfg), sequences=6, tokens=16)
 
 
+def test_a_latent_attention_s_cache_is_the_closed_form(tmp_path):
+    """A tiny DeepSeek-V3 caches its shared latent and rotary key (kv rank + rope wide), not every
+    head's key and value: the closed form from its block shape, and the run's from its Hugging Face
+    config, hold what it fills."""
+    from transformers import AutoModelForCausalLM
+
+    from relaytrain.models.pretrained import resolve
+    from relaytrain.rollout.on_device import kv_cache_bytes as config_cache_bytes
+    from tests.checkpoints import tiny_bias_balanced
+
+    directory = tiny_bias_balanced(tmp_path / "checkpoint", "deepseek_v3")
+    cfg = resolve(compose_config([f"model.pretrained={directory}", "data.seq_len=16"]))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros((6, 16), dtype=torch.long), use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    assert held == kv_cache_bytes(ModelFacts.of(cfg), sequences=6, tokens=16)
+    assert held == config_cache_bytes(model.config, sequences=6, tokens=16, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------ time
 
 GRPO = ["model=llama3_8b", "objective=grpo", "objective.num_generations=8", "data.seq_len=1024",

@@ -364,3 +364,18 @@ def test_qlora_grpo_samples_from_the_4_bit_base_and_trains_its_adapter(setting, 
     grpo_run(setting, tmp_path / "relay", "adamw", "strategy=l2l", "adapter=qlora", "objective.beta=0.04",
              "objective.rollout_placement=relay")
     assert [r["completion_ids"] for r in rollouts(tmp_path / "relay")] == [r["completion_ids"] for r in rows]
+
+
+@pytest.mark.parametrize(("strategy", "beta", "copies"), [("fsdp", 0.04, 2), ("pipe_flush", 0.0, 1), ("l2l", 0.04, 0),
+                                                          ("baseline-replicas", 0.04, 0)])
+def test_the_first_process_s_host_holds_the_model_shards_or_stages_gather(strategy, beta, copies):
+    """Where shards or stages split the model, the first process gathers it whole in fp32 on its
+    host before each rollout batch, and keeps the initial one as the KL term's reference: the
+    pre-run host estimate and the planner count both (L2L's policy is on the host already; a
+    replica holds the whole model anyway)."""
+    from relaytrain.run.preflight import gathered_policy_bytes
+    from relaytrain.strategies import strategy_class
+
+    cfg = compose_config(["model=llama_tiny", "objective=grpo", "objective.rewards=[exact_answer]", f"objective.beta={beta}",
+                          *STRATEGIES[strategy]])
+    assert gathered_policy_bytes(cfg, strategy_class(str(cfg.strategy.name)), 1000) == 4 * 1000 * copies

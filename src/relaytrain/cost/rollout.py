@@ -7,7 +7,9 @@ prompt and max_completion_length), so the cache's bytes are bounded by
 
     2 (keys and values) x blocks x key/value heads x head width x sequences x data.seq_len x bytes,
 
-the bytes being the weights' where they compute (the cache takes the activations' dtype). The
+the bytes being the weights' where they compute (the cache takes the activations' dtype); a
+latent attention (DeepSeek-V3's) caches its shared latent and rotary key, kv rank + rope wide,
+once for every head, in place of the 2 x key/value heads x head width. The
 planner reports it beside a plan's figures: the memory sampling needs where the policy samples,
 on top of the weights there.
 
@@ -24,14 +26,17 @@ from relaytrain.cost.formulas import ModelFacts
 
 
 def kv_cache_bytes(facts: ModelFacts, sequences: int, tokens: int) -> int:
-    """Every block's keys and values for `sequences` sequences of `tokens` tokens each."""
+    """Every block's keys and values for `sequences` sequences of `tokens` tokens each (a latent
+    attention's shared latent and rotary key, as Hugging Face's DeepSeek-V3 caches them)."""
     s = facts.shape
-    return cache_bytes(facts.num_layers, s.num_kv_heads, s.head_dim, sequences, tokens, facts.activation_bytes)
+    width = s.latent.kv_rank + s.latent.rope if s.latent else 2 * s.num_kv_heads * s.head_dim
+    return cache_bytes(facts.num_layers, width, sequences, tokens, facts.activation_bytes)
 
 
-def cache_bytes(layers: int, kv_heads: int, head_dim: int, sequences: int, tokens: int, value_bytes: int) -> int:
-    """The closed form above, from the widths themselves (keys and values: 2)."""
-    return 2 * layers * kv_heads * head_dim * sequences * tokens * value_bytes
+def cache_bytes(layers: int, width: int, sequences: int, tokens: int, value_bytes: int) -> int:
+    """The closed form above, from the width a token's keys and values take in one block together
+    (2 x key/value heads x head width where they are alike)."""
+    return layers * width * sequences * tokens * value_bytes
 
 
 # -------------------------------------------------------------------------------- time

@@ -48,7 +48,7 @@ from relaytrain.cost.shape import DEGREES, Shape
 from relaytrain.planner.dryrun import simulate
 from relaytrain.planner.sampling import free_between_steps, sampling_for, with_sampling
 from relaytrain.run.compose import validate
-from relaytrain.run.preflight import HEADROOM, check_can_start
+from relaytrain.run.preflight import HEADROOM, check_can_start, gathered_policy_bytes
 from relaytrain.run.resolve import choose
 from relaytrain.step.metrics import tokens_per_step
 from relaytrain.strategies import presets, strategy_class
@@ -280,12 +280,15 @@ def host_bytes(cls, cfg, facts: ModelFacts, profile: Profile, shape: Shape, refe
     (fp32; an adapter's frozen base in the checkpoint's dtype where the strategy keeps it so; a
     4-bit base at its peak while it is quantized, `ModelFacts.build_peak_bytes`), plus the
     interpreter and libraries (`preflight.HEADROOM`). The workers of one machine: a profile's
-    devices per node, or every worker on this machine's CPU. A `reference` pass runs alone
-    before them, the model as built in one process: the larger of the two."""
+    devices per node, or every worker on this machine's CPU. An online objective's first worker
+    holds the whole model too where shards or stages split it (`gathered_policy_bytes`). A
+    `reference` pass runs alone before them, the model as built in one process: the larger of
+    the two."""
     per_machine = shape.workers if profile.device_type == "cpu" else min(shape.workers, profile.devices_per_node)
     worker = max(facts.build_peak_bytes(cls.compact_base), cls.cost_model.host_state_bytes(cfg, facts)) + HEADROOM
     before = 0 if reference is None else reference.host_bytes + HEADROOM
-    return int(max(per_machine * worker, before))
+    gathered = gathered_policy_bytes(cfg, cls, facts.stage_params(facts.num_layers, embed=True, head=True))
+    return int(max(per_machine * worker + gathered, before))
 
 
 def reference_json(reference: ReferenceCost) -> dict:

@@ -16,6 +16,7 @@ import torch
 
 from relaytrain.models import count_parameters
 from relaytrain.placement.world import under_torchrun, usable_cores
+from relaytrain.run.resolve import choose
 from relaytrain.utils.errors import ConfigError
 
 HEADROOM = 1.0 * 2**30  # Python, torch and the libraries themselves
@@ -25,22 +26,33 @@ WORKERS_PER_CPU = 4  # more processes than this per core makes transfers time ou
 def check_can_start(cfg, cls, device: torch.device, parameters: int | None = None) -> int:
     """Refuse, in one line, a run this machine cannot start or hold on its decided `device`
     (`parameters`: the model's, counted here when not given). Returns the host memory the run
-    needs there, by its strategy's cost model (`CostModel.estimate_host_bytes`, and HEADROOM): a
-    dry run reports it."""
+    needs there, by its strategy's cost model (`CostModel.estimate_host_bytes`, HEADROOM, and
+    an online objective's gathered model, `gathered_policy_bytes`): a dry run reports it."""
     check_machine(cfg.strategy, cls.processes(cfg), device)
+    if parameters is None:
+        parameters = count_parameters(cfg.model)
+    gathered = gathered_policy_bytes(cfg, cls, parameters)
     cls.check_device(cfg, device)
     if cfg.train.compile:
         from relaytrain.models import compile as compiling
 
         compiling.check(device)
-    if parameters is None:
-        parameters = count_parameters(cfg.model)
-    need = int(cls.cost_model.estimate_host_bytes(cfg, parameters, device.type) + HEADROOM)
+    need = int(cls.cost_model.estimate_host_bytes(cfg, parameters, device.type) + HEADROOM + gathered)
     # A dry run plans for the machine the real run will have, not this one: it allocates no
     # such memory, and reports the estimate (results.json's memory.host_estimate_bytes).
     if cfg.train.check_memory and device.type != "meta":
         check_host_memory(need)
     return need
+
+
+def gathered_policy_bytes(cfg, cls, parameters: int) -> int:
+    """What the first process's host adds where shards or stages split the model an online
+    objective samples (`run.rollouts`): the whole model gathered in fp32 before each rollout
+    batch and, with a KL term, the initial model kept as its reference. 0 elsewhere."""
+    goal = choose(cfg).objective
+    if not goal.learns_online or cls.processes(cfg) == 1 or cls.rank_layout(cfg).replicates_whole:
+        return 0
+    return 4 * parameters * (2 if goal.beta != 0 else 1)
 
 
 def check_machine(s, processes: int, device: torch.device) -> None:
