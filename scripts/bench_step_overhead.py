@@ -22,7 +22,7 @@ baseline and Hugging Face's Trainer as bench_hf_trainer.py sets it up, each in a
 own, with torch.profiler: every operator call, the matrix products' calls and their own time,
 and the rest of the step (docs/benchmarks.md keeps one).
 
-    .venv/bin/python scripts/bench_step_overhead.py --json out.json [--rounds 3] [--steps 8] [--profile]
+    .venv/bin/python scripts/bench_step_overhead.py --json out.json [--rounds 3] [--steps 8] [--profile [--model moe]]
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")  # the model
 def parse_args():
     return contest_args(__doc__, ("WORKDIR",), steps=8, untimed=f"the first {UNTIMED} are", rounds=3,
                         extra=[("--profile", dict(action="store_true",
-                                                  help="profile one step of relaytrain and one of Trainer instead"))])
+                                                  help="profile one step of relaytrain and one of Trainer instead")),
+                               ("--model", dict(choices=("decoder", "moe"), default="decoder",
+                                                help="with --profile: the Trainer comparisons' decoder, or bench_moe's "
+                                                     "mixture (the same batch)"))])
 
 
 class ModelWork:
@@ -132,7 +135,7 @@ def profile_summary(profiler, wall_s: float) -> dict:
                 (e for e in events if e.key not in MATMULS), key=lambda e: -e.self_cpu_time_total)[:8]]}
 
 
-def profile_relaytrain(at_step: int) -> dict:
+def profile_relaytrain(at_step: int, model: list[str]) -> dict:
     import torch
 
     from relaytrain.run.compose import compose_config
@@ -153,14 +156,14 @@ def profile_relaytrain(at_step: int) -> dict:
         return result
 
     whole_model.WholeModel.step = profiled
-    given = [*DECODER, *BATCH, "strategy=baseline", f"train.steps={at_step + 1}", "train.untimed_steps=0",
+    given = [*model, *BATCH, "strategy=baseline", f"train.steps={at_step + 1}", "train.untimed_steps=0",
              "train.check_memory=false"]
     with tempfile.TemporaryDirectory() as run_dir:
         run(compose_config(given), Path(run_dir), table=False, quiet=True)
     return profile_summary(taken["profiler"], taken["wall_s"])
 
 
-def profile_trainer(at_step: int) -> dict:
+def profile_trainer(at_step: int, model: list[str]) -> dict:
     import torch
     from transformers import TrainerCallback
 
@@ -179,19 +182,29 @@ def profile_trainer(at_step: int) -> dict:
                 self.profiler.__exit__(None, None, None)
 
     profiled = Profiled()
-    train_with_trainer(compose([*DECODER, *BATCH], 1, at_step), at_step, callbacks=[profiled])
+    train_with_trainer(compose([*model, *BATCH], 1, at_step), at_step, callbacks=[profiled])
     return profile_summary(profiled.profiler, profiled.wall_s)
 
 
-def profile_both() -> dict:
-    """One step of each side, after `UNTIMED` warm-up steps, each in a process of its own."""
+def mixture() -> list[str]:
+    """bench_moe's mixture (the Qwen3-MoE layout of moe_baseline_vs_hf_trainer), whose batch is this one."""
+    from bench_moe import BATCH as MOE_BATCH
+    from bench_moe import MOE
+
+    assert [f"data.seq_len={MOE_BATCH['seq_len']}", f"strategy.microbatch_size={MOE_BATCH['microbatch_size']}",
+            f"strategy.num_microbatches={MOE_BATCH['microbatches']}"] == BATCH
+    return MOE
+
+
+def profile_both(model: list[str]) -> dict:
+    """One step of each side on `model`, after `UNTIMED` warm-up steps, each in a process of its own."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     sides = {}
     for name, side in (("relaytrain", profile_relaytrain), ("hf_trainer", profile_trainer)):
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            sides[name] = pool.submit(side, UNTIMED).result()
+            sides[name] = pool.submit(side, UNTIMED, model).result()
     return sides
 
 
@@ -201,14 +214,16 @@ def main() -> None:
         child(*args.child, args.steps)
         return
     if args.profile:
-        sides = profile_both()
+        model = DECODER if args.model == "decoder" else mixture()
+        sides = profile_both(model)
         for name, side in sides.items():
             print(f"{name}: {side['aten_calls']} aten calls ({side['distinct_aten_ops']} operators), "
                   f"{side['matmul_calls']} matrix products taking {side['matmul_s']:.3f} s of a {side['wall_s']:.3f} s "
                   f"step; outside them {side['outside_matmuls_s']:.3f} s; most other time: {side['top_other_ops'][:4]}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"command": "python scripts/bench_step_overhead.py --profile",
-                                                   "model": DECODER, "batch": BATCH, **sides}, indent=2) + "\n")
+            Path(args.json).write_text(json.dumps({"command": f"python scripts/bench_step_overhead.py --profile "
+                                                              f"--model {args.model}",
+                                                   "model": model, "batch": BATCH, **sides}, indent=2) + "\n")
         return
     with contest_dirs() as (workdir, runs, load):
         rounds = [child_run(__file__, args.steps, [str(workdir)], runs, "baseline") for _ in range(args.rounds)]

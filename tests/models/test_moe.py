@@ -419,7 +419,7 @@ def test_a_dry_run_of_a_mixture_counts_every_expert_in_fp32(name, tmp_path):
     assert memory["activations and temporaries"] > 0
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3_671b", "glm4_5_355b"])
+@pytest.mark.parametrize("name", ["deepseek_v3_671b", "kimi_k2_1t", "glm4_5_355b"])
 def test_a_published_mixture_with_dense_first_layers_runs_dry(name, tmp_path):
     """Its config's own architecture keys build the model Hugging Face builds (DeepSeek-V3's rotary
     slice is head_dim, as its config sets it): the dense first layers and one expert layer."""
