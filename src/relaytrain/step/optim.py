@@ -93,7 +93,7 @@ class AdamWConfig(OptimConfig):
     eps: float = 1e-6  # added to the second-moment root
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # moment decay rates
     fused: bool = True  # torch's fused kernel, on CPU and CUDA
-    host_kernel: HostKernel = HostKernel.torch  # kernel of the host-side (EPS) AdamW: torch (bit for bit the device's), deepspeed (pip install relaytrain[fast]) or auto (deepspeed where installed)
+    host_kernel: HostKernel = HostKernel.torch  # kernel of the host-side (EPS) AdamW: torch (bit for bit the device's), deepspeed (pip install relaytrain[fast]) or auto (the faster of the two here, timed once a process)
     state_bits: int = 32  # bits of each moment: 32 (torch's AdamW), or 8 or 4 (torchao's AdamW8bit / AdamW4bit, blockwise quantized; pip install relaytrain[lowbit])
 
 
