@@ -161,6 +161,7 @@ def test_a_group_the_op_cannot_step_in_place_takes_torchs_update(deepspeed_op):
     assert torch.equal(ours, theirs) and not torch.equal(ours, base.t())
 
 
+@pytest.mark.slow  # the op: CI's slow step installs the `fast` extra (make test-slow)
 @pytest.mark.parametrize("faster", ["deepspeed", "torch"])
 def test_auto_takes_the_kernel_that_stepped_faster_here_and_says_so_once(deepspeed_op, monkeypatch, capsys, faster):
     """`optim.host_kernel=auto` times both kernels once a process (the timing is replaced here: a
