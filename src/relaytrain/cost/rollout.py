@@ -23,19 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relaytrain.cost.formulas import ModelFacts
+from relaytrain.models.family import LatentAttention
 
 
 def kv_cache_bytes(facts: ModelFacts, sequences: int, tokens: int) -> int:
     """Every block's keys and values for `sequences` sequences of `tokens` tokens each (a latent
     attention's shared latent and rotary key, as Hugging Face's DeepSeek-V3 caches them)."""
     s = facts.shape
-    width = s.latent.kv_rank + s.latent.rope if s.latent else 2 * s.num_kv_heads * s.head_dim
-    return cache_bytes(facts.num_layers, width, sequences, tokens, facts.activation_bytes)
+    return cache_bytes(facts.num_layers, s.num_kv_heads, s.head_dim, s.latent, sequences, tokens,
+                       facts.activation_bytes)
 
 
-def cache_bytes(layers: int, width: int, sequences: int, tokens: int, value_bytes: int) -> int:
-    """The closed form above, from the width a token's keys and values take in one block together
-    (2 x key/value heads x head width where they are alike)."""
+def cache_bytes(layers: int, kv_heads: int, head_dim: int, latent: LatentAttention | None, sequences: int,
+                tokens: int, value_bytes: int) -> int:
+    """The closed form above, from the widths themselves: a token's keys and values in one block,
+    2 x key/value heads x head width, or a latent attention's latent and rotary key."""
+    width = latent.kv_rank + latent.rope if latent else 2 * kv_heads * head_dim
     return layers * width * sequences * tokens * value_bytes
 
 

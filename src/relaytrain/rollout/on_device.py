@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from relaytrain.cost.rollout import cache_bytes
+from relaytrain.models.family import LatentAttention
 from relaytrain.utils.units import GiB
 
 
@@ -213,12 +214,10 @@ def relayed(policy: nn.Module, device: torch.device, block_names: list[str], dty
 def kv_cache_bytes(config, sequences: int, tokens: int, dtype: torch.dtype) -> int:
     """Every layer's keys and values for `sequences` sequences of `tokens` tokens (the cost
     model's closed form, `cost.rollout`, from a Hugging Face config)."""
-    if getattr(config, "kv_lora_rank", None):  # a latent attention caches its latent and rotary key, for every head
-        width = config.kv_lora_rank + config.qk_rope_head_dim
-    else:
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        width = 2 * heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return cache_bytes(config.num_hidden_layers, width, sequences, tokens, dtype.itemsize)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return cache_bytes(config.num_hidden_layers, heads, width, LatentAttention.of(config.to_dict()), sequences, tokens,
+                       dtype.itemsize)
 
 
 def _fits(nbytes: int, free: int, margin: float) -> bool:

@@ -48,9 +48,10 @@ def check_can_start(cfg, cls, device: torch.device, parameters: int | None = Non
 def gathered_policy_bytes(cfg, cls, parameters: int) -> int:
     """What the first process's host adds where shards or stages split the model an online
     objective samples (`run.rollouts`): the whole model gathered in fp32 before each rollout
-    batch and, with a KL term, the initial model kept as its reference. 0 elsewhere."""
+    batch and, with a KL term, the initial model kept as its reference. 0 elsewhere (one
+    process's layout replicates the whole model too)."""
     goal = choose(cfg).objective
-    if not goal.learns_online or cls.processes(cfg) == 1 or cls.rank_layout(cfg).replicates_whole:
+    if not goal.learns_online or cls.rank_layout(cfg).replicates_whole:
         return 0
     return 4 * parameters * (2 if goal.beta != 0 else 1)
 
