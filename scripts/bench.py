@@ -2,7 +2,7 @@
 then one summary table, each headline beside its target, and the list of the targets missed.
 Each script also runs alone; see docs/benchmarks.md.
 
-    python scripts/bench.py [--only baseline,hf_trainer,step_overhead,...,muon,lowbit,grpo] [--out bench-results.json]
+    python scripts/bench.py [--only baseline,hf_trainer,step_overhead,...,moe,experts_by_need,...,grpo] [--out bench-results.json]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ BENCHMARKS = {
     "long_context": HERE / "bench_long_context.py",
     "sequence_parallel": HERE / "bench_sequence_parallel.py",
     "moe": HERE / "bench_moe.py",
+    "experts_by_need": HERE / "bench_experts_by_need.py",
     "dpo": HERE / "bench_dpo.py",
     "muon": HERE / "bench_muon.py",
     "lowbit": HERE / "bench_lowbit.py",
@@ -60,6 +61,7 @@ COMPARED = {
     "lora_l2l_vs_full_l2l": "l2l samples/s, adapter=lora / full fine-tuning (the same model and batch)",
     "qlora_l2l_host_bytes_ratio": "l2l host bytes of the base, adapter=qlora (NF4) / adapter=lora (bf16), Llama-3-70B / 16",
     "qlora_l2l_vs_lora_l2l": "l2l samples/s, adapter=qlora (NF4 base) / adapter=lora (bf16 base)",
+    "moe_streamed_expert_bytes_ratio": "l2l weight bytes uploaded a step, experts by need / whole (LoRA, Qwen3-MoE layout, 32 experts top 2, 1 x 16 tokens)",
     "moe_qlora_host_bytes_ratio": "l2l host bytes of the base, adapter=qlora / adapter=lora, experts in NF4 too (Qwen3-30B-A3B / 8)",
     "flush_vs_torch_1f1b": "pipe_flush / torch Schedule1F1B (d = 2, m = 4)",
     "2bw_vs_flush_of_formula": "(pipe_2bw / pipe_flush at m = d, 8 blocks) / bubble formula",

@@ -10,7 +10,8 @@ On a CUDA device, with the conformance suite's tiny BERT and its references:
   error of the fp32 reference;
 - FSDP with its shards and optimizer on the host (`strategy.offload=host`) equals the plain loop;
 - bf16 masters (`optim.master_dtype=bf16`) live in pinned bf16 buffers and round as on the CPU;
-- QLoRA (bitsandbytes' CUDA kernels) and the mixtures of experts train as on the CPU;
+- QLoRA (bitsandbytes' CUDA kernels) and the mixtures of experts train as on the CPU, and L2L's
+  experts streamed by need train what uploading them all trains;
 - GRPO's relay decode of a host-held policy (blocks uploaded on a side stream, the KV cache on the
   device or offloaded to the host) draws the tokens a whole device copy draws, leaving nothing.
 
@@ -180,6 +181,24 @@ def test_a_mixture_of_experts_trains_on_cuda_as_the_plain_hugging_face_loop(arch
     cfg = compose_config([f"model.pretrained={pretrained}", *VARIANTS[name], *RUN_KEYS, CUDA])
     results, _, _ = trains_as_hugging_face(pretrained, cfg, tmp_path / "run", f"{arch} under {name} on cuda", rel=1e-4)
     assert results["device"].startswith("cuda")
+
+
+@pytest.mark.parametrize("keys", [[], ["model.quantize=nf4"], ["precision=amp_bf16"]])
+def test_experts_streamed_by_need_on_cuda_train_what_uploading_them_all_trains(keys, tmp_path):
+    """L2L's experts by need on cuda: zeros made on the copy stream, the picked experts copied into
+    them from pinned memory (a bf16 base cast into place on the compute stream), the backward's
+    picks prefetched with their part: bit for bit the run that uploads every expert."""
+    from tests.checkpoints import tiny_moe
+    from tests.models.test_moe import expert_adapter
+    from tests.strategies.test_experts_by_need import SPARSE, assert_same_run, train
+
+    base = tiny_moe(tmp_path / "base", "qwen3_moe", **SPARSE)
+    adapter = expert_adapter(base, tmp_path / "adapter")
+    streamed = train(base, adapter, tmp_path / "streamed", CUDA, *keys, "strategy.experts_by_need=true")
+    whole = train(base, adapter, tmp_path / "whole", CUDA, *keys)
+    assert_same_run(streamed, whole, tmp_path / "streamed", tmp_path / "whole")
+    by_need = streamed["strategy_report"]["experts_by_need"]
+    assert by_need["uploaded_bytes"] < by_need["whole_bytes"] and by_need["recompute_misses"] == 0
 
 
 @pytest.mark.parametrize("cache_on_host", [False, True])

@@ -63,6 +63,7 @@ from relaytrain.strategies.base import (
     scalar,
 )
 from relaytrain.strategies.eps import EagerParamServer, EpsStats, Peers, Shipment
+from relaytrain.strategies.experts_by_need import check_experts_by_need
 from relaytrain.strategies.l2l_cost import EpsPlacement, L2LCost, Stash, stash_on_host
 from relaytrain.strategies.relay import ActivationStash, WeightRelay
 from relaytrain.strategies.sequence_parallel import (
@@ -73,6 +74,7 @@ from relaytrain.strategies.sequence_parallel import (
 )
 from relaytrain.strategies.transfers import Transfers
 from relaytrain.utils.errors import ConfigError
+from relaytrain.utils.units import gib
 
 
 class EmbedInput(nn.Module):
@@ -122,6 +124,7 @@ class L2LConfig(SequenceParallelConfig, WorkersConfig, StrategyConfig):
     max_resident_blocks: int = 2  # parts on the device at once: the executing one and the prefetched one
     eps_state: EpsPlacement = EpsPlacement.sharded  # with replicas: where the EPS state lives
     overlap_next_step: bool = False  # a step's last updates land during the next forward, each before its part's upload
+    experts_by_need: bool = False  # a mixture's frozen experts (LoRA, QLoRA) uploaded only where the router picked them
 
 
 class L2LSequenceCost(CutSequenceCost, L2LCost):
@@ -146,6 +149,7 @@ class L2L(ReplicatedStrategy):
         if s.max_resident_blocks < 1:
             raise ConfigError(f"strategy.max_resident_blocks={s.max_resident_blocks} must be at least 1")
         check_sequence_parallel(cfg.strategy, cfg.model, cfg.train.compile)
+        check_experts_by_need(s, cfg.adapter)
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
@@ -183,9 +187,8 @@ class L2L(ReplicatedStrategy):
         super().__init__(model, cfg, world)
         s = cfg.strategy
         self.replica, self.num_replicas = self.layout.row_share(world.rank), self.layout.data_parallel
-        # Sequence parallelism: this worker's tokens of every sequence (the groups made before the
-        # EPS's); every worker is one of the EPS's peers, so each part's gradients are summed over
-        # all R x S of them.
+        # Sequence parallelism: this worker's tokens of every sequence (the groups made before the EPS's);
+        # every worker is one of the EPS's peers, so each part's gradients are summed over all R x S of them.
         self.split = cut_sequences(model, world, self.layout)
         self.stash_host = stash_on_host(cfg.strategy)
         self.scaler = LossScaler(self.precision.needs_loss_scaling, cfg.precision.loss_scale,
@@ -204,7 +207,7 @@ class L2L(ReplicatedStrategy):
         self.peers = peers
         self.transfers = Transfers(self.device)
         self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch,
-                                 self.precision.weight_dtype, updates=self.eps)
+                                 self.precision.weight_dtype, self.eps, s.experts_by_need)
         self.head_index = len(self.eps.parts) - 1
         self.stash: ActivationStash | None = None
         table = model.hf_model.get_input_embeddings().weight
@@ -246,6 +249,7 @@ class L2L(ReplicatedStrategy):
         super().reset_measurements()
         self.eps.stats = EpsStats(host_kernel=self.eps.stats.host_kernel)
         self.transfers.wait_s = 0.0
+        self.relay.reset_counts()
 
     def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
         return values if self.peers is None else self.peers.sum_over_replicas(values)
@@ -349,7 +353,7 @@ class L2L(ReplicatedStrategy):
         no gradients; the head adds up the evaluation sums."""
         stats = EvalStats.zeros(self.model.num_labels)
         head = self.eps.parts[self.head_index].module
-        with eval_mode(self.model), torch.no_grad():
+        with eval_mode(self.model), torch.no_grad(), self.relay.uncounted():
             for minibatch in batches:
                 mbs = [self.split.whole(mb.to(self.device))
                        for mb in replica_rows(minibatch, self.replica, self.num_replicas)]
@@ -416,7 +420,7 @@ class L2L(ReplicatedStrategy):
                    "peak_resident_blocks": self.relay.peak_resident, "deferred_updates": self.eps.defer,
                    "updates_into_next_step": self.eps.carry,
                    "phase_times_s": phases, "transfer_wait_s": self.transfers.wait_s, "eps": eps,
-                   "loss_scale": self.scaler.scale, "summary": _summary(self, phases, eps)}
+                   "loss_scale": self.scaler.scale, "summary": _summary(self, phases, eps), **self.relay.report()}
         if self.peers is not None:
             owned = sum(part.num_owned for part in self.eps.local_parts())
             figures["replica"] = {"rank": self.world.rank, "owned_parameters": owned,
@@ -426,6 +430,7 @@ class L2L(ReplicatedStrategy):
 
     def close(self) -> None:
         self.eps.close()
+        self.relay.close()
         uninstall(self.model)
 
 
@@ -445,6 +450,8 @@ def _summary(l2l: L2L, phases: dict, eps: dict) -> dict:
         "transfer wait (mean s/step, within the phases)": f"{l2l.transfers.wait_s / max(eps['steps'], 1):.3f}",
         "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s ({eps['host_kernel']})",
         "EPS updates": _update_mode(l2l.eps),
+        "weights uploaded (mean a step)": gib(l2l.relay.uploaded_bytes // max(eps["steps"], 1)),
+        **l2l.relay.by_need_summary(),
     }
 
 

@@ -13,13 +13,16 @@ The strategy that walks the relay and feeds the eager param server is `l2l.py`.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from relaytrain.strategies.eps import Part
+from relaytrain.strategies.experts_by_need import ExpertsByNeed, ExpertVisit
 from relaytrain.strategies.transfers import Transfer, Transfers
+from relaytrain.utils.units import gib
 
 # --------------------------------------------------------------------------- weight relay
 
@@ -41,6 +44,7 @@ class Resident:
     transfer: Transfer
     leaves: list[torch.Tensor]
     frozen: list[torch.Tensor]  # an adapter's base: computed with, never differentiated
+    experts: ExpertVisit | None = None  # its frozen experts where they travel by need
 
 
 class WeightRelay:
@@ -52,7 +56,8 @@ class WeightRelay:
     """
 
     def __init__(self, parts: list[Part], transfers: Transfers, device: torch.device, capacity: int, prefetch: bool,
-                 dtype: torch.dtype = torch.float32, updates: PendingUpdates | None = None):
+                 dtype: torch.dtype = torch.float32, updates: PendingUpdates | None = None,
+                 experts_by_need: bool = False):
         self.parts = parts
         self.updates = updates  # the host's updates still landing (the EPS carrying them into this step)
         self.transfers = transfers
@@ -69,11 +74,18 @@ class WeightRelay:
         self.resident: dict[int, Resident] = {}
         self.cursor = 0
         self.peak_resident = 0
+        self.whole_parts_bytes = 0  # what the relay sent to the device but streamed experts (the measured steps')
+        # A dry run (the meta device) uploads every expert: it has no picks to read, and a streamed
+        # tensor is whole on the device anyway.
+        by_need = experts_by_need and device.type != "meta"
+        self.by_need = ExpertsByNeed(parts, transfers, dtype, self._experts_visit) if by_need else None
 
     def start_step(self) -> None:
         """Forget last step's device copies: the EPS has updated every part since."""
         self.resident.clear()
         self.cursor = 0
+        if self.by_need is not None:
+            self.by_need.start_step()
 
     def next_visit(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """The weights of the next part in relay order (for a functional call) and its leaves."""
@@ -88,6 +100,8 @@ class WeightRelay:
         self.cursor += 1
         resident, part = self.resident[index], self.parts[index]
         self.transfers.acquire(resident.transfer)
+        if resident.experts is not None:
+            self.transfers.acquire(resident.experts.transfer)
         # A bf16-stored base computes in the relay's dtype; an NF4 weight's uint8 storage travels
         # and stays as it is (its layer dequantizes it in the input's dtype).
         frozen = [t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t for t in resident.frozen]
@@ -103,10 +117,69 @@ class WeightRelay:
         part = self.parts[index]
         if self.updates is not None:
             self.updates.await_part(index)
-        transfer = self.transfers.upload(part.wires + part.frozen)
+        by_need = self.by_need.positions(index) if self.by_need is not None else set()
+        travelling = [t for position, t in enumerate(part.frozen) if position not in by_need]
+        transfer = self.transfers.upload(part.wires + travelling)
+        self.whole_parts_bytes += sum(t.numel() * t.element_size() for t in part.wires + travelling)
         leaves = [t.requires_grad_(True) for t in transfer.tensors[:len(part.wires)]]
-        self.resident[index] = Resident(transfer, leaves, transfer.tensors[len(part.wires):])
+        frozen, experts = transfer.tensors[len(part.wires):], None
+        if by_need:  # the streamed tensors take their places among the frozen ones
+            experts = self.by_need.arrive(index)
+            uploaded = iter(frozen)
+            frozen = [experts.tensors[p] if p in by_need else next(uploaded) for p in range(len(part.frozen))]
+        self.resident[index] = Resident(transfer, leaves, frozen, experts)
         self.peak_resident = max(self.peak_resident, len(self.resident))
+
+    def _experts_visit(self, index: int) -> ExpertVisit | None:
+        resident = self.resident.get(index)
+        return None if resident is None else resident.experts
+
+    @property
+    def uploaded_bytes(self) -> int:
+        """Every weight byte the relay sent to the device since the counts were reset."""
+        return self.whole_parts_bytes + self.expert_bytes[0]
+
+    @property
+    def expert_bytes(self) -> tuple[int, int]:
+        """(bytes of streamed experts uploaded, what they would have been whole); (0, 0) unstreamed."""
+        return (0, 0) if self.by_need is None else (self.by_need.uploaded_bytes, self.by_need.whole_bytes)
+
+    def report(self) -> dict:
+        """The strategy report's figures: the weights uploaded and, by need, the experts'."""
+        figures = {"uploaded_bytes": self.uploaded_bytes}
+        if self.by_need is not None:
+            uploaded, whole = self.expert_bytes
+            figures["experts_by_need"] = {"uploaded_bytes": uploaded, "whole_bytes": whole,
+                                          "recompute_misses": self.by_need.recompute_misses}
+        return figures
+
+    def by_need_summary(self) -> dict[str, str]:
+        """The summary's line with experts streamed by need: the share of their bytes that crossed."""
+        uploaded, whole = self.expert_bytes
+        if not whole:
+            return {}
+        return {"experts uploaded by need": f"{uploaded / whole:.1%} of the whole experts' bytes "
+                                            f"({gib(whole - uploaded)} saved over the measured steps)"}
+
+    @contextmanager
+    def uncounted(self):
+        """Uploads left out of the counts (an evaluation's: the counts are the training steps')."""
+        saved = (self.whole_parts_bytes, *self.expert_bytes)
+        try:
+            yield
+        finally:
+            self.whole_parts_bytes = saved[0]
+            if self.by_need is not None:
+                self.by_need.uploaded_bytes, self.by_need.whole_bytes = saved[1:]
+
+    def reset_counts(self) -> None:
+        self.whole_parts_bytes = 0
+        if self.by_need is not None:
+            self.by_need.uploaded_bytes = self.by_need.whole_bytes = 0
+
+    def close(self) -> None:
+        if self.by_need is not None:
+            self.by_need.close()
 
     def _farthest_needed(self) -> int:
         current = self.order[self.cursor]

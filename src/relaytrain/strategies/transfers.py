@@ -20,7 +20,7 @@ host memory (`memory.on_host`), so the simulated device memory is the CUDA run's
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ from relaytrain.dryrun.memory import on_host
 class Transfer:
     tensors: list[torch.Tensor]
     done: torch.cuda.Event | None = None  # None: already complete (CPU)
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (device slice, staged copy)
 
 
 class Transfers:
@@ -53,6 +54,32 @@ class Transfers:
                 self.upload_stream.wait_event(after)
             out = [t.to(self.device, non_blocking=True) for t in host]
             return Transfer(out, _record(self.upload_stream))
+
+    def zeros(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A zero tensor on the device, made on the copy stream (uploads into it follow it there)."""
+        if not self.cuda:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self.upload_stream):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def upload_into(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], held: list[torch.Tensor] = ()) -> Transfer:
+        """Copy host slices into device slices, each pair (device slice, host slice), on the copy
+        stream: what crosses is the host's bytes; a slice of another dtype lands in a staging copy
+        on the device and is cast into its place once the compute stream acquires the transfer.
+        `held`: device tensors made on the copy stream (`zeros`) that the compute stream will read."""
+        if not self.cuda:
+            for device, host in pairs:
+                device.copy_(host)
+            return Transfer([])
+        casts = []
+        with torch.cuda.stream(self.upload_stream):
+            for device, host in pairs:
+                if device.dtype == host.dtype:
+                    device.copy_(host, non_blocking=True)
+                else:
+                    casts.append((device, host.to(self.device, non_blocking=True)))
+            tensors = [*held, *(d for d, _ in pairs), *(staged for _, staged in casts)]
+            return Transfer(tensors, _record(self.upload_stream), casts)
 
     def offload(self, device_tensors: list[torch.Tensor], host_out: list[torch.Tensor] | None = None) -> Transfer:
         """Copy device tensors to (pinned) host memory on the offload stream, after the compute so far."""
@@ -94,6 +121,9 @@ class Transfers:
             for t in transfer.tensors:
                 t.record_stream(stream)
             transfer.done = None
+        for device, staged in transfer.casts:  # on the compute stream, after the upload
+            device.copy_(staged)
+        transfer.casts = []
         return transfer.tensors
 
 
