@@ -201,6 +201,19 @@ def test_experts_streamed_by_need_on_cuda_train_what_uploading_them_all_trains(k
     assert by_need["uploaded_bytes"] < by_need["whole_bytes"] and by_need["recompute_misses"] == 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="expert parallelism needs a GPU a worker")
+def test_experts_shared_over_two_gpus_train_as_the_plain_loop(tmp_path):
+    """Expert parallelism over NCCL: the counts, experts and rows exchanged as CUDA tensors."""
+    from relaytrain.run.compose import compose_config
+    from tests.checkpoints import tiny_moe
+    from tests.models.test_moe import RUN_KEYS, trains_as_hugging_face
+
+    pretrained = tiny_moe(tmp_path / "checkpoint", "qwen3_moe")
+    cfg = compose_config([f"model.pretrained={pretrained}", "strategy=baseline", "strategy.replicas=2",
+                          "strategy.expert_parallel=2", *RUN_KEYS, CUDA])
+    trains_as_hugging_face(pretrained, cfg, tmp_path / "run", "qwen3_moe, experts over 2 GPUs", rel=1e-4)
+
+
 @pytest.mark.parametrize("cache_on_host", [False, True])
 def test_a_relayed_policy_samples_on_cuda_what_a_whole_copy_samples(cache_on_host, tmp_path):
     """GRPO's relay decode (`rollout.on_device.RelayCopy`): a host-held policy's blocks uploaded

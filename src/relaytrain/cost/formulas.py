@@ -37,6 +37,7 @@ from relaytrain.cost.work import (
     attention_output_width,
     block_matrix_weights,
     block_shape,
+    expert_weights,
     key_width,
     model_work,
     query_width,
@@ -84,12 +85,10 @@ class ModelFacts:
     # model.quantize=nf4: each part's weights held in 4 bits (`cost.quantized`); the part counts
     # above are dense values all the same
     quantized: tuple[QuantizedPart, QuantizedPart, QuantizedPart] | None = None
-    # strategy.sequence_parallel=S: a worker holds 1/S of every sequence's tokens (`cut`)
-    sequence_parallel: int = 1
-    # strategy.tensor_parallel=T: a worker holds 1/T of every block's matrices and heads (`split`)
-    tensor_parallel: int = 1
-    # Sequences an item of the data is (`Objective.rows_per_item`): 1, or 2 for a preference pair
-    rows_per_item: int = 1
+    sequence_parallel: int = 1  # S: a worker holds 1/S of every sequence's tokens (`cut`)
+    tensor_parallel: int = 1  # T: a worker holds 1/T of every block's matrices and heads (`split`)
+    expert_parallel: int = 1  # E: a worker holds 1/E of every block's experts (`share_experts`)
+    rows_per_item: int = 1  # sequences an item of the data is (`Objective.rows_per_item`): 2 for a preference pair
 
     @classmethod
     def of(cls, cfg) -> ModelFacts:
@@ -141,12 +140,26 @@ class ModelFacts:
                                     intermediate=s.intermediate // size)
         return dataclasses.replace(self, block_params=block, trained_parts=trained, shape=shape, tensor_parallel=size)
 
+    def share_experts(self, size: int) -> ModelFacts:
+        """These facts for one of `size` workers sharing every block's experts: 1/E of their matrices
+        (and their state); its work and activations as before (an even routing). From whole facts only."""
+        if size == self.expert_parallel or not self.shape.experts:
+            return self
+        experts = expert_weights(self.shape)
+        return dataclasses.replace(self, block_params=self.block_params - experts + experts // size, expert_parallel=size)
+
+    @property
+    def kept_block_share(self) -> float:
+        """The share of a block's parameters a worker keeps: 1, less the other workers' experts."""
+        experts = expert_weights(self.shape)
+        return self.block_params / max(self.block_params + experts - experts // self.expert_parallel, 1)
+
     def placed(self, strategy) -> ModelFacts:
         """These facts for one worker of a run placed as the `strategy` config node says: its
-        share of every sequence (`cut`) and of every block (`split`); a strategy without one of
-        the keys places nothing that way."""
+        share of every sequence (`cut`), of every block (`split`) and of its experts
+        (`share_experts`); a strategy without one of the keys places nothing that way."""
         return self.cut(int(getattr(strategy, "sequence_parallel", 1))).split(
-            int(getattr(strategy, "tensor_parallel", 1)))
+            int(getattr(strategy, "tensor_parallel", 1))).share_experts(int(getattr(strategy, "expert_parallel", 1)))
 
     @property
     def tokens(self) -> int:
@@ -435,7 +448,7 @@ def optimizer_s(t: Timings, facts: ModelFacts, blocks: int, embed: bool, head: b
     """One optimizer step over `blocks` blocks and maybe the embeddings and the head, from the
     profiled steps (one block's, 1/T of it on a tensor rank; the ends' split between them by
     parameters); under adapters only what trains steps."""
-    block = t.optimizer_block_s / facts.tensor_parallel
+    block = t.optimizer_block_s / facts.tensor_parallel * facts.kept_block_share
     if embed and head:
         return (blocks * block + t.optimizer_ends_s) * facts.trained_share
     share = (facts.embed_params if embed else 0) + (facts.head_params if head else 0)

@@ -118,6 +118,11 @@ def block_matrix_weights(shape: BlockShape) -> int:
     return attention_weights(shape) + mlp_projections(shape) * shape.hidden * shape.intermediate
 
 
+def expert_weights(shape: BlockShape) -> int:
+    """A block's routed experts' matrix weights, all of them (0: a dense block)."""
+    return shape.experts * mlp_projections(shape) * shape.hidden * shape.expert_width
+
+
 def block_matmul_flops(shape: BlockShape) -> int:
     """Forward FLOPs of one block's weight matmuls per token: 2 x its matrices' weights
     (`block_matrix_weights`) and a router's: 24 h^2 for BERT's and GPT-2's (q = kv = h, i = 4 h)."""

@@ -59,6 +59,8 @@ class BlockShape:
     # experts, and Qwen2-MoE's shared-expert gate); 0: a dense block.
     router_outputs: int = 0
     latent: LatentAttention | None = None  # DeepSeek-V3's latent attention: its widths replace head_dim's
+    experts: int = 0  # a mixture's routed experts a block (0: dense), each an MLP of `expert_width`
+    expert_width: int = 0
 
     @classmethod
     def multi_head(cls, m) -> BlockShape:
@@ -75,7 +77,7 @@ class BlockShape:
         n_shared_experts of the experts' width, which a checkpoint's keys carry as one width and
         a published shape's config in model.architecture). Their dense first layers count as
         expert layers: the block the cost models scale by the layer count is the largest one."""
-        mlp, router = m.intermediate_size, 0
+        mlp, router, expert = m.intermediate_size, 0, 0
         architecture = m.architecture or {}
         if m.num_experts:
             expert = m.expert_intermediate_size or m.intermediate_size
@@ -84,7 +86,8 @@ class BlockShape:
             gate = str(m.model_type) == "qwen2_moe" and m.shared_expert_intermediate_size
             router = m.num_experts + (1 if gate else 0)
         return cls(m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.head_dim or m.hidden_size // m.num_heads,
-                   mlp, gated_mlp=True, router_outputs=router, latent=LatentAttention.of(architecture))
+                   mlp, gated_mlp=True, router_outputs=router, latent=LatentAttention.of(architecture),
+                   experts=m.num_experts or 0, expert_width=expert)
 
 
 @dataclass(frozen=True)

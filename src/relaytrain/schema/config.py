@@ -267,6 +267,13 @@ class TensorParallelConfig:
 
 
 @dataclass
+class ExpertParallelConfig:
+    """The key of strategies that can spread a mixture's experts over their replicas."""
+
+    expert_parallel: int = 1  # E: replicas sharing every block's experts, each holding 1/E of them, tokens sent to their expert's holder (all-to-all); E divides strategy.replicas
+
+
+@dataclass
 class OptimConfig:
     """Keys every optimizer has; each optimizer's config extends it (`relaytrain.step.optim`)."""
 

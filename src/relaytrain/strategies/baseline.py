@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from relaytrain.placement.experts import ExpertShards, check_expert_parallel
 from relaytrain.placement.tensor_parallel import (
     full_optimizer_state,
     full_state,
@@ -41,6 +42,7 @@ from relaytrain.records.checkpoint import (
     unique_named_parameters,
 )
 from relaytrain.schema.config import (
+    ExpertParallelConfig,
     Recompute,
     SequenceParallelConfig,
     StrategyConfig,
@@ -56,7 +58,7 @@ from relaytrain.strategies.whole_model_cost import BUCKET_BYTES, BaselineCost
 
 
 @dataclass
-class BaselineConfig(TensorParallelConfig, SequenceParallelConfig, WorkersConfig, StrategyConfig):
+class BaselineConfig(ExpertParallelConfig, TensorParallelConfig, SequenceParallelConfig, WorkersConfig, StrategyConfig):
     name: str = "baseline"
     recompute: Recompute = Recompute.none  # none, or block: keep each block's input, recompute it in backward
     stash: Stash = Stash.device  # with recompute=block, where each block's input waits for its recompute: device, or host (out after its forward, back prefetched before its backward)
@@ -79,12 +81,24 @@ class Baseline(WholeModel):
     Config = BaselineConfig
     cost_model = BaselineSequenceCost  # what the planner asks: whole_model_cost.py's closed forms
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        check_expert_parallel(cfg)
+
     def _place_weights(self) -> None:
         self.model.to(self.device)
+        s = self.cfg.strategy
+        self.experts = (ExpertShards(self.model, self.layout, self.world.rank, s.expert_parallel, self.world.simulated,
+                                     self.world.timeout) if s.expert_parallel > 1 else None)
         if self.synced and not self.split:  # DDP does not take split blocks' DTensors
             # The module is on its device already and a micro-batch is moved there before the
             # call. With gradients as bucket views DDP adds no device memory, so a dry run's
-            # figure (no DDP: no process group) holds for the real run.
+            # figure (no DDP: no process group) holds for the real run. Experts held in shares
+            # are summed over their holders alone (`_sum_gradients`).
+            if self.experts is not None:
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    self.net, [name for name, p in self.net.named_parameters() if self.experts.holds(p)])
             self.loss_of = DistributedDataParallel(self.net, device_ids=None, gradient_as_bucket_view=True,
                                                    bucket_cap_mb=BUCKET_BYTES / 2**20,
                                                    process_group=self.gradient_group)
@@ -96,7 +110,10 @@ class Baseline(WholeModel):
 
     def _sum_gradients(self) -> None:
         """Split weights' replicas (DDP does not take DTensors): each worker's gradient parts
-        summed over the replicas of its tensor part, in flat buckets of DDP's size."""
+        summed over the replicas of its tensor part, in flat buckets of DDP's size. Experts held
+        in shares: each summed over the workers holding it."""
+        if self.synced and self.experts is not None:
+            self.experts.sum_gradients(self.params)
         if not (self.synced and self.split):
             return
         grads = [local(p.grad) for p in self.params if p.grad is not None]
@@ -105,6 +122,22 @@ class Baseline(WholeModel):
             dist.all_reduce(flat, group=self.gradient_group)
             for grad, summed in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
                 grad.copy_(summed)
+
+    def _clip(self, max_norm: float) -> None:
+        if self.experts is None:
+            super()._clip(max_norm)
+        else:
+            self.experts.clip_grad_norm_(self.params, max_norm)
+
+    def _holds_parts(self) -> bool:
+        return self.split or self.experts is not None
+
+    def report(self) -> dict:
+        figures = super().report()
+        if self.experts is not None:
+            figures["summary"] = {"expert parallel": f"every block's experts over {self.experts.degree} workers",
+                                  **figures["summary"]}
+        return figures
 
     def memory_holders(self) -> dict[str, list]:
         # Every weight: an adapter's frozen base (4-bit or not) is on the device as well as what trains.
@@ -120,6 +153,9 @@ class Baseline(WholeModel):
         if self.split:
             whole = full_state(self.model)
             return whole if self.world.rank == 0 else None
+        if self.experts is not None:  # the experts' shares gathered (a collective)
+            whole = {name: self.experts.gathered(p, p.detach()) for name, p in unique_named_parameters(self.model)}
+            return whole if self.world.rank == 0 else None
         if self.world.rank != 0:  # every worker holds the same weights
             return None
         return {name: p.detach() for name, p in unique_named_parameters(self.model)}
@@ -130,10 +166,26 @@ class Baseline(WholeModel):
         if self.split:
             state = self._whole_state()  # a collective
             return state if self.world.rank == 0 else None
+        if self.experts is not None:
+            state = self._whole_expert_state()  # a collective
+            return state if self.world.rank == 0 else None
         if self.world.rank != 0:  # and the same optimizer state
             return None
         params = [p for _, p in trained_named_parameters(self.model)]
         return model_state(self.model, params, [self.optimizer], self.scaler)
+
+    def _whole_expert_state(self) -> dict:
+        """`model_state` as an E=1 run holds it: each expert tensor and its optimizer state gathered."""
+        params = [p for _, p in trained_named_parameters(self.model)]
+        state = model_state(self.model, [], [], self.scaler)
+        state["weights"] = {self.model.hf_name(p): self.experts.gathered(p, p.detach()).cpu() for p in params}
+        state["optimizer"] = {self.model.hf_name(p): {key: self.experts.gathered(p, v).cpu() if torch.is_tensor(v) else v
+                                                      for key, v in self.optimizer.state[p].items()}
+                              for p in params if p in self.optimizer.state}
+        return state
+
+    def _cut_expert_state(self, state: dict) -> dict:
+        return _cut_expert_state_of(self.experts, list(trained_named_parameters(self.model)), state)
 
     def _whole_state(self) -> dict:
         """This worker's share as a T=1 run's rank 0 holds it (`model_state`), gathered from the tensor ranks."""
@@ -145,6 +197,8 @@ class Baseline(WholeModel):
     def load_state_dict(self, state: dict) -> None:
         """Whole tensors by name (from any T, any strategy; `state_for` found every one), split
         ones cut as this worker holds them."""
+        if self.experts is not None:
+            state = self._cut_expert_state(state)
         if not self.split:
             load_model_state(self.model, [self.optimizer], self.scaler, state)
             return
@@ -152,6 +206,17 @@ class Baseline(WholeModel):
         load_full_optimizer_state(self.model, [self.optimizer], state["optimizer"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _cut_expert_state_of(experts: ExpertShards, named, state: dict) -> dict:
+    """A whole state (by name) with each expert tensor and its optimizer state cut to this worker's share."""
+    weights, optimizer = dict(state["weights"]), dict(state["optimizer"])
+    for name, p in named:
+        if name in weights:
+            weights[name] = experts.cut(p, weights[name])
+        if name in optimizer:
+            optimizer[name] = {key: experts.cut(p, v) if torch.is_tensor(v) else v for key, v in optimizer[name].items()}
+    return {**state, "weights": weights, "optimizer": optimizer}
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

@@ -34,7 +34,7 @@ from relaytrain.cost.formulas import (
     weights_grads_optimizer_bytes,
     worker_tokens,
 )
-from relaytrain.cost.links import allreduce_s, upload_s
+from relaytrain.cost.links import all_to_all_s, allreduce_s, upload_s
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import PartTimes, Profile
 from relaytrain.cost.work import one_block_on_meta
@@ -162,9 +162,26 @@ def tensor_allreduces_s(cfg, facts: ModelFacts, profile: Profile) -> float:
 
 
 def add_tensor_allreduces(parts: dict[str, float], cfg, facts: ModelFacts, profile: Profile) -> None:
-    """A step's parts, with the all-reduces of a tensor rank (`tensor_allreduces_s`) where blocks split."""
+    """A step's parts, with the all-reduces of a tensor rank (`tensor_allreduces_s`) where blocks
+    split, and the all-to-alls of an expert group (`expert_exchanges_s`) where experts are shared."""
     if facts.tensor_parallel > 1:
         parts["tensor all-reduces"] = tensor_allreduces_s(cfg, facts, profile)
+    if facts.expert_parallel > 1:
+        parts["expert all-to-alls"] = expert_exchanges_s(cfg, facts, profile)
+
+
+def expert_exchanges_s(cfg, facts: ModelFacts, profile: Profile) -> float:
+    """Expert parallelism's all-to-alls a step (`placement/experts.py`): in every routed block, each
+    micro-batch's picks (rows x tokens x top-k hidden states) go to their experts' holders and come
+    back, forward and backward (and again in a recompute), each exchange three calls (the counts,
+    the experts, the rows); nothing overlaps them. Every block is counted as routed (an upper bound
+    for a mixture with dense first layers)."""
+    s = cfg.strategy
+    picks = facts.rows(s.microbatch_size) * facts.tokens * cfg.model.experts_per_token
+    nbytes = picks * facts.hidden * facts.activation_bytes
+    passes = 2 * (3 if recomputes_blocks(cfg) else 2)  # there and back, forward, backward (recompute)
+    calls = facts.num_layers * s.num_microbatches * passes
+    return calls * all_to_all_s(nbytes, facts.expert_parallel, profile, messages=3)
 
 
 # --------------------------------------------------------------------------- the baseline

@@ -1,0 +1,218 @@
+"""Expert parallelism (`strategy.expert_parallel=E`): the data-parallel workers, in groups of E
+consecutive replicas, each hold 1/E of every routed block's experts, and every token visits the
+worker that holds its expert.
+
+As Megatron and torchtitan carve it, the experts degree divides the replicas: R workers form R/E
+*expert groups* of E; worker i of a group holds experts [i n/E, (i+1) n/E) of every block's n
+(the fused `experts.gate_up_proj` / `down_proj` and any other per-expert tensor, GPT-OSS's biases,
+cut in place: the parameters stay the model's own, so names, the optimizer and the checkpoint
+code see them as before). Everything else is replicated as under plain replicas.
+
+A routed block's experts module computes (`ExpertParallel.forward`):
+
+1. each (token, pick) assignment sorted by expert, so the picks of each owner are one run;
+2. the rows sent to their owners in one all-to-all (`torch.distributed.nn`'s, which carries the
+   gradient back the same way), with their experts' local indices;
+3. the owner runs Hugging Face's own experts forward on what it received, one pick a row with
+   weight 1 (its implementation, eager or grouped_mm, its activations, clamps and biases);
+4. the outputs return by the inverse all-to-all, are weighted by the router's weights and added
+   into each token's row in ascending expert order, as Hugging Face's loop adds them.
+
+An expert's gradient is then the sum over every token of its group that picked it; summed over
+the R/E workers that hold the same experts (`sum_gradients`) it is the plain loop's. Those
+parameters are left out of DDP, which sums everything else over all R workers. A checkpoint and
+a saved model hold whole tensors by name (`gathered`, `cut`), so a run saved at any E resumes at
+any other, or under another strategy. A dry run (no process group) computes each worker's share
+as if the routing were even: its own rows through its own experts, so its device figures are
+one worker's (1/E of the experts' weights, gradients and optimizer state).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+from torch import nn
+
+from relaytrain.models.quantize_experts import EXPERTS_NDIM, fused_tensors
+from relaytrain.placement.layout import Layout
+from relaytrain.utils.errors import ConfigError
+
+
+def check_expert_parallel(cfg) -> None:
+    """`strategy.expert_parallel=E`: dividing the replicas, on a mixture whose experts divide by E,
+    with what the placement supports so far."""
+    s = cfg.strategy
+    size = getattr(s, "expert_parallel", 1)
+    if size < 1:
+        raise ConfigError(f"strategy.expert_parallel={size} must be at least 1")
+    if size == 1:
+        return
+    if s.replicas % size:
+        raise ConfigError(f"strategy.expert_parallel={size} must divide strategy.replicas={s.replicas} (each group of "
+                          f"{size} replicas shares every block's experts)")
+    experts = cfg.model.num_experts or 0
+    if experts % size or not experts:
+        raise ConfigError(f"strategy.expert_parallel={size}: the model's {experts} experts a block do not divide "
+                          f"over {size} workers" if experts else
+                          f"strategy.expert_parallel={size}: the model has no experts (a dense model)")
+    others = {"strategy.sequence_parallel": getattr(s, "sequence_parallel", 1),
+              "strategy.tensor_parallel": getattr(s, "tensor_parallel", 1)}
+    for key, value in others.items():
+        if value > 1:
+            raise ConfigError(f"strategy.expert_parallel={size} with {key}={value} is not supported yet; set one to 1")
+    if cfg.train.compile:
+        raise ConfigError(f"strategy.expert_parallel={size} with train.compile=true is not supported yet (the "
+                          f"experts' all-to-alls are not compiled here); drop one")
+    if getattr(cfg.optim, "state_bits", 32) != 32:
+        raise ConfigError(f"strategy.expert_parallel={size} with optim.state_bits={cfg.optim.state_bits}: a share of "
+                          f"the experts' 8- or 4-bit moments is not gathered whole yet; use 32-bit states")
+    if cfg.adapter.name != "none" or cfg.model.quantize != "none":
+        raise ConfigError(f"strategy.expert_parallel={size} is for a full fine-tune so far (adapters and 4-bit "
+                          f"experts stay replicated): drop adapter= / model.quantize, or expert_parallel")
+
+
+def expert_groups(layout: Layout, experts: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(every expert group: E consecutive replicas, every group of workers holding the same experts:
+    one per expert group), each a list of ranks; every process makes their process groups in this order."""
+    replicas = layout.groups("replicate")
+    if len(replicas) != 1:
+        raise ConfigError("expert parallelism runs over the replicas alone")
+    ranks = replicas[0]
+    shares = [ranks[i:i + experts] for i in range(0, len(ranks), experts)]
+    holders = [ranks[i::experts] for i in range(experts)]
+    return shares, holders
+
+
+class ExpertShards:
+    """This worker's share of every routed block's experts, and the groups it talks to."""
+
+    def __init__(self, model: nn.Module, layout: Layout, rank: int, degree: int, simulated: bool, timeout):
+        self.degree = degree
+        shares, holders = expert_groups(layout, degree)
+        self.share_group = self.holder_group = None
+        if not simulated:  # every process makes every group, in one order
+            for ranks in shares:
+                group = dist.new_group(ranks, timeout=timeout)
+                self.share_group = group if rank in ranks else self.share_group
+            for ranks in holders:
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                self.holder_group = group if rank in ranks else self.holder_group
+        self.index = next(members.index(rank) for members in shares if rank in members)
+        self.modules = [m for block in model.blocks for m in block.modules() if fused_tensors(m)]
+        self.params: dict[int, int] = {}  # id(parameter) -> the experts the whole tensor holds
+        for module in self.modules:
+            self._cut_module(module, simulated)
+
+    def _cut_module(self, module: nn.Module, simulated: bool) -> None:
+        experts = next(p.shape[0] for p in module.parameters(recurse=False) if p.ndim == EXPERTS_NDIM)
+        local = experts // self.degree
+        mine = slice(self.index * local, (self.index + 1) * local)
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                if p.ndim >= 2 and p.shape[0] == experts:
+                    p.data = p.data[mine].clone()
+                    self.params[id(p)] = experts
+        module.num_experts = local
+        module.__class__ = _parallel_class(type(module))
+        module.expert_shards = (self, local, simulated)
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return id(p) in self.params
+
+    # -- gradients ----------------------------------------------------------------------------
+    def sum_gradients(self, params) -> None:
+        """Each expert's gradient summed over the workers holding the same experts."""
+        if self.holder_group is None:
+            return
+        grads = [p.grad for p in params if self.holds(p) and p.grad is not None]
+        if grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.holder_group)
+            for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(summed)
+
+    def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
+        """torch's global-norm clipping, every expert counted once: the replicated gradients' squares
+        here, the experts' summed over the expert group."""
+        with_grads = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in with_grads]
+        replicated = [p.grad for p in with_grads if not self.holds(p)]
+        experts = [p.grad for p in with_grads if self.holds(p)]
+        squares = torch.zeros((), device=grads[0].device)
+        if experts:
+            squares = torch.stack([n.float() for n in torch._foreach_norm(experts)]).square().sum()
+        if self.share_group is not None:
+            dist.all_reduce(squares, group=self.share_group)
+        if replicated:
+            squares = squares + torch.stack([n.float() for n in torch._foreach_norm(replicated)]).square().sum()
+        norm = squares.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm, foreach=True)
+        return norm
+
+    # -- whole tensors by name ------------------------------------------------------------------
+    def gathered(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """`value` (a share of parameter `p`'s shape, or anything else) whole: the expert group's
+        shares in order (a collective of the group where `p` is an expert tensor)."""
+        if not self.holds(p) or value.shape != p.shape:
+            return value
+        if self.share_group is None:  # a dry run holds its share alone
+            return value
+        parts = [torch.empty_like(value) for _ in range(self.degree)]
+        dist.all_gather(parts, value.contiguous(), group=self.share_group)
+        return torch.cat(parts)
+
+    def cut(self, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This worker's share of a whole tensor of expert parameter `p` (anything else as it is)."""
+        experts = self.params.get(id(p))
+        if experts is None or whole.ndim == 0 or whole.shape[0] != experts:
+            return whole
+        local = experts // self.degree
+        return whole[self.index * local:(self.index + 1) * local].clone()
+
+
+class ExpertParallel(nn.Module):
+    """The behaviour an experts module's class gains: each assignment computed by the worker holding
+    its expert (see the module)."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        shards, local, simulated = self.expert_shards
+        tokens, k = top_k_index.shape
+        picks = top_k_index.reshape(-1)
+        order = torch.argsort(picks, stable=True)  # by expert, each expert's in token order
+        experts, token_of = picks[order], order // k
+        rows = hidden_states[token_of]
+        if simulated:  # no process group: this worker's rows through its own experts, an even routing
+            out = self._local(rows, experts % local)
+        else:
+            out = self._dispatched(shards, rows, experts, local)
+        weighted = out * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add_(0, token_of, weighted.to(hidden_states.dtype))
+
+    def _dispatched(self, shards: ExpertShards, rows: torch.Tensor, experts: torch.Tensor, local: int):
+        owner = experts // local
+        send = torch.bincount(owner, minlength=shards.degree)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send, group=shards.share_group)
+        send, receive = send.tolist(), receive.tolist()
+        ids = torch.empty(sum(receive), dtype=experts.dtype, device=experts.device)
+        dist.all_to_all_single(ids, experts - owner * local, receive, send, group=shards.share_group)
+        arrived = dist_nn.all_to_all_single(rows.new_empty((sum(receive), rows.shape[1])), rows.contiguous(),
+                                            receive, send, group=shards.share_group)
+        out = self._local(arrived, ids)
+        return dist_nn.all_to_all_single(out.new_empty((sum(send), out.shape[1])), out.contiguous(), send, receive,
+                                         group=shards.share_group)
+
+    def _local(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Hugging Face's experts forward on rows of one pick each (weight 1: the output itself)."""
+        weights = torch.ones((rows.shape[0], 1), dtype=rows.dtype, device=rows.device)
+        return super().forward(rows, ids.reshape(-1, 1), weights)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _parallel_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+    return _CLASSES[cls]

@@ -1,0 +1,163 @@
+"""Expert parallelism (`strategy.expert_parallel=E`): replicas in groups of E, each holding 1/E of
+every block's experts, tokens sent to their expert's holder with all-to-all (gloo on localhost),
+train what the plain Hugging Face loop trains; a checkpoint holds whole tensors by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from relaytrain.placement.experts import ExpertShards, check_expert_parallel, expert_groups
+from relaytrain.placement.layout import Layout
+from relaytrain.run.compose import compose_config
+from relaytrain.run.train import run
+from relaytrain.utils.errors import ConfigError
+from tests.checkpoints import tiny_moe
+from tests.models.test_moe import RUN_KEYS, trains_as_hugging_face
+
+EXPERT_PARALLEL = ["strategy=baseline", "strategy.replicas=2", "strategy.expert_parallel=2"]
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory) -> Path:
+    return tiny_moe(tmp_path_factory.mktemp("ep") / "qwen3_moe", "qwen3_moe")
+
+
+def test_two_replicas_sharing_the_experts_train_as_the_plain_loop(mixture, tmp_path):
+    """Each worker holds 2 of a block's 4 experts; the weights, losses and balancing term are the
+    plain loop's (AdamW with weight decay, warm-up, a linear schedule), and it evaluates alike."""
+    evaluated = ["data.eval_fraction=0.25", "eval.max_batches=2"]
+    cfg = compose_config([f"model.pretrained={mixture}", *EXPERT_PARALLEL, *RUN_KEYS, *evaluated])
+    results, _, _ = trains_as_hugging_face(mixture, cfg, tmp_path / "run", "qwen3_moe, 2 replicas sharing the experts")
+    assert "every block's experts over 2 workers" in results["strategy_report"]["summary"]["expert parallel"]
+    plain = run(compose_config([f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=2", *RUN_KEYS,
+                                *evaluated]), tmp_path / "plain", table=False)
+    assert results["eval"][-1]["loss"] == pytest.approx(plain["eval"][-1]["loss"], rel=1e-6)
+
+
+def test_clipping_counts_every_expert_once(mixture, tmp_path):
+    """Global-norm clipping that bites: the run of plain replicas (every expert whole on each)."""
+    from tests.models.test_moe import saved
+
+    keys = [f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=2", *RUN_KEYS, "optim.grad_clip=0.05"]
+    shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
+    plain = run(compose_config(keys), tmp_path / "plain", table=False)
+    unclipped = run(compose_config([*keys, "optim.grad_clip=0"]), tmp_path / "unclipped", table=False)
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert plain["loss"][-1] != pytest.approx(unclipped["loss"][-1], rel=1e-4)  # the clip changed the step
+    ours, theirs = (dict(saved(tmp_path / d).named_parameters()) for d in ("shared", "plain"))
+    for name, p in ours.items():
+        torch.testing.assert_close(p, theirs[name], atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow  # four processes: two expert groups of two, each expert held twice
+def test_four_replicas_in_two_expert_groups_train_as_the_plain_loop(mixture, tmp_path):
+    cfg = compose_config([f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=4",
+                          "strategy.expert_parallel=2", *RUN_KEYS, "strategy.microbatch_size=4"])
+    trains_as_hugging_face(mixture, cfg, tmp_path / "run", "qwen3_moe, 4 replicas in expert groups of 2")
+
+
+@pytest.mark.slow  # GPT-OSS: per-expert biases cut with the matrices, experts stored (in, out)
+def test_gpt_oss_experts_and_biases_are_shared_out(tmp_path):
+    pretrained = tiny_moe(tmp_path / "gpt_oss", "gpt_oss")
+    cfg = compose_config([f"model.pretrained={pretrained}", *EXPERT_PARALLEL, *RUN_KEYS])
+    trains_as_hugging_face(pretrained, cfg, tmp_path / "run", "gpt_oss, 2 replicas sharing the experts")
+
+
+@pytest.mark.parametrize(("saved_at", "resumed_at"), [(2, 1), (1, 2)])
+def test_a_checkpoint_holds_whole_experts_and_resumes_at_another_degree(saved_at, resumed_at, mixture, tmp_path):
+    """Saved after step 1 at one E, resumed at another (E=1: plain replicas): the end of the unbroken run."""
+    from relaytrain.records import checkpoint
+    from tests.models.test_moe import saved
+
+    keys = [f"model.pretrained={mixture}", *RUN_KEYS, "strategy=baseline", "strategy.replicas=2"]
+    whole = run(compose_config([*keys, f"strategy.expert_parallel={saved_at}", "train.checkpoint_every=1"]),
+                tmp_path / "whole", table=False)
+    first = checkpoint.list_checkpoints(checkpoint.checkpoint_dir(tmp_path / "whole"))[0]
+    resumed = run(compose_config([*keys, f"strategy.expert_parallel={resumed_at}", f"train.resume={first}"]),
+                  tmp_path / "resumed", table=False)
+    assert resumed["loss"][-1] == pytest.approx(whole["loss"][-1], rel=1e-5)
+    ours, theirs = (dict(saved(tmp_path / d).named_parameters()) for d in ("resumed", "whole"))
+    for name, p in ours.items():
+        torch.testing.assert_close(p, theirs[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_groups_are_consecutive_replicas_and_holders_stride_them():
+    shares, holders = expert_groups(Layout(replicate=4), 2)
+    assert shares == [[0, 1], [2, 3]] and holders == [[0, 2], [1, 3]]
+
+
+def test_a_dry_run_holds_a_share_of_the_experts(mixture, tmp_path):
+    """On the meta device each worker computes its rows through its own experts: its weights,
+    gradients and optimizer state are 1/2 of the experts'."""
+    keys = [f"model.pretrained={mixture}", *RUN_KEYS, "train.device=meta", "train.save_model=false",
+            "strategy=baseline", "strategy.replicas=2"]
+    plain = run(compose_config(keys), tmp_path / "plain", table=False)
+    shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
+    weights = [r["memory"]["device"]["by_kind"]["weights"] for r in (plain, shared)]
+    assert weights[1] < weights[0]
+
+
+def test_a_share_is_cut_and_gathered_back_by_name(mixture):
+    from relaytrain.models import build_model
+    from relaytrain.models.pretrained import resolve
+
+    cfg = resolve(compose_config([f"model.pretrained={mixture}"]))
+    model = build_model(cfg.model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    shards = ExpertShards(model, Layout(replicate=2), 1, 2, simulated=True, timeout=None)
+    cut = {name: p for name, p in model.named_parameters() if shards.holds(p)}
+    assert cut and all(p.shape[0] == before[name].shape[0] // 2 for name, p in cut.items())
+    for name, p in cut.items():
+        assert torch.equal(p, before[name][2:]) and torch.equal(shards.cut(p, before[name]), p)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    (["strategy.replicas=3", "strategy.expert_parallel=2"], "must divide strategy.replicas=3"),
+    (["strategy.replicas=3", "strategy.expert_parallel=3"], "4 experts a block do not divide over 3"),
+    (["strategy.replicas=2", "strategy.expert_parallel=2", "adapter=lora"], "full fine-tune so far"),
+    (["strategy.replicas=2", "strategy.expert_parallel=2", "strategy.sequence_parallel=2"], "not supported yet"),
+    (["strategy.replicas=2", "strategy.expert_parallel=2", "optim.state_bits=8"], "32-bit states"),
+])
+def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
+    from relaytrain.models.pretrained import resolve
+
+    cfg = resolve(compose_config([f"model.pretrained={mixture}", "strategy=baseline", *keys]))
+    with pytest.raises(ConfigError, match=message):
+        check_expert_parallel(cfg)
+
+
+def test_a_dense_model_has_no_experts_to_share(tmp_path):
+    cfg = compose_config(["model=llama_tiny", "strategy=baseline", "strategy.replicas=2", "strategy.expert_parallel=2"])
+    with pytest.raises(ConfigError, match="no experts"):
+        check_expert_parallel(cfg)
+
+
+def test_the_cost_model_counts_a_workers_share_of_the_experts_and_its_all_to_alls(mixture):
+    """The planner's facts of one worker hold what the placement keeps of a routed block (1/2 of its
+    experts, counted parameter by parameter), and its step adds the all-to-alls."""
+    from relaytrain.cost.formulas import ModelFacts
+    from relaytrain.cost.profile import from_spec, load_spec
+    from relaytrain.models import build_model
+    from relaytrain.models.pretrained import resolve
+    from relaytrain.strategies import strategy_class
+
+    cfg = resolve(compose_config([f"model.pretrained={mixture}", *EXPERT_PARALLEL, *RUN_KEYS]))
+    facts = ModelFacts.of(cfg)
+    model = build_model(cfg.model)
+    routed = model.blocks[0]  # layer 0 routes (layer 1 is Qwen's dense mlp_only_layers)
+    assert facts.block_params == sum(p.numel() for p in routed.parameters())
+    ExpertShards(model, Layout(replicate=2), 0, 2, simulated=True, timeout=None)
+    worker = facts.placed(cfg.strategy)
+    assert worker.block_params == sum(p.numel() for p in routed.parameters()) < facts.block_params
+
+    cost = strategy_class("baseline").cost_model
+    profile = from_spec(load_spec("v100_16gb"), cfg, [cfg.strategy.microbatch_size])
+    parts = cost.step_cost(cfg, facts, profile).parts
+    assert parts["expert all-to-alls"] > 0
+    plain = resolve(compose_config([f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=2",
+                                    *RUN_KEYS]))
+    assert "expert all-to-alls" not in cost.step_cost(plain, facts, profile).parts
+    assert cost.device_bytes(cfg, facts) < cost.device_bytes(plain, facts)
