@@ -37,6 +37,7 @@ def test_two_replicas_sharing_the_experts_train_as_the_plain_loop(mixture, tmp_p
     assert results["eval"][-1]["loss"] == pytest.approx(plain["eval"][-1]["loss"], rel=1e-6)
 
 
+@pytest.mark.slow  # three runs of two processes
 def test_clipping_counts_every_expert_once(mixture, tmp_path):
     """Global-norm clipping that bites: the run of plain replicas (every expert whole on each)."""
     from tests.models.test_moe import saved
@@ -66,6 +67,7 @@ def test_gpt_oss_experts_and_biases_are_shared_out(tmp_path):
     trains_as_hugging_face(pretrained, cfg, tmp_path / "run", "gpt_oss, 2 replicas sharing the experts")
 
 
+@pytest.mark.slow  # four runs of two processes
 @pytest.mark.parametrize(("saved_at", "resumed_at"), [(2, 1), (1, 2)])
 def test_a_checkpoint_holds_whole_experts_and_resumes_at_another_degree(saved_at, resumed_at, mixture, tmp_path):
     """Saved after step 1 at one E, resumed at another (E=1: plain replicas): the end of the unbroken run."""

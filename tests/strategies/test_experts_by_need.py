@@ -80,6 +80,7 @@ def test_streamed_by_need_trains_what_uploading_every_expert_trains(continued, k
     assert "experts uploaded by need" in streamed["strategy_report"]["summary"]
 
 
+@pytest.mark.slow  # two more runs; the cast path is the GPU test's too
 def test_a_half_precision_base_is_cast_into_place_as_the_whole_upload_casts_it(tmp_path):
     """A bf16 checkpoint's frozen experts stay bf16 on the host; the picked experts' rows are cast
     to the relay's fp32 as they land, as a whole upload casts the tensor."""

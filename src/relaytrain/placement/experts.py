@@ -39,11 +39,16 @@ from relaytrain.placement.layout import Layout
 from relaytrain.utils.errors import ConfigError
 
 
+def expert_parallel(strategy) -> int:
+    """E, from the `strategy` config node (1: experts replicated; a strategy without the key shares none)."""
+    return int(getattr(strategy, "expert_parallel", 1))
+
+
 def check_expert_parallel(cfg) -> None:
     """`strategy.expert_parallel=E`: dividing the replicas, on a mixture whose experts divide by E,
     with what the placement supports so far."""
     s = cfg.strategy
-    size = getattr(s, "expert_parallel", 1)
+    size = expert_parallel(s)
     if size < 1:
         raise ConfigError(f"strategy.expert_parallel={size} must be at least 1")
     if size == 1:
