@@ -163,3 +163,31 @@ def test_the_cost_model_counts_a_workers_share_of_the_experts_and_its_all_to_all
                                     *RUN_KEYS]))
     assert "expert all-to-alls" not in cost.step_cost(plain, facts, profile).parts
     assert cost.device_bytes(cfg, facts) < cost.device_bytes(plain, facts)
+
+
+def test_the_planner_offers_replicas_sharing_a_mixtures_experts():
+    """Qwen3-30B-A3B (128 experts) on eight H100s: baseline shapes of w replicas come with every E
+    dividing w, each priced with a worker's share of the experts, its command setting E; a dense
+    model is offered none."""
+    from relaytrain.cost.formulas import ModelFacts
+    from relaytrain.cost.profile import load_spec
+    from relaytrain.planner.candidates import GiB, Request, candidate_config, enumerate_shapes
+    from relaytrain.strategies import strategy_class
+
+    spec = load_spec("h100_80gb")
+    request = Request(8, spec["memory_gb"] * GiB, 32, "h100_80gb", ("baseline",), 0)
+    base = compose_config(["model=qwen3_30b_a3b", "strategy=baseline", "precision=amp_bf16"])
+    shapes = enumerate_shapes(request, base)
+    shared = {(s.replicas, int(dict(s.options)["expert_parallel"])) for s in shapes if "expert_parallel" in dict(s.options)}
+    assert shared == {(2, 2), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8)}
+
+    cost = strategy_class("baseline").cost_model
+    plain = next(s for s in shapes if s.replicas == 8 and not s.options and s.recompute == "block")
+    spread = next(s for s in shapes if s.replicas == 8 and s.recompute == "block" and s.microbatch_size ==
+                  plain.microbatch_size and dict(s.options).get("expert_parallel") == "8")
+    assert "strategy.expert_parallel=8" in spread.overrides()
+    sizes = [cost.device_bytes(cfg, ModelFacts.of(cfg)) for cfg in (candidate_config(base, s) for s in (plain, spread))]
+    assert sizes[1] < sizes[0] / 4  # 97 % of the weights are experts: a worker keeps 1/8 of them
+
+    dense = compose_config(["model=llama_tiny", "strategy=baseline"])
+    assert not any("expert_parallel" in dict(s.options) for s in enumerate_shapes(request, dense))

@@ -94,7 +94,7 @@ def test_split_shapes_are_offered_by_the_whole_model_strategies_alone():
     [*TINY_LLAMA, "model.num_kv_heads=1"],  # one key/value head: two ranks cannot share it
     [*TINY_LLAMA, "model.intermediate_size=63"],  # an MLP width two ranks cannot share
     [*TINY_LLAMA, "adapter=lora"],  # adapter-wrapped layers are not split
-    ["model=olmoe_1b_7b", "model.num_layers=2"],  # a mixture of experts (expert parallelism comes later)
+    ["model=olmoe_1b_7b", "model.num_layers=2"],  # a mixture of experts (its replicas share the experts instead)
 ], ids=["gpt2", "one-kv-head", "odd-mlp", "lora", "moe"])
 def test_no_split_where_a_run_would_refuse_the_split(overrides):
     assert splittable(overrides) == []

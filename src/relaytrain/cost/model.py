@@ -6,9 +6,10 @@ gets its own instance, bound to it (`Strategy.__init_subclass__`: `L2L.cost_mode
 L2L`), so one model serves several strategies that differ only in what the class says (the
 pipelines' schedule, chunks and stage blocks). Registering refuses a strategy without a cost
 model, or with one that leaves `shapes`, `step_cost` or `device_bytes` unanswered. Every way of
-spreading a replica over several workers (cutting sequences, splitting blocks; experts next)
-is asked of it the same way: which sizes it takes (`degrees`) and the shapes with them
-(`placed_shapes`); the closed forms read the degrees from `cfg` as a run does.
+spreading a replica over several workers (cutting sequences, splitting blocks) is asked of it
+the same way: which sizes it takes (`degrees`) and the shapes with them (`placed_shapes`); what
+divides the replicas instead (the baseline's shared experts) is a shape's option (`variants`).
+The closed forms read the degrees from `cfg` as a run does.
 
 `cfg` below is a whole config with the shape's keys set (`candidates.candidate_config`), so a
 cost model reads the keys the run reads; `facts` the model's sizes; `profile` the machine.
@@ -74,6 +75,12 @@ class CostModel(ABC):
         except ConfigError as refused:
             return str(refused)
         return None
+
+    def variants(self, cfg, family, shapes: list[Shape]) -> list[Shape]:
+        """`shapes` and the variants of them that only `cfg`'s model allows (the baseline: its
+        replicas sharing a mixture's experts); each variant passes the run's checks (`refusal`).
+        None here."""
+        return shapes
 
     def placed_shapes(self, workers: int, batch: int, num_layers: int, degrees: dict[str, int]) -> list[Shape]:
         """The shapes whose replicas each span the product P of `degrees` workers (R x P <=

@@ -34,7 +34,8 @@ of FSDP's 2-D one, beside plain ones) is `clip_grad_norm_`'s: the plain loop's g
 every rank. A dry run, which makes no mesh, counts a rank's share instead (`split_parameters`,
 `kept_fraction`).
 
-Refused in one line: mixtures of experts (expert parallelism comes later), adapters and quantized
+Refused in one line: mixtures of experts (their replicas share the experts instead:
+strategy.expert_parallel), adapters and quantized
 layers, a family without a plan, a plan style other than the three above, and heads, key/value
 heads or MLP width that T does not divide.
 """
@@ -85,8 +86,8 @@ def block_plan(model: LayeredModel, family: Family, size: int) -> dict[str, str]
     for what cannot be split exactly."""
     config = model.hf_config
     if getattr(model, "routing", None) is not None:
-        raise ConfigError(f"{KEY}={size} does not split mixtures of experts yet (expert parallelism comes later); "
-                          f"set {KEY}=1")
+        raise ConfigError(f"{KEY}={size} does not split mixtures of experts yet (the baseline's replicas can share "
+                          f"their experts instead: strategy.expert_parallel); set {KEY}=1")
     plan = family.tp_plan(config)
     if not plan:
         raise ConfigError(f"{KEY}={size}: model.family={family.name} ({config.model_type}) has no tensor-parallel "

@@ -120,8 +120,9 @@ def offer(request: Request, cfg) -> Offer:
         cls = strategy_class(name)
         model, refused = cls.cost_model, Refusals(cls.cost_model, cfg, family)
         taken = model.degrees(cfg, request.workers, family)
-        placed = [shape for degrees in spreads(taken, request.workers)
-                  for shape in model.placed_shapes(request.workers, request.batch, cfg.model.num_layers, degrees)]
+        placed = model.variants(cfg, family, [
+            shape for degrees in spreads(taken, request.workers)
+            for shape in model.placed_shapes(request.workers, request.batch, cfg.model.num_layers, degrees)])
         offered = [shape for shape in placed if not shape.placement or refused(shape) is None]
         preset = presets().get(name)
         offered = offered if preset is None else _keeping(offered, preset.fixed, cls)

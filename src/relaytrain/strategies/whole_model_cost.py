@@ -18,6 +18,8 @@ workers that hold the same part of a block, not over every worker (`data_workers
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import OmegaConf
 
 from relaytrain.cost.formulas import (
@@ -200,6 +202,20 @@ class BaselineCost(WholeModelCost):
 
     def recomputes(self, cfg) -> bool:
         return recomputes_blocks(cfg)
+
+    def variants(self, cfg, family, shapes: list[Shape]) -> list[Shape]:
+        """Each shape of w >= 2 plain replicas, and its replicas sharing a mixture's experts in groups
+        of every E >= 2 that divides w and the experts (`strategy.expert_parallel`), where the run takes it."""
+        experts, out = cfg.model.num_experts or 0, list(shapes)
+        for shape in shapes if experts else ():
+            if shape.placement:
+                continue
+            for size in range(2, shape.replicas + 1):
+                if shape.replicas % size or experts % size:
+                    continue
+                if self.refusal(cfg, family, replicas=shape.replicas, expert_parallel=size) is None:
+                    out.append(dataclasses.replace(shape, options=(*shape.options, ("expert_parallel", str(size)))))
+        return out
 
     def step_cost(self, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
         """L2L paper, Algorithm 1: per micro-batch, the embeddings, every block and the head
