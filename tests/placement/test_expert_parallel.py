@@ -53,6 +53,21 @@ def test_clipping_counts_every_expert_once(mixture, tmp_path):
         torch.testing.assert_close(p, theirs[name], atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_lora_over_shared_frozen_experts_trains_as_over_replicated_ones(mixture, tmp_path):
+    """LoRA on attention with the frozen experts shared out: the adapter of plain replicas."""
+    from safetensors.torch import load_file
+
+    keys = [f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=2", *RUN_KEYS, "adapter=lora",
+            "adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
+    shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
+    plain = run(compose_config(keys), tmp_path / "plain", table=False)
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    ours, theirs = (load_file(tmp_path / d / "model" / "adapter_model.safetensors") for d in ("shared", "plain"))
+    assert ours.keys() == theirs.keys() and ours
+    for key, value in ours.items():
+        torch.testing.assert_close(value, theirs[key], atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
 @pytest.mark.slow  # four processes: two expert groups of two, each expert held twice
 def test_four_replicas_in_two_expert_groups_train_as_the_plain_loop(mixture, tmp_path):
     cfg = compose_config([f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=4",
@@ -119,7 +134,8 @@ def test_a_share_is_cut_and_gathered_back_by_name(mixture):
 @pytest.mark.parametrize(("keys", "message"), [
     (["strategy.replicas=3", "strategy.expert_parallel=2"], "must divide strategy.replicas=3"),
     (["strategy.replicas=3", "strategy.expert_parallel=3"], "4 experts a block do not divide over 3"),
-    (["strategy.replicas=2", "strategy.expert_parallel=2", "adapter=lora"], "full fine-tune so far"),
+    (["strategy.replicas=2", "strategy.expert_parallel=2", "adapter=lora",
+      "adapter.target_parameters=[mlp.experts.gate_up_proj]"], "not yet LoRA on the experts"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "strategy.sequence_parallel=2"], "not supported yet"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "optim.state_bits=8"], "32-bit states"),
 ])
@@ -129,6 +145,15 @@ def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
     cfg = resolve(compose_config([f"model.pretrained={mixture}", "strategy=baseline", *keys]))
     with pytest.raises(ConfigError, match=message):
         check_expert_parallel(cfg)
+
+
+def test_lora_reaching_the_experts_is_refused_in_one_line(mixture, tmp_path):
+    """adapter.target_modules=all-linear reaches dense experts on this peft: said before any step."""
+    from relaytrain.run.launch import WorkerFailed
+
+    keys = [f"model.pretrained={mixture}", *EXPERT_PARALLEL, *RUN_KEYS, "adapter=lora"]
+    with pytest.raises((ConfigError, WorkerFailed), match="the adapter adapts the experts"):
+        run(compose_config(keys), tmp_path / "run", table=False)
 
 
 def test_a_dense_model_has_no_experts_to_share(tmp_path):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
 from relaytrain.models.quantize_experts import EXPERTS_NDIM, fused_tensors
@@ -72,9 +73,10 @@ def check_expert_parallel(cfg) -> None:
     if getattr(cfg.optim, "state_bits", 32) != 32:
         raise ConfigError(f"strategy.expert_parallel={size} with optim.state_bits={cfg.optim.state_bits}: a share of "
                           f"the experts' 8- or 4-bit moments is not gathered whole yet; use 32-bit states")
-    if cfg.adapter.name != "none" or cfg.model.quantize != "none":
-        raise ConfigError(f"strategy.expert_parallel={size} is for a full fine-tune so far (adapters and 4-bit "
-                          f"experts stay replicated): drop adapter= / model.quantize, or expert_parallel")
+    if cfg.adapter.name != "none" and (cfg.adapter.target_parameters or cfg.model.quantize != "none"):
+        raise ConfigError(f"strategy.expert_parallel={size} shares dense experts, trained or frozen under LoRA on "
+                          f"other modules; not yet LoRA on the experts (adapter.target_parameters) or 4-bit experts "
+                          f"(model.quantize): drop them, or expert_parallel")
 
 
 def expert_groups(layout: Layout, experts: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -104,6 +106,11 @@ class ExpertShards:
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 self.holder_group = group if rank in ranks else self.holder_group
         self.index = next(members.index(rank) for members in shares if rank in members)
+        if any(isinstance(m, ParamWrapper) for block in model.blocks for m in block.modules()):
+            raise ConfigError(f"strategy.expert_parallel={degree}: the adapter adapts the experts (peft's "
+                              f"target_parameters, or adapter.target_modules=all-linear, which on this peft reaches "
+                              f"dense experts), and LoRA on shared experts is not supported yet; name the modules "
+                              f"(adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]), or drop expert_parallel")
         self.modules = [m for block in model.blocks for m in block.modules() if fused_tensors(m)]
         self.params: dict[int, int] = {}  # id(parameter) -> the experts the whole tensor holds
         for module in self.modules:
