@@ -107,9 +107,10 @@ class ExpertShards:
                 self.holder_group = group if rank in ranks else self.holder_group
         self.index = next(members.index(rank) for members in shares if rank in members)
         if any(isinstance(m, ParamWrapper) for block in model.blocks for m in block.modules()):
-            raise ConfigError(f"strategy.expert_parallel={degree}: the adapter adapts the experts (peft's "
-                              f"target_parameters, or adapter.target_modules=all-linear, which on this peft reaches "
-                              f"dense experts), and LoRA on shared experts is not supported yet; name the modules "
+            raise ConfigError(f"strategy.expert_parallel={degree}: the adapter adapts the experts "
+                              f"(adapter.target_parameters, or target modules named gate_proj/up_proj/down_proj, as "
+                              f"all-linear names a dense MLP's, which peft turns into LoRA on the fused experts), and "
+                              f"LoRA on shared experts is not supported yet; name the modules "
                               f"(adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]), or drop expert_parallel")
         self.modules = [m for block in model.blocks for m in block.modules() if fused_tensors(m)]
         self.params: dict[int, int] = {}  # id(parameter) -> the experts the whole tensor holds
