@@ -70,8 +70,10 @@ def test_lora_over_shared_frozen_experts_trains_as_over_replicated_ones(mixture,
 
 @pytest.mark.slow  # four processes: two expert groups of two, each expert held twice
 def test_four_replicas_in_two_expert_groups_train_as_the_plain_loop(mixture, tmp_path):
+    """With block recompute too: the recomputed forward exchanges the same rows again."""
     cfg = compose_config([f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=4",
-                          "strategy.expert_parallel=2", *RUN_KEYS, "strategy.microbatch_size=4"])
+                          "strategy.expert_parallel=2", *RUN_KEYS, "strategy.microbatch_size=4",
+                          "strategy.recompute=block"])
     trains_as_hugging_face(mixture, cfg, tmp_path / "run", "qwen3_moe, 4 replicas in expert groups of 2")
 
 
