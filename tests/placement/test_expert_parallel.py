@@ -77,6 +77,24 @@ def test_four_replicas_in_two_expert_groups_train_as_the_plain_loop(mixture, tmp
     trains_as_hugging_face(mixture, cfg, tmp_path / "run", "qwen3_moe, 4 replicas in expert groups of 2")
 
 
+@pytest.mark.slow  # four runs of two processes
+def test_dpo_over_shared_experts_trains_as_over_replicated_ones(mixture, tmp_path):
+    """DPO's reference pass and its pairs go through the same dispatch: plain replicas' losses and weights."""
+    from tests.models.test_moe import saved
+    from tests.objectives.test_preference_vs_trl import pairs, relaytrain_dpo
+    from tests.objectives.trl_runs import write_pairs
+
+    data = write_pairs(tmp_path / "pairs.jsonl", pairs())
+    keys = ["strategy=baseline", "strategy.replicas=2", "strategy.num_microbatches=1"]
+    shared = relaytrain_dpo(mixture, data, tmp_path / "shared", tmp_path / "c1", "adamw", *keys,
+                            "strategy.expert_parallel=2")
+    plain = relaytrain_dpo(mixture, data, tmp_path / "plain", tmp_path / "c2", "adamw", *keys)
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    ours, theirs = (dict(saved(tmp_path / d).named_parameters()) for d in ("shared", "plain"))
+    for name, p in ours.items():
+        torch.testing.assert_close(p, theirs[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.slow  # GPT-OSS: per-expert biases cut with the matrices, experts stored (in, out)
 def test_gpt_oss_experts_and_biases_are_shared_out(tmp_path):
     pretrained = tiny_moe(tmp_path / "gpt_oss", "gpt_oss")
