@@ -279,7 +279,7 @@ def test_the_table_shows_a_4_bit_base_and_a_merged_adapter(base, capsys, wide_ta
 
 
 def test_lora_on_a_mixture_says_its_experts_are_not_adapted_and_which_key_adapts_them(tmp_path, capsys, wide_table):
-    moe = tiny_moe(tmp_path / "moe", "qwen3_moe")
+    moe = tiny_moe(tmp_path / "moe", "qwen3_moe", mlp_only_layers=[])  # every MLP routed: all-linear names attention's
     facts = facts_of(adapter_cfg(moe, "adapter=lora"))
     names = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert facts["experts"] == {"names": names, "frozen": names,
@@ -292,6 +292,27 @@ def test_lora_on_a_mixture_says_its_experts_are_not_adapted_and_which_key_adapts
     assert half["experts"]["frozen"] == ["mlp.experts.gate_up_proj"]
     every = facts_of(adapter_cfg(moe, "adapter=lora", f"adapter.target_parameters=[{','.join(names)}]"))
     assert every["experts"]["frozen"] == []
+
+
+def test_a_run_reports_the_experts_peft_adapted_as_it_built_them(tmp_path):
+    """peft turns target modules named gate_proj / up_proj / down_proj on a mixture into LoRA on the
+    fused experts; all-linear names them where a layer is dense (Qwen3's mlp_only_layers). The run
+    reports what it built (every expert adapted, the parameters that really train), not the
+    pre-run count; naming attention alone leaves the experts frozen, and says so."""
+    from relaytrain.models import build_model
+    from relaytrain.run.train import run
+
+    moe = tiny_moe(tmp_path / "moe", "qwen3_moe")  # layer 1 dense
+    keys = ["strategy=baseline", "train.steps=1", "data.seq_len=8", "strategy.microbatch_size=1",
+            "strategy.num_microbatches=1"]
+    for targets, frozen in (([], []), (["adapter.target_modules=[q_proj,v_proj]"],
+                                       ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])):
+        cfg = adapter_cfg(moe, "adapter=lora", *targets, *keys)
+        model = build_model(cfg.model, adapter=cfg.adapter)
+        trains = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+        facts = run(cfg, tmp_path / f"run{len(frozen)}", table=False)["adapter"]
+        assert facts["trained_parameters"] == trains
+        assert facts["experts"]["frozen"] == frozen
 
 
 def fake_results(adapter: dict, saved: dict | None) -> dict:

@@ -19,15 +19,28 @@ from relaytrain.step import metrics
 from relaytrain.utils.files import write_json
 
 
-def process_report(strategy, world, host: metrics.HostMemory, device_memory: dict) -> dict:
+def process_report(strategy, world, host: metrics.HostMemory, device_memory: dict, built: dict | None = None) -> dict:
     """What one process contributes: its strategy's figures and its memory peaks (a dry run's
-    device figures are simulated; its host memory is not what a real run would use)."""
+    device figures are simulated; its host memory is not what a real run would use), and what
+    trains in the model it built under an adapter (`built_adapter`)."""
     return {
         "rank": world.rank,
         "strategy": strategy.report(),
         "host_peak_rss_bytes": None if world.simulated else host.peak_bytes(),
         "device_memory": device_memory,
+        "adapter_built": built,
     }
+
+
+def built_adapter(model) -> dict:
+    """What trains in `model` as built under an adapter, before any placement: its parameters
+    that train (each once) and, on a mixture, a routed block's fused expert tensors and those
+    left frozen, as peft made them (`adapted_experts`: peft may adapt experts the keys do not name)."""
+    from relaytrain.models.adapter.experts import adapted_experts
+
+    trained = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
+    experts = next((found for block in model.blocks if (found := adapted_experts(block.layer))[0]), ([], []))
+    return {"trained_parameters": sum(trained.values()), "experts": experts}
 
 
 def assemble_results(cfg, spec, history: dict, measured: list[float], reports: list[dict], world, overrides,
@@ -40,7 +53,8 @@ def assemble_results(cfg, spec, history: dict, measured: list[float], reports: l
     measured = measured or history["step_times"]
     # What the config says, and what the cost model and the model builder made of it (`spec`);
     # then what the strategy makes of every process's report.
-    peaks, adapter = memory(spec, reports, host_estimate_bytes), adapter_facts(cfg, spec)
+    peaks = memory(spec, reports, host_estimate_bytes)
+    adapter = adapter_facts(cfg, spec, reports[0].get("adapter_built"))
     strategy_report = spec.strategy.combine_reports(cfg, [r["strategy"] for r in reports])
     return {
         "strategy": s.name,
@@ -80,19 +94,22 @@ def assemble_results(cfg, spec, history: dict, measured: list[float], reports: l
     }
 
 
-def adapter_facts(cfg, spec) -> dict | None:
+def adapter_facts(cfg, spec, built: dict | None = None) -> dict | None:
     """What trained under adapters (adapter=lora): its keys, the parameters that train, the base's
     quantization (adapter=qlora), whether the saved adapter was merged into its base, and on a
-    mixture which experts it adapts (what the model builder counted: `spec`, the run's
-    `resolve.RunSpec`); None for a full fine-tune."""
+    mixture which experts it adapts: as the run built them (`built`, `built_adapter`), else as the
+    model builder counted them before the run (`spec`, the run's `resolve.RunSpec`); None for a
+    full fine-tune."""
     a, m = cfg.adapter, cfg.model
     if not adapters.enabled(a):
         return None
     quantized = str(m.quantize) != "none"
+    trained, experts = (built["trained_parameters"], built["experts"]) if built else (spec.trained_parameters,
+                                                                                   spec.experts)
     return {"name": str(a.name), "r": a.r, "alpha": a.alpha, "pretrained": a.pretrained,
-            "trained_parameters": spec.trained_parameters,
+            "trained_parameters": trained,
             "quantize": (str(m.quantize) + ("-double" if m.quantize_double else "")) if quantized else None,
-            "merged": bool(cfg.train.save_model and a.merge_on_save), **experts_facts(*spec.experts)}
+            "merged": bool(cfg.train.save_model and a.merge_on_save), **experts_facts(*experts)}
 
 
 def experts_facts(experts: tuple[str, ...], frozen: tuple[str, ...]) -> dict:

@@ -36,7 +36,7 @@ from relaytrain.run.compose import validate
 from relaytrain.run.launch import launch
 from relaytrain.run.preflight import check_can_start
 from relaytrain.run.resolve import RunSpec, describe_run
-from relaytrain.run.results import assemble_results, process_report, write_results
+from relaytrain.run.results import assemble_results, built_adapter, process_report, write_results
 from relaytrain.run.rollouts import Rollouts
 from relaytrain.step import metrics
 from relaytrain.step.evaluation import better
@@ -198,6 +198,8 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
     model = build_model(cfg.model, cfg.train.seed, quiet=world.rank != 0 or job.quiet, device=world.device,
                         adapter=cfg.adapter, compact_base=cls.compact_base, family=job.spec.family,
                         objective=job.spec.objective)
+    # Under an adapter (the spec counted what trains), what trains as built, before a placement cuts or shards it.
+    built = built_adapter(model) if job.spec.trained_parameters is not None else None
     compiled = compiling.compile_blocks(model, cfg.train.compile, world.device)  # before copies are made
     strategy = cls(model, cfg, world)
     # A dry run counts the device tensors this process holds from here on (memory.DeviceMemory).
@@ -206,7 +208,7 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
         with tracker or nullcontext():
             if tracker is not None:
                 tracker.register(t for held in strategy.memory_holders().values() for t in held)
-            return Trainer(cfg, strategy, world, job, host, tracker, compiled).run()
+            return Trainer(cfg, strategy, world, job, host, tracker, compiled, built).run()
     finally:
         strategy.close()
         if compiled is not None:
@@ -224,8 +226,10 @@ class Trainer:
     """
 
     def __init__(self, cfg, strategy, world: World, job: Job, host: metrics.HostMemory,
-                 tracker: DeviceMemory | None = None, compiled: compiling.CompileStats | None = None):
+                 tracker: DeviceMemory | None = None, compiled: compiling.CompileStats | None = None,
+                 built: dict | None = None):
         self.cfg, self.strategy, self.world, self.job, self.host = cfg, strategy, world, job, host
+        self.built = built  # what trains in the model as built (`results.built_adapter`)
         self.spec = spec = job.spec
         self.tracker = tracker  # a dry run's device memory
         self.compiled = compiled  # train.compile: this process's compile times
@@ -469,7 +473,7 @@ class Trainer:
             if self.world.rank == 0:
                 save_model(self.cfg, self.strategy, weights, self.job.run_dir, self.spec.family, self.spec.objective)
         device = self.strategy.simulated_memory(self.tracker) if self.tracker else metrics.device_memory(self.world.device)
-        report = process_report(self.strategy, self.world, self.host, device)
+        report = process_report(self.strategy, self.world, self.host, device, self.built)
         report["compile"] = None if self.compiled is None else self.compiled.report()
         reports = self.world.gather(report, self.spec.reporter)
         if not self.reporter:

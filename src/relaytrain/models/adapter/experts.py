@@ -29,6 +29,25 @@ from relaytrain.dryrun import meta_autocast
 from relaytrain.models.quantize_experts import NF4Experts
 
 
+def adapted_experts(layer: nn.Module) -> tuple[list[str], list[str]]:
+    """A built block's fused expert tensors (names as Hugging Face's layer holds them,
+    `mlp.experts.gate_up_proj`) and those no adapter adapts, read off the modules peft made: a
+    ParamWrapper adapts its `parameter_name` of the experts module it wraps. peft decides this
+    itself: beside `target_parameters`, it turns target modules named gate_proj / up_proj /
+    down_proj on a mixture (what all-linear names where the model has a dense MLP or a shared
+    expert) into LoRA on the fused experts, transformers 5's layout of the old per-expert linears."""
+    experts, adapted = [], set()
+    for name, module in layer.named_modules():
+        plain = name.replace(".base_layer", "")
+        if isinstance(module, ParamWrapper):
+            adapted.add(f"{plain}.{module.parameter_name}")
+        elif isinstance(module, NF4Experts):
+            experts += [f"{plain}.{tensor}" for tensor in module.nf4_layouts]
+        else:
+            experts += [f"{plain}.{tensor}" for tensor, p in module.named_parameters(recurse=False) if p.dim() == 3]
+    return experts, [name for name in experts if name not in adapted]
+
+
 def use_experts_param_wrappers(model: nn.Module) -> None:
     """Every peft ParamWrapper of `model` takes ExpertsParamWrapper's class."""
     for module in model.modules():
