@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaytrain.placement.experts import ExpertShards, check_expert_parallel, expert_groups
+from relaytrain.placement.experts import ExpertShards, check_expert_parallel
 from relaytrain.placement.layout import Layout
 from relaytrain.run.compose import compose_config
 from relaytrain.run.train import run
+from relaytrain.strategies.baseline import Baseline
 from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_moe
 from tests.models.test_moe import RUN_KEYS, trains_as_hugging_face
@@ -122,7 +123,7 @@ def test_a_checkpoint_holds_whole_experts_and_resumes_at_another_degree(saved_at
 
 
 def test_groups_are_consecutive_replicas_and_holders_stride_them():
-    shares, holders = expert_groups(Layout(replicate=4), 2)
+    shares, holders = Layout(replicate=4).expert_groups(2)
     assert shares == [[0, 1], [2, 3]] and holders == [[0, 2], [1, 3]]
 
 
@@ -164,7 +165,7 @@ def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
 
     cfg = resolve(compose_config([f"model.pretrained={mixture}", "strategy=baseline", *keys]))
     with pytest.raises(ConfigError, match=message):
-        check_expert_parallel(cfg)
+        check_expert_parallel(cfg, Baseline.rank_layout(cfg))
 
 
 def test_lora_reaching_the_experts_is_refused_in_one_line(mixture, tmp_path):
@@ -179,7 +180,7 @@ def test_lora_reaching_the_experts_is_refused_in_one_line(mixture, tmp_path):
 def test_a_dense_model_has_no_experts_to_share(tmp_path):
     cfg = compose_config(["model=llama_tiny", "strategy=baseline", "strategy.replicas=2", "strategy.expert_parallel=2"])
     with pytest.raises(ConfigError, match="no experts"):
-        check_expert_parallel(cfg)
+        check_expert_parallel(cfg, Baseline.rank_layout(cfg))
 
 
 def test_the_cost_model_counts_a_workers_share_of_the_experts_and_its_all_to_alls(mixture):

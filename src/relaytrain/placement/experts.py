@@ -19,7 +19,7 @@ A routed block's experts module computes (`ExpertParallel.forward`):
    into each token's row in ascending expert order, as Hugging Face's loop adds them.
 
 An expert's gradient is then the sum over every token of its group that picked it; summed over
-the R/E workers that hold the same experts (`sum_gradients`) it is the plain loop's. Those
+the R/E workers that hold the same experts (`holder_group`) it is the plain loop's. Those
 parameters are left out of DDP, which sums everything else over all R workers. A checkpoint and
 a saved model hold whole tensors by name (`gathered`, `cut`), so a run saved at any E resumes at
 any other, or under another strategy. A dry run (no process group) computes each worker's share
@@ -45,9 +45,9 @@ def expert_parallel(strategy) -> int:
     return int(getattr(strategy, "expert_parallel", 1))
 
 
-def check_expert_parallel(cfg) -> None:
-    """`strategy.expert_parallel=E`: dividing the replicas, on a mixture whose experts divide by E,
-    with what the placement supports so far."""
+def check_expert_parallel(cfg, layout: Layout) -> None:
+    """`strategy.expert_parallel=E`: dividing the replicas of the run's `layout`, on a mixture whose
+    experts divide by E, with what the placement supports so far."""
     s = cfg.strategy
     size = expert_parallel(s)
     if size < 1:
@@ -62,11 +62,10 @@ def check_expert_parallel(cfg) -> None:
         raise ConfigError(f"strategy.expert_parallel={size}: the model's {experts} experts a block do not divide "
                           f"over {size} workers" if experts else
                           f"strategy.expert_parallel={size}: the model has no experts (a dense model)")
-    others = {"strategy.sequence_parallel": getattr(s, "sequence_parallel", 1),
-              "strategy.tensor_parallel": getattr(s, "tensor_parallel", 1)}
-    for key, value in others.items():
-        if value > 1:
-            raise ConfigError(f"strategy.expert_parallel={size} with {key}={value} is not supported yet; set one to 1")
+    for dim in layout.mesh_dims:
+        if dim != "replicate":
+            raise ConfigError(f"strategy.expert_parallel={size} with strategy.{dim}_parallel={getattr(layout, dim)} is "
+                              f"not supported yet; set one to 1")
     if cfg.train.compile:
         raise ConfigError(f"strategy.expert_parallel={size} with train.compile=true is not supported yet (the "
                           f"experts' all-to-alls are not compiled here); drop one")
@@ -79,45 +78,36 @@ def check_expert_parallel(cfg) -> None:
                           f"(model.quantize): drop them, or expert_parallel")
 
 
-def expert_groups(layout: Layout, experts: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(every expert group: E consecutive replicas, every group of workers holding the same experts:
-    one per expert group), each a list of ranks; every process makes their process groups in this order."""
-    replicas = layout.groups("replicate")
-    if len(replicas) != 1:
-        raise ConfigError("expert parallelism runs over the replicas alone")
-    ranks = replicas[0]
-    shares = [ranks[i:i + experts] for i in range(0, len(ranks), experts)]
-    holders = [ranks[i::experts] for i in range(experts)]
-    return shares, holders
-
-
 class ExpertShards:
-    """This worker's share of every routed block's experts, and the groups it talks to."""
+    """This worker's share of every routed block's experts, and the groups it talks to: the
+    layout's expert groups (`Layout.expert_groups`)."""
 
     def __init__(self, model: nn.Module, layout: Layout, rank: int, degree: int, simulated: bool, timeout):
-        self.degree = degree
-        shares, holders = expert_groups(layout, degree)
-        self.share_group = self.holder_group = None
-        if not simulated:  # every process makes every group, in one order
-            for ranks in shares:
-                group = dist.new_group(ranks, timeout=timeout)
-                self.share_group = group if rank in ranks else self.share_group
-            for ranks in holders:
-                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-                self.holder_group = group if rank in ranks else self.holder_group
-        self.index = next(members.index(rank) for members in shares if rank in members)
         if any(isinstance(m, ParamWrapper) for block in model.blocks for m in block.modules()):
             raise ConfigError(f"strategy.expert_parallel={degree}: the adapter adapts the experts "
                               f"(adapter.target_parameters, or target modules named gate_proj/up_proj/down_proj, as "
                               f"all-linear names a dense MLP's, which peft turns into LoRA on the fused experts), and "
                               f"LoRA on shared experts is not supported yet; name the modules "
                               f"(adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]), or drop expert_parallel")
-        self.modules = [m for block in model.blocks for m in block.modules() if fused_tensors(m)]
+        self.degree, self.index = degree, layout.expert_share(rank, degree)
+        # The groups this worker exchanges tokens with and sums its experts' gradients over; none
+        # in a dry run, which computes its rows through its own experts.
+        self.share_group = self.holder_group = None
+        if not simulated:  # every process makes every group, in one order
+            shares, holders = layout.expert_groups(degree)
+            for ranks in shares:
+                group = dist.new_group(ranks, timeout=timeout)
+                self.share_group = group if rank in ranks else self.share_group
+            for ranks in holders:
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                self.holder_group = group if rank in ranks else self.holder_group
         self.params: dict[int, int] = {}  # id(parameter) -> the experts the whole tensor holds
-        for module in self.modules:
-            self._cut_module(module, simulated)
+        for block in model.blocks:
+            for module in block.modules():
+                if fused_tensors(module):
+                    self._cut_module(module)
 
-    def _cut_module(self, module: nn.Module, simulated: bool) -> None:
+    def _cut_module(self, module: nn.Module) -> None:
         experts = next(p.shape[0] for p in module.parameters(recurse=False) if p.ndim == EXPERTS_NDIM)
         local = experts // self.degree
         mine = slice(self.index * local, (self.index + 1) * local)
@@ -126,24 +116,17 @@ class ExpertShards:
                 if p.ndim >= 2 and p.shape[0] == experts:
                     p.data = p.data[mine].clone()
                     self.params[id(p)] = experts
-        module.num_experts = local
+        module.num_experts = local  # what Hugging Face's experts forward counts its experts by
         module.__class__ = _parallel_class(type(module))
-        module.expert_shards = (self, local, simulated)
+        module.expert_shards = self
 
     def holds(self, p: torch.Tensor) -> bool:
         return id(p) in self.params
 
     # -- gradients ----------------------------------------------------------------------------
-    def sum_gradients(self, params) -> None:
-        """Each expert's gradient summed over the workers holding the same experts."""
-        if self.holder_group is None:
-            return
-        grads = [p.grad for p in params if self.holds(p) and p.grad is not None]
-        if grads:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.holder_group)
-            for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-                grad.copy_(summed)
+    def expert_grads(self, params) -> list[torch.Tensor]:
+        """The gradients of this worker's expert shares among `params`: summed over `holder_group`."""
+        return [p.grad for p in params if self.holds(p) and p.grad is not None]
 
     def clip_grad_norm_(self, params, max_norm: float) -> torch.Tensor:
         """torch's global-norm clipping, every expert counted once: the replicated gradients' squares
@@ -189,13 +172,13 @@ class ExpertParallel(nn.Module):
     its expert (see the module)."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        shards, local, simulated = self.expert_shards
-        tokens, k = top_k_index.shape
+        shards, local = self.expert_shards, self.num_experts
+        k = top_k_index.shape[1]
         picks = top_k_index.reshape(-1)
         order = torch.argsort(picks, stable=True)  # by expert, each expert's in token order
         experts, token_of = picks[order], order // k
         rows = hidden_states[token_of]
-        if simulated:  # no process group: this worker's rows through its own experts, an even routing
+        if shards.share_group is None:  # a dry run: this worker's rows through its own experts, an even routing
             out = self._local(rows, experts % local)
         else:
             out = self._dispatched(shards, rows, experts, local)

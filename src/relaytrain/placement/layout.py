@@ -133,6 +133,26 @@ class Layout:
                 out.append(members)
         return out
 
+    def expert_groups(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Expert parallelism over the replicas (`strategy.expert_parallel=size`): (the groups of
+        `size` consecutive replicas that share every block's experts, the groups holding the same
+        share: one member of each), every other coordinate alike; in first-rank order, as every
+        process makes their process groups."""
+        if self.replicate % size:
+            raise ValueError(f"{size} does not divide a layout's {self.replicate} replicas")
+        shares: dict[tuple, list[int]] = {}
+        holders: dict[tuple, list[int]] = {}
+        for rank in range(self.size):
+            place = self.coordinates(rank)
+            others = place._replace(replicate=0)
+            shares.setdefault((place.replicate // size, others), []).append(rank)
+            holders.setdefault((place.replicate % size, others), []).append(rank)
+        return list(shares.values()), list(holders.values())
+
+    def expert_share(self, rank: int, size: int) -> int:
+        """Which of its expert group's `size` shares of the experts `rank` holds."""
+        return self.coordinates(rank).replicate % size
+
     def describe(self, rank: int) -> str:
         """How a message names `rank`: "rank 3 (replica 1 of 2, tensor part 1 of 2)"."""
         place = self.coordinates(rank)

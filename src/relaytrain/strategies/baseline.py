@@ -84,7 +84,7 @@ class Baseline(WholeModel):
     @classmethod
     def check_config(cls, cfg) -> None:
         super().check_config(cfg)
-        check_expert_parallel(cfg)
+        check_expert_parallel(cfg, cls.rank_layout(cfg))
 
     def _place_weights(self) -> None:
         self.model.to(self.device)
@@ -109,19 +109,13 @@ class Baseline(WholeModel):
         return self.loss_of.no_sync() if wrapped and not last else contextlib.nullcontext()
 
     def _sum_gradients(self) -> None:
-        """Split weights' replicas (DDP does not take DTensors): each worker's gradient parts
-        summed over the replicas of its tensor part, in flat buckets of DDP's size. Experts held
-        in shares: each summed over the workers holding it."""
-        if self.synced and self.experts is not None:
-            self.experts.sum_gradients(self.params)
-        if not (self.synced and self.split):
-            return
-        grads = [local(p.grad) for p in self.params if p.grad is not None]
-        for bucket in _buckets(grads, BUCKET_BYTES):
-            flat = torch._utils._flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=self.gradient_group)
-            for grad, summed in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
-                grad.copy_(summed)
+        """What DDP does not sum: split weights' replicas (DDP does not take DTensors), each
+        worker's gradient parts over the replicas of its tensor part; experts held in shares, each
+        over the workers holding it. In flat buckets of DDP's size."""
+        if self.synced and self.experts is not None and self.experts.holder_group is not None:
+            _sum_in_buckets(self.experts.expert_grads(self.params), self.experts.holder_group)
+        if self.synced and self.split:
+            _sum_in_buckets([local(p.grad) for p in self.params if p.grad is not None], self.gradient_group)
 
     def _clip(self, max_norm: float) -> None:
         if self.experts is None:
@@ -185,7 +179,15 @@ class Baseline(WholeModel):
         return state
 
     def _cut_expert_state(self, state: dict) -> dict:
-        return _cut_expert_state_of(self.experts, list(trained_named_parameters(self.model)), state)
+        """A whole state (by name) with each expert tensor and its optimizer state cut to this worker's share."""
+        weights, optimizer = dict(state["weights"]), dict(state["optimizer"])
+        for name, p in trained_named_parameters(self.model):
+            if name in weights:
+                weights[name] = self.experts.cut(p, weights[name])
+            if name in optimizer:
+                optimizer[name] = {key: self.experts.cut(p, v) if torch.is_tensor(v) else v
+                                   for key, v in optimizer[name].items()}
+        return {**state, "weights": weights, "optimizer": optimizer}
 
     def _whole_state(self) -> dict:
         """This worker's share as a T=1 run's rank 0 holds it (`model_state`), gathered from the tensor ranks."""
@@ -208,15 +210,13 @@ class Baseline(WholeModel):
             self.scaler.load_state_dict(state["scaler"])
 
 
-def _cut_expert_state_of(experts: ExpertShards, named, state: dict) -> dict:
-    """A whole state (by name) with each expert tensor and its optimizer state cut to this worker's share."""
-    weights, optimizer = dict(state["weights"]), dict(state["optimizer"])
-    for name, p in named:
-        if name in weights:
-            weights[name] = experts.cut(p, weights[name])
-        if name in optimizer:
-            optimizer[name] = {key: experts.cut(p, v) if torch.is_tensor(v) else v for key, v in optimizer[name].items()}
-    return {**state, "weights": weights, "optimizer": optimizer}
+def _sum_in_buckets(grads: list[torch.Tensor], group) -> None:
+    """Each gradient summed over `group`, in flat buckets of DDP's size (one all-reduce each)."""
+    for bucket in _buckets(grads, BUCKET_BYTES):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for grad, summed in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
+            grad.copy_(summed)
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

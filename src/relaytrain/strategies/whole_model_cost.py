@@ -163,7 +163,7 @@ def tensor_allreduces_s(cfg, facts: ModelFacts, profile: Profile) -> float:
     return passes * 2 * allreduce_s(activations, facts.tensor_parallel, profile)
 
 
-def add_tensor_allreduces(parts: dict[str, float], cfg, facts: ModelFacts, profile: Profile) -> None:
+def add_placement_collectives(parts: dict[str, float], cfg, facts: ModelFacts, profile: Profile) -> None:
     """A step's parts, with the all-reduces of a tensor rank (`tensor_allreduces_s`) where blocks
     split, and the all-to-alls of an expert group (`expert_exchanges_s`) where experts are shared."""
     if facts.tensor_parallel > 1:
@@ -206,16 +206,12 @@ class BaselineCost(WholeModelCost):
     def variants(self, cfg, family, shapes: list[Shape]) -> list[Shape]:
         """Each shape of w >= 2 plain replicas, and its replicas sharing a mixture's experts in groups
         of every E >= 2 that divides w and the experts (`strategy.expert_parallel`), where the run takes it."""
-        experts, out = cfg.model.num_experts or 0, list(shapes)
-        for shape in shapes if experts else ():
-            if shape.placement:
-                continue
-            for size in range(2, shape.replicas + 1):
-                if shape.replicas % size or experts % size:
-                    continue
-                if self.refusal(cfg, family, replicas=shape.replicas, expert_parallel=size) is None:
-                    out.append(dataclasses.replace(shape, options=(*shape.options, ("expert_parallel", str(size)))))
-        return out
+        experts = cfg.model.num_experts or 0
+        taken = {replicas: [size for size in range(2, replicas + 1) if replicas % size == 0 and experts % size == 0
+                            and self.refusal(cfg, family, replicas=replicas, expert_parallel=size) is None]
+                 for replicas in {shape.replicas for shape in shapes if experts and not shape.placement}}
+        return shapes + [dataclasses.replace(shape, options=(*shape.options, ("expert_parallel", str(size))))
+                         for shape in shapes if not shape.placement for size in taken.get(shape.replicas, ())]
 
     def step_cost(self, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
         """L2L paper, Algorithm 1: per micro-batch, the embeddings, every block and the head
@@ -239,7 +235,7 @@ class BaselineCost(WholeModelCost):
             last_backward = embed.backward_s + n * (block.backward_s + recompute) + head.backward_s
             parts["gradient sums (exposed)"] = sums if profile.device_type == "cpu" else max(
                 allreduce_s(min(nbytes, BUCKET_BYTES), summed, profile, span=workers), sums - last_backward)
-        add_tensor_allreduces(parts, cfg, facts, profile)
+        add_placement_collectives(parts, cfg, facts, profile)
         return StepCost(sum(parts.values()), parts)
 
     def device_bytes(self, cfg, facts: ModelFacts) -> int:
@@ -330,7 +326,7 @@ class FsdpCost(WholeModelCost):
         parts = {"compute": compute, "gathers and reduce-scatters (exposed)": exposed, "optimizer": optimizer}
         if stash_on_host(cfg.strategy):
             parts["stash transfers (exposed)"] = host_stash_s(cfg, facts, profile, block)
-        add_tensor_allreduces(parts, cfg, facts, profile)
+        add_placement_collectives(parts, cfg, facts, profile)
         return StepCost(sum(parts.values()), parts)
 
     def device_bytes(self, cfg, facts: ModelFacts) -> int:
