@@ -35,7 +35,7 @@ from torch.nn.utils import parametrize
 from relaytrain.models.quantize import BLOCK
 from relaytrain.models.quantize_experts import EXPERTS_NDIM, NF4Experts, fused_tensors
 from relaytrain.strategies.eps import Part
-from relaytrain.strategies.transfers import Transfer, Transfers
+from relaytrain.strategies.transfers import Transfer, Transfers, UploadCounts
 from relaytrain.utils.errors import ConfigError
 
 
@@ -132,26 +132,24 @@ class ExpertsByNeed:
     """The parts' streamed experts: their device tensors on arrival, the hooks that fill them."""
 
     def __init__(self, parts: list[Part], transfers: Transfers, dtype: torch.dtype,
-                 visit_of: Callable[[int], ExpertVisit | None]):
+                 visit_of: Callable[[int], ExpertVisit | None], counts: UploadCounts):
         self.parts, self.transfers, self.dtype, self.visit_of = parts, transfers, dtype, visit_of
-        self.modules = [m for index, part in enumerate(parts) for m in _experts_modules(index, part)]
-        if not self.modules:
+        self.counts = counts  # the relay's: the streamed tensors' bytes add to them
+        self.by_part: dict[int, list[ExpertsModule]] = {}
+        for index, part in enumerate(parts):
+            for m in _experts_modules(index, part):
+                self.by_part.setdefault(index, []).append(m)
+        if not self.by_part:
             raise ConfigError("strategy.experts_by_need=true: no frozen expert weights to stream (a dense model, or "
                               "experts that train: every step needs them all); it is for a mixture under "
                               "adapter=lora or adapter=qlora")
-        self.by_part: dict[int, list[ExpertsModule]] = {}
-        for m in self.modules:
-            self.by_part.setdefault(m.part, []).append(m)
+        # Each part's positions in its frozen tensors that travel by need (the others travel whole).
+        self.positions = {index: frozenset(t.position for m in modules for t in m.tensors)
+                          for index, modules in self.by_part.items()}
         self.wanted: dict[int, set[int]] = {}  # id(module) -> the experts this step picked so far
-        self.uploaded_bytes = 0  # the streamed tensors' bytes that crossed
-        self.whole_bytes = 0  # what they would have been uploaded whole
         self.recompute_misses = 0  # experts a backward visit picked that its forward had not (0: routed alike)
         self.handles = [m.module.register_forward_pre_hook(self._before_experts(m), with_kwargs=True)
-                        for m in self.modules]
-
-    def positions(self, index: int) -> set[int]:
-        """The positions in part `index`'s frozen tensors that travel by need."""
-        return {t.position for m in self.by_part.get(index, ()) for t in m.tensors}
+                        for modules in self.by_part.values() for m in modules]
 
     def start_step(self) -> None:
         self.wanted.clear()
@@ -168,7 +166,7 @@ class ExpertsByNeed:
             wanted = sorted(self.wanted.get(id(m.module), ()))
             visit.present[id(m.module)] = set(wanted)
             for t in m.tensors:
-                self.whole_bytes += _nbytes(part.frozen[t.position])
+                self.counts.experts_whole += _nbytes(part.frozen[t.position])
                 pairs += self._pairs(part, visit, t, list(t.slices.shared) + t.slices.spans(wanted))
         visit.transfer = self.transfers.upload_into(pairs, held=list(visit.tensors.values()))
         return visit
@@ -209,7 +207,7 @@ class ExpertsByNeed:
     def _pairs(self, part: Part, visit: ExpertVisit, t: Streamed, spans) -> list[tuple[torch.Tensor, torch.Tensor]]:
         host, device = part.frozen[t.position].reshape(-1), visit.tensors[t.position].view(-1)
         pairs = [(device[start:stop], host[start:stop]) for start, stop in spans]
-        self.uploaded_bytes += sum(h.numel() * h.element_size() for _, h in pairs)
+        self.counts.experts += sum(_nbytes(h) for _, h in pairs)
         return pairs
 
 

@@ -249,7 +249,7 @@ class L2L(ReplicatedStrategy):
         super().reset_measurements()
         self.eps.stats = EpsStats(host_kernel=self.eps.stats.host_kernel)
         self.transfers.wait_s = 0.0
-        self.relay.reset_counts()
+        self.relay.counts.clear()
 
     def sum_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
         return values if self.peers is None else self.peers.sum_over_replicas(values)
@@ -450,7 +450,7 @@ def _summary(l2l: L2L, phases: dict, eps: dict) -> dict:
         "transfer wait (mean s/step, within the phases)": f"{l2l.transfers.wait_s / max(eps['steps'], 1):.3f}",
         "EPS optimizer": "n/a" if rate is None else f"{rate / 1e6:.1f} M params/s ({eps['host_kernel']})",
         "EPS updates": _update_mode(l2l.eps),
-        "weights uploaded (mean a step)": gib(l2l.relay.uploaded_bytes // max(eps["steps"], 1)),
+        "weights uploaded (mean a step)": gib(l2l.relay.counts.total // max(eps["steps"], 1)),
         **l2l.relay.by_need_summary(),
     }
 

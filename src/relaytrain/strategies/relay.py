@@ -12,6 +12,7 @@ The strategy that walks the relay and feeds the eager param server is `l2l.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 
 from relaytrain.strategies.eps import Part
 from relaytrain.strategies.experts_by_need import ExpertsByNeed, ExpertVisit
-from relaytrain.strategies.transfers import Transfer, Transfers
+from relaytrain.strategies.transfers import Transfer, Transfers, UploadCounts
 from relaytrain.utils.units import gib
 
 # --------------------------------------------------------------------------- weight relay
@@ -74,11 +75,11 @@ class WeightRelay:
         self.resident: dict[int, Resident] = {}
         self.cursor = 0
         self.peak_resident = 0
-        self.whole_parts_bytes = 0  # what the relay sent to the device but streamed experts (the measured steps')
+        self.counts = UploadCounts()
         # A dry run (the meta device) uploads every expert: it has no picks to read, and a streamed
         # tensor is whole on the device anyway.
         by_need = experts_by_need and device.type != "meta"
-        self.by_need = ExpertsByNeed(parts, transfers, dtype, self._experts_visit) if by_need else None
+        self.by_need = ExpertsByNeed(parts, transfers, dtype, self._experts_visit, self.counts) if by_need else None
 
     def start_step(self) -> None:
         """Forget last step's device copies: the EPS has updated every part since."""
@@ -117,10 +118,10 @@ class WeightRelay:
         part = self.parts[index]
         if self.updates is not None:
             self.updates.await_part(index)
-        by_need = self.by_need.positions(index) if self.by_need is not None else set()
+        by_need = self.by_need.positions.get(index, ()) if self.by_need is not None else ()
         travelling = [t for position, t in enumerate(part.frozen) if position not in by_need]
         transfer = self.transfers.upload(part.wires + travelling)
-        self.whole_parts_bytes += sum(t.numel() * t.element_size() for t in part.wires + travelling)
+        self.counts.parts += sum(t.numel() * t.element_size() for t in part.wires + travelling)
         leaves = [t.requires_grad_(True) for t in transfer.tensors[:len(part.wires)]]
         frozen, experts = transfer.tensors[len(part.wires):], None
         if by_need:  # the streamed tensors take their places among the frozen ones
@@ -134,48 +135,30 @@ class WeightRelay:
         resident = self.resident.get(index)
         return None if resident is None else resident.experts
 
-    @property
-    def uploaded_bytes(self) -> int:
-        """Every weight byte the relay sent to the device since the counts were reset."""
-        return self.whole_parts_bytes + self.expert_bytes[0]
-
-    @property
-    def expert_bytes(self) -> tuple[int, int]:
-        """(bytes of streamed experts uploaded, what they would have been whole); (0, 0) unstreamed."""
-        return (0, 0) if self.by_need is None else (self.by_need.uploaded_bytes, self.by_need.whole_bytes)
-
     def report(self) -> dict:
         """The strategy report's figures: the weights uploaded and, by need, the experts'."""
-        figures = {"uploaded_bytes": self.uploaded_bytes}
+        figures = {"uploaded_bytes": self.counts.total}
         if self.by_need is not None:
-            uploaded, whole = self.expert_bytes
-            figures["experts_by_need"] = {"uploaded_bytes": uploaded, "whole_bytes": whole,
+            figures["experts_by_need"] = {"uploaded_bytes": self.counts.experts, "whole_bytes": self.counts.experts_whole,
                                           "recompute_misses": self.by_need.recompute_misses}
         return figures
 
     def by_need_summary(self) -> dict[str, str]:
         """The summary's line with experts streamed by need: the share of their bytes that crossed."""
-        uploaded, whole = self.expert_bytes
-        if not whole:
+        c = self.counts
+        if not c.experts_whole:
             return {}
-        return {"experts uploaded by need": f"{uploaded / whole:.1%} of the whole experts' bytes "
-                                            f"({gib(whole - uploaded)} saved over the measured steps)"}
+        return {"experts uploaded by need": f"{c.experts / c.experts_whole:.1%} of the whole experts' bytes "
+                                            f"({gib(c.experts_whole - c.experts)} saved over the measured steps)"}
 
     @contextmanager
     def uncounted(self):
         """Uploads left out of the counts (an evaluation's: the counts are the training steps')."""
-        saved = (self.whole_parts_bytes, *self.expert_bytes)
+        saved = dataclasses.replace(self.counts)
         try:
             yield
         finally:
-            self.whole_parts_bytes = saved[0]
-            if self.by_need is not None:
-                self.by_need.uploaded_bytes, self.by_need.whole_bytes = saved[1:]
-
-    def reset_counts(self) -> None:
-        self.whole_parts_bytes = 0
-        if self.by_need is not None:
-            self.by_need.uploaded_bytes = self.by_need.whole_bytes = 0
+            self.counts.__dict__.update(vars(saved))  # in place: the experts by need add to these same counts
 
     def close(self) -> None:
         if self.by_need is not None:

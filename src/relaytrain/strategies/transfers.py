@@ -34,6 +34,22 @@ class Transfer:
     casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (device slice, staged copy)
 
 
+@dataclass
+class UploadCounts:
+    """The weight bytes the relay sent to the device since they were cleared (the measured steps')."""
+
+    parts: int = 0  # tensors sent whole: the parts' wires and the frozen tensors that travel whole
+    experts: int = 0  # experts streamed by need: the bytes that crossed
+    experts_whole: int = 0  # and what those tensors would have been whole
+
+    @property
+    def total(self) -> int:
+        return self.parts + self.experts
+
+    def clear(self) -> None:
+        self.parts = self.experts = self.experts_whole = 0
+
+
 class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
