@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from relaytrain.models import adapter as adapters
+from relaytrain.models.adapter.experts import adapted_experts
+from relaytrain.records.checkpoint import trained_named_parameters
 from relaytrain.step import metrics
 from relaytrain.utils.files import write_json
 
@@ -36,11 +38,8 @@ def built_adapter(model) -> dict:
     """What trains in `model` as built under an adapter, before any placement: its parameters
     that train (each once) and, on a mixture, a routed block's fused expert tensors and those
     left frozen, as peft made them (`adapted_experts`: peft may adapt experts the keys do not name)."""
-    from relaytrain.models.adapter.experts import adapted_experts
-
-    trained = {id(p): p.numel() for p in model.parameters() if p.requires_grad}
     experts = next((found for block in model.blocks if (found := adapted_experts(block.layer))[0]), ([], []))
-    return {"trained_parameters": sum(trained.values()), "experts": experts}
+    return {"trained_parameters": sum(p.numel() for _, p in trained_named_parameters(model)), "experts": experts}
 
 
 def assemble_results(cfg, spec, history: dict, measured: list[float], reports: list[dict], world, overrides,
