@@ -28,7 +28,7 @@ from relaytrain.run.compose import compose_config
 from relaytrain.run.resolve import describe_run
 from relaytrain.run.results import adapter_facts
 from relaytrain.run.train import run
-from tests.checkpoints import tiny_decoder, tiny_moe
+from tests.checkpoints import tiny_bias_balanced, tiny_decoder, tiny_moe
 from tests.conformance.references import peft_adapter
 
 STEPS = 2
@@ -313,6 +313,22 @@ def test_a_run_reports_the_experts_peft_adapted_as_it_built_them(tmp_path):
         facts = run(cfg, tmp_path / f"run{len(frozen)}", table=False)["adapter"]
         assert facts["trained_parameters"] == trains
         assert facts["experts"]["frozen"] == frozen
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+def test_the_pre_run_count_of_what_trains_is_the_built_models(kind, tmp_path):
+    """The planner's and the dry run's count of what trains under LoRA (before any model is
+    built) is the built model's: a dense layer or a shared expert makes all-linear name gate_proj,
+    and peft then adapts every routed layer's experts, which no single block shows."""
+    from relaytrain.models import build_model, what_trains
+
+    directory = tiny_moe(tmp_path / "moe") if kind == "qwen3_moe" else tiny_bias_balanced(tmp_path / "moe", kind)
+    cfg = adapter_cfg(directory, "adapter=lora")
+    model = build_model(cfg.model, adapter=cfg.adapter)
+    trains = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    counted = what_trains(cfg.model, cfg.adapter)
+    assert counted.parameters == trains
+    assert counted.experts and counted.frozen == ()  # every expert adapted, as built
 
 
 def fake_results(adapter: dict, saved: dict | None) -> dict:

@@ -46,7 +46,7 @@ from relaytrain.cost.work import (
 from relaytrain.cost.work import block_activation_bytes as block_activation_bytes
 from relaytrain.cost.work import block_activation_values as block_activation_values
 from relaytrain.models import adapter as adapters
-from relaytrain.models import part_parameters, trained_parameters
+from relaytrain.models import part_parameters, trained_parts, what_trains
 from relaytrain.models.family import BlockShape
 from relaytrain.objectives import objective
 from relaytrain.objectives.chunked import LOGIT_COPIES, Chunking
@@ -97,7 +97,7 @@ class ModelFacts:
         precision = str(cfg.precision.name)
         m = cfg.model
         goal = run_objective(cfg)
-        trained = part_parameters(m, adapter, trained=True) if adapter else None
+        trained = trained_parts(m, adapter) if adapter else None
         quantized = quantized_parts(m, adapter)
         if quantized is not None:  # part_parameters counts a 4-bit weight's storage bytes
             embed, block, head = (n - q.counted + q.values for n, q in zip((embed, block, head), quantized, strict=True))
@@ -461,7 +461,7 @@ def optimizer_s(t: Timings, facts: ModelFacts, blocks: int, embed: bool, head: b
 
 def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
     """fp32 weights, and the gradients and optimizer state of what trains (under adapters: theirs)."""
-    trained = trained_parameters(cfg.model, cfg.adapter)
+    trained = what_trains(cfg.model, cfg.adapter).parameters
     trained = num_params if trained is None else trained
     return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
+from omegaconf import OmegaConf
 
 # The families register themselves when their modules are imported: every one is imported here.
 from relaytrain.models import adapter as adapters
 from relaytrain.models import bert, decoder, gpt2, moe, quantize, quantize_experts  # noqa: F401
+from relaytrain.models.adapter.experts import adapted_experts
 from relaytrain.models.family import Family, families, family_of, family_spec
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 from relaytrain.models.pretrained import load_hf_config
@@ -27,8 +30,8 @@ from relaytrain.schema.config import Quantize
 from relaytrain.utils.errors import ConfigError, first_line
 
 __all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "check_model", "count_parameters",
-           "families", "check_adapter", "family_of", "family_spec", "frozen_experts", "hf_config", "part_parameters",
-           "trained_parameters"]
+           "families", "check_adapter", "family_of", "family_spec", "hf_config", "part_parameters",
+           "Trains", "trained_parts", "what_trains"]
 
 
 def _family(m, family: Family | None) -> Family:
@@ -172,57 +175,103 @@ def count_parameters(m, family: Family | None = None, objective=None) -> int:
     return sum(unique.values())
 
 
-def part_parameters(m, adapter=None, trained: bool = False, family: Family | None = None,
-                    objective=None) -> tuple[int, int, int]:
+def part_parameters(m, adapter=None, family: Family | None = None, objective=None) -> tuple[int, int, int]:
     """Parameters of the embeddings, of one block and of the head of the model the config
     describes (a tied weight counted once, with the embeddings), from a one-block model on the
     meta device: what the cost models and the profile scale by the number of blocks. With an
-    `adapter` config its adapters are counted too, and `trained` counts only what trains."""
+    `adapter` config its adapters are counted too (what trains of them: `trained_parts`)."""
     with torch.device("meta"):
         model = build_model(m, quiet=True, adapter=adapter, family=family, objective=objective, one_block=True)
     seen: set[int] = set()
 
     def count(module) -> int:
-        fresh = [p for p in module.parameters() if id(p) not in seen and (p.requires_grad or not trained)]
+        fresh = [p for p in module.parameters() if id(p) not in seen]
         seen.update(id(p) for p in fresh)
         return sum(p.numel() for p in fresh)
 
     return count(model.embed), count(model.blocks[0]), count(model.head)
 
 
+# The `model.architecture` values that make every layer of a mixture routed: none dense first
+# (DeepSeek-V3's, GLM-4.5's first_k_dense_replace), none dense between (Qwen's).
+_EVERY_LAYER_ROUTED = {"first_k_dense_replace": 0, "mlp_only_layers": [], "decoder_sparse_step": 1}
+
+
 def _one_block_config(m):
     """The `model` config `m` cut to one block of fresh weights: shapes for the meta device. A
-    mixture whose first layers are dense (DeepSeek-V3's, GLM-4.5's first_k_dense_replace) is cut
-    to an expert layer: the largest block, which the cost models scale by the layer count (so
-    they count the dense first layers as expert layers, a few per cent over)."""
+    mixture with dense layers is cut to an expert layer: the largest block, which the cost models
+    scale by the layer count (so they count the dense layers as expert layers, a few per cent
+    over; what trains under an adapter is counted on the whole model, `adapted_counts`)."""
     one_block = copy.deepcopy(m)
     one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
-    if one_block.architecture and one_block.architecture.get("first_k_dense_replace"):
-        one_block.architecture.first_k_dense_replace = 0
+    for key, routed in _EVERY_LAYER_ROUTED.items():
+        if one_block.architecture and one_block.architecture.get(key):
+            one_block.architecture[key] = routed
     return one_block
 
 
-def trained_parameters(m, a, family: Family | None = None, objective=None) -> int | None:
-    """How many parameters of the model `m` describes train under the adapter `a` (adapter=lora:
-    the adapters'); None when every parameter trains."""
-    if adapters.enabled(a):
-        embed, block, head = part_parameters(m, a, trained=True, family=family, objective=objective)
-        return embed + m.num_layers * block + head
-    return None
+@dataclasses.dataclass(frozen=True)
+class AdaptedCounts:
+    """What trains in the whole model a config describes under an adapter, counted on the meta
+    device with every layer as the model has it: peft's choice of targets depends on every layer
+    (all-linear names gate_proj where a dense MLP or a shared expert has one, and peft then adapts
+    the fused experts of every routed layer too), so no single block can stand for the rest."""
+
+    embed: int  # trained parameters of the embeddings, of all blocks together and of the head
+    blocks: int
+    head: int
+    experts: tuple[str, ...]  # a routed block's fused expert tensors (mlp.experts.gate_up_proj)
+    frozen: tuple[str, ...]  # those no adapter adapts
 
 
-def frozen_experts(m, a, family: Family | None = None, objective=None) -> tuple[list[str], list[str]]:
-    """A mixture's fused expert tensors under the adapter `a`: their names in a block (e.g.
-    mlp.experts.gate_up_proj), and those `a` leaves frozen. LoRA's all-linear reaches linear
-    layers only; the experts are 3-D parameters, reached by name through adapter.target_parameters
-    (a continued adapter's own). ([], []) for a dense model or without an adapter."""
-    if not m.num_experts or not adapters.enabled(a):
-        return [], []
-    with torch.device("meta"):
-        layer = build_model(m, quiet=True, family=family, objective=objective, one_block=True).blocks[0].layer
-    experts = [name for name, p in layer.named_parameters() if p.dim() == 3]
-    targets = adapters.saved_targets(a.pretrained) if a.pretrained else list(a.target_parameters)
-    return experts, [name for name in experts if not any(name == t or name.endswith("." + t) for t in targets)]
+_adapted: dict[str, AdaptedCounts] = {}  # one model per config asked: the planner asks per candidate
+
+
+def adapted_counts(m, a, family: Family | None = None, objective=None) -> AdaptedCounts:
+    """`AdaptedCounts` of the model `m` describes under the adapter `a` (enabled)."""
+    family, objective = _family(m, family), _objective(m, objective)
+    key = f"{family.name}\n{objective.name}\n{OmegaConf.to_yaml(m)}\n{OmegaConf.to_yaml(a)}"
+    if key not in _adapted:
+        whole = copy.deepcopy(m)
+        whole.pretrained, whole.resolved_from = None, None  # shapes only: the keys already agree with it
+        with torch.device("meta"):
+            model = build_model(whole, quiet=True, adapter=a, family=family, objective=objective)
+        seen: set[int] = set()
+
+        def trained(*modules) -> int:
+            fresh = [p for module in modules for p in module.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in fresh)
+            return sum(p.numel() for p in fresh)
+
+        experts, frozen = next((found for block in model.blocks if (found := adapted_experts(block.layer))[0]), ([], []))
+        _adapted.clear()
+        _adapted[key] = AdaptedCounts(trained(model.embed), trained(*model.blocks), trained(model.head),
+                                      tuple(experts), tuple(frozen))
+    return _adapted[key]
+
+
+def trained_parts(m, a, family: Family | None = None, objective=None) -> tuple[int, int, int]:
+    """Trained parameters of the embeddings, of a block and of the head under the adapter `a`
+    (enabled): `part_parameters`' shape for the cost models, a block's the mean over the blocks
+    (rounded up)."""
+    counts = adapted_counts(m, a, family, objective)
+    return counts.embed, -(-counts.blocks // m.num_layers), counts.head
+
+
+class Trains(NamedTuple):
+    """What trains under an adapter, as peft builds the model (`what_trains`)."""
+
+    parameters: int | None  # parameters that train (each once); None: every one (no adapter)
+    experts: tuple[str, ...] = ()  # a mixture's fused expert tensors in a routed block (mlp.experts.gate_up_proj)
+    frozen: tuple[str, ...] = ()  # those no adapter adapts (`adapter.experts.adapted_experts`)
+
+
+def what_trains(m, a, family: Family | None = None, objective=None) -> Trains:
+    """What trains of the model `m` describes under the adapter `a` (without one: every parameter)."""
+    if not adapters.enabled(a):
+        return Trains(None)
+    counts = adapted_counts(m, a, family, objective)
+    return Trains(counts.embed + counts.blocks + counts.head, counts.experts, counts.frozen)
 
 
 def check_model(m, a, family: Family, objective, defaults) -> None:

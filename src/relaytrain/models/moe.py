@@ -47,6 +47,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from relaytrain.utils.errors import ConfigError
@@ -325,10 +326,11 @@ EXPERT_ATTRIBUTES = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
                      **dict.fromkeys(BIAS_BALANCED, ("n_routed_experts", "moe_intermediate_size"))}
 
 
-# What a bias-balanced type's config holds that no `model` key names: its expert groups, shared
-# experts and dense first layers, and DeepSeek-V3's latent attention. A checkpoint's values ride in
-# `model.architecture` (`moe_facts`), so that what the cost models build from the keys (one block on
-# the meta device) is the checkpoint's block; a published shape's config file sets them.
+# What a mixture's config holds that no `model` key names: a bias-balanced type's expert groups,
+# shared experts and dense first layers, DeepSeek-V3's latent attention, Qwen's dense layers
+# (mlp_only_layers, decoder_sparse_step). A checkpoint's values ride in `model.architecture`
+# (`moe_facts`), so that what the cost models and the dry run build from the keys on the meta
+# device is the checkpoint's model; a published shape's config file sets them.
 _BIAS_ROUTING = ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
                  "norm_topk_prob")
 ARCHITECTURE_KEYS = {
@@ -336,6 +338,7 @@ ARCHITECTURE_KEYS = {
                     "rope_interleave", "attention_bias"),
     "glm4_moe": (*_BIAS_ROUTING, "use_qk_norm", "attention_bias"),
     "dots1": (*_BIAS_ROUTING, "attention_bias"),
+    **dict.fromkeys(("qwen3_moe", "qwen2_moe"), ("mlp_only_layers", "decoder_sparse_step")),
 }
 
 
@@ -343,6 +346,14 @@ def architecture_facts(c) -> dict | None:
     """`model.architecture` of a checkpoint's config (None: its type needs none)."""
     keys = ARCHITECTURE_KEYS.get(c.model_type)
     return None if keys is None else {key: getattr(c, key) for key in keys if hasattr(c, key)}
+
+
+def _plain(architecture) -> dict:
+    """`model.architecture` as the plain values Hugging Face's config classes check (a list, not
+    omegaconf's ListConfig); {} for none."""
+    if not architecture:
+        return {}
+    return OmegaConf.to_container(architecture) if OmegaConf.is_config(architecture) else dict(architecture)
 
 
 def moe_sizes(m) -> dict:
@@ -366,7 +377,8 @@ def moe_sizes(m) -> dict:
                               f"settings (expert groups, shared experts, dense first layers"
                               f"{', latent attention' if model_type == 'deepseek_v3' else ''}), which a checkpoint's "
                               f"config carries: start from one, model.pretrained=DIR")
-        return {**sizes, **dict(m.architecture)}
+        return {**sizes, **_plain(m.architecture)}
+    sizes.update(_plain(m.architecture))  # Qwen's dense layers, where a checkpoint has them
     if m.shared_expert_intermediate_size:
         if model_type != "qwen2_moe":
             raise ConfigError(f"model.shared_expert_intermediate_size={m.shared_expert_intermediate_size}: a "

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from relaytrain.cost.work import model_flops_per_token
 from relaytrain.data.sources import DataSource, source
-from relaytrain.models import count_parameters, frozen_experts, trained_parameters
+from relaytrain.models import Trains, count_parameters, what_trains
 from relaytrain.models.family import family_spec
 from relaytrain.objectives import objective
 from relaytrain.records import checkpoint
@@ -83,8 +83,7 @@ class RunSpec(Choices):
     identity: dict  # what a checkpoint must match to resume this run (`records.checkpoint.identity`)
     trackers: dict  # the experiment trackers log.* asks for, checked, with their settings (`records.trackers`)
     parameters: int  # the model's parameters (results.json, the host memory estimate)
-    trained_parameters: int | None  # those that train under adapters; None when every one does
-    experts: tuple[tuple[str, ...], tuple[str, ...]]  # a mixture's fused expert tensors, and those an adapter leaves frozen
+    trains: Trains  # what trains under an adapter, as peft builds the model (parameters None: every one)
     schedule: Schedule  # the learning rate at each optimizer update (optim.*, train.steps)
     untimed_steps: int  # steps left out of the throughput figures (`schema.config.untimed_steps`)
     reference: ReferencePass | None  # a preference objective's reference pass (`run.reference`), else None
@@ -127,8 +126,7 @@ def describe_run(cfg, chosen: Choices | None = None) -> RunSpec:
         flops_per_token=model_flops_per_token(m, cfg.data.seq_len),
         identity=checkpoint.identity(cfg), trackers=check_trackers(cfg.log),
         parameters=count_parameters(m, chosen.family, chosen.objective),
-        experts=tuple(map(tuple, frozen_experts(m, cfg.adapter, chosen.family, chosen.objective))),
-        trained_parameters=trained_parameters(m, cfg.adapter, chosen.family, chosen.objective),
+        trains=what_trains(m, cfg.adapter, chosen.family, chosen.objective),
         benchmark_task=chosen.source.benchmark_task(cfg.data.name),
         minibatch_samples=s.microbatch_size * s.num_microbatches * replicas,
         schedule=Schedule(o.lr, o.warmup_steps, str(o.schedule), t.steps),

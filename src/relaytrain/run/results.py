@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from relaytrain.models import Trains
 from relaytrain.models import adapter as adapters
 from relaytrain.models.adapter.experts import adapted_experts
 from relaytrain.records.checkpoint import trained_named_parameters
@@ -21,7 +22,7 @@ from relaytrain.step import metrics
 from relaytrain.utils.files import write_json
 
 
-def process_report(strategy, world, host: metrics.HostMemory, device_memory: dict, built: dict | None = None) -> dict:
+def process_report(strategy, world, host: metrics.HostMemory, device_memory: dict, built: Trains | None = None) -> dict:
     """What one process contributes: its strategy's figures and its memory peaks (a dry run's
     device figures are simulated; its host memory is not what a real run would use), and what
     trains in the model it built under an adapter (`built_adapter`)."""
@@ -34,12 +35,12 @@ def process_report(strategy, world, host: metrics.HostMemory, device_memory: dic
     }
 
 
-def built_adapter(model) -> dict:
+def built_adapter(model) -> Trains:
     """What trains in `model` as built under an adapter, before any placement: its parameters
     that train (each once) and, on a mixture, a routed block's fused expert tensors and those
     left frozen, as peft made them (`adapted_experts`: peft may adapt experts the keys do not name)."""
     experts = next((found for block in model.blocks if (found := adapted_experts(block.layer))[0]), ([], []))
-    return {"trained_parameters": sum(p.numel() for _, p in trained_named_parameters(model)), "experts": experts}
+    return Trains(sum(p.numel() for _, p in trained_named_parameters(model)), *map(tuple, experts))
 
 
 def assemble_results(cfg, spec, history: dict, measured: list[float], reports: list[dict], world, overrides,
@@ -93,7 +94,7 @@ def assemble_results(cfg, spec, history: dict, measured: list[float], reports: l
     }
 
 
-def adapter_facts(cfg, spec, built: dict | None = None) -> dict | None:
+def adapter_facts(cfg, spec, built: Trains | None = None) -> dict | None:
     """What trained under adapters (adapter=lora): its keys, the parameters that train, the base's
     quantization (adapter=qlora), whether the saved adapter was merged into its base, and on a
     mixture which experts it adapts: as the run built them (`built`, `built_adapter`), else as the
@@ -103,12 +104,11 @@ def adapter_facts(cfg, spec, built: dict | None = None) -> dict | None:
     if not adapters.enabled(a):
         return None
     quantized = str(m.quantize) != "none"
-    trained, experts = (built["trained_parameters"], built["experts"]) if built else (spec.trained_parameters,
-                                                                                   spec.experts)
+    trains = Trains(*built) if built else spec.trains
     return {"name": str(a.name), "r": a.r, "alpha": a.alpha, "pretrained": a.pretrained,
-            "trained_parameters": trained,
+            "trained_parameters": trains.parameters,
             "quantize": (str(m.quantize) + ("-double" if m.quantize_double else "")) if quantized else None,
-            "merged": bool(cfg.train.save_model and a.merge_on_save), **experts_facts(*experts)}
+            "merged": bool(cfg.train.save_model and a.merge_on_save), **experts_facts(trains.experts, trains.frozen)}
 
 
 def experts_facts(experts: tuple[str, ...], frozen: tuple[str, ...]) -> dict:

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
 from relaytrain.dryrun.memory import DeviceMemory
-from relaytrain.models import build_model
+from relaytrain.models import Trains, build_model
 from relaytrain.models import compile as compiling
 from relaytrain.models.pretrained import explicit_overrides
 from relaytrain.models.pretrained import resolve as resolve_pretrained
@@ -199,7 +199,7 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
                         adapter=cfg.adapter, compact_base=cls.compact_base, family=job.spec.family,
                         objective=job.spec.objective)
     # Under an adapter (the spec counted what trains), what trains as built, before a placement cuts or shards it.
-    built = built_adapter(model) if job.spec.trained_parameters is not None else None
+    built = built_adapter(model) if job.spec.trains.parameters is not None else None
     compiled = compiling.compile_blocks(model, cfg.train.compile, world.device)  # before copies are made
     strategy = cls(model, cfg, world)
     # A dry run counts the device tensors this process holds from here on (memory.DeviceMemory).
@@ -227,7 +227,7 @@ class Trainer:
 
     def __init__(self, cfg, strategy, world: World, job: Job, host: metrics.HostMemory,
                  tracker: DeviceMemory | None = None, compiled: compiling.CompileStats | None = None,
-                 built: dict | None = None):
+                 built: Trains | None = None):
         self.cfg, self.strategy, self.world, self.job, self.host = cfg, strategy, world, job, host
         self.built = built  # what trains in the model as built (`results.built_adapter`)
         self.spec = spec = job.spec

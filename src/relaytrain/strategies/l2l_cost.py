@@ -28,7 +28,7 @@ from relaytrain.cost.formulas import (
 from relaytrain.cost.links import allreduce_s, upload_s
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import Profile, Timings
-from relaytrain.models import trained_parameters
+from relaytrain.models import what_trains
 from relaytrain.schema.config import Choice
 from relaytrain.step.optim import state_words
 from relaytrain.step.precision import Precision
@@ -114,7 +114,7 @@ class L2LCost(CostModel):
         and every stashed input (on the host with `stash=host`), and the interpreter of each worker
         apart from the first."""
         s, m, workers = cfg.strategy, cfg.model, self.strategy.processes(cfg)  # R x S where sequences are cut
-        trained = trained_parameters(cfg.model, cfg.adapter)  # under adapters; the frozen base counted at fp32 (errs high)
+        trained = what_trains(cfg.model, cfg.adapter).parameters  # under adapters; the frozen base counted at fp32 (errs high)
         trained = num_params if trained is None else trained
         per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + wire_bytes(cfg, trained)
         per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
