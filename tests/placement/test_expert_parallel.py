@@ -13,12 +13,22 @@ from relaytrain.placement.experts import ExpertShards, check_expert_parallel
 from relaytrain.placement.layout import Layout
 from relaytrain.run.compose import compose_config
 from relaytrain.run.train import run
+from relaytrain.strategies import strategy_class
 from relaytrain.strategies.baseline import Baseline
 from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_moe
 from tests.models.test_moe import RUN_KEYS, trains_as_hugging_face
 
 EXPERT_PARALLEL = ["strategy=baseline", "strategy.replicas=2", "strategy.expert_parallel=2"]
+
+
+def same_saved_weights(ours: Path, theirs: Path, atol: float, rtol: float) -> None:
+    """The models two runs saved (in `ours`, `theirs`) hold the same weights, name by name."""
+    from tests.models.test_moe import saved
+
+    mine, other = (dict(saved(d).named_parameters()) for d in (ours, theirs))
+    for name, p in mine.items():
+        torch.testing.assert_close(p, other[name], atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +51,6 @@ def test_two_replicas_sharing_the_experts_train_as_the_plain_loop(mixture, tmp_p
 @pytest.mark.slow  # three runs of two processes
 def test_clipping_counts_every_expert_once(mixture, tmp_path):
     """Global-norm clipping that bites: the run of plain replicas (every expert whole on each)."""
-    from tests.models.test_moe import saved
 
     keys = [f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=2", *RUN_KEYS, "optim.grad_clip=0.05"]
     shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
@@ -49,9 +58,7 @@ def test_clipping_counts_every_expert_once(mixture, tmp_path):
     unclipped = run(compose_config([*keys, "optim.grad_clip=0"]), tmp_path / "unclipped", table=False)
     assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
     assert plain["loss"][-1] != pytest.approx(unclipped["loss"][-1], rel=1e-4)  # the clip changed the step
-    ours, theirs = (dict(saved(tmp_path / d).named_parameters()) for d in ("shared", "plain"))
-    for name, p in ours.items():
-        torch.testing.assert_close(p, theirs[name], atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    same_saved_weights(tmp_path / "shared", tmp_path / "plain", atol=1e-6, rtol=1e-5)
 
 
 def test_lora_over_shared_frozen_experts_trains_as_over_replicated_ones(mixture, tmp_path):
@@ -70,18 +77,19 @@ def test_lora_over_shared_frozen_experts_trains_as_over_replicated_ones(mixture,
 
 
 @pytest.mark.slow  # four processes: two expert groups of two, each expert held twice
-def test_four_replicas_in_two_expert_groups_train_as_the_plain_loop(mixture, tmp_path):
-    """With block recompute too: the recomputed forward exchanges the same rows again."""
-    cfg = compose_config([f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=4",
+@pytest.mark.parametrize("strategy", ["baseline", "fsdp"])
+def test_four_workers_in_two_expert_groups_train_as_the_plain_loop(strategy, mixture, tmp_path):
+    """With block recompute too: the recomputed forward exchanges the same rows again; under FSDP
+    each share is sharded over its two holders, its gradient summed over them alone."""
+    cfg = compose_config([f"model.pretrained={mixture}", f"strategy={strategy}", "strategy.replicas=4",
                           "strategy.expert_parallel=2", *RUN_KEYS, "strategy.microbatch_size=4",
                           "strategy.recompute=block"])
-    trains_as_hugging_face(mixture, cfg, tmp_path / "run", "qwen3_moe, 4 replicas in expert groups of 2")
+    trains_as_hugging_face(mixture, cfg, tmp_path / "run", f"qwen3_moe, 4 {strategy} workers in expert groups of 2")
 
 
 @pytest.mark.slow  # four runs of two processes
 def test_dpo_over_shared_experts_trains_as_over_replicated_ones(mixture, tmp_path):
     """DPO's reference pass and its pairs go through the same dispatch: plain replicas' losses and weights."""
-    from tests.models.test_moe import saved
     from tests.objectives.test_preference_vs_trl import pairs, relaytrain_dpo
     from tests.objectives.trl_runs import write_pairs
 
@@ -91,9 +99,7 @@ def test_dpo_over_shared_experts_trains_as_over_replicated_ones(mixture, tmp_pat
                             "strategy.expert_parallel=2")
     plain = relaytrain_dpo(mixture, data, tmp_path / "plain", tmp_path / "c2", "adamw", *keys)
     assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-5)
-    ours, theirs = (dict(saved(tmp_path / d).named_parameters()) for d in ("shared", "plain"))
-    for name, p in ours.items():
-        torch.testing.assert_close(p, theirs[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    same_saved_weights(tmp_path / "shared", tmp_path / "plain", atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.slow  # GPT-OSS: per-expert biases cut with the matrices, experts stored (in, out)
@@ -108,7 +114,6 @@ def test_gpt_oss_experts_and_biases_are_shared_out(tmp_path):
 def test_a_checkpoint_holds_whole_experts_and_resumes_at_another_degree(saved_at, resumed_at, mixture, tmp_path):
     """Saved after step 1 at one E, resumed at another (E=1: plain replicas): the end of the unbroken run."""
     from relaytrain.records import checkpoint
-    from tests.models.test_moe import saved
 
     keys = [f"model.pretrained={mixture}", *RUN_KEYS, "strategy=baseline", "strategy.replicas=2"]
     whole = run(compose_config([*keys, f"strategy.expert_parallel={saved_at}", "train.checkpoint_every=1"]),
@@ -117,14 +122,65 @@ def test_a_checkpoint_holds_whole_experts_and_resumes_at_another_degree(saved_at
     resumed = run(compose_config([*keys, f"strategy.expert_parallel={resumed_at}", f"train.resume={first}"]),
                   tmp_path / "resumed", table=False)
     assert resumed["loss"][-1] == pytest.approx(whole["loss"][-1], rel=1e-5)
-    ours, theirs = (dict(saved(tmp_path / d).named_parameters()) for d in ("resumed", "whole"))
-    for name, p in ours.items():
-        torch.testing.assert_close(p, theirs[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    same_saved_weights(tmp_path / "resumed", tmp_path / "whole", atol=1e-5, rtol=1e-4)
 
 
 def test_groups_are_consecutive_replicas_and_holders_stride_them():
-    shares, holders = Layout(replicate=4).expert_groups(2)
-    assert shares == [[0, 1], [2, 3]] and holders == [[0, 2], [1, 3]]
+    for layout in (Layout(replicate=4), Layout(shard=4)):  # the baseline's replicas, FSDP's shards
+        shares, holders = layout.expert_groups(2)
+        assert shares == [[0, 1], [2, 3]] and holders == [[0, 2], [1, 3]]
+        assert [layout.expert_share(rank, 2) for rank in range(4)] == [0, 1, 0, 1]
+
+
+FSDP_SHARING = ["strategy=fsdp", "strategy.replicas=2", "strategy.expert_parallel=2"]
+
+
+def test_fsdp_workers_sharing_the_experts_train_as_the_plain_loop(mixture, tmp_path):
+    """Each of two FSDP workers holds 2 of a block's 4 experts (a DTensor over the expert mesh, its
+    own unit); the rest sharded as ever: the plain loop's weights and losses."""
+    cfg = compose_config([f"model.pretrained={mixture}", *FSDP_SHARING, *RUN_KEYS])
+    results, _, _ = trains_as_hugging_face(mixture, cfg, tmp_path / "run", "qwen3_moe, fsdp sharing the experts")
+    assert "every block's experts over 2 workers" in results["strategy_report"]["summary"]["expert parallel"]
+
+
+@pytest.mark.slow  # two runs of four processes
+def test_fsdp_clipping_over_shared_experts_counts_every_expert_once(mixture, tmp_path):
+    """Global-norm clipping that bites, the experts' gradients DTensors over the expert mesh's two
+    dims: the run of plain FSDP shards."""
+
+    keys = [f"model.pretrained={mixture}", "strategy=fsdp", "strategy.replicas=4", *RUN_KEYS,
+            "strategy.microbatch_size=4", "optim.grad_clip=0.05"]
+    shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
+    plain = run(compose_config(keys), tmp_path / "plain", table=False)
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    same_saved_weights(tmp_path / "shared", tmp_path / "plain", atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow  # four runs of two processes
+@pytest.mark.parametrize(("saved", "resumed"), [(FSDP_SHARING, ["strategy=baseline", "strategy.replicas=2"]),
+                                                (["strategy=fsdp", "strategy.replicas=2"], FSDP_SHARING)])
+def test_fsdp_checkpoints_of_shared_experts_resume_by_name(saved, resumed, mixture, tmp_path):
+    """A sharded checkpoint holds every expert whole (DCP over the expert mesh), so plain replicas
+    resume it, and a run sharing the experts resumes a plain FSDP one: the unbroken run's end."""
+    from relaytrain.records import checkpoint
+
+    keys = [f"model.pretrained={mixture}", *RUN_KEYS]
+    whole = run(compose_config([*keys, *saved, "train.checkpoint_every=1"]), tmp_path / "whole", table=False)
+    first = checkpoint.list_checkpoints(checkpoint.checkpoint_dir(tmp_path / "whole"))[0]
+    again = run(compose_config([*keys, *resumed, f"train.resume={first}"]), tmp_path / "resumed", table=False)
+    assert again["loss"][-1] == pytest.approx(whole["loss"][-1], rel=1e-5)
+    same_saved_weights(tmp_path / "resumed", tmp_path / "whole", atol=1e-5, rtol=1e-4)
+
+
+def test_an_fsdp_dry_run_gathers_a_share_of_the_experts(mixture, tmp_path):
+    """FSDP keeps 1/R of every expert either way; sharing them out, a worker gathers 1/E of them."""
+    keys = [f"model.pretrained={mixture}", *RUN_KEYS, "train.device=meta", "train.save_model=false",
+            "strategy=fsdp", "strategy.replicas=2"]
+    plain = run(compose_config(keys), tmp_path / "plain", table=False)
+    shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
+    kinds = [r["memory"]["device"]["by_kind"] for r in (plain, shared)]
+    assert kinds[1]["weights"] == kinds[0]["weights"]
+    assert kinds[1]["parameters gathered"] < kinds[0]["parameters gathered"]
 
 
 def test_a_dry_run_holds_a_share_of_the_experts(mixture, tmp_path):
@@ -159,13 +215,16 @@ def test_a_share_is_cut_and_gathered_back_by_name(mixture):
       "adapter.target_parameters=[mlp.experts.gate_up_proj]"], "not yet LoRA on the experts"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "strategy.sequence_parallel=2"], "not supported yet"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "optim.state_bits=8"], "32-bit states"),
+    (["strategy=fsdp", "strategy.replicas=2", "strategy.expert_parallel=2", "strategy.offload=host"],
+     "offload=host is not supported yet"),
 ])
 def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
     from relaytrain.models.pretrained import resolve
 
-    cfg = resolve(compose_config([f"model.pretrained={mixture}", "strategy=baseline", *keys]))
+    strategy = [] if any(key.startswith("strategy=") for key in keys) else ["strategy=baseline"]
+    cfg = resolve(compose_config([f"model.pretrained={mixture}", *strategy, *keys]))
     with pytest.raises(ConfigError, match=message):
-        check_expert_parallel(cfg, Baseline.rank_layout(cfg))
+        check_expert_parallel(cfg, strategy_class(cfg.strategy.name).rank_layout(cfg))
 
 
 def test_lora_reaching_the_experts_is_refused_in_one_line(mixture, tmp_path):
@@ -237,3 +296,35 @@ def test_the_planner_offers_replicas_sharing_a_mixtures_experts():
 
     dense = compose_config(["model=llama_tiny", "strategy=baseline"])
     assert not any("expert_parallel" in dict(s.options) for s in enumerate_shapes(request, dense))
+
+
+def test_the_fsdp_cost_model_shards_every_expert_and_gathers_a_share(mixture):
+    """Under FSDP a worker keeps 1/R of every expert's state, shared out or not; sharing them out
+    changes what it gathers (1/E of the experts) and adds the all-to-alls."""
+    from relaytrain.cost.formulas import ModelFacts
+    from relaytrain.cost.profile import from_spec, load_spec
+    from relaytrain.models.pretrained import resolve
+    from relaytrain.strategies.whole_model_cost import gathered_bytes
+
+    plain, shared = (resolve(compose_config([f"model.pretrained={mixture}", "strategy=fsdp", "strategy.replicas=2",
+                                             *RUN_KEYS, *extra])) for extra in ([], ["strategy.expert_parallel=2"]))
+    facts = ModelFacts.of(plain)
+    cost = strategy_class("fsdp").cost_model
+    saved = gathered_bytes(plain, facts.placed(plain.strategy)) - gathered_bytes(shared, facts.placed(shared.strategy))
+    assert saved > 0
+    assert cost.device_bytes(plain, facts) - cost.device_bytes(shared, facts) == pytest.approx(saved, abs=2)
+    profile = from_spec(load_spec("v100_16gb"), plain, [plain.strategy.microbatch_size])
+    assert cost.step_cost(shared, facts, profile).parts["expert all-to-alls"] > 0
+
+
+def test_the_planner_offers_fsdp_shards_sharing_the_experts_on_the_device():
+    """FSDP's shapes on the device come with their shards sharing the experts too; an offloaded one
+    (refused with expert_parallel) is offered none."""
+    from relaytrain.cost.profile import load_spec
+    from relaytrain.planner.candidates import GiB, Request, enumerate_shapes
+
+    spec = load_spec("h100_80gb")
+    request = Request(4, spec["memory_gb"] * GiB, 16, "h100_80gb", ("fsdp",), 0)
+    shapes = enumerate_shapes(request, compose_config(["model=qwen3_30b_a3b", "strategy=fsdp", "precision=amp_bf16"]))
+    shared = [dict(s.options) for s in shapes if "expert_parallel" in dict(s.options)]
+    assert {(o["expert_parallel"], o.get("offload", "none")) for o in shared} == {("2", "none"), ("4", "none")}

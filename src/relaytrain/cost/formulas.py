@@ -154,12 +154,12 @@ class ModelFacts:
         experts = expert_weights(self.shape)
         return self.block_params / max(self.block_params + experts - experts // self.expert_parallel, 1)
 
-    def placed(self, strategy) -> ModelFacts:
-        """These facts for one worker of a run placed as the `strategy` config node says: its
-        share of every sequence (`cut`), of every block (`split`) and of its experts
-        (`share_experts`); a strategy without one of the keys places nothing that way."""
-        return self.cut(int(getattr(strategy, "sequence_parallel", 1))).split(
-            int(getattr(strategy, "tensor_parallel", 1))).share_experts(int(getattr(strategy, "expert_parallel", 1)))
+    def placed(self, strategy, share_experts: bool = True) -> ModelFacts:
+        """These facts for one worker of a run placed as the `strategy` config node says: its share
+        of every sequence (`cut`), of every block (`split`) and of its experts (`share_experts`;
+        False: all, as FSDP's state counts them); a strategy without a key places nothing that way."""
+        placed = self.cut(int(getattr(strategy, "sequence_parallel", 1))).split(int(getattr(strategy, "tensor_parallel", 1)))
+        return placed.share_experts(int(getattr(strategy, "expert_parallel", 1))) if share_experts else placed
 
     @property
     def tokens(self) -> int:

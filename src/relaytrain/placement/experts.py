@@ -20,7 +20,10 @@ A routed block's experts module computes (`ExpertParallel.forward`):
 
 An expert's gradient is then the sum over every token of its group that picked it; summed over
 the R/E workers that hold the same experts (`holder_group`) it is the plain loop's. Those
-parameters are left out of DDP, which sums everything else over all R workers. A checkpoint and
+parameters are left out of DDP, which sums everything else over all R workers. Under FSDP (its R
+shards the data-parallel workers) each share is a DTensor over the expert mesh
+(`Layout.expert_mesh`) and its own FSDP unit over the holders (strategies/fsdp.py), so FSDP sums
+its gradients over them and DCP writes it whole. A checkpoint and
 a saved model hold whole tensors by name (`gathered`, `cut`), so a run saved at any E resumes at
 any other, or under another strategy. A dry run (no process group) computes each worker's share
 as if the routing were even: its own rows through its own experts, so its device figures are
@@ -29,11 +32,15 @@ one worker's (1/E of the experts' weights, gradients and optimizer state).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from relaytrain.models.quantize_experts import EXPERTS_NDIM, fused_tensors
 from relaytrain.placement.layout import Layout
@@ -63,9 +70,12 @@ def check_expert_parallel(cfg, layout: Layout) -> None:
                           f"over {size} workers" if experts else
                           f"strategy.expert_parallel={size}: the model has no experts (a dense model)")
     for dim in layout.mesh_dims:
-        if dim != "replicate":
+        if dim not in ("replicate", "shard"):
             raise ConfigError(f"strategy.expert_parallel={size} with strategy.{dim}_parallel={getattr(layout, dim)} is "
                               f"not supported yet; set one to 1")
+    if str(getattr(s, "offload", "none")) == "host":
+        raise ConfigError(f"strategy.expert_parallel={size} with strategy.offload=host is not supported yet (FSDP's "
+                          f"host shards of experts shared out are untried); drop one")
     if cfg.train.compile:
         raise ConfigError(f"strategy.expert_parallel={size} with train.compile=true is not supported yet (the "
                           f"experts' all-to-alls are not compiled here); drop one")
@@ -82,7 +92,8 @@ class ExpertShards:
     """This worker's share of every routed block's experts, and the groups it talks to: the
     layout's expert groups (`Layout.expert_groups`)."""
 
-    def __init__(self, model: nn.Module, layout: Layout, rank: int, degree: int, simulated: bool, timeout):
+    def __init__(self, model: nn.Module, layout: Layout, rank: int, degree: int, simulated: bool, timeout,
+                 mesh: DeviceMesh | None = None):
         if any(isinstance(m, ParamWrapper) for block in model.blocks for m in block.modules()):
             raise ConfigError(f"strategy.expert_parallel={degree}: the adapter adapts the experts "
                               f"(adapter.target_parameters, or target modules named gate_proj/up_proj/down_proj, as "
@@ -91,9 +102,14 @@ class ExpertShards:
                               f"(adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]), or drop expert_parallel")
         self.degree, self.index = degree, layout.expert_share(rank, degree)
         # The groups this worker exchanges tokens with and sums its experts' gradients over; none
-        # in a dry run, which computes its rows through its own experts.
+        # in a dry run, which computes its rows through its own experts. Under FSDP they are the
+        # dims of its expert `mesh` (`Layout.expert_mesh`), and each share is a DTensor over it.
+        self.mesh, self.modules = mesh, []
         self.share_group = self.holder_group = None
-        if not simulated:  # every process makes every group, in one order
+        if mesh is not None:
+            self.share_group = mesh.get_group("experts")
+            self.holder_group = mesh.get_group("expert_data") if mesh.size(0) > 1 else None
+        elif not simulated:  # every process makes every group, in one order
             shares, holders = layout.expert_groups(degree)
             for ranks in shares:
                 group = dist.new_group(ranks, timeout=timeout)
@@ -112,11 +128,19 @@ class ExpertShards:
         local = experts // self.degree
         mine = slice(self.index * local, (self.index + 1) * local)
         with torch.no_grad():
-            for p in module.parameters(recurse=False):
+            for name, p in list(module.named_parameters(recurse=False)):
                 if p.ndim >= 2 and p.shape[0] == experts:
-                    p.data = p.data[mine].clone()
+                    share = p.data[mine].clone()
+                    if self.mesh is not None:  # FSDP shards it over the holders: a DTensor of the whole
+                        share = nn.Parameter(DTensor.from_local(share, self.mesh["experts"], [Shard(0)], run_check=False),
+                                             requires_grad=p.requires_grad)
+                        setattr(module, name, share)
+                        p = share
+                    else:
+                        p.data = share
                     self.params[id(p)] = experts
         module.num_experts = local  # what Hugging Face's experts forward counts its experts by
+        self.modules.append(module)
         module.__class__ = _parallel_class(type(module))
         module.expert_shards = self
 
@@ -200,9 +224,36 @@ class ExpertParallel(nn.Module):
                                          group=shards.share_group)
 
     def _local(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Hugging Face's experts forward on rows of one pick each (weight 1: the output itself)."""
+        """Hugging Face's experts forward on rows of one pick each (weight 1: the output itself),
+        over this worker's share of the experts (under FSDP: the gathered DTensors' local parts)."""
         weights = torch.ones((rows.shape[0], 1), dtype=rows.dtype, device=rows.device)
-        return super().forward(rows, ids.reshape(-1, 1), weights)
+        with _local_shares(self):
+            return super().forward(rows, ids.reshape(-1, 1), weights)
+
+
+@contextmanager
+def _local_shares(module: nn.Module):
+    """`module`'s DTensor parameters (FSDP's gathered experts, sharded over the expert group) seen as
+    this worker's share while Hugging Face's forward runs; `to_local` carries the gradient back."""
+    held = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
+    for name, p in held.items():
+        module._parameters[name] = p.to_local()
+    try:
+        yield
+    finally:
+        module._parameters.update(held)
+
+
+def gathered_share(block: nn.Module, degree: int) -> float:
+    """The share of `block`'s parameters a worker gathers where its experts are shared out `degree`
+    ways: 1/`degree` of its fused expert tensors (and their per-expert biases), the rest whole."""
+    total = sum(p.numel() for p in block.parameters())
+    experts = 0
+    for module in block.modules():
+        if fused_tensors(module):
+            count = next(p.shape[0] for p in module.parameters(recurse=False) if p.ndim == EXPERTS_NDIM)
+            experts += sum(p.numel() for p in module.parameters(recurse=False) if p.ndim >= 2 and p.shape[0] == count)
+    return (total - experts + experts / degree) / max(total, 1)
 
 
 _CLASSES: dict[type, type] = {}

@@ -134,24 +134,32 @@ class Layout:
         return out
 
     def expert_groups(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
-        """Expert parallelism over the replicas (`strategy.expert_parallel=size`): (the groups of
-        `size` consecutive replicas that share every block's experts, the groups holding the same
-        share: one member of each), every other coordinate alike; in first-rank order, as every
-        process makes their process groups."""
-        if self.replicate % size:
-            raise ValueError(f"{size} does not divide a layout's {self.replicate} replicas")
+        """Expert parallelism over the data-parallel workers, replicas or shards
+        (`strategy.expert_parallel=size`): (the groups of `size` consecutive workers that share
+        every block's experts, the groups holding the same share: one member of each), every other
+        coordinate alike; in first-rank order, as every process makes their process groups."""
+        if self.data_parallel % size:
+            raise ValueError(f"{size} does not divide a layout's {self.data_parallel} data-parallel workers")
         shares: dict[tuple, list[int]] = {}
         holders: dict[tuple, list[int]] = {}
         for rank in range(self.size):
-            place = self.coordinates(rank)
-            others = place._replace(replicate=0)
-            shares.setdefault((place.replicate // size, others), []).append(rank)
-            holders.setdefault((place.replicate % size, others), []).append(rank)
+            share, others = self.row_share(rank), self.coordinates(rank)._replace(replicate=0, shard=0)
+            shares.setdefault((share // size, others), []).append(rank)
+            holders.setdefault((share % size, others), []).append(rank)
         return list(shares.values()), list(holders.values())
 
     def expert_share(self, rank: int, size: int) -> int:
         """Which of its expert group's `size` shares of the experts `rank` holds."""
-        return self.coordinates(rank).replicate % size
+        return self.row_share(rank) % size
+
+    def expert_mesh(self, device_type: str, size: int) -> DeviceMesh:
+        """A 2-D mesh of the expert groups of `size` (`expert_groups`): "expert_data" along the
+        workers holding the same share, "experts" along a group (consecutive ranks), for a run
+        whose every process is a data-parallel worker (no stage, sequence or tensor dim)."""
+        if self.size != self.data_parallel:
+            raise ValueError(f"an expert mesh spans data-parallel workers only, not a layout of {self.mesh_dims}")
+        return self._made((device_type, "experts", size), lambda: init_device_mesh(
+            device_type, (self.size // size, size), mesh_dim_names=("expert_data", "experts")))
 
     def describe(self, rank: int) -> str:
         """How a message names `rank`: "rank 3 (replica 1 of 2, tensor part 1 of 2)"."""

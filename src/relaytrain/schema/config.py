@@ -268,9 +268,9 @@ class TensorParallelConfig:
 
 @dataclass
 class ExpertParallelConfig:
-    """The key of strategies that can spread a mixture's experts over their replicas."""
+    """The key of strategies that can spread a mixture's experts over their data-parallel workers."""
 
-    expert_parallel: int = 1  # E: replicas sharing every block's experts, each holding 1/E of them, tokens sent to their expert's holder (all-to-all); E divides strategy.replicas
+    expert_parallel: int = 1  # E: data-parallel workers (replicas, FSDP's shards) sharing every block's experts, each holding 1/E of them, tokens sent to their expert's holder (all-to-all); E divides strategy.replicas
 
 
 @dataclass

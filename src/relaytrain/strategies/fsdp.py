@@ -36,6 +36,10 @@ checkpoint layer writes them beside the parts): a run resumes exactly on the sam
 workers and by name on any other (DCP reshards), from a baseline's checkpoint, and the
 baseline resumes from FSDP's. With one worker the strategy makes a process group of one.
 
+With `strategy.expert_parallel=E` (placement/experts.py) each group of E workers shares every
+block's experts, 1/E each, tokens sent to their holder by all-to-all; each share is a DTensor over
+the expert mesh and its own unit, sharded over the R/E workers holding it (`_share_experts`).
+
 A dry run cannot run FSDP's collectives on the meta device: it runs the same model unsharded
 and reports its activations as tracked, with weights, gradients and optimizer state divided
 by R and the gathered units added by FSDP's closed form, labelled so.
@@ -63,13 +67,16 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from relaytrain.placement.experts import ExpertShards, check_expert_parallel, expert_parallel, gathered_share
 from relaytrain.placement.layout import Layout
+from relaytrain.placement.tensor_parallel import clip_grad_norm_ as clip_split_grad_norm_
 from relaytrain.placement.tensor_parallel import local as _local
 from relaytrain.placement.tensor_parallel import tensor_parallel
 from relaytrain.placement.tensor_parallel import whole as _whole
 from relaytrain.records.checkpoint import OPTIMIZER_PREFIX, Checkpoint, sharded_contents
 from relaytrain.records.optimizer_state import load_optimizer_state
 from relaytrain.schema.config import (
+    ExpertParallelConfig,
     Offload,
     Recompute,
     SequenceParallelConfig,
@@ -88,7 +95,7 @@ from relaytrain.utils.errors import ConfigError
 
 
 @dataclass
-class FsdpConfig(TensorParallelConfig, SequenceParallelConfig, WorkersConfig, StrategyConfig):
+class FsdpConfig(ExpertParallelConfig, TensorParallelConfig, SequenceParallelConfig, WorkersConfig, StrategyConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True  # true: ZeRO-3, parameters gathered again for backward; false: kept from forward to backward
     offload: Offload = Offload.none  # host: parameter, gradient and optimizer shards in host memory (needs a CUDA device)
@@ -124,6 +131,7 @@ class Fsdp(WholeModel):
         if size > 1 and s.offload == Offload.host:
             raise ConfigError(f"strategy.offload=host with strategy.tensor_parallel={size} is not supported yet; "
                               f"drop one")
+        check_expert_parallel(cfg, cls.rank_layout(cfg))
 
     @classmethod
     def check_device(cls, cfg, device: torch.device) -> None:
@@ -142,6 +150,7 @@ class Fsdp(WholeModel):
         self.num_shards = self.layout.shard * self.layout.sequence
         self.sharded = not self.world.simulated
         self.own_group = False
+        self.experts = None  # the experts' shares (`strategy.expert_parallel`), made by `_shard`
         if self.sharded:
             self._shard(self.model, self.cfg)
         else:
@@ -159,6 +168,7 @@ class Fsdp(WholeModel):
         mesh = self.layout.submesh(self.device.type, "shard", "sequence")
         policy = dict(mesh=mesh, reshard_after_forward=bool(cfg.strategy.reshard_after_forward),
                       offload_policy=CPUOffloadPolicy() if offloaded else None)
+        self._share_experts(model, policy["reshard_after_forward"])
         for block in model.blocks:
             fully_shard(block, **{k: v for k, v in policy.items() if v is not None})
         fully_shard(self.net, **{k: v for k, v in policy.items() if v is not None})
@@ -168,6 +178,27 @@ class Fsdp(WholeModel):
             unit.set_gradient_divide_factor(1.0)
             if on_gloo:  # see ReduceScatterByAllReduce
                 unit.set_custom_reduce_scatter(ReduceScatterByAllReduce())
+
+    def _share_experts(self, model, reshard_after_forward: bool) -> None:
+        """Expert parallelism (`strategy.expert_parallel=E`, placement/experts.py): each worker's
+        share of every routed block's experts, a DTensor over the expert mesh's "experts" dim, is
+        its own FSDP unit sharded over the workers holding the same share ("expert_data"): its
+        gradients are summed over them alone, and a checkpoint holds every expert whole by name."""
+        size = expert_parallel(self.cfg.strategy)
+        if size == 1:
+            return
+        expert_mesh = self.layout.expert_mesh(self.device.type, size)
+        self.experts = ExpertShards(model, self.layout, self.world.rank, size, simulated=False,
+                                    timeout=self.world.timeout, mesh=expert_mesh)
+        for module in self.experts.modules:
+            fully_shard(module, mesh=expert_mesh["expert_data"], reshard_after_forward=reshard_after_forward)
+
+    def _clip(self, max_norm: float) -> None:
+        """Over experts shared out, the gradients mix two meshes' DTensors: summed by tensor_parallel.py's."""
+        if self.experts is None:
+            super()._clip(max_norm)
+        else:
+            clip_split_grad_norm_(self.params, max_norm)
 
     def _microbatch(self, last: bool) -> contextlib.AbstractContextManager:
         if self.sharded:  # one reduce-scatter a step: with the last micro-batch's backward
@@ -287,7 +318,9 @@ class Fsdp(WholeModel):
             by_kind.update(dict.fromkeys(STATE, 0))
         param_bytes = self.precision.weight_dtype.itemsize  # fp32 gathers under amp_* (see the module)
         ends = sum(unit_bytes(part, param_bytes) for part in (self.model.embed, self.model.head))
-        block = int(unit_bytes(self.model.blocks[0], param_bytes) * self.kept["block"])  # a tensor rank's share
+        # A tensor rank's share; of experts shared out, a worker's (the dry run ran every expert).
+        block = int(unit_bytes(self.model.blocks[0], param_bytes) * self.kept["block"]
+                    * gathered_share(self.model.blocks[0], expert_parallel(self.cfg.strategy)))
         by_kind["parameters gathered"] = gathered_params(self.cfg, ends, block, len(self.model.blocks))
         split = (f", each tensor rank's 1/{self.layout.tensor} of the blocks' split layers"
                  if self.layout.tensor > 1 else "")
@@ -300,7 +333,9 @@ class Fsdp(WholeModel):
     def report(self) -> dict:
         s, out = self.cfg.strategy, super().report()
         shards = f"{s.replicas} workers, reshard after forward: {s.reshard_after_forward}, offload: {s.offload}"
-        return {**out, "summary": {"shards": shards, **out["summary"]}}
+        size = expert_parallel(s)
+        shared = {"expert parallel": f"every block's experts over {size} workers"} if size > 1 else {}
+        return {**out, "summary": {"shards": shards, **shared, **out["summary"]}}
 
     def close(self) -> None:
         super().close()

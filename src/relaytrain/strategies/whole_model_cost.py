@@ -123,6 +123,20 @@ class WholeModelCost(CostModel):
         among which it shards): the run's processes but a replica's other tensor ranks."""
         return self.strategy.processes(cfg) // tensor_parallel(cfg.strategy)
 
+    def variants(self, cfg, family, shapes: list[Shape]) -> list[Shape]:
+        """Each shape of w >= 2 data-parallel workers (the baseline's replicas, FSDP's shards, the
+        latter with their shards on the device), and its workers sharing a mixture's experts in
+        groups of every E >= 2 that divides w and the experts (`strategy.expert_parallel`), where
+        the run takes it."""
+        experts = cfg.model.num_experts or 0
+        shares = [shape for shape in shapes if experts and not shape.placement
+                  and dict(shape.options).get("offload", "none") == "none"]
+        taken = {replicas: [size for size in range(2, replicas + 1) if replicas % size == 0 and experts % size == 0
+                            and self.refusal(cfg, family, replicas=replicas, expert_parallel=size) is None]
+                 for replicas in {shape.replicas for shape in shares}}
+        return shapes + [dataclasses.replace(shape, options=(*shape.options, ("expert_parallel", str(size))))
+                         for shape in shares for size in taken.get(shape.replicas, ())]
+
 
 def split_refusal(cfg, family, size: int) -> str | None:
     """Why a run of `cfg` cannot split its blocks over `size` tensor ranks, in the run's own words
@@ -202,16 +216,6 @@ class BaselineCost(WholeModelCost):
 
     def recomputes(self, cfg) -> bool:
         return recomputes_blocks(cfg)
-
-    def variants(self, cfg, family, shapes: list[Shape]) -> list[Shape]:
-        """Each shape of w >= 2 plain replicas, and its replicas sharing a mixture's experts in groups
-        of every E >= 2 that divides w and the experts (`strategy.expert_parallel`), where the run takes it."""
-        experts = cfg.model.num_experts or 0
-        taken = {replicas: [size for size in range(2, replicas + 1) if replicas % size == 0 and experts % size == 0
-                            and self.refusal(cfg, family, replicas=replicas, expert_parallel=size) is None]
-                 for replicas in {shape.replicas for shape in shapes if experts and not shape.placement}}
-        return shapes + [dataclasses.replace(shape, options=(*shape.options, ("expert_parallel", str(size))))
-                         for shape in shapes if not shape.placement for size in taken.get(shape.replicas, ())]
 
     def step_cost(self, cfg, facts: ModelFacts, profile: Profile) -> StepCost:
         """L2L paper, Algorithm 1: per micro-batch, the embeddings, every block and the head
@@ -333,12 +337,14 @@ class FsdpCost(WholeModelCost):
         """1/R of the weights, gradients and optimizer state (none with offload), the units
         gathered at once (the root's embeddings and head and the blocks around the one computing;
         without resharding every block, from its forward to its backward), and one micro-batch's
-        activations as the baseline keeps them; split blocks: of a tensor rank's share."""
+        activations as the baseline keeps them; split blocks: of a tensor rank's share; experts
+        shared out (`strategy.expert_parallel=E`): 1/R of them all the same, and 1/E gathered."""
         s = cfg.strategy
-        facts = facts.placed(s)
+        whole, facts = facts, facts.placed(s)
         activations = stage_bytes(facts, s.microbatch_size, facts.num_layers, 0, last=True, in_flight=1,
                                   versions=0, recompute=str(s.recompute), stashed_inputs=stashed_inputs(cfg))
-        shards = 0 if s.offload == Offload.host else _sharded_state_bytes(facts) / self.data_workers(cfg)
+        state = _sharded_state_bytes(whole.placed(s, share_experts=False))  # every expert, shared out or not
+        shards = 0 if s.offload == Offload.host else state / self.data_workers(cfg)
         return int(shards + gathered_bytes(cfg, facts) + activations)
 
     def host_state_bytes(self, cfg, facts: ModelFacts) -> int:
