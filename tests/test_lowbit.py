@@ -164,7 +164,8 @@ def test_the_planner_counts_the_states_in_their_bits():
 
 @pytest.mark.parametrize(("overrides", "says"), [
     (["optim.state_bits=16"], "optim.state_bits=16 must be 32 (fp32 moments), 8 or 4"),
-    (["optim.state_bits=8", "strategy=fsdp"], "optim.state_bits=8 under strategy=fsdp: torchao's quantized moments"),
+    (["optim.state_bits=8", "strategy=fsdp", "strategy.replicas=2", "strategy.tensor_parallel=2"],
+     "optim.state_bits=8 over tensor-parallel shards: torchao's quantized moments"),
     (["optim.state_bits=8", "optim.host_kernel=deepspeed"], "optim.host_kernel=deepspeed DeepSpeed's fp32 one"),
 ])
 def test_what_is_not_checked_is_refused_in_one_line(overrides, says):
@@ -218,3 +219,31 @@ def test_relaytrains_host_loop_trains_as_torchaos_compiled_optimizer(checkpoint,
         reference_loop(reference, optimizer, cfg)
     assert_same_weights_but_flipped_codes(hf_saved(tmp_path / "run"), reference, "l2l state_bits=8 host loop",
                                           within=STEPS * cfg.optim.lr)
+
+
+@needs_torchao
+@pytest.mark.slow  # two runs of two processes, each compiling torchao's update
+def test_fsdp_resumes_its_quantized_shards_exactly_and_refuses_to_carry_them_elsewhere(checkpoint, tmp_path):
+    """DCP keeps each shard's codes and scales; a sharded checkpoint's moments do not carry over by
+    name to another layout (one line, before any process starts)."""
+    from relaytrain.records.checkpoint import checkpoint_dir
+
+    keys = ["strategy=fsdp", "strategy.replicas=2", "optim.state_bits=8", "optim.host_loops=true"]
+    assert_resumes_exactly(partial(lowbit_cfg, checkpoint), keys, tmp_path)
+    step_one = checkpoint_dir(tmp_path / "whole") / "step-00000001"
+    cfg = lowbit_cfg(checkpoint, "strategy=baseline", "optim.state_bits=8", f"train.resume={step_one}")
+    with pytest.raises(ConfigError, match="FSDP's shards of them do not carry over by name yet"):
+        run(cfg, tmp_path / "elsewhere", quiet=True)
+
+
+@needs_torchao
+@pytest.mark.slow  # three processes
+def test_fsdp_shards_that_would_cut_torchaos_blocks_are_refused_in_one_line(checkpoint, tmp_path):
+    """Three shards of a 64 x 64 projection hold 22 rows of 64 values: torchao's blocks of 256 would
+    straddle two workers, and the moments would not be the plain loop's."""
+    from relaytrain.run.launch import WorkerFailed
+
+    cfg = lowbit_cfg(checkpoint, "strategy=fsdp", "strategy.replicas=3", "optim.state_bits=8",
+                     "strategy.num_microbatches=1")
+    with pytest.raises((ConfigError, WorkerFailed), match="cut torchao's blocks of 256 values"):
+        run(cfg, tmp_path / "run", quiet=True)

@@ -136,7 +136,15 @@ def identity(cfg) -> dict:
         "family": str(m.family), "task": str(m.task), "num_layers": m.num_layers, "hidden_size": m.hidden_size,
         "num_heads": m.num_heads, "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
         "optim": str(cfg.optim.name), "precision": str(cfg.precision.name), **_adapter_identity(cfg),
+        **_state_bits_identity(cfg.optim),
     }
+
+
+def _state_bits_identity(o) -> dict:
+    """AdamW's moments in 8 or 4 bits (`optim.state_bits`): a checkpoint of them fits only a run that
+    keeps them so; nothing for fp32 moments, so other checkpoints keep their identity."""
+    bits = o.get("state_bits", 32)
+    return {"state_bits": bits} if bits != 32 else {}
 
 
 def _adapter_identity(cfg) -> dict:
@@ -415,6 +423,10 @@ def read(path: Path, ours: dict, steps: int, strategy: str, layout: dict, base: 
         raise ConfigError(f"checkpoint {path} is at step {manifest['step']}, not before train.steps={steps}; "
                           f"raise train.steps to train further")
     exact = manifest["strategy"] == strategy and _renamed(manifest["layout"]) == layout
+    if not exact and ours.get("state_bits") and (manifest["layout"].get("sharded") or layout.get("sharded")):
+        raise ConfigError(f"checkpoint {path} holds {ours['state_bits']}-bit AdamW moments (torchao's) that "
+                          f"strategy={manifest['strategy']} saved with layout {manifest['layout']}; FSDP's shards of "
+                          f"them do not carry over by name yet: resume under that strategy and layout")
     return Checkpoint(path, manifest, exact)
 
 

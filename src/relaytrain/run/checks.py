@@ -94,7 +94,7 @@ def _check_state_bits(o, cls, name, tensor_parallel: int) -> None:
     if not cls.capabilities.lowbit_states or tensor_parallel > 1:
         where = "over tensor-parallel shards" if tensor_parallel > 1 else f"under strategy={name}"
         raise ConfigError(f"optim.state_bits={bits} {where}: torchao's quantized moments over sharded parameters "
-                          f"are not checked here yet; use strategy=l2l, baseline or a pipeline, or optim.state_bits=32")
+                          f"are not checked here yet; use strategy=l2l, baseline, fsdp or a pipeline, or optim.state_bits=32")
     if str(o.host_kernel) == "deepspeed":
         raise ConfigError(f"optim.state_bits={bits} steps torchao's AdamW, and optim.host_kernel=deepspeed DeepSpeed's "
                           f"fp32 one: drop one of them")

@@ -15,9 +15,11 @@ by torch), so a resumed run steps the same states as the uninterrupted one.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from relaytrain.step.host_loops import adamw_lowbit_host, fits, host_loops
 from relaytrain.utils.errors import ConfigError
@@ -119,12 +121,51 @@ class _Stepped:
     def drop_grads(self) -> None:
         self.zero_grad(set_to_none=True)
 
+    def _new_buffer(self, p: torch.Tensor, signed: bool):
+        """A moment of `p` as torchao makes it, but for FSDP's shards (a DTensor) decided on the
+        whole tensor, as the plain loop decides: torchao asks the local shard, which would keep
+        fp32 moments of a tensor the plain loop quantizes (4096 elements over two shards). The
+        shard's blocks are the whole tensor's (`check_quantized_shards`)."""
+        if not isinstance(p, DTensor):
+            return super()._new_buffer(p, signed)
+        local = p.to_local()
+        if quantizes(p.numel(), self.block_size) and local.numel():
+            out = self._subclass_zeros(local, signed, self.block_size)
+        else:
+            out = torch.zeros_like(local)
+        return DTensor.from_local(out, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride()).to(p.device)
+
+
+def quantizes(numel: int, block: int) -> bool:
+    """torchao's rule: a tensor of at least 4096 elements whose count the block divides gets
+    quantized moments; any other keeps fp32 ones."""
+    return numel >= 4096 and numel % block == 0
+
+
+def check_quantized_shards(params, bits: int) -> None:
+    """Each of FSDP's shards (DTensors placed Shard(0)) of a tensor whose moments are quantized
+    holds whole blocks of the whole tensor, so its moments are the plain loop's: the rows of a
+    shard (torch.chunk's, every shard but the last alike) times a row's elements divide by the
+    block. One line naming the first that does not, the same on every worker."""
+    block = BLOCK[bits]
+    for name, p in params:
+        if not isinstance(p, DTensor) or not quantizes(p.numel(), block):
+            continue
+        shards = math.prod(p.device_mesh.shape)
+        rows = -(-p.shape[0] // shards)
+        if rows * (p.numel() // p.shape[0]) % block:
+            raise ConfigError(f"optim.state_bits={bits} under FSDP: {name}'s shards over {shards} workers ({rows} rows "
+                              f"of {p.numel() // p.shape[0]}) cut torchao's blocks of {block} values, so its "
+                              f"moments would not be the whole tensor's; use another strategy.replicas, or "
+                              f"optim.state_bits=32")
+
 
 class _HostLoop(_Stepped):
     """A host tensor's update runs relaytrain's C++ loop (`host_loops`, unless
     `optim.host_loops=false`), torchao's algorithm and state without its compiled loop, scalar
     on a CPU; anything else (device tensors, tensors whose moments torchao leaves in fp32, a dry
-    run) torchao's own update."""
+    run) torchao's own update, one tensor at a time (FSDP's shards: their local parts)."""
 
     use_host_loops = True  # optim.host_loops (`lowbit_adamw` sets it)
 
@@ -138,9 +179,9 @@ class _HostLoop(_Stepped):
 
     @torch.no_grad()
     def step(self, closure=None):
-        op = self._loops()
-        if op is None or any(group["amsgrad"] for group in self.param_groups):
+        if any(group["amsgrad"] for group in self.param_groups):
             return super().step(closure)
+        op = self._loops()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -154,24 +195,35 @@ class _HostLoop(_Stepped):
                                  exp_avg_sq=self._new_buffer(p, False))
                 state["step"] += 1
                 rule = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"])
-                if fits(p, state):
-                    adamw_lowbit_host(op, p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], *rule)
+                # FSDP's shards step their own blocks: an element's update is its own (`_new_buffer`).
+                value, grad, moments = _local(p.detach()), _local(p.grad), [_local(state[k]) for k in MOMENTS]
+                if op is not None and fits(value, dict(zip(MOMENTS, moments, strict=True))):
+                    adamw_lowbit_host(op, value, grad, state["step"], *moments, *rule)
                 else:
-                    _torchao_update(p, state, rule)
+                    _torchao_update(value, grad, state["step"], moments, rule, compiled=not self._uncompiled())
         return loss
 
 
-def _torchao_update(p: torch.Tensor, state: dict, rule: tuple) -> None:
-    """torchao's own update of one tensor, compiled as its optimizer compiles it (the wrapper made
-    once, not per tensor and step)."""
-    if "update" not in _COMPILED:
-        from torchao.optim.adam import single_param_adam
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _torchao_update(p: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, moments: list, rule: tuple,
+                    compiled: bool = True) -> None:
+    """torchao's own update of one plain tensor (a shard's local part: torchao's optimizer
+    compiling over DTensors crashes a CPU worker here), compiled as its optimizer compiles it
+    (the wrapper made once, not per tensor and step), or eager in a dry run."""
+    from torchao.optim.adam import single_param_adam
+
+    if "update" not in _COMPILED:
         _COMPILED["update"] = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
     lr, beta1, beta2, weight_decay, eps = rule
     with torch._dynamo.utils.disable_cache_limit():
-        _COMPILED["update"](p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None, lr,
-                            beta1, beta2, weight_decay, eps, True, False)
+        (_COMPILED["update"] if compiled else single_param_adam)(p, grad, step, *moments, None, lr, beta1, beta2,
+                                                                 weight_decay, eps, True, False)
 
 
 def _torchao_optim(bits: int):

@@ -84,9 +84,10 @@ from relaytrain.schema.config import (
     TensorParallelConfig,
     WorkersConfig,
 )
+from relaytrain.step.lowbit import check_quantized_shards, state_bits
 from relaytrain.step.optim import set_lr
 from relaytrain.strategies import register
-from relaytrain.strategies.base import Capabilities, optimizer_tensors
+from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.sequence_parallel import CutSequenceCost, sequence_parallel
 from relaytrain.strategies.stash import Stash
 from relaytrain.strategies.whole_model import STATE, WholeModel
@@ -113,7 +114,6 @@ class Fsdp(WholeModel):
 
     Config = FsdpConfig
     cost_model = FsdpSequenceCost  # what the planner asks: whole_model_cost.py's closed forms
-    capabilities = Capabilities(lowbit_states=False)  # torchao's states over DTensor shards: not checked yet
 
     @classmethod
     def rank_layout(cls, cfg) -> Layout:
@@ -153,6 +153,9 @@ class Fsdp(WholeModel):
         self.experts = None  # the experts' shares (`strategy.expert_parallel`), made by `_shard`
         if self.sharded:
             self._shard(self.model, self.cfg)
+            bits = state_bits(self.cfg.optim)
+            if bits != 32:  # torchao's blocks of each shard the whole tensor's (`lowbit._new_buffer`)
+                check_quantized_shards(self._trained(), bits)
         else:
             self.model.to(self.device)
 
