@@ -211,8 +211,9 @@ def test_a_share_is_cut_and_gathered_back_by_name(mixture):
 @pytest.mark.parametrize(("keys", "message"), [
     (["strategy.replicas=3", "strategy.expert_parallel=2"], "must divide strategy.replicas=3"),
     (["strategy.replicas=3", "strategy.expert_parallel=3"], "4 experts a block do not divide over 3"),
-    (["strategy.replicas=2", "strategy.expert_parallel=2", "adapter=lora",
-      "adapter.target_parameters=[mlp.experts.gate_up_proj]"], "not yet LoRA on the experts"),
+    (["strategy=fsdp", "strategy.replicas=2", "strategy.expert_parallel=2", "adapter=lora",
+      "adapter.target_parameters=[mlp.experts.gate_up_proj]"], "runs under strategy=baseline"),
+    (["strategy.replicas=2", "strategy.expert_parallel=2", "adapter=qlora"], "not yet 4-bit ones"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "strategy.sequence_parallel=2"], "not supported yet"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "optim.state_bits=8"], "32-bit states"),
     (["strategy=fsdp", "strategy.replicas=2", "strategy.expert_parallel=2", "strategy.offload=host"],
@@ -227,12 +228,32 @@ def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
         check_expert_parallel(cfg, strategy_class(cfg.strategy.name).rank_layout(cfg))
 
 
-def test_lora_reaching_the_experts_is_refused_in_one_line(mixture, tmp_path):
-    """adapter.target_modules=all-linear reaches dense experts on this peft: said before any step."""
+@pytest.mark.parametrize("targets", [["adapter.target_modules=[q_proj,v_proj]",
+                                      "adapter.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"],
+                                     []], ids=["target_parameters", "all-linear"])
+def test_lora_on_shared_experts_trains_as_on_replicated_ones(targets, mixture, tmp_path):
+    """LoRA on the fused experts, cut with them (A's rows and B's columns of each expert): named, or
+    as peft makes it of all-linear where a layer is dense. The adapter of plain replicas."""
+    from safetensors.torch import load_file
+
+    keys = [f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=2", *RUN_KEYS, "adapter=lora",
+            *targets]
+    shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
+    plain = run(compose_config(keys), tmp_path / "plain", table=False)
+    assert shared["adapter"]["experts"]["frozen"] == []
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    ours, theirs = (load_file(tmp_path / d / "model" / "adapter_model.safetensors") for d in ("shared", "plain"))
+    assert ours.keys() == theirs.keys() and any("experts" in key for key in ours)
+    for key, value in ours.items():
+        torch.testing.assert_close(value, theirs[key], atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_lora_on_the_experts_under_fsdp_sharing_them_is_refused_in_one_line(mixture, tmp_path):
+    """all-linear reaches dense experts on this peft (a dense layer names gate_proj): said before any step."""
     from relaytrain.run.launch import WorkerFailed
 
-    keys = [f"model.pretrained={mixture}", *EXPERT_PARALLEL, *RUN_KEYS, "adapter=lora"]
-    with pytest.raises((ConfigError, WorkerFailed), match="the adapter adapts the experts"):
+    keys = [f"model.pretrained={mixture}", *FSDP_SHARING, *RUN_KEYS, "adapter=lora"]
+    with pytest.raises((ConfigError, WorkerFailed), match="which runs under strategy=baseline only so far"):
         run(compose_config(keys), tmp_path / "run", table=False)
 
 

@@ -6,7 +6,8 @@ As Megatron and torchtitan carve it, the experts degree divides the replicas: R 
 *expert groups* of E; worker i of a group holds experts [i n/E, (i+1) n/E) of every block's n
 (the fused `experts.gate_up_proj` / `down_proj` and any other per-expert tensor, GPT-OSS's biases,
 cut in place: the parameters stay the model's own, so names, the optimizer and the checkpoint
-code see them as before). Everything else is replicated as under plain replicas.
+code see them as before), and peft's LoRA on them, each expert's rows of A and columns of B
+(`ExpertAxis`). Everything else is replicated as under plain replicas.
 
 A routed block's experts module computes (`ExpertParallel.forward`):
 
@@ -33,6 +34,7 @@ one worker's (1/E of the experts' weights, gradients and optimizer state).
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -82,10 +84,12 @@ def check_expert_parallel(cfg, layout: Layout) -> None:
     if getattr(cfg.optim, "state_bits", 32) != 32:
         raise ConfigError(f"strategy.expert_parallel={size} with optim.state_bits={cfg.optim.state_bits}: a share of "
                           f"the experts' 8- or 4-bit moments is not gathered whole yet; use 32-bit states")
-    if cfg.adapter.name != "none" and (cfg.adapter.target_parameters or cfg.model.quantize != "none"):
-        raise ConfigError(f"strategy.expert_parallel={size} shares dense experts, trained or frozen under LoRA on "
-                          f"other modules; not yet LoRA on the experts (adapter.target_parameters) or 4-bit experts "
-                          f"(model.quantize): drop them, or expert_parallel")
+    if cfg.adapter.name != "none" and cfg.model.quantize != "none":
+        raise ConfigError(f"strategy.expert_parallel={size} shares dense experts, not yet 4-bit ones "
+                          f"(model.quantize={cfg.model.quantize}): drop one")
+    if cfg.adapter.name != "none" and cfg.adapter.target_parameters and s.name != "baseline":
+        raise ConfigError(f"strategy.expert_parallel={size} with LoRA on the experts (adapter.target_parameters) "
+                          f"runs under strategy=baseline; not yet under strategy={s.name}")
 
 
 class ExpertShards:
@@ -94,12 +98,12 @@ class ExpertShards:
 
     def __init__(self, model: nn.Module, layout: Layout, rank: int, degree: int, simulated: bool, timeout,
                  mesh: DeviceMesh | None = None):
-        if any(isinstance(m, ParamWrapper) for block in model.blocks for m in block.modules()):
-            raise ConfigError(f"strategy.expert_parallel={degree}: the adapter adapts the experts "
+        if mesh is not None and any(isinstance(m, ParamWrapper) for block in model.blocks for m in block.modules()):
+            raise ConfigError(f"strategy.expert_parallel={degree} under FSDP: the adapter adapts the experts "
                               f"(adapter.target_parameters, or target modules named gate_proj/up_proj/down_proj, as "
-                              f"all-linear names a dense MLP's, which peft turns into LoRA on the fused experts), and "
-                              f"LoRA on shared experts is not supported yet; name the modules "
-                              f"(adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]), or drop expert_parallel")
+                              f"all-linear names a dense MLP's, which peft turns into LoRA on the fused experts), "
+                              f"which runs under strategy=baseline only so far; use it, or name the modules "
+                              f"(adapter.target_modules=[q_proj,k_proj,v_proj,o_proj])")
         self.degree, self.index = degree, layout.expert_share(rank, degree)
         # The groups this worker exchanges tokens with and sums its experts' gradients over; none
         # in a dry run, which computes its rows through its own experts. Under FSDP they are the
@@ -117,16 +121,19 @@ class ExpertShards:
             for ranks in holders:
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 self.holder_group = group if rank in ranks else self.holder_group
-        self.params: dict[int, int] = {}  # id(parameter) -> the experts the whole tensor holds
+        self.params: dict[int, ExpertAxis] = {}  # id(parameter) -> where the whole tensor holds its experts
         for block in model.blocks:
             for module in block.modules():
                 if fused_tensors(module):
                     self._cut_module(module)
+                elif isinstance(module, ParamWrapper):
+                    self._cut_adapter(module)
 
     def _cut_module(self, module: nn.Module) -> None:
         experts = next(p.shape[0] for p in module.parameters(recurse=False) if p.ndim == EXPERTS_NDIM)
         local = experts // self.degree
         mine = slice(self.index * local, (self.index + 1) * local)
+        axis = ExpertAxis(0, experts)
         with torch.no_grad():
             for name, p in list(module.named_parameters(recurse=False)):
                 if p.ndim >= 2 and p.shape[0] == experts:
@@ -138,11 +145,24 @@ class ExpertShards:
                         p = share
                     else:
                         p.data = share
-                    self.params[id(p)] = experts
+                    self.params[id(p)] = axis
         module.num_experts = local  # what Hugging Face's experts forward counts its experts by
         self.modules.append(module)
         module.__class__ = _parallel_class(type(module))
         module.expert_shards = self
+
+    def _cut_adapter(self, wrapper: ParamWrapper) -> None:
+        """peft's LoRA on a fused expert tensor, cut as its experts are: A holds r rows an expert,
+        expert by expert; B's r x experts columns run expert-fastest (peft's `get_delta_factors`)."""
+        experts = wrapper.num_experts
+        with torch.no_grad():
+            for name in wrapper.lora_A:
+                r = wrapper.r[name]
+                for p, axis in ((wrapper.lora_A[name].weight, ExpertAxis(0, experts, r)),
+                                (wrapper.lora_B[name].weight, ExpertAxis(1, experts, r, minor=True))):
+                    p.data = axis.share(p.data, self.index, self.degree)
+                    self.params[id(p)] = axis
+        wrapper.num_experts = experts // self.degree
 
     def holds(self, p: torch.Tensor) -> bool:
         return id(p) in self.params
@@ -180,15 +200,44 @@ class ExpertShards:
             return value
         parts = [torch.empty_like(value) for _ in range(self.degree)]
         dist.all_gather(parts, value.contiguous(), group=self.share_group)
-        return torch.cat(parts)
+        return self.params[id(p)].join(parts)
 
     def cut(self, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """This worker's share of a whole tensor of expert parameter `p` (anything else as it is)."""
-        experts = self.params.get(id(p))
-        if experts is None or whole.ndim == 0 or whole.shape[0] != experts:
+        axis = self.params.get(id(p))
+        if axis is None or not axis.holds_all(whole):
             return whole
-        local = experts // self.degree
-        return whole[self.index * local:(self.index + 1) * local].clone()
+        return axis.share(whole, self.index, self.degree)
+
+
+class ExpertAxis(NamedTuple):
+    """Where a tensor holds a block's `experts`: along `dim`, as experts x `inner` (expert-major:
+    the fused tensors, LoRA's A) or, `minor`, inner x experts (LoRA's B)."""
+
+    dim: int
+    experts: int
+    inner: int = 1
+    minor: bool = False
+
+    def holds_all(self, t: torch.Tensor) -> bool:
+        return t.ndim > self.dim and t.shape[self.dim] == self.experts * self.inner
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` with `dim` split in two, the experts' axis at `dim + minor`."""
+        factors = (self.inner, -1) if self.minor else (-1, self.inner)
+        return t.reshape(*t.shape[:self.dim], *factors, *t.shape[self.dim + 1:])
+
+    def _merged(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(*t.shape[:self.dim], -1, *t.shape[self.dim + 2:])
+
+    def share(self, whole: torch.Tensor, index: int, degree: int) -> torch.Tensor:
+        """Experts [index n/degree, (index + 1) n/degree) of a whole tensor, contiguous."""
+        local = self.experts // degree
+        return self._merged(self._split(whole).narrow(self.dim + self.minor, index * local, local)).clone()
+
+    def join(self, shares: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor of every share, in order."""
+        return self._merged(torch.cat([self._split(s) for s in shares], dim=self.dim + self.minor))
 
 
 class ExpertParallel(nn.Module):
