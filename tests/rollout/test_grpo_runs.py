@@ -344,6 +344,14 @@ def test_what_grpo_cannot_do_yet_is_refused_in_one_line(setting, tmp_path, overr
     assert not (tmp_path / "run" / "metrics.csv").exists()  # refused by the config checks, before any step
 
 
+def test_a_mixture_s_experts_shared_out_are_refused_in_one_line(moe_setting, tmp_path):
+    """The first worker samples alone: with its experts shared out it would wait on the others'
+    all-to-alls (a hang until the collective's timeout, before this check)."""
+    with pytest.raises(ConfigError, match="sampled by the first worker alone"):
+        grpo_run(moe_setting, tmp_path / "run", "sgd", "strategy=baseline", "strategy.replicas=2",
+                 "strategy.expert_parallel=2")
+
+
 def test_the_summary_shows_the_sampling_time_the_step_time_leaves_out():
     from relaytrain.records.display import rollout_rows
 

@@ -54,9 +54,10 @@ def expert_parallel(strategy) -> int:
     return int(getattr(strategy, "expert_parallel", 1))
 
 
-def check_expert_parallel(cfg, layout: Layout) -> None:
+def check_expert_parallel(cfg, layout: Layout, adapted_experts: bool = False) -> None:
     """`strategy.expert_parallel=E`: dividing the replicas of the run's `layout`, on a mixture whose
-    experts divide by E, with what the placement supports so far."""
+    experts divide by E, with what the placement supports so far; `adapted_experts`: whether the
+    strategy shares LoRA on the experts out with them."""
     s = cfg.strategy
     size = expert_parallel(s)
     if size < 1:
@@ -87,7 +88,7 @@ def check_expert_parallel(cfg, layout: Layout) -> None:
     if cfg.adapter.name != "none" and cfg.model.quantize != "none":
         raise ConfigError(f"strategy.expert_parallel={size} shares dense experts, not yet 4-bit ones "
                           f"(model.quantize={cfg.model.quantize}): drop one")
-    if cfg.adapter.name != "none" and cfg.adapter.target_parameters and s.name != "baseline":
+    if cfg.adapter.name != "none" and cfg.adapter.target_parameters and not adapted_experts:
         raise ConfigError(f"strategy.expert_parallel={size} with LoRA on the experts (adapter.target_parameters) "
                           f"runs under strategy=baseline; not yet under strategy={s.name}")
 

@@ -38,7 +38,7 @@ def check_shared(cfg, chosen) -> None:
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
 
-def _check_online(objective, cls, layout, adapter: str) -> None:
+def _check_online(objective, cls, layout, adapter: str, experts_shared: int) -> None:
     """An objective that samples its own completions: its rewards found (a user's imported, a
     reward model's directory there), and what it cannot do yet, each in one line."""
     from relaytrain.rollout.rewards import Rewards
@@ -53,6 +53,10 @@ def _check_online(objective, cls, layout, adapter: str) -> None:
         raise ConfigError(f"objective.rollout_placement={objective.rollout_placement} chooses where a host-held policy "
                           f"samples (l2l's, or the whole model shards and stages gather), and strategy={cls.name} holds "
                           f"the whole policy where it computes, which is where it samples; leave it at auto")
+    if experts_shared > 1:
+        raise ConfigError(f"strategy.expert_parallel={experts_shared} with objective={objective.name}: its completions "
+                          f"are sampled by the first worker alone, which holds 1/{experts_shared} of the experts and "
+                          f"would wait on the others' all-to-alls; not supported yet, drop expert_parallel")
     if not layout.replicates_whole and adapter != "none":
         raise ConfigError(f"adapter={adapter} with objective={objective.name} samples from a whole copy of the model "
                           f"(one process, or replicas), and this strategy splits it over {layout.size} processes; "
@@ -147,7 +151,8 @@ def check_layers(cfg, chosen) -> None:
     check_preset(cfg.strategy)
     chosen.strategy.check_config(cfg)
     if chosen.objective.learns_online:  # where the strategy puts the model: its to say, once its keys are checked
-        _check_online(chosen.objective, chosen.strategy, chosen.strategy.rank_layout(cfg), cfg.adapter.name)
+        _check_online(chosen.objective, chosen.strategy, chosen.strategy.rank_layout(cfg), cfg.adapter.name,
+                      int(cfg.strategy.get("expert_parallel", 1)))
     chosen.source.check(cfg, chosen.objective)
     check_model(cfg.model, cfg.adapter, chosen.family, chosen.objective, defaults=AdapterConfig())
 

@@ -84,7 +84,7 @@ class Baseline(WholeModel):
     @classmethod
     def check_config(cls, cfg) -> None:
         super().check_config(cfg)
-        check_expert_parallel(cfg, cls.rank_layout(cfg))
+        check_expert_parallel(cfg, cls.rank_layout(cfg), adapted_experts=True)
 
     def _place_weights(self) -> None:
         self.model.to(self.device)

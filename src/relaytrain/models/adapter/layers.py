@@ -26,10 +26,14 @@ def trains(name: str) -> bool:
 def quiet_peft():
     """peft's warnings say nothing to a user of relaytrain: transformers 5's deprecation of
     `is_gradient_checkpointing`, and its notes on embeddings, ties and LoRA biases (relaytrain
-    refuses in one line what would go wrong: `inject._refuse_tied`, `inject._refuse_unmergeable`)."""
+    refuses in one line what would go wrong: `inject._refuse_tied`, `inject._refuse_unmergeable`).
+    And one that is wrong: where peft turns gate_proj / up_proj into LoRA on a mixture's fused
+    gate_up_proj, it doubles that parameter's rank by a rank and alpha pattern, applies it (A is
+    2r rows an expert), then checks the pattern against module names and calls it unmatched."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*(embedding|fan_in_fan_out|tie_word_embeddings|lora_bias).*")
+        warnings.filterwarnings("ignore", message=r".*_pattern keys did not match any targeted module.*gate_up_proj")
         yield
 
 
