@@ -294,18 +294,6 @@ def _local_shares(module: nn.Module):
         module._parameters.update(held)
 
 
-def gathered_share(block: nn.Module, degree: int) -> float:
-    """The share of `block`'s parameters a worker gathers where its experts are shared out `degree`
-    ways: 1/`degree` of its fused expert tensors (and their per-expert biases), the rest whole."""
-    total = sum(p.numel() for p in block.parameters())
-    experts = 0
-    for module in block.modules():
-        if fused_tensors(module):
-            count = next(p.shape[0] for p in module.parameters(recurse=False) if p.ndim == EXPERTS_NDIM)
-            experts += sum(p.numel() for p in module.parameters(recurse=False) if p.ndim >= 2 and p.shape[0] == count)
-    return (total - experts + experts / degree) / max(total, 1)
-
-
 _CLASSES: dict[type, type] = {}
 
 

@@ -67,7 +67,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from relaytrain.placement.experts import ExpertShards, check_expert_parallel, expert_parallel, gathered_share
+from relaytrain.placement.experts import ExpertShards, check_expert_parallel, expert_parallel
 from relaytrain.placement.layout import Layout
 from relaytrain.placement.tensor_parallel import clip_grad_norm_ as clip_split_grad_norm_
 from relaytrain.placement.tensor_parallel import local as _local
@@ -158,6 +158,10 @@ class Fsdp(WholeModel):
                 check_quantized_shards(self._trained(), bits)
         else:
             self.model.to(self.device)
+            size = expert_parallel(self.cfg.strategy)
+            if size > 1:  # its rows through its own experts (an even routing), as the baseline's dry run
+                self.experts = ExpertShards(self.model, self.layout, self.world.rank, size, simulated=True,
+                                            timeout=None)
 
     def _shard(self, model, cfg) -> None:
         """fully_shard every block, then the root; a process group of one where the run has none."""
@@ -315,15 +319,13 @@ class Fsdp(WholeModel):
         form, said so."""
         figures = tracker.figures()
         offloaded = self.cfg.strategy.offload == Offload.host
-        by_kind, peak = self._kept_state(figures, shards=self.num_shards)
+        by_kind, peak = self._kept_state(figures, shards=self.num_shards, scale=self._every_expert())
         if offloaded:
             peak -= sum(by_kind[kind] for kind in STATE)
             by_kind.update(dict.fromkeys(STATE, 0))
         param_bytes = self.precision.weight_dtype.itemsize  # fp32 gathers under amp_* (see the module)
         ends = sum(unit_bytes(part, param_bytes) for part in (self.model.embed, self.model.head))
-        # A tensor rank's share; of experts shared out, a worker's (the dry run ran every expert).
-        block = int(unit_bytes(self.model.blocks[0], param_bytes) * self.kept["block"]
-                    * gathered_share(self.model.blocks[0], expert_parallel(self.cfg.strategy)))
+        block = int(unit_bytes(self.model.blocks[0], param_bytes) * self.kept["block"])  # a tensor rank's share
         by_kind["parameters gathered"] = gathered_params(self.cfg, ends, block, len(self.model.blocks))
         split = (f", each tensor rank's 1/{self.layout.tensor} of the blocks' split layers"
                  if self.layout.tensor > 1 else "")
@@ -332,6 +334,23 @@ class Fsdp(WholeModel):
                 "note": f"simulated activations (a dry run of the unsharded{' and unsplit' if split else ''} model on "
                         f"the meta device); weights, gradients and optimizer state as FSDP shards them{split}, and the "
                         f"gathered units by its closed form (the meta device runs no collectives)"}
+
+    def _every_expert(self) -> dict[str, float] | None:
+        """A dry run sharing the experts out holds a worker's share of them (its gathered blocks'),
+        and FSDP keeps 1/R of every expert all the same: the tracked weights, and the gradients and
+        optimizer state of what trains, scaled to every expert's."""
+        if self.experts is None:
+            return None
+        params = {id(p): p for p in self.model.parameters()}.values()
+
+        def whole_over_share(ps) -> float:
+            ps = list(ps)
+            held = sum(p.numel() for p in ps)
+            shared = sum(p.numel() for p in ps if self.experts.holds(p))
+            return (held + shared * (self.experts.degree - 1)) / max(held, 1)
+
+        trained = whole_over_share(p for p in params if p.requires_grad)
+        return {"weights": whole_over_share(params), "gradients": trained, "optimizer state": trained}
 
     def report(self) -> dict:
         s, out = self.cfg.strategy, super().report()

@@ -307,13 +307,13 @@ class WholeModel(ReplicatedStrategy):
                         f"upper bound (a tensor rank holds 1/{self.layout.tensor} of attention's and the MLP's inner "
                         f"ones)"}
 
-    def _kept_state(self, figures: dict, shards: int = 1) -> tuple[dict, int]:
+    def _kept_state(self, figures: dict, shards: int = 1, scale: dict[str, float] | None = None) -> tuple[dict, int]:
         """The tracker's breakdown with the trained state as one worker keeps it (a tensor rank's
-        `kept` share, then 1/`shards` of that), and the peak moved by as much."""
+        `kept` share, times its kind's `scale`, then 1/`shards` of that), and the peak moved by as much."""
         by_kind = dict(figures["by_kind"])
         before = sum(by_kind[kind] for kind in STATE)
         for kind in STATE:
-            by_kind[kind] = int(by_kind[kind] * self.kept["model"]) // shards
+            by_kind[kind] = int(by_kind[kind] * self.kept["model"] * (scale or {}).get(kind, 1.0)) // shards
         return by_kind, figures["peak_allocated_bytes"] - before + sum(by_kind[kind] for kind in STATE)
 
     def report(self) -> dict:

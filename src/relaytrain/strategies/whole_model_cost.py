@@ -39,7 +39,7 @@ from relaytrain.cost.formulas import (
 from relaytrain.cost.links import all_to_all_s, allreduce_s, upload_s
 from relaytrain.cost.model import CostModel
 from relaytrain.cost.profile import PartTimes, Profile
-from relaytrain.cost.work import one_block_on_meta
+from relaytrain.cost.work import expert_weights, one_block_on_meta
 from relaytrain.models import adapter as adapters
 from relaytrain.placement.tensor_parallel import block_plan, tensor_parallel
 from relaytrain.schema.config import Offload, Recompute
@@ -234,8 +234,15 @@ class BaselineCost(WholeModelCost):
             parts["stash transfers (exposed)"] = host_stash_s(cfg, facts, profile, block)
         summed = self.data_workers(cfg)
         if summed > 1:
-            nbytes = facts.trained_params * FP32  # the gradients: of what trains
+            # The gradients of what trains, over every replica; a worker's share of experts shared
+            # out only over the R/E replicas holding the same share.
+            shared = shared_expert_grads(facts)
+            nbytes = (facts.trained_params - shared) * FP32
             sums = allreduce_s(nbytes, summed, profile, messages=-(-nbytes // BUCKET_BYTES), span=workers)
+            holders = summed // facts.expert_parallel
+            if shared and holders > 1:
+                sums += allreduce_s(shared * FP32, holders, profile, messages=-(-shared * FP32 // BUCKET_BYTES),
+                                    span=workers)
             last_backward = embed.backward_s + n * (block.backward_s + recompute) + head.backward_s
             parts["gradient sums (exposed)"] = sums if profile.device_type == "cpu" else max(
                 allreduce_s(min(nbytes, BUCKET_BYTES), summed, profile, span=workers), sums - last_backward)
@@ -263,6 +270,15 @@ class BaselineCost(WholeModelCost):
         per_worker += _host_stash_estimate(cfg, device_type)
         workers = self.strategy.processes(cfg)  # R x S where sequences are cut: each a whole model
         return workers * per_worker + _extra_workers_bytes(workers)
+
+
+def shared_expert_grads(facts: ModelFacts) -> int:
+    """The gradients of a worker's share of every block's experts where they are shared out and
+    train in full (`ModelFacts.share_experts`); 0 otherwise (LoRA leaves them frozen or adapts them
+    as other parameters: counted with the rest, an upper bound)."""
+    if facts.expert_parallel == 1 or facts.trained_parts is not None:
+        return 0
+    return facts.num_layers * (expert_weights(facts.shape) // facts.expert_parallel)
 
 
 # --------------------------------------------------------------------------- FSDP
