@@ -172,6 +172,30 @@ def test_fsdp_checkpoints_of_shared_experts_resume_by_name(saved, resumed, mixtu
     same_saved_weights(tmp_path / "resumed", tmp_path / "whole", atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow  # two runs of two processes each
+@pytest.mark.parametrize("case", ["lora-over-frozen-experts", "gpt_oss"])
+def test_fsdp_sharing_the_experts_trains_as_plain_fsdp(case, mixture, tmp_path):
+    """LoRA on attention over frozen experts shared out (frozen DTensors, their own unit), and
+    GPT-OSS (per-expert biases cut with the matrices): what plain FSDP trains."""
+    if case == "gpt_oss":
+        pretrained, extra = tiny_moe(tmp_path / "gpt_oss", "gpt_oss"), []
+    else:
+        pretrained, extra = mixture, ["adapter=lora", "adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
+    keys = [f"model.pretrained={pretrained}", "strategy=fsdp", "strategy.replicas=2", *RUN_KEYS, *extra]
+    shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
+    plain = run(compose_config(keys), tmp_path / "plain", table=False)
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    if case == "gpt_oss":
+        same_saved_weights(tmp_path / "shared", tmp_path / "plain", atol=1e-6, rtol=1e-5)
+        return
+    from safetensors.torch import load_file
+
+    ours, theirs = (load_file(tmp_path / d / "model" / "adapter_model.safetensors") for d in ("shared", "plain"))
+    assert ours.keys() == theirs.keys() and ours
+    for key, value in ours.items():
+        torch.testing.assert_close(value, theirs[key], atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
 def test_an_fsdp_dry_run_gathers_a_share_of_the_experts(mixture, tmp_path):
     """FSDP keeps 1/R of every expert either way; sharing them out, a worker gathers 1/E of them."""
     keys = [f"model.pretrained={mixture}", *RUN_KEYS, "train.device=meta", "train.save_model=false",
