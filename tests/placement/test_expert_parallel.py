@@ -241,8 +241,6 @@ def test_a_share_is_cut_and_gathered_back_by_name(mixture):
     (["strategy.replicas=2", "strategy.expert_parallel=2", "adapter=qlora"], "not yet 4-bit ones"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "strategy.sequence_parallel=2"], "not supported yet"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "optim.state_bits=8"], "32-bit states"),
-    (["strategy=fsdp", "strategy.replicas=2", "strategy.expert_parallel=2", "strategy.offload=host"],
-     "offload=host is not supported yet"),
 ])
 def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
     from relaytrain.models.pretrained import resolve
@@ -281,6 +279,14 @@ def test_lora_on_the_experts_under_fsdp_sharing_them_is_refused_in_one_line(mixt
     keys = [f"model.pretrained={mixture}", *FSDP_SHARING, *RUN_KEYS, "adapter=lora"]
     with pytest.raises((ConfigError, WorkerFailed), match="which runs under strategy=baseline only so far"):
         run(compose_config(keys), tmp_path / "run", table=False)
+
+
+def test_fsdp_offloading_its_shards_is_refused_with_experts_shared_out(mixture):
+    from relaytrain.models.pretrained import resolve
+
+    cfg = resolve(compose_config([f"model.pretrained={mixture}", *FSDP_SHARING, "strategy.offload=host"]))
+    with pytest.raises(ConfigError, match="strategy.offload=host with strategy.expert_parallel=2 is not supported yet"):
+        strategy_class("fsdp").check_config(cfg)
 
 
 def test_a_dense_model_has_no_experts_to_share(tmp_path):

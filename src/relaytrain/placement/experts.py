@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from relaytrain.models.quantize_experts import EXPERTS_NDIM, fused_tensors
 from relaytrain.placement.layout import Layout
+from relaytrain.step.lowbit import state_bits
 from relaytrain.utils.errors import ConfigError
 
 
@@ -76,13 +77,10 @@ def check_expert_parallel(cfg, layout: Layout, adapted_experts: bool = False) ->
         if dim not in ("replicate", "shard"):
             raise ConfigError(f"strategy.expert_parallel={size} with strategy.{dim}_parallel={getattr(layout, dim)} is "
                               f"not supported yet; set one to 1")
-    if str(getattr(s, "offload", "none")) == "host":
-        raise ConfigError(f"strategy.expert_parallel={size} with strategy.offload=host is not supported yet (FSDP's "
-                          f"host shards of experts shared out are untried); drop one")
     if cfg.train.compile:
         raise ConfigError(f"strategy.expert_parallel={size} with train.compile=true is not supported yet (the "
                           f"experts' all-to-alls are not compiled here); drop one")
-    if getattr(cfg.optim, "state_bits", 32) != 32:
+    if state_bits(cfg.optim) != 32:
         raise ConfigError(f"strategy.expert_parallel={size} with optim.state_bits={cfg.optim.state_bits}: a share of "
                           f"the experts' 8- or 4-bit moments is not gathered whole yet; use 32-bit states")
     if cfg.adapter.name != "none" and cfg.model.quantize != "none":

@@ -63,6 +63,7 @@ from relaytrain.models.layered import LayeredModel
 from relaytrain.records.checkpoint import unique_named_parameters
 from relaytrain.records.optimizer_state import load_optimizer_state
 from relaytrain.utils.errors import ConfigError
+from relaytrain.utils.tensors import local
 
 COLWISE, ROWWISE, NORM = "colwise", "rowwise", "replicated_with_grad_allreduce"
 SPLIT = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
@@ -301,11 +302,6 @@ class _HeadShare(TorchDispatchMode):
 
 
 # --------------------------------------------------------------------------- gradients and memory of split weights
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's own part of a DTensor (its storage: writing to it writes the DTensor); a plain tensor is its own."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:

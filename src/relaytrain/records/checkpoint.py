@@ -143,7 +143,7 @@ def identity(cfg) -> dict:
 def _state_bits_identity(o) -> dict:
     """AdamW's moments in 8 or 4 bits (`optim.state_bits`): a checkpoint of them fits only a run that
     keeps them so; nothing for fp32 moments, so other checkpoints keep their identity."""
-    bits = o.get("state_bits", 32)
+    bits = o.get("state_bits", 32)  # read here, not through lowbit.state_bits: the config's walk stays short
     return {"state_bits": bits} if bits != 32 else {}
 
 

@@ -246,11 +246,11 @@ def build_loops(name: str = _NAME, extra_flags: tuple[str, ...] | list[str] = ()
 QUANTIZED = {"OptimState8bit": 8, "OptimState4bit": 4}  # torchao's state classes, by their width
 
 
-def fits(p: torch.Tensor, state: dict) -> bool:
+def fits(p: torch.Tensor, exp_avg, exp_avg_sq) -> bool:
     """Whether the op steps `p`: a contiguous fp32 host tensor whose two moments are torchao's
     8- or 4-bit states (tensors too small to quantize keep fp32 moments and torchao's update)."""
     return (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
-            and all(type(state[k]).__name__ in QUANTIZED for k in ("exp_avg", "exp_avg_sq")))
+            and all(type(m).__name__ in QUANTIZED for m in (exp_avg, exp_avg_sq)))
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from relaytrain.step.host_loops import adamw_lowbit_host, fits, host_loops
 from relaytrain.utils.errors import ConfigError
+from relaytrain.utils.tensors import local
 
 BLOCK = {8: 256, 4: 128}  # torchao's default block of each width
 # torchao's update on a CPU against torch's fused fp32 AdamW, per parameter: its quantization
@@ -128,11 +129,11 @@ class _Stepped:
         shard's blocks are the whole tensor's (`check_quantized_shards`)."""
         if not isinstance(p, DTensor):
             return super()._new_buffer(p, signed)
-        local = p.to_local()
-        if quantizes(p.numel(), self.block_size) and local.numel():
-            out = self._subclass_zeros(local, signed, self.block_size)
+        shard = p.to_local()
+        if quantizes(p.numel(), self.block_size) and shard.numel():
+            out = self._subclass_zeros(shard, signed, self.block_size)
         else:
-            out = torch.zeros_like(local)
+            out = torch.zeros_like(shard)
         return DTensor.from_local(out, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride()).to(p.device)
 
@@ -196,8 +197,8 @@ class _HostLoop(_Stepped):
                 state["step"] += 1
                 rule = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"])
                 # FSDP's shards step their own blocks: an element's update is its own (`_new_buffer`).
-                value, grad, moments = _local(p.detach()), _local(p.grad), [_local(state[k]) for k in MOMENTS]
-                if op is not None and fits(value, dict(zip(MOMENTS, moments, strict=True))):
+                value, grad, moments = local(p.detach()), local(p.grad), [local(state[k]) for k in MOMENTS]
+                if op is not None and fits(value, *moments):
                     adamw_lowbit_host(op, value, grad, state["step"], *moments, *rule)
                 else:
                     _torchao_update(value, grad, state["step"], moments, rule, compiled=not self._uncompiled())
@@ -205,10 +206,6 @@ class _HostLoop(_Stepped):
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _torchao_update(p: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, moments: list, rule: tuple,

@@ -135,9 +135,9 @@ class Fsdp(WholeModel):
             raise ConfigError(f"strategy=fsdp strategy.tensor_parallel={size} with strategy.replicas=1 has no dim to "
                               f"shard over; use strategy=baseline strategy.tensor_parallel={size}, or "
                               f"strategy.replicas=2 or more")
-        if size > 1 and s.offload == Offload.host:
-            raise ConfigError(f"strategy.offload=host with strategy.tensor_parallel={size} is not supported yet; "
-                              f"drop one")
+        for key, degree in (("tensor_parallel", size), ("expert_parallel", expert_parallel(s))):
+            if degree > 1 and s.offload == Offload.host:
+                raise ConfigError(f"strategy.offload=host with strategy.{key}={degree} is not supported yet; drop one")
         check_expert_parallel(cfg, cls.rank_layout(cfg))
 
     @classmethod

@@ -124,18 +124,17 @@ class WholeModelCost(CostModel):
         return self.strategy.processes(cfg) // tensor_parallel(cfg.strategy)
 
     def variants(self, cfg, family, shapes: list[Shape]) -> list[Shape]:
-        """Each shape of w >= 2 data-parallel workers (the baseline's replicas, FSDP's shards, the
-        latter with their shards on the device), and its workers sharing a mixture's experts in
-        groups of every E >= 2 that divides w and the experts (`strategy.expert_parallel`), where
-        the run takes it."""
+        """Each shape of w >= 2 data-parallel workers (the baseline's replicas, FSDP's shards), and
+        its workers sharing a mixture's experts in groups of every E >= 2 that divides w and the
+        experts (`strategy.expert_parallel`), where the run takes it with the shape's other keys."""
         experts = cfg.model.num_experts or 0
-        shares = [shape for shape in shapes if experts and not shape.placement
-                  and dict(shape.options).get("offload", "none") == "none"]
-        taken = {replicas: [size for size in range(2, replicas + 1) if replicas % size == 0 and experts % size == 0
-                            and self.refusal(cfg, family, replicas=replicas, expert_parallel=size) is None]
-                 for replicas in {shape.replicas for shape in shares}}
+        shares = [shape for shape in shapes if experts and not shape.placement]
+        taken = {(replicas, options): [size for size in range(2, replicas + 1) if replicas % size == 0
+                                       and experts % size == 0 and self.refusal(
+                                           cfg, family, replicas=replicas, expert_parallel=size, **dict(options)) is None]
+                 for replicas, options in {(shape.replicas, shape.options) for shape in shares}}
         return shapes + [dataclasses.replace(shape, options=(*shape.options, ("expert_parallel", str(size))))
-                         for shape in shares for size in taken.get(shape.replicas, ())]
+                         for shape in shares for size in taken[shape.replicas, shape.options]]
 
 
 def split_refusal(cfg, family, size: int) -> str | None:
