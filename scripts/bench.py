@@ -54,6 +54,7 @@ COMPARED = {
     "decoder_l2l_vs_recompute_baseline": "l2l / baseline with recompute (the same Llama-layout model)",
     "moe_baseline_vs_hf_trainer": "baseline / Hugging Face Trainer (Qwen3-MoE layout, 8 x 512, 8 experts, top 2)",
     "moe_l2l_vs_recompute_baseline": "l2l / baseline with recompute (the same Qwen3-MoE-layout model)",
+    "deepseek_l2l_vs_recompute_baseline": "l2l / baseline with recompute (a DeepSeek-V3 layout of the same size)",
     "eps_vs_fused_adamw": "EPS per-part updates / whole-model fused AdamW",
     "eps_vs_deepspeed_cpu_adam": "EPS per-part updates / whole-model DeepSpeedCPUAdam (where installed)",
     "eps_exposed_share": "EPS work exposed after overlap with backward",

@@ -222,18 +222,26 @@ def test_relaytrains_host_loop_trains_as_torchaos_compiled_optimizer(checkpoint,
 
 
 @needs_torchao
-@pytest.mark.slow  # two runs of two processes, each compiling torchao's update
-def test_fsdp_resumes_its_quantized_shards_exactly_and_refuses_to_carry_them_elsewhere(checkpoint, tmp_path):
-    """DCP keeps each shard's codes and scales; a sharded checkpoint's moments do not carry over by
-    name to another layout (one line, before any process starts)."""
+@pytest.mark.slow  # runs of two processes
+def test_fsdp_resumes_its_quantized_shards_exactly_and_carries_them_to_other_layouts(checkpoint, tmp_path):
+    """DCP keeps each shard's codes and scales: the same layout resumes bit for bit, and another
+    strategy reads them whole (and FSDP cuts a whole checkpoint's into its shards), ending where
+    the uninterrupted run ends."""
     from relaytrain.records.checkpoint import checkpoint_dir
 
-    keys = ["strategy=fsdp", "strategy.replicas=2", "optim.state_bits=8", "optim.host_loops=true"]
-    assert_resumes_exactly(partial(lowbit_cfg, checkpoint), keys, tmp_path)
-    step_one = checkpoint_dir(tmp_path / "whole") / "step-00000001"
-    cfg = lowbit_cfg(checkpoint, "strategy=baseline", "optim.state_bits=8", f"train.resume={step_one}")
-    with pytest.raises(ConfigError, match="FSDP's shards of them do not carry over by name yet"):
-        run(cfg, tmp_path / "elsewhere", quiet=True)
+    every = ["optim.state_bits=8", "optim.host_loops=true", "train.checkpoint_every=1", "train.keep_checkpoints=0"]
+    fsdp, baseline = ["strategy=fsdp", "strategy.replicas=2"], ["strategy=baseline", "strategy.replicas=2"]
+    assert_resumes_exactly(partial(lowbit_cfg, checkpoint), [*fsdp, *every[:2]], tmp_path)
+    run(lowbit_cfg(checkpoint, *baseline, *every), tmp_path / "baseline", quiet=True)
+    one_shard = ["strategy=fsdp", "strategy.replicas=1", "strategy.num_microbatches=4"]  # the same minibatches
+    # FSDP's shards read whole, a whole checkpoint cut into shards, two shards resharded into one
+    for saved, resumed in (("whole", baseline), ("baseline", fsdp), ("whole", one_shard)):
+        step_one = checkpoint_dir(tmp_path / saved) / "step-00000001"
+        into = tmp_path / f"resumed_from_{saved}_{len(resumed)}"
+        run(lowbit_cfg(checkpoint, *resumed, *every, f"train.resume={step_one}"), into, quiet=True)
+        assert_same_weights_but_flipped_codes(hf_saved(into), hf_saved(tmp_path / saved),
+                                              f"{' '.join(resumed)} resumed from {saved}'s 8-bit moments",
+                                              within=STEPS * 0.01)
 
 
 @needs_torchao

@@ -4,6 +4,7 @@ train what the plain Hugging Face loop trains; a checkpoint holds whole tensors 
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_moe
 from tests.models.test_moe import RUN_KEYS, trains_as_hugging_face
 
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                   reason="torchao is the lowbit extra: make test-slow installs it")
 EXPERT_PARALLEL = ["strategy=baseline", "strategy.replicas=2", "strategy.expert_parallel=2"]
 
 
@@ -123,6 +126,53 @@ def test_a_checkpoint_holds_whole_experts_and_resumes_at_another_degree(saved_at
                   tmp_path / "resumed", table=False)
     assert resumed["loss"][-1] == pytest.approx(whole["loss"][-1], rel=1e-5)
     same_saved_weights(tmp_path / "resumed", tmp_path / "whole", atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def wide_mixture(tmp_path_factory) -> Path:
+    """Experts wide enough that torchao quantizes a share's moments (4096 values and more)."""
+    return tiny_moe(tmp_path_factory.mktemp("ep_wide") / "qwen3_moe", "qwen3_moe", hidden_size=64,
+                    moe_intermediate_size=128, head_dim=16)
+
+
+@needs_torchao
+@pytest.mark.slow  # four runs of two processes
+@pytest.mark.parametrize("strategy", ["baseline", "fsdp"])
+def test_8bit_moments_of_shared_experts_are_the_whole_tensors(strategy, wide_mixture, tmp_path):
+    """optim.state_bits=8: each share steps torchao's moments of its experts' blocks, so the run
+    trains as replicas holding every expert; saved at E=2 and resumed at E=1, the codes and
+    scales are gathered whole (and cut again at E=2), ending where the unbroken run ends."""
+    from relaytrain.records import checkpoint
+    from tests.conformance.references import assert_same_weights_but_flipped_codes
+    from tests.models.test_moe import saved
+
+    keys = [f"model.pretrained={wide_mixture}", *RUN_KEYS, f"strategy={strategy}", "strategy.replicas=2",
+            "optim.state_bits=8", "train.checkpoint_every=1"]
+    shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
+    plain = run(compose_config(keys), tmp_path / "plain", table=False)
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert_same_weights_but_flipped_codes(saved(tmp_path / "shared"), saved(tmp_path / "plain"),
+                                          f"{strategy} E=2 8-bit", within=0.03)
+    for saved_in, resumed_at in (("shared", 1), ("plain", 2)):
+        first = checkpoint.list_checkpoints(checkpoint.checkpoint_dir(tmp_path / saved_in))[0]
+        resumed = run(compose_config([*keys, f"strategy.expert_parallel={resumed_at}", f"train.resume={first}"]),
+                      tmp_path / f"from_{saved_in}", table=False)
+        assert resumed["loss"][-1] == pytest.approx(plain["loss"][-1], rel=1e-6)
+        assert_same_weights_but_flipped_codes(saved(tmp_path / f"from_{saved_in}"), saved(tmp_path / saved_in),
+                                              f"{strategy} resumed at E={resumed_at}", within=0.03)
+
+
+def test_a_share_that_would_cut_torchaos_blocks_is_refused_in_one_line(mixture):
+    """The tiny mixture's 4 x 48 x 32 expert tensor (6,144 values) is quantized whole, but a share
+    of 3,072 values would keep fp32 moments: the run would not be the plain loop's."""
+    from relaytrain.models import build_model
+    from relaytrain.models.pretrained import resolve
+
+    model = build_model(resolve(compose_config([f"model.pretrained={mixture}"])).model)
+    shares = ExpertShards(model, Layout(replicate=2), 0, 2, simulated=True, timeout=None)
+    with pytest.raises(ConfigError, match=r"gate_up_proj's share \(\(2, 48, 32\)\) would not hold whole blocks of 256") as err:
+        shares.check_moments(model.named_parameters(), 8)
+    assert "\n" not in str(err.value)
 
 
 def test_groups_are_consecutive_replicas_and_holders_stride_them():
@@ -240,7 +290,6 @@ def test_a_share_is_cut_and_gathered_back_by_name(mixture):
       "adapter.target_parameters=[mlp.experts.gate_up_proj]"], "runs under strategy=baseline"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "adapter=qlora"], "not yet 4-bit ones"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "strategy.sequence_parallel=2"], "not supported yet"),
-    (["strategy.replicas=2", "strategy.expert_parallel=2", "optim.state_bits=8"], "32-bit states"),
 ])
 def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
     from relaytrain.models.pretrained import resolve

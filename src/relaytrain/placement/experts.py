@@ -26,7 +26,8 @@ shards the data-parallel workers) each share is a DTensor over the expert mesh
 (`Layout.expert_mesh`) and its own FSDP unit over the holders (strategies/fsdp.py), so FSDP sums
 its gradients over them and DCP writes it whole. A checkpoint and
 a saved model hold whole tensors by name (`gathered`, `cut`), so a run saved at any E resumes at
-any other, or under another strategy. A dry run (no process group) computes each worker's share
+any other, or under another strategy; 8- and 4-bit AdamW moments (`optim.state_bits`) as
+torchao's codes and scales, whole blocks of each share (`check_moments`). A dry run (no process group) computes each worker's share
 as if the routing were even: its own rows through its own experts, so its device figures are
 one worker's (1/E of the experts' weights, gradients and optimizer state).
 """
@@ -46,7 +47,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from relaytrain.models.quantize_experts import EXPERTS_NDIM, fused_tensors
 from relaytrain.placement.layout import Layout
-from relaytrain.step.lowbit import state_bits
+from relaytrain.step.lowbit import BLOCK, is_quantized, joined, quantizes, rows
 from relaytrain.utils.errors import ConfigError
 
 
@@ -80,9 +81,6 @@ def check_expert_parallel(cfg, layout: Layout, adapted_experts: bool = False) ->
     if cfg.train.compile:
         raise ConfigError(f"strategy.expert_parallel={size} with train.compile=true is not supported yet (the "
                           f"experts' all-to-alls are not compiled here); drop one")
-    if state_bits(cfg.optim) != 32:
-        raise ConfigError(f"strategy.expert_parallel={size} with optim.state_bits={cfg.optim.state_bits}: a share of "
-                          f"the experts' 8- or 4-bit moments is not gathered whole yet; use 32-bit states")
     if cfg.adapter.name != "none" and cfg.model.quantize != "none":
         raise ConfigError(f"strategy.expert_parallel={size} shares dense experts, not yet 4-bit ones "
                           f"(model.quantize={cfg.model.quantize}): drop one")
@@ -166,6 +164,22 @@ class ExpertShards:
     def holds(self, p: torch.Tensor) -> bool:
         return id(p) in self.params
 
+    def check_moments(self, named_params, bits: int) -> None:
+        """8- or 4-bit AdamW moments (`optim.state_bits`) of a share are the whole tensor's when torchao
+        decides alike on both (`lowbit.quantizes`) and a share holds whole blocks of consecutive
+        values: one line naming the first share that would not."""
+        block = BLOCK[bits]
+        for name, p in named_params:
+            axis = self.params.get(id(p))
+            if axis is None or not quantizes(p.numel() * self.degree, block):
+                continue
+            if axis.minor or not quantizes(p.numel(), block):
+                columns = ", every expert's columns of it" if axis.minor else ""
+                raise ConfigError(f"optim.state_bits={bits} with strategy.expert_parallel={self.degree}: {name}'s share "
+                                  f"({tuple(p.shape)}{columns}) would not "
+                                  f"hold whole blocks of {block} of the whole tensor's moments as torchao quantizes "
+                                  f"them; use optim.state_bits=32, or another strategy.expert_parallel")
+
     # -- gradients ----------------------------------------------------------------------------
     def expert_grads(self, params) -> list[torch.Tensor]:
         """The gradients of this worker's expert shares among `params`: summed over `holder_group`."""
@@ -197,15 +211,31 @@ class ExpertShards:
             return value
         if self.share_group is None:  # a dry run holds its share alone
             return value
+        if is_quantized(value):  # torchao's codes and scales of whole blocks (`check_moments`)
+            return joined(self._gathered_parts(value))
         parts = [torch.empty_like(value) for _ in range(self.degree)]
         dist.all_gather(parts, value.contiguous(), group=self.share_group)
         return self.params[id(p)].join(parts)
+
+    def _gathered_parts(self, moment: torch.Tensor) -> list[torch.Tensor]:
+        """Every share's 8- or 4-bit `moment`, in order: their codes and scales gathered."""
+        names, context = moment.__tensor_flatten__()
+        inner = {}
+        for name in names:
+            t = getattr(moment, name).contiguous()
+            inner[name] = [torch.empty_like(t) for _ in range(self.degree)]
+            dist.all_gather(inner[name], t, group=self.share_group)
+        return [type(moment).__tensor_unflatten__({n: inner[n][i] for n in names}, context, moment.shape,
+                                                  moment.stride()) for i in range(self.degree)]
 
     def cut(self, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """This worker's share of a whole tensor of expert parameter `p` (anything else as it is)."""
         axis = self.params.get(id(p))
         if axis is None or not axis.holds_all(whole):
             return whole
+        if is_quantized(whole):  # codes and scales of its rows: whole blocks (`check_moments`)
+            n = whole.shape[0] // self.degree
+            return rows(whole, self.index * n, (self.index + 1) * n)
         return axis.share(whole, self.index, self.degree)
 
 

@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from relaytrain.records.optimizer_state import load_optimizer_state, optimizer_state
+from relaytrain.step.lowbit import moment_like
 from relaytrain.utils import failpoints
 from relaytrain.utils.errors import CheckpointWriteFailed, ConfigError, first_line
 from relaytrain.utils.files import atomic_write, crc32_of, fsync_dir, write_json
@@ -393,7 +394,8 @@ class Checkpoint:
             if wanted <= out["weights"].keys():  # a parameter's sections live in the share that holds it
                 break
         if self.sharded:
-            weights, optimizer = read_sharded(self.sharded_dir, wanted - out["weights"].keys())
+            weights, optimizer = read_sharded(self.sharded_dir, wanted - out["weights"].keys(),
+                                              self.manifest["identity"].get("state_bits", 32))
             out["weights"].update(weights)
             out["optimizer"].update(optimizer)
         missing = sorted(wanted - out["weights"].keys())
@@ -423,10 +425,6 @@ def read(path: Path, ours: dict, steps: int, strategy: str, layout: dict, base: 
         raise ConfigError(f"checkpoint {path} is at step {manifest['step']}, not before train.steps={steps}; "
                           f"raise train.steps to train further")
     exact = manifest["strategy"] == strategy and _renamed(manifest["layout"]) == layout
-    if not exact and ours.get("state_bits") and (manifest["layout"].get("sharded") or layout.get("sharded")):
-        raise ConfigError(f"checkpoint {path} holds {ours['state_bits']}-bit AdamW moments (torchao's) that "
-                          f"strategy={manifest['strategy']} saved with layout {manifest['layout']}; FSDP's shards of "
-                          f"them do not carry over by name yet: resume under that strategy and layout")
     return Checkpoint(path, manifest, exact)
 
 
@@ -466,15 +464,15 @@ def sharded_contents(directory: Path) -> dict:
                           f"resume from an earlier checkpoint") from err
 
 
-def read_sharded(directory: Path, names: set[str]) -> tuple[dict, dict]:
+def read_sharded(directory: Path, names: set[str], state_bits: int = 32) -> tuple[dict, dict]:
     """Whole tensors by name from a sharded checkpoint, on one process (no process group): the
-    weights of `names`, and their optimizer state by name and state."""
+    weights of `names`, and their optimizer state by name and state (AdamW's moments in
+    `state_bits`: torchao's codes and scales read whole, as they were saved)."""
     stored = sharded_contents(directory)
     wanted = [key for key in stored if key in names or
               (key.startswith(OPTIMIZER_PREFIX) and key[len(OPTIMIZER_PREFIX):].rsplit("/", 1)[0] in names)]
     # A tensor is read into a whole one of its size; anything else comes back in the dict.
-    state = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype) if hasattr(stored[key], "size")
-             else None for key in wanted}
+    state = {key: _whole_like(key, stored[key], state_bits) if hasattr(stored[key], "size") else None for key in wanted}
     if state:
         dcp.load(state, checkpoint_id=directory, no_dist=True)
     weights = {key: value for key, value in state.items() if not key.startswith(OPTIMIZER_PREFIX)}
@@ -484,6 +482,12 @@ def read_sharded(directory: Path, names: set[str]) -> tuple[dict, dict]:
             name, field = key[len(OPTIMIZER_PREFIX):].rsplit("/", 1)
             optimizer.setdefault(name, {})[field] = value
     return weights, optimizer
+
+
+def _whole_like(key: str, stored, state_bits: int) -> torch.Tensor:
+    """An empty whole tensor to read sharded checkpoint entry `key` into (metadata `stored`)."""
+    field = key.rsplit("/", 1)[1] if key.startswith(OPTIMIZER_PREFIX) else None
+    return moment_like(stored.size, state_bits, field, stored.properties.dtype)
 
 
 def _load(file: Path) -> dict:

@@ -10,7 +10,11 @@ update in fp32 and quantizes them again. torchao compiles that update once per t
 (torch.compile, on a C++ compiler on the CPU): the first step of a run pays for it.
 
 Checkpoints keep the codes and scales themselves (torchao's tensor subclasses, saved and loaded
-by torch), so a resumed run steps the same states as the uninterrupted one.
+by torch), so a resumed run steps the same states as the uninterrupted one, under any layout: a
+tensor's moments cut into shares of whole blocks, or joined from them, are its codes and scales
+cut or joined (`rows`, `joined`), as torchao's own slicing and gathering of them does for DCP.
+Nothing is dequantized on the way: torchao's signed map is not symmetric (-0.993 to 1), so a
+moment quantized again from its dequantized values would not be the same moment.
 """
 
 from __future__ import annotations
@@ -160,6 +164,46 @@ def check_quantized_shards(params, bits: int) -> None:
                               f"of {p.numel() // p.shape[0]}) cut torchao's blocks of {block} values, so its "
                               f"moments would not be the whole tensor's; use another strategy.replicas, or "
                               f"optim.state_bits=32")
+
+
+def is_quantized(t) -> bool:
+    """Whether state tensor `t` (or a DTensor's local part) holds torchao's codes and scales."""
+    t = local(t)
+    return hasattr(t, "codes") and hasattr(t, "qmap")
+
+
+def moment_like(shape: torch.Size, bits: int, field: str | None, dtype=torch.float32) -> torch.Tensor:
+    """An empty optimizer state `field` of a tensor of `shape`, as an optimizer with `bits`-bit
+    states keeps it: AdamW's moments as torchao's codes and scales where torchao quantizes them,
+    anything else as a tensor of `dtype`."""
+    if bits == 32 or field not in MOMENTS or not quantizes(math.prod(shape), BLOCK[bits]):
+        return torch.empty(shape, dtype=dtype)
+    like = torch.zeros(()).expand(shape)  # the shape, without its bytes
+    return optimizer_class(bits)._subclass_zeros(like, field == "exp_avg", BLOCK[bits])
+
+
+def rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of a state tensor, a copy of its own; of a quantized moment, its codes and
+    scales of those rows (torchao's slicing, which refuses a cut through a block)."""
+    part = t[start:end]
+    if not is_quantized(part):
+        return part.clone()
+    names, context = part.__tensor_flatten__()
+    return type(part).__tensor_unflatten__({n: getattr(part, n).clone() for n in names}, context, part.shape,
+                                           part.stride())
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Shares of whole rows (`rows`), in order, as one tensor; quantized moments' codes and scales
+    joined as torchao joins a gathered one's."""
+    if not is_quantized(parts[0]):
+        return torch.cat(parts)
+    first = parts[0]
+    whole = type(first).zeros((sum(p.shape[0] for p in parts), *first.shape[1:]), first.signed, first.block_size,
+                              first.codes.device)
+    for name in ("codes", "scale"):
+        getattr(whole, name).copy_(torch.cat([getattr(p, name) for p in parts]))
+    return whole
 
 
 class _HostLoop(_Stepped):

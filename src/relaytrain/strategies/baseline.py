@@ -49,6 +49,7 @@ from relaytrain.schema.config import (
     TensorParallelConfig,
     WorkersConfig,
 )
+from relaytrain.step.lowbit import state_bits
 from relaytrain.strategies import register
 from relaytrain.strategies.base import optimizer_tensors
 from relaytrain.strategies.sequence_parallel import CutSequenceCost
@@ -91,6 +92,8 @@ class Baseline(WholeModel):
         size = expert_parallel(self.cfg.strategy)  # a node of another strategy's (a test's reference) shares none
         self.experts = (ExpertShards(self.model, self.layout, self.world.rank, size, self.world.simulated,
                                      self.world.timeout) if size > 1 else None)
+        if self.experts is not None and state_bits(self.cfg.optim) != 32:
+            self.experts.check_moments(trained_named_parameters(self.model), state_bits(self.cfg.optim))
         if self.synced and not self.split:  # DDP does not take split blocks' DTensors
             # The module is on its device already and a micro-batch is moved there before the
             # call. With gradients as bucket views DDP adds no device memory, so a dry run's

@@ -67,6 +67,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from relaytrain.placement.experts import ExpertShards, check_expert_parallel, expert_parallel
 from relaytrain.placement.layout import Layout
@@ -85,7 +86,7 @@ from relaytrain.schema.config import (
     TensorParallelConfig,
     WorkersConfig,
 )
-from relaytrain.step.lowbit import check_quantized_shards, state_bits
+from relaytrain.step.lowbit import check_quantized_shards, is_quantized, rows, state_bits
 from relaytrain.step.optim import set_lr
 from relaytrain.strategies import register
 from relaytrain.strategies.base import optimizer_tensors
@@ -299,6 +300,11 @@ class Fsdp(WholeModel):
         """This worker's shard of a whole tensor, as FSDP splits `like` (no collective)."""
         if not isinstance(like, DTensor):
             return whole
+        if is_quantized(whole):  # torchao's codes and scales of this worker's rows: whole blocks (`_place_weights`)
+            shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+            mine = rows(whole, offset[0], offset[0] + shape[0]).to(like.device)
+            return DTensor.from_local(mine, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                      stride=like.stride())
         return distribute_tensor(whole.to(like.device).detach(), like.device_mesh, like.placements,
                                  src_data_rank=None)
 
