@@ -169,17 +169,20 @@ def test_a_share_that_would_cut_torchaos_blocks_is_refused_in_one_line(mixture):
     from relaytrain.models.pretrained import resolve
 
     model = build_model(resolve(compose_config([f"model.pretrained={mixture}"])).model)
-    shares = ExpertShards(model, Layout(replicate=2), 0, 2, simulated=True, timeout=None)
+    shares = ExpertShards(model, Layout(replicate=2, experts=2), 0, simulated=True, timeout=None)
     with pytest.raises(ConfigError, match=r"gate_up_proj's share \(\(2, 48, 32\)\) would not hold whole blocks of 256") as err:
         shares.check_moments(model.named_parameters(), 8)
     assert "\n" not in str(err.value)
 
 
 def test_groups_are_consecutive_replicas_and_holders_stride_them():
-    for layout in (Layout(replicate=4), Layout(shard=4)):  # the baseline's replicas, FSDP's shards
-        shares, holders = layout.expert_groups(2)
+    for layout in (Layout(replicate=4, experts=2), Layout(shard=4, experts=2)):  # the baseline's replicas, FSDP's shards
+        shares, holders = layout.expert_groups()
         assert shares == [[0, 1], [2, 3]] and holders == [[0, 2], [1, 3]]
-        assert [layout.expert_share(rank, 2) for rank in range(4)] == [0, 1, 0, 1]
+        assert [layout.expert_share(rank) for rank in range(4)] == [0, 1, 0, 1]
+        assert not layout.replicates_whole  # no worker holds every expert
+        assert layout.describe(3).endswith("expert share 1 of 2)")
+    assert Layout(replicate=4).replicates_whole
 
 
 FSDP_SHARING = ["strategy=fsdp", "strategy.replicas=2", "strategy.expert_parallel=2"]
@@ -276,7 +279,7 @@ def test_a_share_is_cut_and_gathered_back_by_name(mixture):
     cfg = resolve(compose_config([f"model.pretrained={mixture}"]))
     model = build_model(cfg.model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    shards = ExpertShards(model, Layout(replicate=2), 1, 2, simulated=True, timeout=None)
+    shards = ExpertShards(model, Layout(replicate=2, experts=2), 1, simulated=True, timeout=None)
     cut = {name: p for name, p in model.named_parameters() if shards.holds(p)}
     assert cut and all(p.shape[0] == before[name].shape[0] // 2 for name, p in cut.items())
     for name, p in cut.items():
@@ -297,7 +300,7 @@ def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
     strategy = [] if any(key.startswith("strategy=") for key in keys) else ["strategy=baseline"]
     cfg = resolve(compose_config([f"model.pretrained={mixture}", *strategy, *keys]))
     with pytest.raises(ConfigError, match=message):
-        check_expert_parallel(cfg, strategy_class(cfg.strategy.name).rank_layout(cfg),
+        check_expert_parallel(cfg, strategy_class(cfg.strategy.name),
                               adapted_experts=cfg.strategy.name == "baseline")  # as the strategies ask
 
 
@@ -341,7 +344,7 @@ def test_fsdp_offloading_its_shards_is_refused_with_experts_shared_out(mixture):
 def test_a_dense_model_has_no_experts_to_share(tmp_path):
     cfg = compose_config(["model=llama_tiny", "strategy=baseline", "strategy.replicas=2", "strategy.expert_parallel=2"])
     with pytest.raises(ConfigError, match="no experts"):
-        check_expert_parallel(cfg, Baseline.rank_layout(cfg))
+        check_expert_parallel(cfg, Baseline)
 
 
 def test_the_cost_model_counts_a_workers_share_of_the_experts_and_its_all_to_alls(mixture):
@@ -358,7 +361,7 @@ def test_the_cost_model_counts_a_workers_share_of_the_experts_and_its_all_to_all
     model = build_model(cfg.model)
     routed = model.blocks[0]  # layer 0 routes (layer 1 is Qwen's dense mlp_only_layers)
     assert facts.block_params == sum(p.numel() for p in routed.parameters())
-    ExpertShards(model, Layout(replicate=2), 0, 2, simulated=True, timeout=None)
+    ExpertShards(model, Layout(replicate=2, experts=2), 0, simulated=True, timeout=None)
     worker = facts.placed(cfg.strategy)
     assert worker.block_params == sum(p.numel() for p in routed.parameters()) < facts.block_params
 

@@ -344,12 +344,26 @@ def test_what_grpo_cannot_do_yet_is_refused_in_one_line(setting, tmp_path, overr
     assert not (tmp_path / "run" / "metrics.csv").exists()  # refused by the config checks, before any step
 
 
-def test_a_mixture_s_experts_shared_out_are_refused_in_one_line(moe_setting, tmp_path):
-    """The first worker samples alone: with its experts shared out it would wait on the others'
-    all-to-alls (a hang until the collective's timeout, before this check)."""
-    with pytest.raises(ConfigError, match="sampled by the first worker alone"):
+@pytest.mark.slow  # two runs of two processes
+def test_a_mixture_s_experts_shared_out_sample_from_the_gathered_model_and_train_as_replicas(moe_setting, tmp_path):
+    """With the experts shared out (strategy.expert_parallel=2) no worker holds the whole policy: the
+    workers gather it on the first's host, which samples from it (before, the first sampled from its
+    own share and waited on the others' all-to-alls until gloo's timeout). The completions and the
+    trained weights are those of replicas each holding every expert, the KL term's reference included."""
+    keys = [*STRATEGIES["baseline-replicas"], "objective.beta=0.04"]
+    grpo_run(moe_setting, tmp_path / "shared", "adamw", *keys, "strategy.expert_parallel=2")
+    grpo_run(moe_setting, tmp_path / "whole", "adamw", *keys)
+    assert [r["completion_ids"] for r in rollouts(tmp_path / "shared")] == \
+        [r["completion_ids"] for r in rollouts(tmp_path / "whole")]
+    assert_same_weights(trained(tmp_path / "shared"), trained(tmp_path / "whole"), rtol=1e-5, atol=1e-6)
+
+
+def test_an_adapter_over_experts_shared_out_is_refused_in_one_line(moe_setting, tmp_path):
+    """The gathered policy is the base's weights alone: an adapter's sampling is from the replicas' own."""
+    with pytest.raises(ConfigError, match="strategy.expert_parallel=2 shares its experts out over groups of 2") as err:
         grpo_run(moe_setting, tmp_path / "run", "sgd", "strategy=baseline", "strategy.replicas=2",
-                 "strategy.expert_parallel=2")
+                 "strategy.expert_parallel=2", "adapter=lora")
+    assert "\n" not in str(err.value)
 
 
 def test_the_summary_shows_the_sampling_time_the_step_time_leaves_out():

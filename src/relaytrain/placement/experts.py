@@ -56,16 +56,17 @@ def expert_parallel(strategy) -> int:
     return int(getattr(strategy, "expert_parallel", 1))
 
 
-def check_expert_parallel(cfg, layout: Layout, adapted_experts: bool = False) -> None:
-    """`strategy.expert_parallel=E`: dividing the replicas of the run's `layout`, on a mixture whose
-    experts divide by E, with what the placement supports so far; `adapted_experts`: whether the
-    strategy shares LoRA on the experts out with them."""
+def check_expert_parallel(cfg, strategy, adapted_experts: bool = False) -> None:
+    """`strategy.expert_parallel=E`: dividing the replicas of the layout of the run's `strategy`
+    class, on a mixture whose experts divide by E, with what the placement supports so far;
+    `adapted_experts`: whether the strategy shares LoRA on the experts out with them."""
     s = cfg.strategy
     size = expert_parallel(s)
     if size < 1:
         raise ConfigError(f"strategy.expert_parallel={size} must be at least 1")
     if size == 1:
         return
+    layout = strategy.rank_layout(cfg)
     if s.replicas % size:
         raise ConfigError(f"strategy.expert_parallel={size} must divide strategy.replicas={s.replicas} (each group of "
                           f"{size} replicas shares every block's experts)")
@@ -93,15 +94,16 @@ class ExpertShards:
     """This worker's share of every routed block's experts, and the groups it talks to: the
     layout's expert groups (`Layout.expert_groups`)."""
 
-    def __init__(self, model: nn.Module, layout: Layout, rank: int, degree: int, simulated: bool, timeout,
+    def __init__(self, model: nn.Module, layout: Layout, rank: int, simulated: bool, timeout,
                  mesh: DeviceMesh | None = None):
+        degree = layout.experts
         if mesh is not None and any(isinstance(m, ParamWrapper) for block in model.blocks for m in block.modules()):
             raise ConfigError(f"strategy.expert_parallel={degree} under FSDP: the adapter adapts the experts "
                               f"(adapter.target_parameters, or target modules named gate_proj/up_proj/down_proj, as "
                               f"all-linear names a dense MLP's, which peft turns into LoRA on the fused experts), "
                               f"which runs under strategy=baseline only so far; use it, or name the modules "
                               f"(adapter.target_modules=[q_proj,k_proj,v_proj,o_proj])")
-        self.degree, self.index = degree, layout.expert_share(rank, degree)
+        self.degree, self.index = degree, layout.expert_share(rank)
         # The groups this worker exchanges tokens with and sums its experts' gradients over; none
         # in a dry run, which computes its rows through its own experts. Under FSDP they are the
         # dims of its expert `mesh` (`Layout.expert_mesh`), and each share is a DTensor over it.
@@ -111,7 +113,7 @@ class ExpertShards:
             self.share_group = mesh.get_group("experts")
             self.holder_group = mesh.get_group("expert_data") if mesh.size(0) > 1 else None
         elif not simulated:  # every process makes every group, in one order
-            shares, holders = layout.expert_groups(degree)
+            shares, holders = layout.expert_groups()
             for ranks in shares:
                 group = dist.new_group(ranks, timeout=timeout)
                 self.share_group = group if rank in ranks else self.share_group

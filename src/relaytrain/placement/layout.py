@@ -10,6 +10,11 @@ A run's processes form a grid of five dims (`DIMS`), outermost first:
     sequence   S  workers sharing every sequence, 1/S of its tokens each (sequence parallelism)
     tensor     T  workers sharing every block, 1/T of its heads and MLP width each (tensor parallelism)
 
+Expert parallelism (`strategy.expert_parallel=E`) is not a dim of the grid: it regroups the
+data-parallel workers (replicas or shards) in groups of E consecutive ones, each worker of a group
+holding 1/E of every block's experts (`experts`, `expert_groups`). A layout with E > 1 does not
+replicate the whole model, even over replicas alone.
+
 Ranks number the grid row-major in that order, the last dim varying fastest. That is the
 numbering every strategy used before this object existed, so checkpoints, logs and error messages
 keep their meaning: the baseline's rank r of R x S is replica r // S, sequence part r % S; a
@@ -51,11 +56,12 @@ class Layout:
     stage: int = 1
     sequence: int = 1
     tensor: int = 1
+    experts: int = 1  # E: the data-parallel workers sharing out every block's experts (see the module)
     # The device meshes made so far in this process, by device type and dims (see `mesh`).
     _meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
-        for dim in DIMS:
+        for dim in (*DIMS, "experts"):
             degree = getattr(self, dim)
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"a layout's {dim} degree must be a positive int, not {degree!r}")
@@ -73,8 +79,8 @@ class Layout:
     @property
     def replicates_whole(self) -> bool:
         """Whether every process holds the whole model: replicas alone (no shards, stages,
-        sequence or tensor parts)."""
-        return self.replicate == self.size
+        sequence or tensor parts), each holding every expert."""
+        return self.replicate == self.size and self.experts == 1
 
     @property
     def data_parallel(self) -> int:
@@ -133,11 +139,12 @@ class Layout:
                 out.append(members)
         return out
 
-    def expert_groups(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
-        """Expert parallelism over the data-parallel workers, replicas or shards
-        (`strategy.expert_parallel=size`): (the groups of `size` consecutive workers that share
-        every block's experts, the groups holding the same share: one member of each), every other
-        coordinate alike; in first-rank order, as every process makes their process groups."""
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Expert parallelism over the data-parallel workers, replicas or shards: (the groups of
+        `experts` consecutive workers that share every block's experts, the groups holding the same
+        share: one member of each), every other coordinate alike; in first-rank order, as every
+        process makes their process groups."""
+        size = self.experts
         if self.data_parallel % size:
             raise ValueError(f"{size} does not divide a layout's {self.data_parallel} data-parallel workers")
         shares: dict[tuple, list[int]] = {}
@@ -148,23 +155,25 @@ class Layout:
             holders.setdefault((share % size, others), []).append(rank)
         return list(shares.values()), list(holders.values())
 
-    def expert_share(self, rank: int, size: int) -> int:
-        """Which of its expert group's `size` shares of the experts `rank` holds."""
-        return self.row_share(rank) % size
+    def expert_share(self, rank: int) -> int:
+        """Which of its expert group's `experts` shares of the experts `rank` holds."""
+        return self.row_share(rank) % self.experts
 
-    def expert_mesh(self, device_type: str, size: int) -> DeviceMesh:
-        """A 2-D mesh of the expert groups of `size` (`expert_groups`): "expert_data" along the
-        workers holding the same share, "experts" along a group (consecutive ranks), for a run
-        whose every process is a data-parallel worker (no stage, sequence or tensor dim)."""
+    def expert_mesh(self, device_type: str) -> DeviceMesh:
+        """A 2-D mesh of the expert groups (`expert_groups`): "expert_data" along the workers
+        holding the same share, "experts" along a group (consecutive ranks), for a run whose every
+        process is a data-parallel worker (no stage, sequence or tensor dim)."""
         if self.size != self.data_parallel:
             raise ValueError(f"an expert mesh spans data-parallel workers only, not a layout of {self.mesh_dims}")
-        return self._made((device_type, "experts", size), lambda: init_device_mesh(
-            device_type, (self.size // size, size), mesh_dim_names=("expert_data", "experts")))
+        return self._made((device_type, "experts"), lambda: init_device_mesh(
+            device_type, (self.size // self.experts, self.experts), mesh_dim_names=("expert_data", "experts")))
 
     def describe(self, rank: int) -> str:
         """How a message names `rank`: "rank 3 (replica 1 of 2, tensor part 1 of 2)"."""
         place = self.coordinates(rank)
         where = [f"{LABELS[dim]} {getattr(place, dim)} of {getattr(self, dim)}" for dim in self.mesh_dims]
+        if self.experts > 1:
+            where.append(f"expert share {self.expert_share(rank)} of {self.experts}")
         return f"rank {rank} ({', '.join(where)})" if where else f"rank {rank}"
 
     # -- device meshes ----------------------------------------------------------------------------

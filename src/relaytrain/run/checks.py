@@ -38,7 +38,7 @@ def check_shared(cfg, chosen) -> None:
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
 
-def _check_online(objective, cls, layout, adapter: str, experts_shared: int) -> None:
+def _check_online(objective, cls, layout, adapter: str) -> None:
     """An objective that samples its own completions: its rewards found (a user's imported, a
     reward model's directory there), and what it cannot do yet, each in one line."""
     from relaytrain.rollout.rewards import Rewards
@@ -53,15 +53,12 @@ def _check_online(objective, cls, layout, adapter: str, experts_shared: int) -> 
         raise ConfigError(f"objective.rollout_placement={objective.rollout_placement} chooses where a host-held policy "
                           f"samples (l2l's, or the whole model shards and stages gather), and strategy={cls.name} holds "
                           f"the whole policy where it computes, which is where it samples; leave it at auto")
-    if experts_shared > 1:
-        raise ConfigError(f"strategy.expert_parallel={experts_shared} with objective={objective.name}: its completions "
-                          f"are sampled by the first worker alone, which holds 1/{experts_shared} of the experts and "
-                          f"would wait on the others' all-to-alls; not supported yet, drop expert_parallel")
     if not layout.replicates_whole and adapter != "none":
+        split = (f"strategy.expert_parallel={layout.experts} shares its experts out over groups of {layout.experts} "
+                 f"processes" if layout.experts > 1 else f"this strategy splits it over {layout.size} processes")
         raise ConfigError(f"adapter={adapter} with objective={objective.name} samples from a whole copy of the model "
-                          f"(one process, or replicas), and this strategy splits it over {layout.size} processes; "
-                          f"use a strategy that holds the whole model in every process (strategy.replicas welcome), or train "
-                          f"every weight")
+                          f"(one process, or replicas), and {split}; use a strategy that holds the whole model in "
+                          f"every process (strategy.replicas welcome), or train every weight")
 
 
 MUON_LR_SCALINGS = (None, "original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
@@ -151,8 +148,7 @@ def check_layers(cfg, chosen) -> None:
     check_preset(cfg.strategy)
     chosen.strategy.check_config(cfg)
     if chosen.objective.learns_online:  # where the strategy puts the model: its to say, once its keys are checked
-        _check_online(chosen.objective, chosen.strategy, chosen.strategy.rank_layout(cfg), cfg.adapter.name,
-                      int(cfg.strategy.get("expert_parallel", 1)))
+        _check_online(chosen.objective, chosen.strategy, chosen.strategy.rank_layout(cfg), cfg.adapter.name)
     chosen.source.check(cfg, chosen.objective)
     check_model(cfg.model, cfg.adapter, chosen.family, chosen.objective, defaults=AdapterConfig())
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from relaytrain.placement.experts import ExpertShards, check_expert_parallel, expert_parallel
+from relaytrain.placement.experts import ExpertShards, check_expert_parallel
 from relaytrain.placement.tensor_parallel import (
     full_optimizer_state,
     full_state,
@@ -85,13 +85,12 @@ class Baseline(WholeModel):
     @classmethod
     def check_config(cls, cfg) -> None:
         super().check_config(cfg)
-        check_expert_parallel(cfg, cls.rank_layout(cfg), adapted_experts=True)
+        check_expert_parallel(cfg, cls, adapted_experts=True)
 
     def _place_weights(self) -> None:
         self.model.to(self.device)
-        size = expert_parallel(self.cfg.strategy)  # a node of another strategy's (a test's reference) shares none
-        self.experts = (ExpertShards(self.model, self.layout, self.world.rank, size, self.world.simulated,
-                                     self.world.timeout) if size > 1 else None)
+        self.experts = (ExpertShards(self.model, self.layout, self.world.rank, self.world.simulated,
+                                     self.world.timeout) if self.layout.experts > 1 else None)
         if self.experts is not None and state_bits(self.cfg.optim) != 32:
             self.experts.check_moments(trained_named_parameters(self.model), state_bits(self.cfg.optim))
         if self.synced and not self.split:  # DDP does not take split blocks' DTensors

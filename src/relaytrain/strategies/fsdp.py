@@ -126,7 +126,8 @@ class Fsdp(WholeModel):
     @classmethod
     def rank_layout(cls, cfg) -> Layout:
         s = cfg.strategy
-        return Layout(shard=s.replicas, sequence=sequence_parallel(s), tensor=tensor_parallel(s))
+        return Layout(shard=s.replicas, sequence=sequence_parallel(s), tensor=tensor_parallel(s),
+                      experts=expert_parallel(s))
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -139,7 +140,7 @@ class Fsdp(WholeModel):
         for key, degree in (("tensor_parallel", size), ("expert_parallel", expert_parallel(s))):
             if degree > 1 and s.offload == Offload.host:
                 raise ConfigError(f"strategy.offload=host with strategy.{key}={degree} is not supported yet; drop one")
-        check_expert_parallel(cfg, cls.rank_layout(cfg))
+        check_expert_parallel(cfg, cls)
 
     @classmethod
     def check_device(cls, cfg, device: torch.device) -> None:
@@ -166,10 +167,8 @@ class Fsdp(WholeModel):
                 check_quantized_shards(self._trained(), bits)
         else:
             self.model.to(self.device)
-            size = expert_parallel(self.cfg.strategy)
-            if size > 1:  # its rows through its own experts (an even routing), as the baseline's dry run
-                self.experts = ExpertShards(self.model, self.layout, self.world.rank, size, simulated=True,
-                                            timeout=None)
+            if self.layout.experts > 1:  # its rows through its own experts (an even routing), as the baseline's dry run
+                self.experts = ExpertShards(self.model, self.layout, self.world.rank, simulated=True, timeout=None)
 
     def _shard(self, model, cfg) -> None:
         """fully_shard every block, then the root; a process group of one where the run has none."""
@@ -199,12 +198,11 @@ class Fsdp(WholeModel):
         share of every routed block's experts, a DTensor over the expert mesh's "experts" dim, is
         its own FSDP unit sharded over the workers holding the same share ("expert_data"): its
         gradients are summed over them alone, and a checkpoint holds every expert whole by name."""
-        size = expert_parallel(self.cfg.strategy)
-        if size == 1:
+        if self.layout.experts == 1:
             return
-        expert_mesh = self.layout.expert_mesh(self.device.type, size)
-        self.experts = ExpertShards(model, self.layout, self.world.rank, size, simulated=False,
-                                    timeout=self.world.timeout, mesh=expert_mesh)
+        expert_mesh = self.layout.expert_mesh(self.device.type)
+        self.experts = ExpertShards(model, self.layout, self.world.rank, simulated=False, timeout=self.world.timeout,
+                                    mesh=expert_mesh)
         for module in self.experts.modules:
             fully_shard(module, mesh=expert_mesh["expert_data"], reshard_after_forward=reshard_after_forward)
 

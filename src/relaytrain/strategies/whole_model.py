@@ -48,6 +48,7 @@ from relaytrain.dryrun import meta_autocast
 from relaytrain.models.family import family_spec
 from relaytrain.models.layered import LayeredModel, MicroBatch, eval_mode
 from relaytrain.objectives.base import Divisor
+from relaytrain.placement.experts import expert_parallel
 from relaytrain.placement.layout import Layout
 from relaytrain.placement.tensor_parallel import (
     block_plan,
@@ -171,7 +172,8 @@ class WholeModel(ReplicatedStrategy):
     @classmethod
     def rank_layout(cls, cfg) -> Layout:
         s = cfg.strategy  # a node without the keys (another strategy's) cuts and splits nothing
-        return Layout(replicate=s.replicas, sequence=sequence_parallel(s), tensor=tensor_parallel(s))
+        return Layout(replicate=s.replicas, sequence=sequence_parallel(s), tensor=tensor_parallel(s),
+                      experts=expert_parallel(s))
 
     @classmethod
     def state_layout(cls, cfg) -> dict:
