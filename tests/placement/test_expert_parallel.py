@@ -381,6 +381,28 @@ def test_the_cost_model_counts_a_workers_share_of_the_experts_and_its_all_to_all
     assert shared_expert_grads(facts) == 0
 
 
+def test_the_cost_model_cuts_lora_on_the_experts_with_them(mixture):
+    """LoRA on the fused experts at E=2: a worker trains its experts' rows of A and columns of B
+    (`ExpertShards`), and the facts count what it trains so (a block's count is a mean over the
+    blocks, rounded up: within a parameter a block)."""
+    from relaytrain.cost.formulas import ModelFacts
+    from relaytrain.models import build_model
+    from relaytrain.models.pretrained import resolve
+
+    cfg = resolve(compose_config([f"model.pretrained={mixture}", *EXPERT_PARALLEL, *RUN_KEYS, "adapter=lora",
+                                  "adapter.target_modules=[q_proj]",
+                                  "adapter.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"]))
+    model = build_model(cfg.model, quiet=True, adapter=cfg.adapter)
+    trains = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ExpertShards(model, Layout(replicate=2, experts=2), 0, simulated=True, timeout=None)
+    worker_trains = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    facts = ModelFacts.of(cfg)
+    assert facts.trained_parts.block_experts > 0 and worker_trains < trains
+    layers = cfg.model.num_layers
+    assert facts.trained_params == pytest.approx(trains, abs=2 * layers)
+    assert facts.placed(cfg.strategy).trained_params == pytest.approx(worker_trains, abs=2 * layers)
+
+
 def test_the_planner_offers_replicas_sharing_a_mixtures_experts():
     """Qwen3-30B-A3B (128 experts) on eight H100s: baseline shapes of w replicas come with every E
     dividing w, each priced with a worker's share of the experts, its command setting E; a dense

@@ -45,8 +45,8 @@ from relaytrain.cost.work import (
 )
 from relaytrain.cost.work import block_activation_bytes as block_activation_bytes
 from relaytrain.cost.work import block_activation_values as block_activation_values
+from relaytrain.models import TrainedParts, part_parameters, trained_parts, what_trains
 from relaytrain.models import adapter as adapters
-from relaytrain.models import part_parameters, trained_parts, what_trains
 from relaytrain.models.family import BlockShape
 from relaytrain.objectives import objective
 from relaytrain.objectives.chunked import LOGIT_COPIES, Chunking
@@ -78,7 +78,7 @@ class ModelFacts:
     work: PartWork  # forward FLOPs of one sample through a block and through the head (`cost.work`)
     # Under adapters (adapter=lora): the (embeddings, block, head) parameters that train, and the
     # host bytes of a frozen base value where a param server keeps it (a bf16 checkpoint: 2).
-    trained_parts: tuple[int, int, int] | None = None  # None: every parameter trains
+    trained_parts: TrainedParts | None = None  # None: every parameter trains
     frozen_bytes: int = FP32
     fused_attention: bool = True  # the attention kernel keeps no s x s scores (sdpa); eager keeps them
     loss_chunks: Chunking | None = None  # how the head's loss is cut into chunks of tokens (None: never)
@@ -94,9 +94,7 @@ class ModelFacts:
     def of(cls, cfg) -> ModelFacts:
         adapter = cfg.adapter if adapters.enabled(cfg.adapter) else None
         embed, block, head = part_parameters(cfg.model, adapter)
-        precision = str(cfg.precision.name)
-        m = cfg.model
-        goal = run_objective(cfg)
+        precision, m, goal = str(cfg.precision.name), cfg.model, run_objective(cfg)
         trained = trained_parts(m, adapter) if adapter else None
         quantized = quantized_parts(m, adapter)
         if quantized is not None:  # part_parameters counts a 4-bit weight's storage bytes
@@ -134,19 +132,23 @@ class ModelFacts:
         block = self.block_params - matrices + matrices // size
         trained = self.trained_parts
         if trained is not None:  # an adapter's share of the block, as before
-            trained = (trained[0], trained[1] * block // max(self.block_params, 1), trained[2])
+            trained = trained._replace(block=trained.block * block // max(self.block_params, 1))
         s = self.shape
         shape = dataclasses.replace(s, num_heads=s.num_heads // size, num_kv_heads=s.num_kv_heads // size,
                                     intermediate=s.intermediate // size)
         return dataclasses.replace(self, block_params=block, trained_parts=trained, shape=shape, tensor_parallel=size)
 
     def share_experts(self, size: int) -> ModelFacts:
-        """These facts for one of `size` workers sharing every block's experts: 1/E of their matrices
-        (and their state); its work and activations as before (an even routing). From whole facts only."""
+        """These facts for one of `size` workers sharing every block's experts: 1/E of their matrices and
+        of what trains of LoRA on them; its work and activations as before (an even routing). From whole facts."""
         if size == self.expert_parallel or not self.shape.experts:
             return self
-        experts = expert_weights(self.shape)
-        return dataclasses.replace(self, block_params=self.block_params - experts + experts // size, expert_parallel=size)
+        experts, trained = expert_weights(self.shape), self.trained_parts
+        if trained is not None:  # LoRA on the experts is cut with them
+            cut = trained.block_experts - trained.block_experts // size
+            trained = trained._replace(block=trained.block - cut, block_experts=trained.block_experts - cut)
+        return dataclasses.replace(self, block_params=self.block_params - experts + experts // size,
+                                   trained_parts=trained, expert_parallel=size)
 
     @property
     def kept_block_share(self) -> float:
@@ -173,10 +175,8 @@ class ModelFacts:
     @property
     def trained_params(self) -> int:
         """Parameters that train: they alone have gradients, optimizer state and masters."""
-        if self.trained_parts is None:
-            return self.params
-        embed, block, head = self.trained_parts
-        return embed + self.num_layers * block + head
+        t = self.trained_parts
+        return self.params if t is None else t.embed + self.num_layers * t.block + t.head
 
     def built_bytes(self, compact_base: bool) -> int:
         """The model as built on the host: fp32, but an adapter's frozen base in `frozen_bytes` a

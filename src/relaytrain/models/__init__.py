@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 # The families register themselves when their modules are imported: every one is imported here.
 from relaytrain.models import adapter as adapters
 from relaytrain.models import bert, decoder, gpt2, moe, quantize, quantize_experts  # noqa: F401
-from relaytrain.models.adapter.experts import adapted_experts
+from relaytrain.models.adapter.experts import adapted_experts, expert_adapters
 from relaytrain.models.family import Family, families, family_of, family_spec
 from relaytrain.models.layered import Block, LayeredModel, MicroBatch
 from relaytrain.models.pretrained import load_hf_config
@@ -31,7 +31,7 @@ from relaytrain.utils.errors import ConfigError, first_line
 
 __all__ = ["Block", "Family", "LayeredModel", "MicroBatch", "build_model", "check_model", "count_parameters",
            "families", "check_adapter", "family_of", "family_spec", "hf_config", "part_parameters",
-           "Trains", "trained_parts", "what_trains"]
+           "Trains", "TrainedParts", "trained_parts", "what_trains"]
 
 
 def _family(m, family: Family | None) -> Family:
@@ -220,6 +220,7 @@ class AdaptedCounts:
     embed: int  # trained parameters of the embeddings, of all blocks together and of the head
     blocks: int
     head: int
+    block_experts: int  # of `blocks`, LoRA on the fused experts (`expert_adapters`)
     experts: tuple[str, ...]  # a routed block's fused expert tensors (mlp.experts.gate_up_proj)
     frozen: tuple[str, ...]  # those no adapter adapts
 
@@ -244,18 +245,28 @@ def adapted_counts(m, a, family: Family | None = None, objective=None) -> Adapte
             return sum(p.numel() for p in fresh)
 
         experts, frozen = next((found for block in model.blocks if (found := adapted_experts(block.layer))[0]), ([], []))
+        on_experts = trained(*(part for block in model.blocks for part in expert_adapters(block)))
         _adapted.clear()
-        _adapted[key] = AdaptedCounts(trained(model.embed), trained(*model.blocks), trained(model.head),
-                                      tuple(experts), tuple(frozen))
+        _adapted[key] = AdaptedCounts(trained(model.embed), on_experts + trained(*model.blocks), trained(model.head),
+                                      on_experts, tuple(experts), tuple(frozen))
     return _adapted[key]
 
 
-def trained_parts(m, a, family: Family | None = None, objective=None) -> tuple[int, int, int]:
-    """Trained parameters of the embeddings, of a block and of the head under the adapter `a`
-    (enabled): `part_parameters`' shape for the cost models, a block's the mean over the blocks
-    (rounded up)."""
+class TrainedParts(NamedTuple):
+    """Trained parameters of the embeddings, of a block and of the head (`part_parameters`' shape
+    for the cost models), and of the block's, those of LoRA on its fused experts."""
+
+    embed: int
+    block: int
+    head: int
+    block_experts: int = 0
+
+
+def trained_parts(m, a, family: Family | None = None, objective=None) -> TrainedParts:
+    """`TrainedParts` under the adapter `a` (enabled), a block's the mean over the blocks (rounded up)."""
     counts = adapted_counts(m, a, family, objective)
-    return counts.embed, -(-counts.blocks // m.num_layers), counts.head
+    return TrainedParts(counts.embed, -(-counts.blocks // m.num_layers), counts.head,
+                        -(-counts.block_experts // m.num_layers))
 
 
 class Trains(NamedTuple):

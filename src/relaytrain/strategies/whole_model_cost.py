@@ -273,8 +273,8 @@ class BaselineCost(WholeModelCost):
 
 def shared_expert_grads(facts: ModelFacts) -> int:
     """The gradients of a worker's share of every block's experts where they are shared out and
-    train in full (`ModelFacts.share_experts`); 0 otherwise (LoRA leaves them frozen or adapts them
-    as other parameters: counted with the rest, an upper bound)."""
+    train in full (`ModelFacts.share_experts`); 0 otherwise (LoRA leaves them frozen, or adapts them:
+    its factors' gradients are counted with what trains, cut by `share_experts`)."""
     if facts.expert_parallel == 1 or facts.trained_parts is not None:
         return 0
     return facts.num_layers * (expert_weights(facts.shape) // facts.expert_parallel)

@@ -48,6 +48,12 @@ def adapted_experts(layer: nn.Module) -> tuple[list[str], list[str]]:
     return experts, [name for name in experts if name not in adapted]
 
 
+def expert_adapters(module: nn.Module) -> list[nn.Module]:
+    """The LoRA factors (peft's lora_A and lora_B) of every ParamWrapper in `module`: its adapters on
+    fused expert tensors, which expert parallelism cuts with the experts."""
+    return [part for m in module.modules() if isinstance(m, ParamWrapper) for part in (m.lora_A, m.lora_B)]
+
+
 def use_experts_param_wrappers(model: nn.Module) -> None:
     """Every peft ParamWrapper of `model` takes ExpertsParamWrapper's class."""
     for module in model.modules():
