@@ -165,7 +165,7 @@ def test_the_planner_counts_the_states_in_their_bits():
 @pytest.mark.parametrize(("overrides", "says"), [
     (["optim.state_bits=16"], "optim.state_bits=16 must be 32 (fp32 moments), 8 or 4"),
     (["optim.state_bits=8", "strategy=fsdp", "strategy.replicas=2", "strategy.tensor_parallel=2"],
-     "optim.state_bits=8 over tensor-parallel shards: torchao's quantized moments"),
+     "optim.state_bits=8 with strategy=fsdp strategy.tensor_parallel=2: FSDP's shards of a tensor rank's columns"),
     (["optim.state_bits=8", "optim.host_kernel=deepspeed"], "optim.host_kernel=deepspeed DeepSpeed's fp32 one"),
 ])
 def test_what_is_not_checked_is_refused_in_one_line(overrides, says):
@@ -242,6 +242,42 @@ def test_fsdp_resumes_its_quantized_shards_exactly_and_carries_them_to_other_lay
         assert_same_weights_but_flipped_codes(hf_saved(into), hf_saved(tmp_path / saved),
                                               f"{' '.join(resumed)} resumed from {saved}'s 8-bit moments",
                                               within=STEPS * 0.01)
+
+
+@needs_torchao
+@pytest.mark.slow  # runs of two processes
+def test_tensor_ranks_step_whole_blocks_of_their_parts_and_resume_at_any_degree(tmp_path):
+    """strategy.tensor_parallel=2: a rank's columns of o_proj and down_proj (256 of 512) and rows of
+    the others hold whole blocks of torchao's 256, so its moments are the whole tensor's: the run
+    ends where one process does; its moments saved whole (codes and scales joined column by column)
+    resume at T=1, and a T=1 checkpoint's are cut again at T=2."""
+    from relaytrain.records.checkpoint import checkpoint_dir
+
+    wide = tiny_decoder(tmp_path / "wide", layers=2, hidden_size=64, num_attention_heads=8, head_dim=64,
+                        num_key_value_heads=2, intermediate_size=512)
+    keys = ["strategy=baseline", "optim.state_bits=8", "optim.host_loops=true", "train.checkpoint_every=1",
+            "train.keep_checkpoints=0"]
+    run(lowbit_cfg(wide, *keys, "strategy.tensor_parallel=2"), tmp_path / "split", quiet=True)
+    run(lowbit_cfg(wide, *keys), tmp_path / "whole", quiet=True)
+    assert_same_weights_but_flipped_codes(hf_saved(tmp_path / "split"), hf_saved(tmp_path / "whole"),
+                                          "tensor_parallel=2 state_bits=8", within=STEPS * 0.01)
+    for saved, degree in (("split", 1), ("whole", 2)):
+        step_one = checkpoint_dir(tmp_path / saved) / "step-00000001"
+        into = tmp_path / f"from_{saved}"
+        run(lowbit_cfg(wide, *keys, f"strategy.tensor_parallel={degree}", f"train.resume={step_one}"), into, quiet=True)
+        assert_same_weights_but_flipped_codes(hf_saved(into), hf_saved(tmp_path / "whole"),
+                                              f"resumed at tensor_parallel={degree} from {saved}", within=STEPS * 0.01)
+
+
+@needs_torchao
+@pytest.mark.slow  # two processes
+def test_tensor_ranks_whose_parts_would_cut_torchaos_blocks_are_refused_in_one_line(checkpoint, tmp_path):
+    """The tiny model's o_proj (64 x 64) at T=2: each rank's 32 columns a row cut blocks of 256."""
+    from relaytrain.run.launch import WorkerFailed
+
+    cfg = lowbit_cfg(checkpoint, "strategy=baseline", "strategy.tensor_parallel=2", "optim.state_bits=8")
+    with pytest.raises((ConfigError, WorkerFailed), match=r"o_proj.weight's shards \(\(64, 32\) of \(64, 64\)\) cut"):
+        run(cfg, tmp_path / "run", quiet=True)
 
 
 @needs_torchao

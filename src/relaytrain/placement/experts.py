@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from relaytrain.models.quantize_experts import EXPERTS_NDIM, fused_tensors
 from relaytrain.placement.layout import Layout
-from relaytrain.step.lowbit import BLOCK, is_quantized, joined, quantizes, rows
+from relaytrain.step.lowbit import BLOCK, cut, gathered_parts, is_quantized, joined, quantizes
 from relaytrain.utils.errors import ConfigError
 
 
@@ -214,21 +214,10 @@ class ExpertShards:
         if self.share_group is None:  # a dry run holds its share alone
             return value
         if is_quantized(value):  # torchao's codes and scales of whole blocks (`check_moments`)
-            return joined(self._gathered_parts(value))
+            return joined(gathered_parts(value, self.share_group, self.degree))
         parts = [torch.empty_like(value) for _ in range(self.degree)]
         dist.all_gather(parts, value.contiguous(), group=self.share_group)
         return self.params[id(p)].join(parts)
-
-    def _gathered_parts(self, moment: torch.Tensor) -> list[torch.Tensor]:
-        """Every share's 8- or 4-bit `moment`, in order: their codes and scales gathered."""
-        names, context = moment.__tensor_flatten__()
-        inner = {}
-        for name in names:
-            t = getattr(moment, name).contiguous()
-            inner[name] = [torch.empty_like(t) for _ in range(self.degree)]
-            dist.all_gather(inner[name], t, group=self.share_group)
-        return [type(moment).__tensor_unflatten__({n: inner[n][i] for n in names}, context, moment.shape,
-                                                  moment.stride()) for i in range(self.degree)]
 
     def cut(self, p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """This worker's share of a whole tensor of expert parameter `p` (anything else as it is)."""
@@ -237,7 +226,7 @@ class ExpertShards:
             return whole
         if is_quantized(whole):  # codes and scales of its rows: whole blocks (`check_moments`)
             n = whole.shape[0] // self.degree
-            return rows(whole, self.index * n, (self.index + 1) * n)
+            return cut(whole, 0, self.index * n, (self.index + 1) * n)
         return axis.share(whole, self.index, self.degree)
 
 

@@ -61,7 +61,8 @@ from relaytrain.models import dry_attention
 from relaytrain.models.family import Family
 from relaytrain.models.layered import LayeredModel
 from relaytrain.records.checkpoint import unique_named_parameters
-from relaytrain.records.optimizer_state import load_optimizer_state
+from relaytrain.records.optimizer_state import host_copy, load_optimizer_state
+from relaytrain.step.lowbit import cut, is_quantized, placed_moment, whole_moment
 from relaytrain.utils.errors import ConfigError
 from relaytrain.utils.tensors import local
 
@@ -364,6 +365,8 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     """`t` whole: a DTensor gathered from its ranks (a collective every rank of its mesh makes)."""
     if not isinstance(t, DTensor):
         return t
+    if is_quantized(t):  # torchao's 8- or 4-bit moment: codes and scales joined run by run
+        return whole_moment(t)
     # FSDP's shards of a split weight gather in two steps, one per mesh dim, and DTensor warns of it
     # on every rank: expected for a checkpoint, off the training step, so not shown to the user.
     log = logging.getLogger("torch.distributed.tensor._redistribute")
@@ -404,7 +407,7 @@ def full_optimizer_state(model: LayeredModel, optimizers) -> dict[str, dict]:
     by_name = {}
     for optimizer in optimizers:
         for p, state in optimizer.state.items():
-            by_name[model.hf_name(p)] = {key: whole(v).detach().cpu().clone() if torch.is_tensor(v) else v
+            by_name[model.hf_name(p)] = {key: host_copy(whole(v)) if torch.is_tensor(v) else v
                                          for key, v in state.items()}
     return by_name
 
@@ -425,6 +428,9 @@ def load_full_optimizer_state(model: LayeredModel, optimizers, by_name: dict[str
 def _state_like(value, p: torch.Tensor):
     if not torch.is_tensor(value):
         return value
-    if isinstance(p, DTensor) and value.shape == p.shape:
+    split = isinstance(p, DTensor) and value.shape == p.shape
+    if is_quantized(value):  # torchao's 8- or 4-bit moment: its codes and scales of this rank's part, or a copy
+        return placed_moment(value, p) if split else cut(value, 0, 0, value.shape[0])
+    if split:
         return placed_like(value.to(p.device_mesh.device_type), p)  # a share is cut as a copy
     return value.clone()

@@ -14,17 +14,17 @@ def optimizer_state(optimizers, name_of: Callable[[torch.Tensor], str]) -> dict:
     by_name = {}
     for optimizer in optimizers:
         for p, state in optimizer.state.items():
-            by_name[name_of(p)] = {k: _copy(v) if torch.is_tensor(v) else v for k, v in state.items()}
+            by_name[name_of(p)] = {k: host_copy(v) if torch.is_tensor(v) else v for k, v in state.items()}
     return by_name
 
 
-def _copy(t: torch.Tensor) -> torch.Tensor:
+def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy of a state tensor. A tensor subclass (torchao's 8- and 4-bit moments: codes,
     scales and their map) is copied part by part and rebuilt, as it flattens itself for torch."""
     if type(t) is torch.Tensor or isinstance(t, DTensor) or not hasattr(t, "__tensor_flatten__"):
         return t.detach().cpu().clone()
     names, context = t.__tensor_flatten__()
-    return type(t).__tensor_unflatten__({n: _copy(getattr(t, n)) for n in names}, context, t.shape, t.stride())
+    return type(t).__tensor_unflatten__({n: host_copy(getattr(t, n)) for n in names}, context, t.shape, t.stride())
 
 
 def load_optimizer_state(optimizers, name_of: Callable[[torch.Tensor], str], by_name: dict) -> None:

@@ -33,7 +33,7 @@ def check_shared(cfg, chosen) -> None:
     _check_train(cfg)
     _check_capabilities(chosen.strategy, cfg.strategy.name, cfg.precision.name, cfg.optim.grad_clip)
     _check_muon(cfg.optim)
-    _check_state_bits(cfg.optim, chosen.strategy, cfg.strategy.name, int(cfg.strategy.get("tensor_parallel", 1)))
+    _check_state_bits(cfg.optim, chosen.strategy, cfg.strategy.name)
     _check_master_dtype(cfg.optim, chosen.strategy, cfg.strategy.name)
     _check_pairs(chosen.objective, chosen.source, int(cfg.strategy.get("sequence_parallel", 1)))
 
@@ -82,7 +82,7 @@ def _check_muon(o) -> None:
         raise ConfigError(f"optim.adamw_lr={o.adamw_lr} must be positive, or null for optim.lr")
 
 
-def _check_state_bits(o, cls, name, tensor_parallel: int) -> None:
+def _check_state_bits(o, cls, name) -> None:
     """optim.state_bits: a width torchao quantizes to, a strategy whose parameters it can step, and
     torchao installed; each refused in one line before any work."""
     from relaytrain.step.lowbit import STATE_BITS, check_available
@@ -92,10 +92,10 @@ def _check_state_bits(o, cls, name, tensor_parallel: int) -> None:
         return
     if bits not in STATE_BITS:
         raise ConfigError(f"optim.state_bits={bits} must be 32 (fp32 moments), 8 or 4 (torchao's AdamW8bit, AdamW4bit)")
-    if not cls.capabilities.lowbit_states or tensor_parallel > 1:
-        where = "over tensor-parallel shards" if tensor_parallel > 1 else f"under strategy={name}"
-        raise ConfigError(f"optim.state_bits={bits} {where}: torchao's quantized moments over sharded parameters "
-                          f"are not checked here yet; use strategy=l2l, baseline, fsdp or a pipeline, or optim.state_bits=32")
+    if not cls.capabilities.lowbit_states:
+        raise ConfigError(f"optim.state_bits={bits} under strategy={name}: torchao's quantized moments over its "
+                          f"parameters are not checked here yet; use strategy=l2l, baseline, fsdp or a pipeline, or "
+                          f"optim.state_bits=32")
     if str(o.host_kernel) == "deepspeed":
         raise ConfigError(f"optim.state_bits={bits} steps torchao's AdamW, and optim.host_kernel=deepspeed DeepSpeed's "
                           f"fp32 one: drop one of them")

@@ -12,7 +12,9 @@ update in fp32 and quantizes them again. torchao compiles that update once per t
 Checkpoints keep the codes and scales themselves (torchao's tensor subclasses, saved and loaded
 by torch), so a resumed run steps the same states as the uninterrupted one, under any layout: a
 tensor's moments cut into shares of whole blocks, or joined from them, are its codes and scales
-cut or joined (`rows`, `joined`), as torchao's own slicing and gathering of them does for DCP.
+cut or joined (`cut`, `joined`; a DTensor's: `placed_moment`, `whole_moment`), as torchao's own
+slicing and gathering of them does for DCP along the first dim, and run by run along any other
+(a tensor rank's columns).
 Nothing is dequantized on the way: torchao's signed map is not symmetric (-0.993 to 1), so a
 moment quantized again from its dequantized values would not be the same moment.
 """
@@ -23,7 +25,9 @@ import math
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from relaytrain.step.host_loops import adamw_lowbit_host, fits, host_loops
 from relaytrain.utils.errors import ConfigError
@@ -149,21 +153,24 @@ def quantizes(numel: int, block: int) -> bool:
 
 
 def check_quantized_shards(params, bits: int) -> None:
-    """Each of FSDP's shards (DTensors placed Shard(0)) of a tensor whose moments are quantized
-    holds whole blocks of the whole tensor, so its moments are the plain loop's: the rows of a
-    shard (torch.chunk's, every shard but the last alike) times a row's elements divide by the
+    """Each shard (a DTensor's local part: FSDP's rows, a tensor rank's rows or columns) of a tensor
+    whose moments are quantized holds whole blocks of the whole tensor, so its moments are the
+    plain loop's: along the innermost dim a shard cuts, its run of consecutive values (torch.chunk's
+    share, every shard but the last alike, times the values of the dims inside it) divides by the
     block. One line naming the first that does not, the same on every worker."""
     block = BLOCK[bits]
     for name, p in params:
         if not isinstance(p, DTensor) or not quantizes(p.numel(), block):
             continue
-        shards = math.prod(p.device_mesh.shape)
-        rows = -(-p.shape[0] // shards)
-        if rows * (p.numel() // p.shape[0]) % block:
-            raise ConfigError(f"optim.state_bits={bits} under FSDP: {name}'s shards over {shards} workers ({rows} rows "
-                              f"of {p.numel() // p.shape[0]}) cut torchao's blocks of {block} values, so its "
-                              f"moments would not be the whole tensor's; use another strategy.replicas, or "
-                              f"optim.state_bits=32")
+        share = list(p.shape)
+        for size, placement in zip(p.device_mesh.shape, p.placements, strict=True):
+            if placement.is_shard():
+                share[placement.dim] = -(-share[placement.dim] // size)
+        cut = [d for d in range(p.ndim) if share[d] != p.shape[d]]
+        if cut and math.prod(share[cut[-1]:]) % block:
+            raise ConfigError(f"optim.state_bits={bits}: {name}'s shards ({tuple(share)} of {tuple(p.shape)}) cut "
+                              f"torchao's blocks of {block} values, so its moments would not be the whole tensor's; "
+                              f"use another strategy.replicas or strategy.tensor_parallel, or optim.state_bits=32")
 
 
 def is_quantized(t) -> bool:
@@ -182,28 +189,71 @@ def moment_like(shape: torch.Size, bits: int, field: str | None, dtype=torch.flo
     return optimizer_class(bits)._subclass_zeros(like, field == "exp_avg", BLOCK[bits])
 
 
-def rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Rows [start, end) of a state tensor, a copy of its own; of a quantized moment, its codes and
-    scales of those rows (torchao's slicing, which refuses a cut through a block)."""
-    part = t[start:end]
-    if not is_quantized(part):
-        return part.clone()
-    names, context = part.__tensor_flatten__()
-    return type(part).__tensor_unflatten__({n: getattr(part, n).clone() for n in names}, context, part.shape,
-                                           part.stride())
+def cut(t: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
+    """Indices [start, end) of state tensor `t` along `dim`, a copy of its own; of a quantized
+    moment, its codes and scales of those values (whole blocks: `check_quantized_shards`)."""
+    if not is_quantized(t):
+        return t.narrow(dim, start, end - start).clone()
+    shape = [*t.shape[:dim], end - start, *t.shape[dim + 1:]]
+    out = type(t).zeros(shape, t.signed, t.block_size, t.codes.device)
+    outer, n = math.prod(t.shape[:dim]), t.shape[dim]
+    for name in ("codes", "scale"):  # each run of consecutive values: a row of (outer, the rest)
+        inner = getattr(t, name).reshape(outer, -1)
+        lo, hi = inner.shape[1] * start // n, inner.shape[1] * end // n
+        if lo * n != inner.shape[1] * start or hi * n != inner.shape[1] * end:
+            raise ValueError(f"a cut [{start}, {end}) of dim {dim} of {tuple(t.shape)} splits a block of {t.block_size}")
+        getattr(out, name).copy_(inner[:, lo:hi].reshape(getattr(out, name).shape))
+    return out
 
 
-def joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Shares of whole rows (`rows`), in order, as one tensor; quantized moments' codes and scales
-    joined as torchao joins a gathered one's."""
+def joined(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """Parts of a tensor along `dim` (`cut`'s), in order, as one tensor; quantized moments' codes
+    and scales joined run by run."""
     if not is_quantized(parts[0]):
-        return torch.cat(parts)
+        return torch.cat(parts, dim)
     first = parts[0]
-    whole = type(first).zeros((sum(p.shape[0] for p in parts), *first.shape[1:]), first.signed, first.block_size,
-                              first.codes.device)
+    shape = [*first.shape[:dim], sum(p.shape[dim] for p in parts), *first.shape[dim + 1:]]
+    whole = type(first).zeros(shape, first.signed, first.block_size, first.codes.device)
+    outer = math.prod(first.shape[:dim])
     for name in ("codes", "scale"):
-        getattr(whole, name).copy_(torch.cat([getattr(p, name) for p in parts]))
+        runs = torch.cat([getattr(p, name).reshape(outer, -1) for p in parts], dim=1)
+        getattr(whole, name).copy_(runs.reshape(getattr(whole, name).shape))
     return whole
+
+
+def gathered_parts(moment: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank of `group`'s quantized `moment` (a collective), in rank order: codes and scales gathered."""
+    names, context = moment.__tensor_flatten__()
+    inner = {}
+    for name in names:
+        t = getattr(moment, name).contiguous()
+        inner[name] = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(inner[name], t, group=group)
+    return [type(moment).__tensor_unflatten__({n: inner[n][i] for n in names}, context, moment.shape, moment.stride())
+            for i in range(size)]
+
+
+def whole_moment(t: DTensor) -> torch.Tensor:
+    """A quantized moment placed as a DTensor, whole: each sharded mesh dim's parts gathered and
+    joined, the innermost first (a collective of its mesh)."""
+    part = t.to_local()
+    for mesh_dim in reversed(range(t.device_mesh.ndim)):
+        placement = t.placements[mesh_dim]
+        if placement.is_shard():
+            size = t.device_mesh.size(mesh_dim)
+            part = joined(gathered_parts(part, t.device_mesh.get_group(mesh_dim), size), placement.dim)
+    return part
+
+
+def placed_moment(whole: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's part of a whole quantized moment, placed as parameter `like` is (no collective)."""
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    part = cut(whole, 0, 0, whole.shape[0])  # a copy, cut further along every dim the placement cuts
+    for d in range(like.ndim):
+        if shape[d] != like.shape[d]:
+            part = cut(part, d, offset[d], offset[d] + shape[d])
+    return DTensor.from_local(part.to(like.device), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
 
 
 class _HostLoop(_Stepped):

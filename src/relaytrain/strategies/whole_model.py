@@ -61,6 +61,7 @@ from relaytrain.placement.tensor_parallel import (
 from relaytrain.placement.tensor_parallel import clip_grad_norm_ as clip_split_grad_norm_
 from relaytrain.schema.config import Recompute
 from relaytrain.step.evaluation import EvalStats
+from relaytrain.step.lowbit import check_quantized_shards, state_bits
 from relaytrain.step.optim import build_optimizer, set_lr
 from relaytrain.step.precision import LossScaler, Precision
 from relaytrain.strategies.base import ReplicatedStrategy, StepResult, minibatch_divisor, replica_rows, scalar
@@ -245,6 +246,9 @@ class WholeModel(ReplicatedStrategy):
             return
         self.model.to(self.device)
         parallelize_blocks(self.model, self.layout.mesh(self.device.type)["tensor"], family)
+        bits = state_bits(self.cfg.optim)
+        if bits != 32:  # torchao's blocks of each part the whole tensor's (`lowbit._new_buffer`)
+            check_quantized_shards(self.model.named_parameters(), bits)
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, minibatch: list[MicroBatch], lr: float) -> StepResult:
