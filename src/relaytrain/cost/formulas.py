@@ -461,8 +461,8 @@ def optimizer_s(t: Timings, facts: ModelFacts, blocks: int, embed: bool, head: b
 
 def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
     """fp32 weights, and the gradients and optimizer state of what trains (under adapters: theirs)."""
-    trained = what_trains(cfg.model, cfg.adapter).parameters
-    trained = num_params if trained is None else trained
+    trains = what_trains(cfg.model, cfg.adapter)
+    trained = num_params if trains is None else trains.parameters
     return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
 
 

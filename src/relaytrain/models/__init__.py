@@ -210,33 +210,26 @@ def _one_block_config(m):
     return one_block
 
 
-@dataclasses.dataclass(frozen=True)
-class AdaptedCounts:
-    """What trains in the whole model a config describes under an adapter, counted on the meta
-    device with every layer as the model has it: peft's choice of targets depends on every layer
-    (all-linear names gate_proj where a dense MLP or a shared expert has one, and peft then adapts
-    the fused experts of every routed layer too), so no single block can stand for the rest."""
+class Trains(NamedTuple):
+    """What trains under an adapter, as peft builds the model: the trained parameters (each once)
+    of the embeddings, of every block together and of the head; of the blocks', those of LoRA on
+    fused experts (`expert_adapters`: expert parallelism cuts them with the experts); a routed
+    block's fused expert tensors (mlp.experts.gate_up_proj) and those no adapter adapts."""
 
-    embed: int  # trained parameters of the embeddings, of all blocks together and of the head
+    embed: int
     blocks: int
     head: int
-    block_experts: int  # of `blocks`, LoRA on the fused experts (`expert_adapters`)
-    experts: tuple[str, ...]  # a routed block's fused expert tensors (mlp.experts.gate_up_proj)
-    frozen: tuple[str, ...]  # those no adapter adapts
+    block_experts: int = 0
+    experts: tuple[str, ...] = ()
+    frozen: tuple[str, ...] = ()
 
+    @property
+    def parameters(self) -> int:
+        return self.embed + self.blocks + self.head
 
-_adapted: dict[str, AdaptedCounts] = {}  # one model per config asked: the planner asks per candidate
-
-
-def adapted_counts(m, a, family: Family | None = None, objective=None) -> AdaptedCounts:
-    """`AdaptedCounts` of the model `m` describes under the adapter `a` (enabled)."""
-    family, objective = _family(m, family), _objective(m, objective)
-    key = f"{family.name}\n{objective.name}\n{OmegaConf.to_yaml(m)}\n{OmegaConf.to_yaml(a)}"
-    if key not in _adapted:
-        whole = copy.deepcopy(m)
-        whole.pretrained, whole.resolved_from = None, None  # shapes only: the keys already agree with it
-        with torch.device("meta"):
-            model = build_model(whole, quiet=True, adapter=a, family=family, objective=objective)
+    @classmethod
+    def of(cls, model: LayeredModel) -> Trains:
+        """Counted on a built model (on the meta device or not), before any placement cuts it."""
         seen: set[int] = set()
 
         def trained(*modules) -> int:
@@ -246,9 +239,30 @@ def adapted_counts(m, a, family: Family | None = None, objective=None) -> Adapte
 
         experts, frozen = next((found for block in model.blocks if (found := adapted_experts(block.layer))[0]), ([], []))
         on_experts = trained(*(part for block in model.blocks for part in expert_adapters(block)))
+        return cls(trained(model.embed), on_experts + trained(*model.blocks), trained(model.head), on_experts,
+                   tuple(experts), tuple(frozen))
+
+
+_adapted: dict[str, Trains] = {}  # one model per config asked: the planner asks per candidate
+
+
+def what_trains(m, a, family: Family | None = None, objective=None) -> Trains | None:
+    """What trains of the model `m` describes under the adapter `a`; None without one (every
+    parameter). Counted on the whole model built on the meta device with every layer as the model
+    has it: peft's choice of targets depends on every layer (all-linear names gate_proj where a
+    dense MLP or a shared expert has one, and peft then adapts the fused experts of every routed
+    layer too), so no single block can stand for the rest."""
+    if not adapters.enabled(a):
+        return None
+    family, objective = _family(m, family), _objective(m, objective)
+    key = f"{family.name}\n{objective.name}\n{OmegaConf.to_yaml(m)}\n{OmegaConf.to_yaml(a)}"
+    if key not in _adapted:
+        whole = copy.deepcopy(m)
+        whole.pretrained, whole.resolved_from = None, None  # shapes only: the keys already agree with it
+        with torch.device("meta"):
+            model = build_model(whole, quiet=True, adapter=a, family=family, objective=objective)
         _adapted.clear()
-        _adapted[key] = AdaptedCounts(trained(model.embed), on_experts + trained(*model.blocks), trained(model.head),
-                                      on_experts, tuple(experts), tuple(frozen))
+        _adapted[key] = Trains.of(model)
     return _adapted[key]
 
 
@@ -264,25 +278,8 @@ class TrainedParts(NamedTuple):
 
 def trained_parts(m, a, family: Family | None = None, objective=None) -> TrainedParts:
     """`TrainedParts` under the adapter `a` (enabled), a block's the mean over the blocks (rounded up)."""
-    counts = adapted_counts(m, a, family, objective)
-    return TrainedParts(counts.embed, -(-counts.blocks // m.num_layers), counts.head,
-                        -(-counts.block_experts // m.num_layers))
-
-
-class Trains(NamedTuple):
-    """What trains under an adapter, as peft builds the model (`what_trains`)."""
-
-    parameters: int | None  # parameters that train (each once); None: every one (no adapter)
-    experts: tuple[str, ...] = ()  # a mixture's fused expert tensors in a routed block (mlp.experts.gate_up_proj)
-    frozen: tuple[str, ...] = ()  # those no adapter adapts (`adapter.experts.adapted_experts`)
-
-
-def what_trains(m, a, family: Family | None = None, objective=None) -> Trains:
-    """What trains of the model `m` describes under the adapter `a` (without one: every parameter)."""
-    if not adapters.enabled(a):
-        return Trains(None)
-    counts = adapted_counts(m, a, family, objective)
-    return Trains(counts.embed + counts.blocks + counts.head, counts.experts, counts.frozen)
+    t = what_trains(m, a, family, objective)
+    return TrainedParts(t.embed, -(-t.blocks // m.num_layers), t.head, -(-t.block_experts // m.num_layers))
 
 
 def check_model(m, a, family: Family, objective, defaults) -> None:

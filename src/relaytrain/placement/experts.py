@@ -24,12 +24,12 @@ the R/E workers that hold the same experts (`holder_group`) it is the plain loop
 parameters are left out of DDP, which sums everything else over all R workers. Under FSDP (its R
 shards the data-parallel workers) each share is a DTensor over the expert mesh
 (`Layout.expert_mesh`) and its own FSDP unit over the holders (strategies/fsdp.py), so FSDP sums
-its gradients over them and DCP writes it whole. A checkpoint and
-a saved model hold whole tensors by name (`gathered`, `cut`), so a run saved at any E resumes at
-any other, or under another strategy; 8- and 4-bit AdamW moments (`optim.state_bits`) as
-torchao's codes and scales, whole blocks of each share (`check_moments`). A dry run (no process group) computes each worker's share
-as if the routing were even: its own rows through its own experts, so its device figures are
-one worker's (1/E of the experts' weights, gradients and optimizer state).
+its gradients over them and DCP writes it whole. A checkpoint and a saved model hold whole
+tensors by name (`gathered`, `cut`), so a run saved at any E resumes at any other, or under
+another strategy; 8- and 4-bit AdamW moments (`optim.state_bits`) as torchao's codes and
+scales, whole blocks of each share (`check_moments`). A dry run (no process group) computes each
+worker's share as if the routing were even: its own rows through its own experts, so its device
+figures are one worker's (1/E of the experts' weights, gradients and optimizer state).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class RunSpec(Choices):
     identity: dict  # what a checkpoint must match to resume this run (`records.checkpoint.identity`)
     trackers: dict  # the experiment trackers log.* asks for, checked, with their settings (`records.trackers`)
     parameters: int  # the model's parameters (results.json, the host memory estimate)
-    trains: Trains  # what trains under an adapter, as peft builds the model (parameters None: every one)
+    trains: Trains | None  # what trains under an adapter, as peft builds the model (None: every parameter)
     schedule: Schedule  # the learning rate at each optimizer update (optim.*, train.steps)
     untimed_steps: int  # steps left out of the throughput figures (`schema.config.untimed_steps`)
     reference: ReferencePass | None  # a preference objective's reference pass (`run.reference`), else None

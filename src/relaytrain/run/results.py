@@ -16,8 +16,6 @@ import torch
 
 from relaytrain.models import Trains
 from relaytrain.models import adapter as adapters
-from relaytrain.models.adapter.experts import adapted_experts
-from relaytrain.records.checkpoint import trained_named_parameters
 from relaytrain.step import metrics
 from relaytrain.utils.files import write_json
 
@@ -25,7 +23,7 @@ from relaytrain.utils.files import write_json
 def process_report(strategy, world, host: metrics.HostMemory, device_memory: dict, built: Trains | None = None) -> dict:
     """What one process contributes: its strategy's figures and its memory peaks (a dry run's
     device figures are simulated; its host memory is not what a real run would use), and what
-    trains in the model it built under an adapter (`built_adapter`)."""
+    trains in the model it built under an adapter (`Trains.of`)."""
     return {
         "rank": world.rank,
         "strategy": strategy.report(),
@@ -33,14 +31,6 @@ def process_report(strategy, world, host: metrics.HostMemory, device_memory: dic
         "device_memory": device_memory,
         "adapter_built": built,
     }
-
-
-def built_adapter(model) -> Trains:
-    """What trains in `model` as built under an adapter, before any placement: its parameters
-    that train (each once) and, on a mixture, a routed block's fused expert tensors and those
-    left frozen, as peft made them (`adapted_experts`: peft may adapt experts the keys do not name)."""
-    experts = next((found for block in model.blocks if (found := adapted_experts(block.layer))[0]), ([], []))
-    return Trains(sum(p.numel() for _, p in trained_named_parameters(model)), *map(tuple, experts))
 
 
 def assemble_results(cfg, spec, history: dict, measured: list[float], reports: list[dict], world, overrides,
@@ -97,9 +87,9 @@ def assemble_results(cfg, spec, history: dict, measured: list[float], reports: l
 def adapter_facts(cfg, spec, built: Trains | None = None) -> dict | None:
     """What trained under adapters (adapter=lora): its keys, the parameters that train, the base's
     quantization (adapter=qlora), whether the saved adapter was merged into its base, and on a
-    mixture which experts it adapts: as the run built them (`built`, `built_adapter`), else as the
-    model builder counted them before the run (`spec`, the run's `resolve.RunSpec`); None for a
-    full fine-tune."""
+    mixture which experts it adapts: as the run built them (`built`, `Trains.of`: peft may adapt
+    experts the keys do not name), else as the model builder counted them before the run (`spec`,
+    the run's `resolve.RunSpec`); None for a full fine-tune."""
     a, m = cfg.adapter, cfg.model
     if not adapters.enabled(a):
         return None

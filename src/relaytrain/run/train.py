@@ -36,7 +36,7 @@ from relaytrain.run.compose import validate
 from relaytrain.run.launch import launch
 from relaytrain.run.preflight import check_can_start
 from relaytrain.run.resolve import RunSpec, describe_run
-from relaytrain.run.results import assemble_results, built_adapter, process_report, write_results
+from relaytrain.run.results import assemble_results, process_report, write_results
 from relaytrain.run.rollouts import Rollouts
 from relaytrain.step import metrics
 from relaytrain.step.evaluation import better
@@ -199,7 +199,7 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
                         adapter=cfg.adapter, compact_base=cls.compact_base, family=job.spec.family,
                         objective=job.spec.objective)
     # Under an adapter (the spec counted what trains), what trains as built, before a placement cuts or shards it.
-    built = built_adapter(model) if job.spec.trains.parameters is not None else None
+    built = Trains.of(model) if job.spec.trains is not None else None
     compiled = compiling.compile_blocks(model, cfg.train.compile, world.device)  # before copies are made
     strategy = cls(model, cfg, world)
     # A dry run counts the device tensors this process holds from here on (memory.DeviceMemory).
@@ -229,7 +229,7 @@ class Trainer:
                  tracker: DeviceMemory | None = None, compiled: compiling.CompileStats | None = None,
                  built: Trains | None = None):
         self.cfg, self.strategy, self.world, self.job, self.host = cfg, strategy, world, job, host
-        self.built = built  # what trains in the model as built (`results.built_adapter`)
+        self.built = built  # what trains in the model as built (`Trains.of`)
         self.spec = spec = job.spec
         self.tracker = tracker  # a dry run's device memory
         self.compiled = compiled  # train.compile: this process's compile times

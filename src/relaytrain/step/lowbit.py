@@ -166,8 +166,8 @@ def check_quantized_shards(params, bits: int) -> None:
         for size, placement in zip(p.device_mesh.shape, p.placements, strict=True):
             if placement.is_shard():
                 share[placement.dim] = -(-share[placement.dim] // size)
-        cut = [d for d in range(p.ndim) if share[d] != p.shape[d]]
-        if cut and math.prod(share[cut[-1]:]) % block:
+        split = [d for d in range(p.ndim) if share[d] != p.shape[d]]
+        if split and math.prod(share[split[-1]:]) % block:
             raise ConfigError(f"optim.state_bits={bits}: {name}'s shards ({tuple(share)} of {tuple(p.shape)}) cut "
                               f"torchao's blocks of {block} values, so its moments would not be the whole tensor's; "
                               f"use another strategy.replicas or strategy.tensor_parallel, or optim.state_bits=32")

@@ -114,8 +114,8 @@ class L2LCost(CostModel):
         and every stashed input (on the host with `stash=host`), and the interpreter of each worker
         apart from the first."""
         s, m, workers = cfg.strategy, cfg.model, self.strategy.processes(cfg)  # R x S where sequences are cut
-        trained = what_trains(cfg.model, cfg.adapter).parameters  # under adapters; the frozen base counted at fp32 (errs high)
-        trained = num_params if trained is None else trained
+        trains = what_trains(cfg.model, cfg.adapter)  # under adapters; the frozen base counted at fp32 (errs high)
+        trained = num_params if trains is None else trains.parameters
         per_worker = eps_state_bytes(cfg, num_params, trained, workers=workers) + wire_bytes(cfg, trained)
         per_worker += cpu_activation_bytes(cfg, device_type, live_blocks=1, stash_entries=m.num_layers * s.num_microbatches)
         if device_type != "cpu" and stash_on_host(cfg.strategy):  # the stash waits in host memory
