@@ -34,6 +34,17 @@ def same_saved_weights(ours: Path, theirs: Path, atol: float, rtol: float) -> No
         torch.testing.assert_close(p, other[name], atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def same_adapters(ours: Path, theirs: Path) -> dict[str, torch.Tensor]:
+    """The adapters two runs saved (in `ours`, `theirs`) are the same, key by key; returns ours."""
+    from safetensors.torch import load_file
+
+    mine, other = (load_file(d / "model" / "adapter_model.safetensors") for d in (ours, theirs))
+    assert mine.keys() == other.keys() and mine
+    for key, value in mine.items():
+        torch.testing.assert_close(value, other[key], atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    return mine
+
+
 @pytest.fixture(scope="module")
 def mixture(tmp_path_factory) -> Path:
     return tiny_moe(tmp_path_factory.mktemp("ep") / "qwen3_moe", "qwen3_moe")
@@ -66,17 +77,12 @@ def test_clipping_counts_every_expert_once(mixture, tmp_path):
 
 def test_lora_over_shared_frozen_experts_trains_as_over_replicated_ones(mixture, tmp_path):
     """LoRA on attention with the frozen experts shared out: the adapter of plain replicas."""
-    from safetensors.torch import load_file
-
     keys = [f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=2", *RUN_KEYS, "adapter=lora",
             "adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
     shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
     plain = run(compose_config(keys), tmp_path / "plain", table=False)
     assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
-    ours, theirs = (load_file(tmp_path / d / "model" / "adapter_model.safetensors") for d in ("shared", "plain"))
-    assert ours.keys() == theirs.keys() and ours
-    for key, value in ours.items():
-        torch.testing.assert_close(value, theirs[key], atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    same_adapters(tmp_path / "shared", tmp_path / "plain")
 
 
 @pytest.mark.slow  # four processes: two expert groups of two, each expert held twice
@@ -241,12 +247,7 @@ def test_fsdp_sharing_the_experts_trains_as_plain_fsdp(case, mixture, tmp_path):
     if case == "gpt_oss":
         same_saved_weights(tmp_path / "shared", tmp_path / "plain", atol=1e-6, rtol=1e-5)
         return
-    from safetensors.torch import load_file
-
-    ours, theirs = (load_file(tmp_path / d / "model" / "adapter_model.safetensors") for d in ("shared", "plain"))
-    assert ours.keys() == theirs.keys() and ours
-    for key, value in ours.items():
-        torch.testing.assert_close(value, theirs[key], atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    same_adapters(tmp_path / "shared", tmp_path / "plain")
 
 
 def test_an_fsdp_dry_run_gathers_a_share_of_the_experts(mixture, tmp_path):
@@ -291,7 +292,8 @@ def test_a_share_is_cut_and_gathered_back_by_name(mixture):
     (["strategy.replicas=3", "strategy.expert_parallel=3"], "4 experts a block do not divide over 3"),
     (["strategy=fsdp", "strategy.replicas=2", "strategy.expert_parallel=2", "adapter=lora",
       "adapter.target_parameters=[mlp.experts.gate_up_proj]"], "runs under strategy=baseline"),
-    (["strategy.replicas=2", "strategy.expert_parallel=2", "adapter=qlora"], "not yet 4-bit ones"),
+    (["strategy=fsdp", "strategy.replicas=2", "strategy.expert_parallel=2", "adapter=qlora"],
+     "shares 4-bit experts \\(model.quantize=nf4\\) under strategy=baseline; not yet under strategy=fsdp"),
     (["strategy.replicas=2", "strategy.expert_parallel=2", "strategy.sequence_parallel=2"], "not supported yet"),
 ])
 def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
@@ -310,18 +312,41 @@ def test_bad_expert_parallel_keys_are_one_line(keys, message, mixture):
 def test_lora_on_shared_experts_trains_as_on_replicated_ones(targets, mixture, tmp_path):
     """LoRA on the fused experts, cut with them (A's rows and B's columns of each expert): named, or
     as peft makes it of all-linear where a layer is dense. The adapter of plain replicas."""
-    from safetensors.torch import load_file
-
     keys = [f"model.pretrained={mixture}", "strategy=baseline", "strategy.replicas=2", *RUN_KEYS, "adapter=lora",
             *targets]
     shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
     plain = run(compose_config(keys), tmp_path / "plain", table=False)
     assert shared["adapter"]["experts"]["frozen"] == []
     assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
-    ours, theirs = (load_file(tmp_path / d / "model" / "adapter_model.safetensors") for d in ("shared", "plain"))
-    assert ours.keys() == theirs.keys() and any("experts" in key for key in ours)
-    for key, value in ours.items():
-        torch.testing.assert_close(value, theirs[key], atol=1e-6, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert any("experts" in key for key in same_adapters(tmp_path / "shared", tmp_path / "plain"))
+
+
+@pytest.mark.slow  # four runs of two processes
+@pytest.mark.parametrize("double", [False, True], ids=["nf4", "nf4-double"])
+def test_4bit_experts_shared_out_train_as_replicated_ones(double, wide_mixture, tmp_path):
+    """QLoRA with LoRA on the experts: each worker keeps its experts' NF4 codes and scales as the
+    whole tensor was quantized (under double quantization whole groups of 256 scales, and the
+    tensor's offset), so they dequantize to the same weights; the adapter of plain replicas."""
+    keys = [f"model.pretrained={wide_mixture}", "strategy=baseline", "strategy.replicas=2", *RUN_KEYS, "adapter=qlora",
+            f"model.quantize_double={str(double).lower()}", "adapter.target_modules=[q_proj,v_proj]",
+            "adapter.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"]
+    shared = run(compose_config([*keys, "strategy.expert_parallel=2"]), tmp_path / "shared", table=False)
+    plain = run(compose_config(keys), tmp_path / "plain", table=False)
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert any("experts" in key for key in same_adapters(tmp_path / "shared", tmp_path / "plain"))
+
+
+def test_a_share_of_4bit_experts_that_would_cut_a_group_of_scales_is_refused_in_one_line(mixture):
+    """The tiny mixture's gate_up_proj, 2 experts of 48 x 32 a share: 48 blocks of 64 values, not
+    whole groups of 256 scales under double quantization."""
+    from relaytrain.models.quantize_experts import ExpertsLayout
+
+    layout = ExpertsLayout.of(torch.empty((4, 48, 32), device="meta"), double=True)
+    with pytest.raises(ConfigError, match="is not whole blocks of 64 values and groups of 256 scales") as err:
+        layout.share(torch.empty(layout.nbytes, dtype=torch.uint8, device="meta"), 0, 2)
+    assert "\n" not in str(err.value)
+    assert ExpertsLayout.of(torch.empty((4, 48, 32), device="meta"), double=False).share(
+        torch.empty(0, device="meta"), 1, 2)[0].shape == (2, 48, 32)
 
 
 def test_lora_on_the_experts_under_fsdp_sharing_them_is_refused_in_one_line(mixture, tmp_path):

@@ -24,6 +24,7 @@ trip (tests/models/test_qlora_moe.py).
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,9 +32,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from relaytrain.models.quantize import Layout, dequantize, pack, work_device
+from relaytrain.models.quantize import BLOCK, NESTED_BLOCK, Layout, dequantize, pack, work_device
+from relaytrain.utils.errors import ConfigError
 
 EXPERTS_NDIM = 3  # [experts, rows, columns]: a mixture's fused expert tensor
+# The pieces of a fused tensor's NF4 storage that run expert by expert (the rest, double
+# quantization's offset and second-level map, belong to the whole tensor): what a share cuts.
+SHARED_PIECES = ("codes", "absmax", "absmax2")
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,39 @@ class ExpertsLayout:
         if weight.device.type == "meta":  # a dry run: the storage's size, no values
             return torch.empty(self.nbytes, dtype=torch.uint8, device="meta")
         return pack(weight.reshape(self.matrix.shape), self.matrix, device)
+
+    def share(self, storage: torch.Tensor, index: int, degree: int) -> tuple[ExpertsLayout, torch.Tensor]:
+        """Experts [index n/degree, (index + 1) n/degree) of `storage` (expert parallelism): their
+        layout and storage, their codes and scales as quantized with the others (each expert's
+        blocks its own; under double quantization a share's scales must be whole groups of 256,
+        whose second-level scales and the tensor's offset it keeps), so they dequantize to the
+        same values. A share that would cut a block or a group is refused in one line."""
+        local, (_, rows, columns) = self.experts // degree, self.shape
+        part = ExpertsLayout(local, Layout((local * rows, columns), self.matrix.double), self.dtype)
+        blocks, group = part.matrix.blocks, NESTED_BLOCK if self.matrix.double else 1
+        if rows * columns % BLOCK or blocks % group:
+            raise ConfigError(f"strategy.expert_parallel={degree} over 4-bit experts: a share of {local} experts of "
+                              f"{rows} x {columns} is not whole blocks of {BLOCK} values"
+                              + (f" and groups of {group} scales (double quantization)" if group > 1 else "")
+                              + "; use another strategy.expert_parallel, or model.quantize_double=false")
+        if storage.device.type == "meta":
+            return part, torch.empty(part.nbytes, dtype=torch.uint8, device="meta")
+        whole, out = self.matrix.unpack(storage), torch.zeros(part.nbytes, dtype=torch.uint8, device=storage.device)
+        for name, view in part.matrix.unpack(out).items():  # offset and code2: the whole tensor's
+            n = view.numel() if name in SHARED_PIECES else None
+            view.copy_(whole[name] if n is None else whole[name][index * n:(index + 1) * n])
+        return part, out
+
+    def joined(self, shares: list[torch.Tensor]) -> torch.Tensor:
+        """The whole storage of every share's (`share`'s), in order: the inverse of cutting it."""
+        out = torch.zeros(self.nbytes, dtype=torch.uint8, device=shares[0].device)
+        part = dataclasses.replace(self, experts=self.experts // len(shares),
+                                   matrix=Layout((self.matrix.shape[0] // len(shares), self.matrix.shape[1]),
+                                                 self.matrix.double))
+        pieces = [part.matrix.unpack(s) for s in shares]
+        for name, view in self.matrix.unpack(out).items():
+            view.copy_(torch.cat([p[name] for p in pieces]) if name in SHARED_PIECES else pieces[0][name])
+        return out
 
     def dequantize(self, storage: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if storage.device.type == "meta":

@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from relaytrain.models.quantize_experts import EXPERTS_NDIM, fused_tensors
+from relaytrain.models.quantize_experts import EXPERTS_NDIM, ExpertsLayout, NF4Experts, fused_tensors
 from relaytrain.placement.layout import Layout
 from relaytrain.step.lowbit import BLOCK, cut, gathered_parts, is_quantized, joined, quantizes
 from relaytrain.utils.errors import ConfigError
@@ -59,7 +59,8 @@ def expert_parallel(strategy) -> int:
 def check_expert_parallel(cfg, strategy, adapted_experts: bool = False) -> None:
     """`strategy.expert_parallel=E`: dividing the replicas of the layout of the run's `strategy`
     class, on a mixture whose experts divide by E, with what the placement supports so far;
-    `adapted_experts`: whether the strategy shares LoRA on the experts out with them."""
+    `adapted_experts`: whether the strategy shares out experts under an adapter (LoRA on them,
+    4-bit ones) as the baseline does."""
     s = cfg.strategy
     size = expert_parallel(s)
     if size < 1:
@@ -82,9 +83,9 @@ def check_expert_parallel(cfg, strategy, adapted_experts: bool = False) -> None:
     if cfg.train.compile:
         raise ConfigError(f"strategy.expert_parallel={size} with train.compile=true is not supported yet (the "
                           f"experts' all-to-alls are not compiled here); drop one")
-    if cfg.adapter.name != "none" and cfg.model.quantize != "none":
-        raise ConfigError(f"strategy.expert_parallel={size} shares dense experts, not yet 4-bit ones "
-                          f"(model.quantize={cfg.model.quantize}): drop one")
+    if cfg.adapter.name != "none" and cfg.model.quantize != "none" and not adapted_experts:
+        raise ConfigError(f"strategy.expert_parallel={size} shares 4-bit experts (model.quantize={cfg.model.quantize}) "
+                          f"under strategy=baseline; not yet under strategy={s.name}")
     if cfg.adapter.name != "none" and cfg.adapter.target_parameters and not adapted_experts:
         raise ConfigError(f"strategy.expert_parallel={size} with LoRA on the experts (adapter.target_parameters) "
                           f"runs under strategy=baseline; not yet under strategy={s.name}")
@@ -121,15 +122,23 @@ class ExpertShards:
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 self.holder_group = group if rank in ranks else self.holder_group
         self.params: dict[int, ExpertAxis] = {}  # id(parameter) -> where the whole tensor holds its experts
+        self.storages: dict[int, ExpertsLayout] = {}  # id(4-bit storage) -> the whole tensor's layout
         for block in model.blocks:
             for module in block.modules():
-                if fused_tensors(module):
+                if fused_tensors(module) or isinstance(module, NF4Experts):
                     self._cut_module(module)
                 elif isinstance(module, ParamWrapper):
                     self._cut_adapter(module)
 
     def _cut_module(self, module: nn.Module) -> None:
-        experts = next(p.shape[0] for p in module.parameters(recurse=False) if p.ndim == EXPERTS_NDIM)
+        if isinstance(module, NF4Experts):  # 4-bit experts: each storage cut to this worker's experts (frozen)
+            experts = next(iter(module.nf4_layouts.values())).experts
+            for name, layout in module.nf4_layouts.items():
+                stored = module._parameters[name]
+                module.nf4_layouts[name], stored.data = layout.share(stored.data, self.index, self.degree)
+                self.storages[id(stored)] = layout
+        else:
+            experts = next(p.shape[0] for p in module.parameters(recurse=False) if p.ndim == EXPERTS_NDIM)
         local = experts // self.degree
         mine = slice(self.index * local, (self.index + 1) * local)
         axis = ExpertAxis(0, experts)
@@ -164,7 +173,13 @@ class ExpertShards:
         wrapper.num_experts = experts // self.degree
 
     def holds(self, p: torch.Tensor) -> bool:
+        """Whether `p` is a share of a trained expert tensor (its gradient summed over the holders)."""
         return id(p) in self.params
+
+    def shares(self, p: torch.Tensor) -> bool:
+        """Whether `p` differs from worker to worker of a group: a trained share, or a share of 4-bit
+        experts' storage (frozen): what a replica must not take from another (DDP's broadcast)."""
+        return id(p) in self.params or id(p) in self.storages
 
     def check_moments(self, named_params, bits: int) -> None:
         """8- or 4-bit AdamW moments (`optim.state_bits`) of a share are the whole tensor's when torchao
@@ -209,6 +224,10 @@ class ExpertShards:
     def gathered(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """`value` (a share of parameter `p`'s shape, or anything else) whole: the expert group's
         shares in order (a collective of the group where `p` is an expert tensor)."""
+        if id(p) in self.storages and self.share_group is not None:  # 4-bit experts: every share's storage joined
+            parts = [torch.empty_like(value) for _ in range(self.degree)]
+            dist.all_gather(parts, value.contiguous(), group=self.share_group)
+            return self.storages[id(p)].joined(parts)
         if not self.holds(p) or value.shape != p.shape:
             return value
         if self.share_group is None:  # a dry run holds its share alone

@@ -85,7 +85,7 @@ def _check_muon(o) -> None:
 def _check_state_bits(o, cls, name) -> None:
     """optim.state_bits: a width torchao quantizes to, a strategy whose parameters it can step, and
     torchao installed; each refused in one line before any work."""
-    from relaytrain.step.lowbit import STATE_BITS, check_available
+    from relaytrain.step.lowbit import STATE_BITS
 
     bits = o.get("state_bits", 32)  # read here, not through lowbit.state_bits: the config's walk stays in checks
     if bits == 32:
@@ -99,7 +99,6 @@ def _check_state_bits(o, cls, name) -> None:
     if str(o.host_kernel) == "deepspeed":
         raise ConfigError(f"optim.state_bits={bits} steps torchao's AdamW, and optim.host_kernel=deepspeed DeepSpeed's "
                           f"fp32 one: drop one of them")
-    check_available(bits)
 
 
 def _check_master_dtype(o, cls, name) -> None:
@@ -143,6 +142,7 @@ def check_layers(cfg, chosen) -> None:
     of the data keys (data/sources/), and the model builder of the model and adapter keys
     (`models.check_model`), after the keys every run shares."""
     from relaytrain.models import check_model
+    from relaytrain.step.lowbit import check_available
     from relaytrain.strategies import check_preset
 
     check_preset(cfg.strategy)
@@ -151,6 +151,7 @@ def check_layers(cfg, chosen) -> None:
         _check_online(chosen.objective, chosen.strategy, chosen.strategy.rank_layout(cfg), cfg.adapter.name)
     chosen.source.check(cfg, chosen.objective)
     check_model(cfg.model, cfg.adapter, chosen.family, chosen.objective, defaults=AdapterConfig())
+    check_available(cfg.optim.get("state_bits", 32))  # torchao: last, so what no install mends is said first
 
 
 def _check_model(m, seq_len: int, chosen) -> None:

@@ -97,10 +97,11 @@ class Baseline(WholeModel):
             # The module is on its device already and a micro-batch is moved there before the
             # call. With gradients as bucket views DDP adds no device memory, so a dry run's
             # figure (no DDP: no process group) holds for the real run. Experts held in shares
-            # are summed over their holders alone (`_sum_gradients`).
+            # are summed over their holders alone (`_sum_gradients`), and left out of DDP with
+            # 4-bit experts' shares of storage, which its first broadcast would make rank 0's.
             if self.experts is not None:
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                    self.net, [name for name, p in self.net.named_parameters() if self.experts.holds(p)])
+                    self.net, [name for name, p in self.net.named_parameters() if self.experts.shares(p)])
             self.loss_of = DistributedDataParallel(self.net, device_ids=None, gradient_as_bucket_view=True,
                                                    bucket_cap_mb=BUCKET_BYTES / 2**20,
                                                    process_group=self.gradient_group)
