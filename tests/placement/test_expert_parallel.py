@@ -428,6 +428,26 @@ def test_the_cost_model_cuts_lora_on_the_experts_with_them(mixture):
     assert facts.placed(cfg.strategy).trained_params == pytest.approx(worker_trains, abs=2 * layers)
 
 
+def test_the_cost_model_keeps_a_share_of_4bit_experts(mixture):
+    """QLoRA at E=2: a worker's block holds half of its experts' NF4 storage, as the facts count it
+    (their bytes taken in proportion to their values: within 2 % of the built block's)."""
+    from relaytrain.cost.formulas import ModelFacts
+    from relaytrain.cost.quantized import _quantized_in
+    from relaytrain.models import build_model
+    from relaytrain.models.pretrained import resolve
+
+    cfg = resolve(compose_config([f"model.pretrained={mixture}", *EXPERT_PARALLEL, *RUN_KEYS, "adapter=qlora",
+                                  "model.quantize_double=false", "adapter.target_modules=[q_proj]"]))
+    model = build_model(cfg.model, quiet=True, adapter=cfg.adapter)
+    whole = _quantized_in(model.blocks[0])  # layer 0 routes
+    ExpertShards(model, Layout(replicate=2, experts=2), 0, simulated=True, timeout=None)
+    share = _quantized_in(model.blocks[0])
+    facts = ModelFacts.of(cfg)
+    placed = facts.placed(cfg.strategy).quantized[1]
+    assert facts.quantized[1] == whole and share.nbytes < whole.nbytes
+    assert placed.values == share.values and placed.nbytes == pytest.approx(share.nbytes, rel=0.02)
+
+
 def test_the_planner_offers_replicas_sharing_a_mixtures_experts():
     """Qwen3-30B-A3B (128 experts) on eight H100s: baseline shapes of w replicas come with every E
     dividing w, each priced with a worker's share of the experts, its command setting E; a dense

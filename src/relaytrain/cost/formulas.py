@@ -12,8 +12,7 @@ shared formulas:
   an LM head's logits take;
 - the work of each part (embeddings, a block, the head) that balanced pipeline stages are cut
   by (`part_costs`), a block's and the head's FLOPs as `cost.work` counts them;
-- the host memory a run's workers hold where the device is the host (`cpu_activation_bytes`),
-  and a replica's weights, gradients and optimizer state (`weights_grads_optimizer_bytes`).
+- the host memory a run's workers hold where the device is the host (`cpu_activation_bytes`).
 
 The links' formulas (transfers, messages, collectives) are `relaytrain.cost.links`'s. Every
 figure made from them is a prediction. On a CPU (the device is the host) nothing
@@ -45,7 +44,7 @@ from relaytrain.cost.work import (
 )
 from relaytrain.cost.work import block_activation_bytes as block_activation_bytes
 from relaytrain.cost.work import block_activation_values as block_activation_values
-from relaytrain.models import TrainedParts, part_parameters, trained_parts, what_trains
+from relaytrain.models import TrainedParts, part_parameters, trained_parts
 from relaytrain.models import adapter as adapters
 from relaytrain.models.family import BlockShape
 from relaytrain.objectives import objective
@@ -143,12 +142,14 @@ class ModelFacts:
         of what trains of LoRA on them; its work and activations as before (an even routing). From whole facts."""
         if size == self.expert_parallel or not self.shape.experts:
             return self
-        experts, trained = expert_weights(self.shape), self.trained_parts
+        experts, trained, quantized = expert_weights(self.shape), self.trained_parts, self.quantized
         if trained is not None:  # LoRA on the experts is cut with them
             cut = trained.block_experts - trained.block_experts // size
             trained = trained._replace(block=trained.block - cut, block_experts=trained.block_experts - cut)
+        if quantized is not None and quantized[1].values >= experts:  # 4-bit experts: a share's storage
+            quantized = (quantized[0], quantized[1].without(experts - experts // size), quantized[2])
         return dataclasses.replace(self, block_params=self.block_params - experts + experts // size,
-                                   trained_parts=trained, expert_parallel=size)
+                                   trained_parts=trained, quantized=quantized, expert_parallel=size)
 
     @property
     def kept_block_share(self) -> float:
@@ -457,13 +458,6 @@ def optimizer_s(t: Timings, facts: ModelFacts, blocks: int, embed: bool, head: b
 
 
 # --------------------------------------------------------------------------- host memory
-
-
-def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
-    """fp32 weights, and the gradients and optimizer state of what trains (under adapters: theirs)."""
-    trains = what_trains(cfg.model, cfg.adapter)
-    trained = num_params if trains is None else trains.parameters
-    return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
 
 
 def worker_tokens(seq_len: int, strategy) -> int:

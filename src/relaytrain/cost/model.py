@@ -25,15 +25,19 @@ from abc import ABC, abstractmethod
 
 from omegaconf import OmegaConf
 
-from relaytrain.cost.formulas import (
-    ModelFacts,
-    StepCost,
-    cpu_activation_bytes,
-    weights_grads_optimizer_bytes,
-)
+from relaytrain.cost.formulas import FP32, ModelFacts, StepCost, cpu_activation_bytes
 from relaytrain.cost.profile import Profile
 from relaytrain.cost.shape import Shape
+from relaytrain.models import what_trains
+from relaytrain.step.optim import state_words
 from relaytrain.utils.errors import ConfigError
+
+
+def weights_grads_optimizer_bytes(cfg, num_params: int) -> int:
+    """fp32 weights, and the gradients and optimizer state of what trains (under adapters: theirs)."""
+    trains = what_trains(cfg.model, cfg.adapter)
+    trained = num_params if trains is None else trains.parameters
+    return num_params * FP32 + trained * FP32 * (1 + state_words(cfg.optim))
 
 
 class CostModel(ABC):

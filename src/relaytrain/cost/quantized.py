@@ -27,6 +27,10 @@ class QuantizedPart:
     values: int = 0  # weights stored quantized, counted as dense values
     nbytes: int = 0  # the bytes that store them (codes and scales)
 
+    def without(self, values: int) -> QuantizedPart:
+        """The part less `values` of its weights (another worker's experts), their bytes in proportion."""
+        return QuantizedPart(self.values - values, self.nbytes - self.nbytes * values // max(self.values, 1))
+
     @property
     def counted(self) -> int:
         """What `models.part_parameters` counts for them: their uint8 storage, a byte a parameter."""

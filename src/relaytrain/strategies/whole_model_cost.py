@@ -33,11 +33,10 @@ from relaytrain.cost.formulas import (
     optimizer_s,
     powers_of_two_dividing,
     stage_bytes,
-    weights_grads_optimizer_bytes,
     worker_tokens,
 )
 from relaytrain.cost.links import all_to_all_s, allreduce_s, upload_s
-from relaytrain.cost.model import CostModel
+from relaytrain.cost.model import CostModel, weights_grads_optimizer_bytes
 from relaytrain.cost.profile import PartTimes, Profile
 from relaytrain.cost.work import expert_weights, one_block_on_meta
 from relaytrain.models import adapter as adapters
