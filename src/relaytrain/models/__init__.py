@@ -201,7 +201,7 @@ def _one_block_config(m):
     """The `model` config `m` cut to one block of fresh weights: shapes for the meta device. A
     mixture with dense layers is cut to an expert layer: the largest block, which the cost models
     scale by the layer count (so they count the dense layers as expert layers, a few per cent
-    over; what trains under an adapter is counted on the whole model, `adapted_counts`)."""
+    over; what trains under an adapter is counted on the whole model, `what_trains`)."""
     one_block = copy.deepcopy(m)
     one_block.num_layers, one_block.pretrained, one_block.resolved_from = 1, None, None
     for key, routed in _EVERY_LAYER_ROUTED.items():
