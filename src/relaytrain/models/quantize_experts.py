@@ -24,7 +24,6 @@ trip (tests/models/test_qlora_moe.py).
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -82,9 +81,8 @@ class ExpertsLayout:
         blocks its own; under double quantization a share's scales must be whole groups of 256,
         whose second-level scales and the tensor's offset it keeps), so they dequantize to the
         same values. A share that would cut a block or a group is refused in one line."""
-        local, (_, rows, columns) = self.experts // degree, self.shape
-        part = ExpertsLayout(local, Layout((local * rows, columns), self.matrix.double), self.dtype)
-        blocks, group = part.matrix.blocks, NESTED_BLOCK if self.matrix.double else 1
+        part, (_, rows, columns) = self._share_layout(degree), self.shape
+        local, blocks, group = part.experts, part.matrix.blocks, NESTED_BLOCK if self.matrix.double else 1
         if rows * columns % BLOCK or blocks % group:
             raise ConfigError(f"strategy.expert_parallel={degree} over 4-bit experts: a share of {local} experts of "
                               f"{rows} x {columns} is not whole blocks of {BLOCK} values"
@@ -101,13 +99,15 @@ class ExpertsLayout:
     def joined(self, shares: list[torch.Tensor]) -> torch.Tensor:
         """The whole storage of every share's (`share`'s), in order: the inverse of cutting it."""
         out = torch.zeros(self.nbytes, dtype=torch.uint8, device=shares[0].device)
-        part = dataclasses.replace(self, experts=self.experts // len(shares),
-                                   matrix=Layout((self.matrix.shape[0] // len(shares), self.matrix.shape[1]),
-                                                 self.matrix.double))
-        pieces = [part.matrix.unpack(s) for s in shares]
+        pieces = [self._share_layout(len(shares)).matrix.unpack(s) for s in shares]
         for name, view in self.matrix.unpack(out).items():
             view.copy_(torch.cat([p[name] for p in pieces]) if name in SHARED_PIECES else pieces[0][name])
         return out
+
+    def _share_layout(self, degree: int) -> ExpertsLayout:
+        """The layout of 1/`degree` of the experts, stacked and stored as the whole's are."""
+        local, (_, rows, columns) = self.experts // degree, self.shape
+        return ExpertsLayout(local, Layout((local * rows, columns), self.matrix.double), self.dtype)
 
     def dequantize(self, storage: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if storage.device.type == "meta":

@@ -62,7 +62,7 @@ from relaytrain.models.family import Family
 from relaytrain.models.layered import LayeredModel
 from relaytrain.records.checkpoint import unique_named_parameters
 from relaytrain.records.optimizer_state import host_copy, load_optimizer_state
-from relaytrain.step.lowbit import cut, is_quantized, placed_moment, whole_moment
+from relaytrain.step.lowbit import is_quantized, owned, placed_moment, whole_moment
 from relaytrain.utils.errors import ConfigError
 from relaytrain.utils.tensors import local
 
@@ -430,7 +430,7 @@ def _state_like(value, p: torch.Tensor):
         return value
     split = isinstance(p, DTensor) and value.shape == p.shape
     if is_quantized(value):  # torchao's 8- or 4-bit moment: its codes and scales of this rank's part, or a copy
-        return placed_moment(value, p) if split else cut(value, 0, 0, value.shape[0])
+        return placed_moment(value, p) if split else owned(value)
     if split:
         return placed_like(value.to(p.device_mesh.device_type), p)  # a share is cut as a copy
     return value.clone()

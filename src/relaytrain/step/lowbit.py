@@ -206,6 +206,11 @@ def cut(t: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
     return out
 
 
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of state tensor `t` of its own (a quantized moment's codes and scales copied too)."""
+    return cut(t, 0, 0, t.shape[0])
+
+
 def joined(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     """Parts of a tensor along `dim` (`cut`'s), in order, as one tensor; quantized moments' codes
     and scales joined run by run."""
@@ -248,7 +253,7 @@ def whole_moment(t: DTensor) -> torch.Tensor:
 def placed_moment(whole: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's part of a whole quantized moment, placed as parameter `like` is (no collective)."""
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-    part = cut(whole, 0, 0, whole.shape[0])  # a copy, cut further along every dim the placement cuts
+    part = owned(whole)  # cut further along every dim the placement cuts
     for d in range(like.ndim):
         if shape[d] != like.shape[d]:
             part = cut(part, d, offset[d], offset[d] + shape[d])

@@ -71,7 +71,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from relaytrain.placement.experts import ExpertShards, check_expert_parallel, expert_parallel
 from relaytrain.placement.layout import Layout
 from relaytrain.placement.tensor_parallel import clip_grad_norm_ as clip_split_grad_norm_
-from relaytrain.placement.tensor_parallel import local as _local
 from relaytrain.placement.tensor_parallel import tensor_parallel
 from relaytrain.placement.tensor_parallel import whole as _whole
 from relaytrain.records.checkpoint import OPTIMIZER_PREFIX, Checkpoint, sharded_contents
@@ -94,6 +93,7 @@ from relaytrain.strategies.stash import Stash
 from relaytrain.strategies.whole_model import STATE, WholeModel
 from relaytrain.strategies.whole_model_cost import FsdpCost, gathered_params, unit_bytes
 from relaytrain.utils.errors import ConfigError
+from relaytrain.utils.tensors import local as _local
 
 # torch warns when an FSDP unit's output is a view, since an in-place op on it would skip the unit's
 # pre-backward hook. A routed block's output is one by design (models/moe.py's `_Balance` returns
