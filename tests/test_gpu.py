@@ -241,3 +241,40 @@ def test_a_relayed_policy_samples_on_cuda_what_a_whole_copy_samples(cache_on_hos
         got = sample(model, prompts, keys, **draw, cache_on_host=cache_on_host)
     assert got == expected
     assert torch.cuda.memory_allocated() == before
+
+
+def test_a_relayed_policy_scores_a_batch_on_cuda_streaming_it_once(tmp_path):
+    """GRPO's scoring pass through a relay (`RelayCopy.each_logits`): every micro-batch through
+    each block while it is on the device, the next block uploading on the side stream, gives the
+    log-probs of a whole copy's forwards; the model streamed once; nothing stays."""
+    from transformers import AutoModelForCausalLM
+
+    from relaytrain.models.decoder import LayeredDecoder
+    from relaytrain.models.layered import MicroBatch
+    from relaytrain.objectives import objective
+    from relaytrain.rollout.on_device import DeviceCopy, RelayCopy
+    from relaytrain.rollout.scoring import token_logps
+    from tests.checkpoints import tiny_decoder
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_decoder(tmp_path / "llama", layers=4)).eval()
+    for p in policy.parameters():
+        p.data = p.data.pin_memory()
+    cuda = torch.device("cuda")
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(3):
+        ids = torch.randint(3, policy.config.vocab_size, (2, 16), generator=generator)
+        labels = ids.clone()
+        labels[:, :6] = -100
+        rows.append(MicroBatch(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids)))
+    with DeviceCopy(policy, cuda).on_device() as model:
+        expected = token_logps(model, rows, temperature=0.7)
+    relay = RelayCopy(policy, cuda, [f"model.layers.{i}" for i in range(4)],
+                      layered=lambda model: LayeredDecoder(model, objective("grpo")))
+    before = torch.cuda.memory_allocated()
+    with relay.on_device() as model:
+        got = token_logps(model, rows, temperature=0.7)
+    assert relay.visits == 4 + 1
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert torch.cuda.memory_allocated() == before

@@ -122,6 +122,18 @@ def test_every_strategy_samples_the_same_completions_and_trains_the_same_weights
     assert_same_weights(trained(tmp_path / strategy), trained(tmp_path / "baseline"), rtol=1e-5, atol=1e-6)
 
 
+def test_a_relayed_policy_scores_its_batch_together_and_trains_as_the_baseline(setting, tmp_path):
+    """num_iterations = 2 and the KL term: the sampling policy's and the reference's scoring
+    passes both relayed, every micro-batch through each block at once (`RelayCopy.each_logits`),
+    train the weights the baseline's forwards a micro-batch give."""
+    common = ("objective.beta=0.04", "objective.num_iterations=2")
+    grpo_run(setting, tmp_path / "baseline", "adamw", "strategy=baseline", *common)
+    grpo_run(setting, tmp_path / "relay", "adamw", "strategy=l2l", "objective.rollout_placement=relay", *common)
+    assert [r["completion_ids"] for r in rollouts(tmp_path / "relay")] == [
+        r["completion_ids"] for r in rollouts(tmp_path / "baseline")]
+    assert_same_weights(trained(tmp_path / "relay"), trained(tmp_path / "baseline"), rtol=1e-5, atol=1e-6)
+
+
 def replay_with_trl(setting, run_dir: Path, optim: str, loss_type: str, beta: float, iterations: int,
                     masked_truncated: bool = False, adapter: Path | None = None) -> dict[str, torch.Tensor]:
     """TRL's loss on a plain Hugging Face model (with `adapter`: peft's, continued from it, its

@@ -122,3 +122,78 @@ def test_where_a_host_held_policy_samples_follows_the_free_memory(tmp_path):
     made, said = choose(policy, gpu, names, None, cache, free=relay.bytes)
     assert made is None and said.endswith("sampling on the host, from its copy there")
     assert relay.bytes < whole and relay.streamed_bytes < whole
+
+
+def _scored_rows(vocab: int) -> list:
+    """Three micro-batches of two right-padded rows, the completions labelled (a rollout batch's rows)."""
+    from relaytrain.models.layered import MicroBatch
+
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(3):
+        ids = torch.randint(3, vocab, (2, 12), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0  # the second row is shorter
+        labels = torch.where(mask.bool(), ids, -100)
+        labels[:, :4] = -100  # the prompt is not labelled
+        rows.append(MicroBatch(input_ids=ids, labels=labels, attention_mask=mask))
+    return rows
+
+
+def _layered(model):
+    """A model seen as the decoder family's layered model, as a GRPO run sees it."""
+    from relaytrain.models.decoder import LayeredDecoder
+    from relaytrain.objectives import objective
+
+    return LayeredDecoder(model, objective("grpo"))
+
+
+def _lora_in_place(directory):
+    """A Llama with non-zero LoRA adapters injected in place, as relaytrain adapts its models."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_decoder(directory, layers=3))
+    return inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+                                   base).eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "qwen3_moe", "lora"])
+def test_a_relay_scores_every_micro_batch_of_a_batch_streaming_the_model_once(tmp_path, kind):
+    """A relayed policy's scoring pass (`scoring.token_logps`) runs each block over every
+    micro-batch while it is on the device: the log-probs the policy's own forwards give, the
+    model streamed once (where a forward a micro-batch would stream it three times); with
+    adapters, the reference view scores the base alone."""
+    from relaytrain.rollout.scoring import ReferenceView, adapters_off, token_logps
+
+    policy = _lora_in_place(tmp_path / kind) if kind == "lora" else _policy(kind, tmp_path / kind)
+    rows = _scored_rows(policy.config.vocab_size)
+    expected = token_logps(policy, rows, temperature=0.7)
+    relay = RelayCopy(policy, CPU, decoder_layer_names(policy), layered=_layered)
+    with relay.on_device() as model:
+        got = token_logps(model, rows, temperature=0.7)
+        assert relay.visits == len(relay.blocks) + 1  # every block once, and the first again for what comes next
+        base = token_logps(ReferenceView(model), rows, temperature=0.7) if kind == "lora" else None
+    for ours, theirs, mb in zip(got, expected, rows, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert torch.equal(ours != 0, mb.labels != -100)  # the labelled tokens alone, at their own positions
+    if base is not None:
+        with adapters_off(policy):
+            unadapted = token_logps(policy, rows, temperature=0.7)
+        for ours, theirs, adapted in zip(base, unadapted, expected, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(ours, adapted)
+    assert all(t.device.type == "meta" for t in [*relay.model.parameters(), *relay.model.buffers()])
+    plain = RelayCopy(policy, CPU, decoder_layer_names(policy))  # no layered view: a forward a micro-batch
+    with plain.on_device() as model:
+        assert not plain.scores_together and token_logps(model, rows[:1], temperature=0.7)[0].equal(got[0])
+    assert plain.visits == len(plain.blocks) + 1
+
+
+def test_a_relay_scores_in_groups_whose_hidden_states_fit():
+    from relaytrain.rollout.on_device import score_groups
+
+    rows = _scored_rows(100)
+    per = 2 * 12 * 64 * 4  # a micro-batch's fp32 hidden states at width 64
+    assert [len(g) for g in score_groups(rows, 64, free=1 << 40)] == [3]
+    assert [len(g) for g in score_groups(rows, 64, free=2 * 2 * per)] == [2, 1]
+    assert [len(g) for g in score_groups(rows, 64, free=per)] == [1, 1, 1]  # one at a time, at the least

@@ -15,21 +15,27 @@ the host as the forward reaches it and freed when it leaves, the next one upload
 stream meanwhile (at most two blocks on the device). Every decoded token streams the blocks
 through the device once, for all of the micro-batch's sequences together; their KV cache stays
 on the device where it fits, else on the host, each layer's brought back as its block runs
-(Hugging Face's offloaded cache).
+(Hugging Face's offloaded cache). Scoring the finished rows (`each_logits`) goes the other way
+round, as L2L trains: each block, once on the device, visits every micro-batch of the batch before
+it leaves, so a scoring pass streams the model once, not once a micro-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from relaytrain.cost.rollout import cache_bytes
 from relaytrain.models.family import LatentAttention
+from relaytrain.models.layered import LayeredModel, MicroBatch
 from relaytrain.utils.units import GiB
+
+Layered = Callable[[nn.Module], LayeredModel]  # a Hugging Face model seen as the run's layered model
 
 
 class DeviceCopy:
@@ -71,7 +77,7 @@ class RelayCopy(DeviceCopy):
     the policy as the forward reaches it and freed as it leaves."""
 
     def __init__(self, policy: nn.Module, device: torch.device, block_names: list[str],
-                 dtype: torch.dtype | None = None, cache_on_host: bool = False):
+                 dtype: torch.dtype | None = None, cache_on_host: bool = False, layered: Layered | None = None):
         super().__init__(policy, device, dtype)
         self.cache_on_host = cache_on_host
         self.block_names = block_names
@@ -82,9 +88,13 @@ class RelayCopy(DeviceCopy):
         self.visits = 0  # blocks filled so far (the tests count a relay's uploads)
         self._ready: dict[int, torch.cuda.Event | None] = {}  # blocks filled or filling: their upload's end
         self._stream: torch.cuda.Stream | None = None  # the uploads' own stream on a GPU (made on first use)
+        self._held: int | None = None  # the block `holding` keeps on the device across its calls
+        self._layered = layered  # how the run's family sees a model as embed -> blocks -> head (`scores_together`)
+        self._view: LayeredModel | None = None  # the copy seen so (made on first use)
         for i, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(lambda module, args, i=i: self._enter(i))
-            block.register_forward_hook(lambda module, args, out, i=i: self._free(i))
+            block.register_forward_pre_hook(lambda module, args, i=i: self._enter(i) if self._held != i else None)
+            block.register_forward_hook(lambda module, args, out, i=i: self._free(i) if self._held != i else None)
+        RELAYS[id(self.model)] = self
 
     @property
     def bytes(self) -> int:
@@ -130,6 +140,47 @@ class RelayCopy(DeviceCopy):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    def each_logits(self, batches: list[MicroBatch]) -> Iterator[torch.Tensor]:
+        """Each of `batches`' logits (micro-batches on the device), the blocks visiting them in
+        L2L's order: every block, once filled, runs every micro-batch of a group before it leaves.
+        A group is as many micro-batches as their hidden states fit in half the device's free
+        memory (`score_groups`): the whole batch, streaming the model once, where they fit."""
+        model = self.layered()
+        for group in score_groups(batches, model.hf_config.hidden_size, free_bytes(self.device)):
+            hidden = [model.embed_input(mb.input_ids) for mb in group]
+            contexts = [model.context(mb, h) for mb, h in zip(group, hidden, strict=True)]
+            for i, block in enumerate(model.blocks):
+                with self.holding(i):
+                    hidden = [block(h, ctx) for h, ctx in zip(hidden, contexts, strict=True)]
+            for h in hidden:
+                yield model.head(h)
+
+    @property
+    def scores_together(self) -> bool:
+        """Whether its scoring passes run every micro-batch through each block at once
+        (`each_logits`): it was given the run's family's layered view (`layered`)."""
+        return self._layered is not None
+
+    def layered(self) -> LayeredModel:
+        """The copy as the run's family's layered model (embed -> blocks -> head, the blocks the
+        relay's own), made once; with no router tally, for scoring needs the logits alone."""
+        if self._view is None:
+            self._view = self._layered(self.model)
+            self._view.routing = None
+        return self._view
+
+    @contextlib.contextmanager
+    def holding(self, i: int) -> Iterator[None]:
+        """Block `i` on the device for every call inside (its hooks fill and free it once, not
+        each call), the next one uploading meanwhile; freed on leaving."""
+        self._enter(i)
+        self._held = i
+        try:
+            yield
+        finally:
+            self._held = None
+            self._free(i)
+
     def _enter(self, i: int) -> None:
         """Block `i` on the device before it runs (waiting for its upload where one is under way),
         and the next block's upload started beside its compute."""
@@ -164,6 +215,22 @@ class RelayCopy(DeviceCopy):
         self._ready.pop(i, None)
 
 
+RELAYS: weakref.WeakValueDictionary[int, RelayCopy] = weakref.WeakValueDictionary()  # by their models' ids
+
+
+def relay_of(model: nn.Module) -> RelayCopy | None:
+    """The relay whose model `model` is, if any."""
+    return RELAYS.get(id(model))
+
+
+def score_groups(batches: list[MicroBatch], hidden_size: int, free: int) -> list[list[MicroBatch]]:
+    """`batches` cut into consecutive groups whose hidden states (fp32, the largest a block
+    returns) fit in half of `free` bytes; at least one micro-batch a group."""
+    per = max(mb.input_ids.numel() for mb in batches) * hidden_size * 4
+    size = max(1, min(len(batches), free // 2 // per))
+    return [batches[i:i + size] for i in range(0, len(batches), size)]
+
+
 def decoder_layer_names(model: nn.Module) -> list[str]:
     """The module names of a Hugging Face causal LM's decoder layers: the first list of modules
     (in the model's own order, so before any list inside a layer) as long as its config's layers."""
@@ -180,7 +247,8 @@ def free_bytes(device: torch.device) -> int:
 
 
 def choose(policy: nn.Module, device: torch.device, block_names: list[str], dtype: torch.dtype | None,
-           cache: int, free: int, microbatches: int = 1, margin: float = 1.2) -> tuple[DeviceCopy | None, str]:
+           cache: int, free: int, microbatches: int = 1, margin: float = 1.2, layered: Layered | None = None
+           ) -> tuple[DeviceCopy | None, str]:
     """Where a host-held policy samples, given a micro-batch's KV cache (`cache` bytes), the
     micro-batches of a rollout batch and the device's `free` bytes (each needed with `margin` to
     spare): a whole copy on the device, a micro-batch decoded at a time; else a relay of its blocks
@@ -193,18 +261,18 @@ def choose(policy: nn.Module, device: torch.device, block_names: list[str], dtyp
     said = (f"rollouts: the policy ({whole.bytes / GiB:.1f} GiB) and a micro-batch's KV cache ({cache / GiB:.1f} GiB) "
             f"do not fit in the device's free memory ({free / GiB:.1f} GiB): ")
     batch = cache * microbatches
-    relay, where = relayed(policy, device, block_names, dtype, batch, free, margin)
+    relay, where = relayed(policy, device, block_names, dtype, batch, free, margin, layered)
     if not _fits(relay.bytes + (2 * batch // len(block_names) if relay.cache_on_host else batch), free, margin):
         return None, said + "sampling on the host, from its copy there"
     return relay, said + where
 
 
 def relayed(policy: nn.Module, device: torch.device, block_names: list[str], dtype: torch.dtype | None,
-            cache: int, free: int, margin: float = 1.2) -> tuple[RelayCopy, str]:
+            cache: int, free: int, margin: float = 1.2, layered: Layered | None = None) -> tuple[RelayCopy, str]:
     """A relay of `policy`'s blocks through `device`, its KV cache (`cache`: the whole rollout
     batch's, decoded together) there where it fits beside the relay's parts, else on the host (a
     GPU's: a CPU's "device" is the host); and the sentence saying what it streams and holds."""
-    relay = RelayCopy(policy, device, block_names, dtype)
+    relay = RelayCopy(policy, device, block_names, dtype, layered=layered)
     relay.cache_on_host = device.type == "cuda" and not _fits(relay.bytes + cache, free, margin)
     return relay, (f"relay decode of the whole rollout batch, the blocks streamed through the device once a decoded token "
                    f"({relay.streamed_bytes / GiB:.1f} GiB a token, at most {relay.bytes / GiB:.1f} GiB held), "

@@ -8,7 +8,8 @@ lays each completion out as a row: the prompt, then the completion up to and inc
 token, labelled on the completion. A micro-batch of rows holds its prompts' whole groups, in
 TRL's order (a prompt's G completions together). With `num_iterations` > 1 the rows also carry
 the sampling policy's token log-probs (`old_logps`), and with `beta` > 0 the reference's
-(`ref_token_logps`), both from a forward of that model over the rows, as TRL computes them.
+(`ref_token_logps`), both from a forward of that model over the rows, as TRL computes them
+(`scoring`: a relayed model's micro-batches together, each block streamed once).
 
 What was sampled goes to `rollouts.jsonl` in the run directory (one record a completion) and
 the rewards' figures to the step's metrics.
@@ -16,7 +17,6 @@ the rewards' figures to the step's metrics.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from relaytrain.models.layered import Draw, MicroBatch, eval_mode
-from relaytrain.rollout import sampling
+from relaytrain.rollout import sampling, scoring
 from relaytrain.rollout.reward_model import RewardModel
 from relaytrain.rollout.rewards import Rewards, advantages, figures
 from relaytrain.schema.row import IGNORE_INDEX
@@ -114,9 +114,9 @@ class RolloutStage:
         advantage, zero_std = advantages(total, self.objective.num_generations, self.objective.scale_rewards)
         rows = self._rows(completions, advantage, len(prompts))
         if self.objective.num_iterations > 1:
-            rows = [dataclasses.replace(mb, old_logps=self._token_logps(policy, mb)) for mb in rows]
+            rows = _given(rows, "old_logps", self._token_logps(policy, rows))
         if self.objective.beta != 0:
-            rows = [dataclasses.replace(mb, ref_token_logps=self._token_logps(reference, mb)) for mb in rows]
+            rows = _given(rows, "ref_token_logps", self._token_logps(reference, rows))
         shown_figures = {}
         if reporter:
             shown_figures = {**figures(self.rewards.names, scores, total, zero_std), **_length_figures(completions)}
@@ -223,21 +223,11 @@ class RolloutStage:
                            advantage=advantage[s].float().clone())
                 for s in (slice(i * per, (i + 1) * per) for i in range(microbatches))]
 
-    @torch.no_grad()
-    def _token_logps(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
-        """Each labelled token's log-prob under `model` at the sampling temperature, at the
-        token's own position [rows, seq] (0 elsewhere), as the loss aligns them."""
+    def _token_logps(self, model: nn.Module, rows: list[MicroBatch]) -> list[torch.Tensor]:
+        """Each micro-batch's labelled tokens' log-probs under `model` at the sampling temperature
+        (`scoring.token_logps`: a relayed model's micro-batches scored together)."""
         device = next(model.parameters()).device
-        underlying = getattr(model, "policy", model)  # a view of the policy (its adapters off) computes with it
-        with eval_mode(underlying), self._autocast(device) or contextlib.nullcontext():
-            logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
-                           **sampling.quiet_router(underlying)).logits
-        x = logits[:, :-1].float() / self.objective.temperature
-        y = mb.labels[:, 1:].to(device)
-        token = torch.gather(x.log_softmax(-1), -1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        out = torch.zeros(mb.labels.shape, dtype=torch.float32)
-        out[:, 1:] = torch.where(y != IGNORE_INDEX, token, 0.0).cpu()
-        return out
+        return scoring.token_logps(model, rows, self.objective.temperature, self._autocast(device))
 
     def _autocast(self, device: torch.device):
         if self.precision is None or self.precision.half is None:
@@ -271,6 +261,11 @@ class RolloutStage:
         kept = [line for line in self.file.read_text(encoding="utf-8").splitlines()
                 if line.strip() and json.loads(line)["step"] <= step]
         self.file.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def _given(rows: list[MicroBatch], field: str, values: list[torch.Tensor]) -> list[MicroBatch]:
+    """Each micro-batch with its value of `field`."""
+    return [dataclasses.replace(mb, **{field: v}) for mb, v in zip(rows, values, strict=True)]
 
 
 def _completion(prompt, text: str):

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from relaytrain.models.layered import MicroBatch
 from relaytrain.rollout import on_device
 from relaytrain.rollout.on_device import DeviceCopy, RelayCopy
+from relaytrain.rollout.scoring import ReferenceView
 from relaytrain.rollout.stage import RolloutBatch, RolloutStage, figures_of_total
 from relaytrain.schema.row import row_values
 
@@ -52,6 +53,8 @@ class Rollouts:
         if self.gathers and self.maker:
             self.policy = _whole_model(config)
         self.stage.set_end_ids(_end_ids(self.policy, config), config.vocab_size)
+        # How a relay sees its copy as the run's layered model: its scoring passes go through the blocks together.
+        self.layered = functools.partial(spec.family.layered, objective=objective)
         sequences = prompts_per_microbatch * objective.num_generations
         # A copy on the device holds the weights as the blocks compute with them (a cross-precision run's half dtype).
         self.copy_dtype = spec.precision.half if spec.precision.cross else None
@@ -67,7 +70,7 @@ class Rollouts:
             self.reference = copy.deepcopy(self.policy).requires_grad_(False) if self.maker else None
         # A host-held reference scores as the policy samples: relayed through the device beside it.
         self.reference_copy = None if self.reference is None or self.device_copy is None else RelayCopy(
-            self.reference, world.device, self._block_names(), self.copy_dtype)
+            self.reference, world.device, self._block_names(), self.copy_dtype, layered=self.layered)
         self.figures: dict[str, float] = {}  # the last rollout batch's, for the step that made it
 
     def minibatch(self, step: int, loader) -> list[MicroBatch]:
@@ -83,7 +86,7 @@ class Rollouts:
             if self.maker:
                 with self._sampling_policy() as policy, self._scoring_reference() as reference:
                     if reference is None and stage.objective.beta != 0:
-                        reference = _ReferenceView(policy)
+                        reference = ReferenceView(policy)
                     made = stage.make(step, loader.minibatch(stage.batch_of(step)), policy, reference,
                                       self.reporter or self.spread)
             if self.spread:
@@ -129,9 +132,11 @@ class Rollouts:
         cache = on_device.kv_cache_bytes(config, sequences, tokens, dtype or torch.float32)
         free = on_device.free_bytes(device)
         if placement == "relay":
-            made, said = on_device.relayed(self.policy, device, self._block_names(), dtype, cache * microbatches, free)
+            made, said = on_device.relayed(self.policy, device, self._block_names(), dtype, cache * microbatches, free,
+                                           layered=self.layered)
         else:
-            made, said = on_device.choose(self.policy, device, self._block_names(), dtype, cache, free, microbatches)
+            made, said = on_device.choose(self.policy, device, self._block_names(), dtype, cache, free, microbatches,
+                                          layered=self.layered)
         if said and self.reporter:
             print(said, flush=True)
         return made
@@ -196,38 +201,6 @@ class Rollouts:
         if state is not None:
             rows = [MicroBatch(**values) for values in state["rows"]]
             self.stage.current = RolloutBatch(state["batch"], rows, {})
-
-
-class _ReferenceView(nn.Module):
-    """The policy with its adapters off, as the reference (TRL's `disable_adapter()` for a peft
-    model): peft's layers skip their adapters while this view computes."""
-
-    def __init__(self, policy: nn.Module):
-        super().__init__()
-        object.__setattr__(self, "policy", policy)  # not a submodule: the view owns nothing
-
-    def parameters(self, recurse: bool = True):
-        return self.policy.parameters(recurse)
-
-    def forward(self, **kwargs):
-        with adapters_off(self.policy):
-            return self.policy(**kwargs)
-
-
-@contextlib.contextmanager
-def adapters_off(model: nn.Module):
-    """peft's adapter layers of `model` computing as their base layers alone, for the duration."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    before = [m._disable_adapters for m in layers]
-    for m in layers:  # the flag itself: peft's enable_adapters(False) would also freeze the adapters' weights
-        m._disable_adapters = True
-    try:
-        yield
-    finally:
-        for m, flag in zip(layers, before, strict=True):
-            m._disable_adapters = flag
 
 
 def _whole_model(config):
