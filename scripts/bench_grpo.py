@@ -79,10 +79,28 @@ def relaytrain_child(name: str, workdir: Path, run_dir: Path, steps: int) -> dic
              "objective.rewards=[bench_grpo:length_reward]", f"strategy={name}", f"strategy.microbatch_size={PROMPTS}",
              f"strategy.num_microbatches={ACCUMULATE}", "optim=adamw", "optim.lr=1e-5", f"train.steps={steps}",
              "train.untimed_steps=1", "train.check_memory=false"]
-    run(resolve(compose_config(given), given), run_dir, table=False, quiet=True)
+    cfg = resolve(compose_config(given), given)
+    run(cfg, run_dir, table=False, quiet=True)
     rows = read_metrics(run_dir)[1:] or read_metrics(run_dir)  # the first step is untimed (a warm-up has one)
     step_s = statistics.mean(r["step_time_s"] + r["rollout_s"] for r in rows)
-    return {"step_s": step_s, "completion_tokens": statistics.mean(r["completions/mean_length"] for r in rows)}
+    return {"step_s": step_s, "rollout_s": statistics.mean(r["rollout_s"] for r in rows),
+            "predicted_rollout_s": predicted_rollout_s(cfg),
+            "completion_tokens": statistics.mean(r["completions/mean_length"] for r in rows)}
+
+
+def predicted_rollout_s(cfg) -> float:
+    """The planner's rollout batch for `cfg` on this machine: its profile measured here, as
+    `relaytrain plan` measures it (a decoded token timed), then `planner.sampling.sampling_for`."""
+    import torch
+
+    from relaytrain.cost.formulas import ModelFacts
+    from relaytrain.cost.profile import measure
+    from relaytrain.planner.sampling import sampling_for, time_decode
+    from relaytrain.run.resolve import choose
+
+    facts = ModelFacts.of(cfg)
+    profile = measure(cfg, [facts.rows(cfg.strategy.microbatch_size)], [1], torch.device("cpu"), time_decode)
+    return sampling_for(cfg, choose(cfg).strategy, facts, profile, 1, None).batch_s
 
 
 def trl_child(workdir: Path, run_dir: Path, steps: int) -> dict:
@@ -169,10 +187,16 @@ def main() -> None:
     for name in chosen:
         top, bottom, key = CONTESTS[name]
         headlines[name] = headline([r[top][key] / r[bottom][key] for r in rounds], TARGETS[name])
+    # How near the planner's sampling time comes to the run's (not a headline: the cost model's check)
+    predicted = [r[c]["predicted_rollout_s"] / r[c]["rollout_s"] for r in rounds for c in r if c.startswith("relaytrain")]
+    if predicted:
+        print(f"sampling_predicted_vs_run: median {statistics.median(predicted):.3f} "
+              f"(rounds {', '.join(f'{x:.3f}' for x in predicted)})")
     results = {"command": f"python scripts/bench_grpo.py --rounds {args.rounds} --steps {args.steps}",
                "model": SIZES, "prompts": PROMPTS, "num_generations": G, "accumulate": ACCUMULATE,
                "max_completion_length": LENGTH, "seq_len": SEQ, "rounds": rounds, "other_load_cores": load.cores,
-               "headlines": headlines}
+               "headlines": headlines,
+               "sampling_predicted_vs_run": statistics.median(predicted) if predicted else None}
     report(results, args.json)
 
 

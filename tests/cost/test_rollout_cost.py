@@ -135,3 +135,55 @@ def test_a_4_bit_base_is_read_as_stored():
         free = free_between_steps(spec["memory_gb"] * GiB * 0.9, facts)
         where[name] = sampling_for(cfg, strategy_class("l2l"), facts, profile, 1, free).where
     assert where == {"lora": "relay", "qlora": "copy"}
+
+
+def test_a_decoded_token_pays_each_blocks_call_however_few_its_rows():
+    """With the profile's decoded token (`DecodeTimes`), a token costs every block's call and the
+    rest of the step (the larger of that and reading the weights), where a position's share of
+    a forward over data.seq_len spread those calls thin; a timed one has read its cache already.
+    A relay looks the token up at the whole batch's sequences and scores it in one stream a pass."""
+    from relaytrain.cost.profile import DecodeTimes
+
+    facts = _facts()
+    asked = []
+
+    def decode_at(sequences: int, reads_cache: bool = False) -> DecodeTimes:
+        asked.append(sequences)
+        return DecodeTimes(block_s=0.01, rest_s=0.05, reads_cache=reads_cache)
+
+    common = dict(rows=16, microbatches=2, completion_tokens=512, scoring_passes=0)
+    compute = facts.num_layers * 0.01 + 0.05
+    cache = kv_cache_bytes(facts, 16, 1024 - 512 + 256) / 3e12
+    spec = sampling_cost(facts, 1e-9, 1e-9, 3e12, 5e10, where="device", decode_at=decode_at, **common)
+    assert spec.parts["decode"] == pytest.approx(2 * 512 * (compute + cache)) and asked == [16]
+    timed = sampling_cost(facts, 1e-9, 1e-9, 3e12, 5e10, where="device",
+                          decode_at=lambda n: decode_at(n, reads_cache=True), **common)
+    assert timed.parts["decode"] == pytest.approx(2 * 512 * compute)
+    relay = sampling_cost(facts, 0.5, 0.25, 3e12, 5e10, where="relay", decode_at=decode_at,
+                          **{**common, "scoring_passes": 2})
+    assert asked[-1] == 32  # the two micro-batches decode together
+    streamed = weight_bytes(facts) / 5e10
+    assert relay.parts["scoring"] == pytest.approx(2 * (2 * (facts.num_layers * 0.5 + 0.25) + streamed))
+
+
+def test_a_spec_profile_prices_a_decoded_tokens_launches_and_a_measured_one_times_them():
+    """A GPU's spec profile: a block's kernel overhead each block of a decoded token, the rest
+    about two blocks' (their FLOPs at the sustained rate besides). This CPU: the rollout engine's decode
+    step timed with the block and without it (`planner.sampling.time_decode`)."""
+    from relaytrain.cost.profile import from_spec, load_spec, measure
+    from relaytrain.planner.sampling import time_decode
+
+    cfg = compose_config(GRPO)
+    spec = load_spec("h100_80gb")
+    decode = from_spec(spec, cfg, [4, 16], decode=True).timings[0].decode
+    overhead = spec["kernel_overhead_s_per_block"]
+    assert set(decode) == {4, 16}
+    assert overhead < decode[4].block_s < decode[16].block_s and 2 * overhead < decode[4].rest_s
+    assert not decode[4].reads_cache
+    tiny = ["model=llama_tiny", "data.seq_len=16", "objective.max_completion_length=8"]
+    measured = measure(compose_config([*GRPO, *tiny]), [2], [1], torch.device("cpu"), time_decode)
+    (timings,) = measured.timings.values()
+    assert set(timings.decode) == {2} and timings.decode[2].reads_cache
+    assert timings.decode[2].block_s >= 0 and timings.decode[2].rest_s > 0  # a difference of two timings, and one
+    assert timings.decode_at(4) == timings.decode[2].scaled(2.0)
+    assert not from_spec(spec, cfg, [4]).timings[0].decode  # none asked: a task that samples nothing

@@ -24,6 +24,7 @@ import copy
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -76,20 +77,54 @@ class Timings:
     optimizer_block_s: float
     optimizer_ends_s: float
     extrapolated: list[int] = field(default_factory=list)  # sizes predicted from a smaller one, not timed
+    # A decoded token by the sequences decoding together (an online objective's sampling; empty
+    # otherwise): one position of each through a block, and the rest of the step.
+    decode: dict[int, DecodeTimes] = field(default_factory=dict)
 
     def part(self, name: str, b: int) -> PartTimes:
         """A part's times at micro-batch size `b`: as measured, or linear in b from the nearest
         measured size below (time per sample is flat once a micro-batch fills the machine)."""
-        table = getattr(self, name)
-        if b in table:
-            return table[b]
-        below = max((k for k in table if k < b), default=min(table))
-        return table[below].scaled(b / below)
+        return _at_size(getattr(self, name), b)
+
+    def decode_at(self, sequences: int) -> DecodeTimes | None:
+        """A decoded token's times with `sequences` decoding together (as `part` reads sizes not
+        timed); None where the profile timed no decoding."""
+        return _at_size(self.decode, sequences) if self.decode else None
 
     def scaled(self, factor: float) -> Timings:
         """Every time `factor` times longer (workers time-sharing the cores)."""
-        return Timings(*({b: t.scaled(factor) for b, t in table.items()} for table in (self.block, self.embed, self.head)),
-                       self.optimizer_block_s * factor, self.optimizer_ends_s * factor, list(self.extrapolated))
+        tables = (self.block, self.embed, self.head, self.decode)
+        block, embed, head, decode = ({b: t.scaled(factor) for b, t in table.items()} for table in tables)
+        return Timings(block, embed, head, self.optimizer_block_s * factor, self.optimizer_ends_s * factor,
+                       list(self.extrapolated), decode)
+
+
+@dataclass(frozen=True)
+class DecodeTimes:
+    """Seconds of one decoded token of some sequences decoding together, each reading its cache:
+    one block's call on one position of each (its work, its weights read, its kernel launches and
+    Python, which a forward over data.seq_len tokens pays once and a decoded token pays every
+    time), and the rest of the step (embeddings, final norm and head, the draw)."""
+
+    block_s: float
+    rest_s: float
+    reads_cache: bool = False  # timed with a cache of half data.seq_len: its reading is in block_s
+
+    def scaled(self, factor: float) -> DecodeTimes:
+        return DecodeTimes(self.block_s * factor, self.rest_s * factor, self.reads_cache)
+
+
+# Times a decoded token of b sequences on the one-block model: (model, cfg, b, precision, device).
+DecodeTimer = Callable[[LayeredModel, object, int, Precision, torch.device], DecodeTimes]
+
+
+def _at_size(table: dict, b: int):
+    """A table's entry at size `b`: as timed, or linear in b from the nearest timed size below
+    (time per sample is flat once a micro-batch fills the machine)."""
+    if b in table:
+        return table[b]
+    below = max((k for k in table if k < b), default=min(table))
+    return table[below].scaled(b / below)
 
 
 @dataclass
@@ -140,7 +175,8 @@ class Profile:
 
 
 def _timings_json(t: Timings) -> dict:
-    tables = {name: {str(b): asdict(p) for b, p in getattr(t, name).items()} for name in ("block", "embed", "head")}
+    names = ("block", "embed", "head", "decode")
+    tables = {name: {str(b): asdict(p) for b, p in getattr(t, name).items()} for name in names}
     return {**tables, "optimizer_block_s": t.optimizer_block_s, "optimizer_ends_s": t.optimizer_ends_s,
             "extrapolated": t.extrapolated}
 
@@ -148,9 +184,12 @@ def _timings_json(t: Timings) -> dict:
 # --------------------------------------------------------------------------- this machine
 
 
-def measure(cfg, microbatch_sizes: list[int], worker_counts: list[int], device: torch.device) -> Profile:
+def measure(cfg, microbatch_sizes: list[int], worker_counts: list[int], device: torch.device,
+            time_decode: DecodeTimer | None = None) -> Profile:
     """Time this machine's `device` (the CPU, or a CUDA device) on `cfg`'s model at these
-    micro-batch sizes, for runs of each of these numbers of workers."""
+    micro-batch sizes, for runs of each of these numbers of workers; with `time_decode`, a
+    decoded token at each size too (an online objective's sampling: `planner.sampling`, which
+    holds the rollout engine this layer does not see)."""
     cores = usable_cores()
     configured = cfg.train.threads
     keys = sorted({threads_per_process(configured, w, cores) for w in worker_counts}) if device.type == "cpu" else [0]
@@ -159,7 +198,7 @@ def measure(cfg, microbatch_sizes: list[int], worker_counts: list[int], device: 
         timings = {}
         for threads in keys:
             torch.set_num_threads(threads or saved)
-            timings[threads] = measure_timings(cfg, sorted(set(microbatch_sizes)), device)
+            timings[threads] = measure_timings(cfg, sorted(set(microbatch_sizes)), device, time_decode)
     finally:
         torch.set_num_threads(saved)
     p2p, allreduce, latency, how = links_of_this_machine(device, max(worker_counts))
@@ -176,20 +215,24 @@ def measure(cfg, microbatch_sizes: list[int], worker_counts: list[int], device: 
     )
 
 
-def measure_timings(cfg, sizes: list[int], device: torch.device) -> Timings:
-    """Block, embeddings, head and optimizer of `cfg`'s model, timed at each size in `sizes`."""
+def measure_timings(cfg, sizes: list[int], device: torch.device, time_decode: DecodeTimer | None = None) -> Timings:
+    """Block, embeddings, head and optimizer of `cfg`'s model, timed at each size in `sizes`; a
+    decoded token too, with `time_decode`."""
     model = one_block_model(cfg, device)
     precision = Precision.from_name(str(cfg.precision.name))
     tables: dict[str, dict[int, PartTimes]] = {"block": {}, "embed": {}, "head": {}}
-    extrapolated = []
+    extrapolated, decode = [], {}
     for b in sizes:
         if tables["block"] and _too_slow(tables["block"], b):
             extrapolated.append(b)
             continue
         for name, times in _time_parts(model, cfg, b, precision, device).items():
             tables[name][b] = times
+        if time_decode is not None:
+            decode[b] = time_decode(model, cfg, b, precision, device)
     optimizer_block, optimizer_ends = _time_optimizers(model, cfg)
-    return Timings(tables["block"], tables["embed"], tables["head"], optimizer_block, optimizer_ends, extrapolated)
+    return Timings(tables["block"], tables["embed"], tables["head"], optimizer_block, optimizer_ends, extrapolated,
+                   decode)
 
 
 def one_block_model(cfg, device: torch.device) -> LayeredModel:
@@ -252,6 +295,19 @@ def _forward_backward(forward, precision: Precision, device: torch.device) -> Pa
             forwards.append(middle - start)
             backwards.append(time.perf_counter() - middle)
     return PartTimes(statistics.median(forwards), statistics.median(backwards))
+
+
+def median_s(fn, device: torch.device, repeats: int = REPEATS) -> float:
+    """Median seconds of `fn()` over `repeats` calls after a warm-up."""
+    times = []
+    for repetition in range(repeats + 1):
+        metrics.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        metrics.synchronize(device)
+        if repetition:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _time_optimizers(model: LayeredModel, cfg) -> tuple[float, float]:
@@ -344,8 +400,9 @@ def load_spec(name_or_path: str) -> dict:
     return spec
 
 
-def from_spec(spec: dict, cfg, microbatch_sizes: list[int]) -> Profile:
-    """The spec's predicted timings for `cfg`'s model: FLOPs over peak x efficiency."""
+def from_spec(spec: dict, cfg, microbatch_sizes: list[int], decode: bool = False) -> Profile:
+    """The spec's predicted timings for `cfg`'s model: FLOPs over peak x efficiency; with
+    `decode`, a decoded token's too (an online objective's sampling)."""
     rate = _sustained_flops(spec, cfg)
     link = spec["link_efficiency"] * 1e9
     work = model_work(cfg.model, cfg.data.seq_len)  # a sample's forward FLOPs through a block and the head
@@ -356,6 +413,7 @@ def from_spec(spec: dict, cfg, microbatch_sizes: list[int]) -> Profile:
         head={b: _spec_part(b * work.head, rate, spec, cfg, b) for b in microbatch_sizes},
         optimizer_block_s=_block_parameters(cfg) * optimizer_bytes_per_param(cfg) / (spec["memory_bandwidth_gb_s"] * link),
         optimizer_ends_s=_ends_parameters(cfg) * optimizer_bytes_per_param(cfg) / (spec["memory_bandwidth_gb_s"] * link),
+        decode={b: _spec_decode(b, model_work(cfg.model, 1), rate, spec) for b in microbatch_sizes} if decode else {},
     )
     return Profile(
         name=spec["name"], device=spec["device"], device_type="cuda", source=spec["source"],
@@ -386,6 +444,16 @@ def _spec_part(work: float, rate: float, spec: dict, cfg, b: int, overhead: bool
     filled = tokens / (tokens + spec["tokens_half_efficiency"])
     forward = work / (rate * filled) + (spec["kernel_overhead_s_per_block"] if overhead else 0.0)
     return PartTimes(forward, 2 * forward)
+
+
+def _spec_decode(sequences: int, work, rate: float, spec: dict) -> DecodeTimes:
+    """A decoded token of `sequences` sequences: the block's and the head's FLOPs for one token of
+    each (`work`: one token's) at the sustained rate, plus a block's kernel overhead each block
+    and about two blocks' for the embeddings, head and draw (an assumption of the profile's
+    kind, as its overhead is). So few tokens do not fill the device, but a decode step's kernels
+    are bound by reading their weights, which `cost.rollout` counts apart (the larger of the two)."""
+    overhead = spec["kernel_overhead_s_per_block"]
+    return DecodeTimes(sequences * work.block / rate + overhead, sequences * work.head / rate + 2 * overhead)
 
 
 def embed_bytes(cfg, b: int) -> float:

@@ -20,9 +20,11 @@ L2L relays a policy that does not fit) more than by its FLOPs at the batch sizes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from relaytrain.cost.formulas import ModelFacts
+from relaytrain.cost.profile import DecodeTimes
 from relaytrain.models.family import LatentAttention
 
 
@@ -82,18 +84,22 @@ def placement(host_held: bool, device_type: str, weights: int, cache: int, free:
 
 def sampling_cost(facts: ModelFacts, block_forward_s: float, head_forward_s: float, memory_rate: float,
                   upload_rate: float | None, *, rows: int, microbatches: int, completion_tokens: int,
-                  scoring_passes: int, where: str) -> SamplingCost:
+                  scoring_passes: int, where: str, decode_at: Callable[[int], DecodeTimes | None] | None = None
+                  ) -> SamplingCost:
     """One rollout batch of `microbatches` micro-batches of `rows` sequences, each decoding up to
     `completion_tokens` after a prompt of the rest of data.seq_len (the bounds the run holds).
 
     `block_forward_s` and `head_forward_s`: the profile's forward of one block and of the head
     over `rows` sequences of data.seq_len tokens. A decoded token runs every block and the head
-    on one position of each sequence: the larger of that compute (the forward over one position's
-    share) and reading the weights once (from device memory at `memory_rate`, a micro-batch at a
-    time; a relay streams them from the host at `upload_rate` once for the whole batch), plus
-    reading the cache (half full on average). The prompt
-    pass and the scoring passes are forwards over their tokens. Launch overheads beyond the
-    profile's are not counted: a lower bound where they dominate (tiny models on a GPU)."""
+    on one position of each sequence decoding together: the larger of that compute and reading
+    the weights once (from device memory at `memory_rate`, a micro-batch at a time; a relay
+    streams them from the host at `upload_rate` once for the whole batch), plus reading the cache
+    (half full on average). The compute is the profile's decoded token (`decode_at(sequences)`:
+    each block's call and the rest of the step, timed with its cache or from the spec, launches
+    included, which a forward over data.seq_len pays once and a decoded token every time); a
+    profile without one gives a position's share of the forward. The prompt pass and the scoring passes
+    are forwards over their tokens; a relay scores the whole batch in one stream of the model a
+    pass (`RelayCopy.each_logits`)."""
     seq = facts.seq_len
     prompt = max(seq - completion_tokens, 1)
     forward = facts.num_layers * block_forward_s + head_forward_s  # every block and the head, rows x seq tokens
@@ -105,10 +111,12 @@ def sampling_cost(facts: ModelFacts, block_forward_s: float, head_forward_s: flo
     together = microbatches if relay else 1
     groups = microbatches // together
     cache_read = kv_cache_bytes(facts, together * rows, prompt + completion_tokens // 2) / memory_rate
-    token = max(together * forward / seq, streamed) + cache_read
-    scoring = scoring_passes * (forward + (streamed if relay else 0.0))  # a micro-batch's rows at a time
+    decoded = decode_at(together * rows) if decode_at is not None else None
+    compute = together * forward / seq if decoded is None else facts.num_layers * decoded.block_s + decoded.rest_s
+    token = max(compute, streamed) + (0.0 if decoded is not None and decoded.reads_cache else cache_read)
+    scoring = scoring_passes * (microbatches * forward + (streamed if relay else 0.0))
     parts = {"prefill": groups * max(together * forward * prompt / seq, streamed),
-             "decode": groups * completion_tokens * token, "scoring": microbatches * scoring}
+             "decode": groups * completion_tokens * token, "scoring": scoring}
     if where == "copy" and upload_rate:
         parts["upload"] = weights / upload_rate
     return SamplingCost(sum(parts.values()), where, parts)

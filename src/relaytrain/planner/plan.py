@@ -42,7 +42,7 @@ from relaytrain.planner.candidates import (
     reference_json,
 )
 from relaytrain.planner.dryrun import simulate
-from relaytrain.planner.sampling import free_between_steps, sampling_for, with_sampling
+from relaytrain.planner.sampling import free_between_steps, sampling_for, time_decode, with_sampling
 from relaytrain.run.compose import compose
 from relaytrain.run.launch import keep_freed_host_memory
 from relaytrain.run.resolve import choose
@@ -314,8 +314,9 @@ def _make_plan(overrides: list[str], kept_in_command: list[str], max_simulations
                           f"{request.workers} worker(s); a pipeline needs plan.workers >= 2 (and some schedules a batch "
                           f"of at least their depth): raise plan.workers or plan.batch_size")
     sizes = sorted({sequences(s.microbatch_size, request.rows_per_item) for s in shapes})  # a profile times sequences
-    profile = from_spec(spec, cfg, sizes) if spec else measure_as_run(cfg, sizes, sorted({s.workers for s in shapes}),
-                                                                        device)
+    online = choose(cfg).objective.learns_online  # sampling: a decoded token timed or priced too
+    profile = from_spec(spec, cfg, sizes, online) if spec else measure_as_run(cfg, sizes, sorted({s.workers for s in shapes}),
+                                                                                device)
     facts = _facts_by_precision(bases)
     candidates = [check_candidate(shape, base, facts[str(base.precision.name)], profile, request, device)
                   for shape in shapes for base in [bases[shape.strategy]]]
@@ -332,7 +333,7 @@ def measure_as_run(cfg, sizes: list[int], workers: list[int], device) -> Profile
     profile's repetitions reuse their buffers as a run's micro-batches do instead of handing
     them back and faulting them in again."""
     keep_freed_host_memory()  # for this process, as for a worker: the planner's is about to end or to run
-    return measure(cfg, sizes, workers, device)
+    return measure(cfg, sizes, workers, device, time_decode if choose(cfg).objective.learns_online else None)
 
 
 def _facts_by_precision(bases: dict) -> dict[str, ModelFacts]:
