@@ -278,3 +278,25 @@ def test_a_relayed_policy_scores_a_batch_on_cuda_streaming_it_once(tmp_path):
     for ours, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert torch.cuda.memory_allocated() == before
+
+
+def test_muons_newton_schulz_on_the_gpu_beside_l2l_s_host_masters(tmp_path, capfd):
+    """`optim.orthogonalize_on=device`: L2L's host-held Muon ships each update to the GPU in bf16
+    for its Newton-Schulz steps; the run lands where the host's steps land, within what bf16
+    products summed in another order move after three steps (tests/test_muon.py's bound for
+    sums in another order); `auto` times both sides once and says which it took."""
+    from tests.checkpoints import tiny_decoder
+    from tests.test_muon import SUMMED_ELSEWHERE, hf_saved, muon_cfg
+
+    checkpoint = tiny_decoder(tmp_path / "llama", layers=4)
+    weights = {}
+    for where in ("host", "device", "auto"):
+        cfg = muon_cfg(checkpoint, "strategy=l2l", CUDA, f"optim.orthogonalize_on={where}")
+        run(cfg, tmp_path / where, quiet=True)
+        weights[where] = dict(hf_saved(tmp_path / where).named_parameters())
+    said = capfd.readouterr().err
+    assert "optim.orthogonalize_on=auto: Newton-Schulz over a" in said, said
+    largest, mean = (share * cfg.optim.lr for share in SUMMED_ELSEWHERE)
+    for name, p in weights["host"].items():
+        difference = (weights["device"][name] - p).abs()
+        assert difference.max() <= largest and difference.mean() <= mean, name

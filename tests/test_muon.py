@@ -328,3 +328,41 @@ def test_lora_continues_an_adapter_with_muon_on_its_matrices_as_a_plain_peft_loo
     for key, p in mine.items():
         torch.testing.assert_close(p, theirs[key], atol=2e-5, rtol=1e-4, msg=key)
         assert (p - start[key]).abs().max() > 1e-3, f"{key} did not train"
+
+
+def test_newton_schulz_on_the_device_beside_host_masters_steps_as_on_the_host(checkpoints, tmp_path):
+    """`optim.orthogonalize_on=device` ships each update to the device in bf16 and back; on this
+    CPU the "device" is the host, so the same path runs and the l2l run ends on the same weights
+    bit for bit (and so on the plain loop's: the test above). A GPU checks it on its device
+    (tests/test_gpu.py)."""
+    names = {}
+    for where in ("host", "device"):
+        run(muon_cfg(checkpoints["qwen3_moe"], "strategy=l2l", f"optim.orthogonalize_on={where}"),
+            tmp_path / where, quiet=True)
+        names[where] = dict(hf_saved(tmp_path / where).named_parameters())
+    for name, p in names["host"].items():
+        torch.testing.assert_close(names["device"][name], p, rtol=0, atol=0, msg=name)
+
+
+def test_where_the_newton_schulz_steps_run_follows_the_key_and_the_faster_side(monkeypatch, capsys):
+    """host: the host; device: the run's device; auto: the host beside no GPU, else the faster of
+    the two for the largest matrix (timed once a process, said in one line); no matrix: nowhere."""
+    from relaytrain.step import muon
+
+    o = compose_config(["optim=muon"]).optim
+    cpu, gpu, shapes = torch.device("cpu"), torch.device("cuda", 0), [torch.Size([8, 4]), torch.Size([16, 32])]
+    for where, device, expected in (("host", gpu, None), ("device", gpu, gpu), ("device", cpu, cpu), ("auto", cpu, None)):
+        o.orthogonalize_on = where
+        assert muon.orthogonalizing_device(o, device, shapes) == expected, (where, device)
+    assert muon.orthogonalizing_device(o, gpu, []) is None
+    o.orthogonalize_on = "auto"
+    for host_s, device_s, expected in ((0.2, 0.05, gpu), (0.05, 0.2, None)):
+        monkeypatch.setattr(muon, "_CHOSEN", {})
+        timed = []
+        monkeypatch.setattr(muon, "_newton_schulz_seconds",
+                            lambda shape, on, h=host_s, d=device_s, t=timed: t.append(shape) or (h if on is None else d))
+        assert muon.orthogonalizing_device(o, gpu, shapes) == expected
+        assert muon.orthogonalizing_device(o, gpu, shapes) == expected and timed == [(16, 32)] * 2  # once
+        said = capsys.readouterr().err
+        assert said.count("\n") == 1 and "16 x 32" in said and f"{host_s * 1e3:.1f} ms on the host" in said
+        assert said.rstrip().endswith("device" if expected is not None else "host")

@@ -40,6 +40,7 @@ from relaytrain.placement.world import threads_per_process, usable_cores
 from relaytrain.records.checkpoint import unique_named_parameters
 from relaytrain.step import metrics
 from relaytrain.step.lowbit import host_time_vs_fp32, state_bits
+from relaytrain.step.muon import MuonWithAdamW, orthogonalizing_device
 from relaytrain.step.optim import build_optimizer, state_words
 from relaytrain.step.precision import Precision
 from relaytrain.step.rounding import ROUNDING_VS_FP32_ADAMW, Bf16Masters, bf16_masters
@@ -324,15 +325,18 @@ def block_named_parameters(model: LayeredModel) -> list:
     return [(f"blocks.0.{name}", p) for name, p in model.blocks[0].named_parameters()]
 
 
-def _time_optimizer(named: list, cfg) -> float:
+def _time_optimizer(named: list, cfg, beside: torch.device | None = None) -> float:
     """Median seconds of one step of the configured optimizer over fp32 copies of `named`; with
-    bf16 masters (`optim.master_dtype`), over bf16 copies stepped as the eager param server does."""
+    bf16 masters (`optim.master_dtype`), over bf16 copies stepped as the eager param server does;
+    host masters `beside` a GPU: Muon's Newton-Schulz steps where the server would run them."""
     rounding = Bf16Masters(0, lambda p: "timed", cfg.optim.host_loops) if bf16_masters(cfg.optim) else None
     masters = [(n, torch.nn.Parameter(p.detach().float().clone()) if rounding is None  # fp32, on p's device
                 else rounding.stand_in(torch.nn.Parameter(p.detach().bfloat16()))) for n, p in named]
     for _, p in masters:
         p.grad = torch.randn(p.shape, device=p.device) * 1e-3
     optimizer = build_optimizer(masters, cfg.optim)
+    if isinstance(optimizer, MuonWithAdamW) and beside is not None:
+        optimizer.orthogonalize_on = orthogonalizing_device(cfg.optim, beside, optimizer.muon_shapes())
     step = contextlib.nullcontext if rounding is None else lambda: rounding.updating(optimizer, [p for _, p in masters])
     times = []
     for repetition in range(REPEATS + 1):
@@ -354,7 +358,7 @@ def _host_optimizer_s_per_param(cfg, timings: dict[int, Timings], device: torch.
     if device.type == "cpu":
         return timings[max(timings)].optimizer_block_s / block_params
     model = one_block_model(cfg, torch.device("cpu"))
-    return _time_optimizer(block_named_parameters(model), cfg) / block_params
+    return _time_optimizer(block_named_parameters(model), cfg, beside=device) / block_params
 
 
 def _block_parameters(cfg) -> int:

@@ -86,6 +86,15 @@ class HostKernel(Choice):
     deepspeed = "deepspeed"  # DeepSpeed's cpu_adam op (falls back to torch, said once, when it cannot load)
 
 
+class OrthogonalizeOn(Choice):
+    """Where Muon's Newton-Schulz steps run for masters held on the host (an eager param
+    server's) beside a GPU."""
+
+    auto = "auto"  # the faster of the two here (timed once a process, said in one line); the host beside no GPU
+    host = "host"  # where the masters and their momentum are
+    device = "device"  # the run's GPU: the update shipped in bf16 (where the iteration starts anyway) and back
+
+
 @register_optimizer("adamw")
 @dataclass
 class AdamWConfig(OptimConfig):
@@ -126,6 +135,7 @@ class MuonConfig(OptimConfig):
     adamw_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's moment decay rates
     adamw_eps: float = 1e-6  # AdamW's epsilon
     fused: bool = True  # AdamW's fused kernel, on CPU and CUDA
+    orthogonalize_on: OrthogonalizeOn = OrthogonalizeOn.auto  # where the Newton-Schulz steps of host-held masters run beside a GPU (l2l, offloaded stages): auto (the faster, timed once a process), host or device
 
 
 @register_optimizer("sgd")

@@ -203,7 +203,7 @@ class L2L(ReplicatedStrategy):
                                     pin=self.device.type == "cuda", peers=peers,
                                     carry=s.overlap_next_step and not world.simulated,
                                     bf16=Bf16Masters(cfg.train.seed, model.hf_name, cfg.optim.host_loops)
-                                    if bf16_masters(cfg.optim) else None)
+                                    if bf16_masters(cfg.optim) else None, device=self.device)
         self.peers = peers
         self.transfers = Transfers(self.device)
         self.relay = WeightRelay(self.eps.parts, self.transfers, self.device, s.max_resident_blocks, s.prefetch,

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from relaytrain.step.flat import KeptTensors
+from relaytrain.step.muon import orthogonalize_beside
 from relaytrain.step.optim import build_optimizer, set_lr
 from relaytrain.step.precision import LossScaler
 from relaytrain.strategies.eps.parts import (
@@ -76,16 +77,15 @@ class EagerParamServer:
     give the background worker the caller's kernel threads (the host's cores are not computing
     the device's work; on a CPU device the worker takes one, beside the caller's compute).
     `bf16`: keep the masters in bf16 and step them through its fp32 stand-ins (`step.rounding`).
+    `device`: the one the parts compute on (Muon may run its Newton-Schulz steps there).
     """
 
     def __init__(self, modules: list[tuple[str, nn.Module]], optim_cfg, scaler: LossScaler,
                  wire_dtype: torch.dtype = torch.float32, pin: bool = False, peers: Peers | None = None,
-                 frozen_dtype: torch.dtype | None = None, carry: bool = False, bf16: Bf16Masters | None = None):
-        self.scaler = scaler
-        self.grad_clip = optim_cfg.grad_clip
+                 frozen_dtype: torch.dtype | None = None, carry: bool = False, bf16: Bf16Masters | None = None,
+                 device: torch.device | None = None):
+        self.scaler, self.grad_clip, self.peers, self.bf16 = scaler, optim_cfg.grad_clip, peers, bf16
         self.defer = self.grad_clip > 0 or scaler.enabled
-        self.peers = peers
-        self.bf16 = bf16
         self.parts = build_parts(modules, wire_dtype, pin, frozen_dtype, self.bf16)
         self.owners = peers.assign(self.parts) if peers else [0] * len(self.parts)
         self.rank = peers.rank if peers else 0
@@ -93,6 +93,8 @@ class EagerParamServer:
             if owner == self.rank and part.owned:
                 named = zip(self.stepped_names(part), part.stepped, strict=True)
                 part.optimizer = build_optimizer(named, optim_cfg, flat=True)
+        if device is not None:
+            orthogonalize_beside([part.optimizer for part in self.parts], device, optim_cfg)
         # The baseline's parameter order (model.parameters()), so clipping sums the same way.
         self.my_masters = [p for part in self.local_parts() for p in part.stepped]
         kernels = sorted({part.optimizer.kernel for part in self.parts if part.optimizer is not None})

@@ -93,7 +93,8 @@ class HostVersions(VersionBuffers):
         self.masters = [masters[n] for n in self.names]  # aligned with every buffer's params
         self._name = dict(zip(map(id, self.masters), self.hf_names, strict=True))
         bf16 = Bf16Masters(seed, lambda p: self._name[id(p)], optim_cfg.host_loops) if bf16_masters(optim_cfg) else None
-        self.eps = EagerParamServer(stage_parts(stage), optim_cfg, LossScaler(False), pin=self.cuda, bf16=bf16)
+        self.eps = EagerParamServer(stage_parts(stage), optim_cfg, LossScaler(False), pin=self.cuda, bf16=bf16,
+                                    device=device)
         if bf16 is not None:  # the buffers compute with the masters as the EPS keeps them: rounded to bf16
             for version in range(len(self.buffers)):
                 self._load(version, dict(zip(self.hf_names, self.masters, strict=True)))
