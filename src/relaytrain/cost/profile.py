@@ -40,7 +40,7 @@ from relaytrain.placement.world import threads_per_process, usable_cores
 from relaytrain.records.checkpoint import unique_named_parameters
 from relaytrain.step import metrics
 from relaytrain.step.lowbit import host_time_vs_fp32, state_bits
-from relaytrain.step.muon import MuonWithAdamW, orthogonalizing_device
+from relaytrain.step.muon import orthogonalize_beside
 from relaytrain.step.optim import build_optimizer, state_words
 from relaytrain.step.precision import Precision
 from relaytrain.step.rounding import ROUNDING_VS_FP32_ADAMW, Bf16Masters, bf16_masters
@@ -335,19 +335,14 @@ def _time_optimizer(named: list, cfg, beside: torch.device | None = None) -> flo
     for _, p in masters:
         p.grad = torch.randn(p.shape, device=p.device) * 1e-3
     optimizer = build_optimizer(masters, cfg.optim)
-    if isinstance(optimizer, MuonWithAdamW) and beside is not None:
-        optimizer.orthogonalize_on = orthogonalizing_device(cfg.optim, beside, optimizer.muon_shapes())
-    step = contextlib.nullcontext if rounding is None else lambda: rounding.updating(optimizer, [p for _, p in masters])
-    times = []
-    for repetition in range(REPEATS + 1):
-        metrics.synchronize(masters[0][1].device)
-        start = time.perf_counter()
-        with step():
+    if beside is not None:
+        orthogonalize_beside([optimizer], beside, cfg.optim)
+    updating = contextlib.nullcontext if rounding is None else lambda: rounding.updating(optimizer, [p for _, p in masters])
+
+    def step():
+        with updating():
             optimizer.step()
-        metrics.synchronize(masters[0][1].device)
-        if repetition:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_s(step, masters[0][1].device)
 
 
 def _host_optimizer_s_per_param(cfg, timings: dict[int, Timings], device: torch.device) -> float:
