@@ -10,6 +10,8 @@ chosen by name here: they hold relaytrain's model, loss and optimizer code to th
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -101,6 +103,18 @@ def hf_reference(pretrained: Path, cfg, delay: int = 0) -> tuple[torch.nn.Module
     model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
     optimizer = torch.optim.AdamW(decay_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     return model, reference_loop(model, optimizer, cfg, delay)
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """This process computes on `threads` torch threads meanwhile: a reference taken with a run's
+    workers' thread count sums in their order."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def reference_loop(model: torch.nn.Module, optimizer, cfg, delay: int = 0) -> list[float]:
