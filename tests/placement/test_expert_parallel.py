@@ -419,13 +419,21 @@ def test_the_cost_model_cuts_lora_on_the_experts_with_them(mixture):
                                   "adapter.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"]))
     model = build_model(cfg.model, quiet=True, adapter=cfg.adapter)
     trains = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    ExpertShards(model, Layout(replicate=2, experts=2), 0, simulated=True, timeout=None)
+    shards = ExpertShards(model, Layout(replicate=2, experts=2), 0, simulated=True, timeout=None)
     worker_trains = sum(p.numel() for p in model.parameters() if p.requires_grad)
     facts = ModelFacts.of(cfg)
     assert facts.trained_parts.block_experts > 0 and worker_trains < trains
     layers = cfg.model.num_layers
     assert facts.trained_params == pytest.approx(trains, abs=2 * layers)
-    assert facts.placed(cfg.strategy).trained_params == pytest.approx(worker_trains, abs=2 * layers)
+    worker = facts.placed(cfg.strategy)
+    assert worker.trained_params == pytest.approx(worker_trains, abs=2 * layers)
+    # Their gradients are summed over the holders of the same share alone, as the run's
+    # (`ExpertShards.holds`), not with the attention's over every replica.
+    from relaytrain.strategies.whole_model_cost import shared_expert_grads
+
+    held = sum(p.numel() for p in model.parameters() if p.requires_grad and shards.holds(p))
+    assert 0 < held < worker_trains
+    assert shared_expert_grads(worker) == pytest.approx(held, abs=layers)
 
 
 def test_the_cost_model_keeps_a_share_of_4bit_experts(mixture):

@@ -271,11 +271,14 @@ class BaselineCost(WholeModelCost):
 
 
 def shared_expert_grads(facts: ModelFacts) -> int:
-    """The gradients of a worker's share of every block's experts where they are shared out and
-    train in full (`ModelFacts.share_experts`); 0 otherwise (LoRA leaves them frozen, or adapts them:
-    its factors' gradients are counted with what trains, cut by `share_experts`)."""
-    if facts.expert_parallel == 1 or facts.trained_parts is not None:
+    """The gradients of a worker's share of every block's experts where they are shared out
+    (`ModelFacts.share_experts`): the experts' own where they train in full, LoRA's factors on them
+    where an adapter adapts them (already cut to the share), none where LoRA leaves them frozen.
+    The run sums these over the workers holding the same share alone (`ExpertShards.holds`)."""
+    if facts.expert_parallel == 1:
         return 0
+    if facts.trained_parts is not None:
+        return facts.num_layers * facts.trained_parts.block_experts
     return facts.num_layers * (expert_weights(facts.shape) // facts.expert_parallel)
 
 
