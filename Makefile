@@ -62,7 +62,7 @@ test: $(VENV)/.installed-dev
 # Longer end-to-end checks (multi-step sweeps, wheel install, many-block memory bounds, the
 # DeepSpeed kernel against torch's, runs logged to MLflow and W&B).
 test-slow: $(VENV)/.installed-fast $(VENV)/.installed-trackers
-	$(BIN)/python -m pytest -q -m slow $(XDIST) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q -m "slow or extras" $(XDIST) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # GPU acceptance run (docs/benchmarks.md, "GPU acceptance run"). Here, online: `make gpu-wheels`
 # gathers into .whl/ what the GPU machine lacks. There, offline, in one command each:

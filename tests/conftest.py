@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -65,6 +66,25 @@ TINY_LLAMA = [
 
 
 TINY = {"bert": TINY_BERT, "gpt2": TINY_GPT2, "llama": TINY_LLAMA}
+
+
+def needs_extra(module: str, extra: str) -> list:
+    """The marks of a test that needs an optional extra's `module`: skipped where the extra is not
+    installed, as in the default suite's environment, and marked `extras`, which the slow step
+    (the one that installs the extras) runs with its slow tests: `make test-slow`. As a module's
+    `pytestmark`, or each mark applied in turn (`with_marks`)."""
+    missing = importlib.util.find_spec(module) is None
+    return [pytest.mark.extras, pytest.mark.skipif(missing, reason=f"{module} is the {extra} extra: make test-slow "
+                                                                   f"installs it and runs this")]
+
+
+def with_marks(marks: list):
+    """`marks` as one decorator."""
+    def marked(test):
+        for mark in marks:
+            test = mark(test)
+        return test
+    return marked
 
 
 def tiny_cfg(family: str = "bert", *overrides: str):

@@ -8,7 +8,6 @@ on the host (and no second copy under cmp_bf16), and is refused in one line wher
 
 from __future__ import annotations
 
-import importlib.util
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from tests.conformance.references import (
     reference_loop,
     update_delay,
 )
+from tests.conftest import needs_extra, with_marks
 
 STEPS = 3
 SEED = 5
@@ -101,7 +101,7 @@ def test_each_parameter_and_update_draws_its_own():
     assert len(keys) == 7
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is the lowbit extra")
+@with_marks(needs_extra("torchao", "lowbit"))
 def test_the_rule_is_torchaos_stochastic_rounding_on_the_same_draws(monkeypatch):
     from torchao.optim import quant_utils
 

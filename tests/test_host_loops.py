@@ -8,16 +8,14 @@ slow step's. The table that replaces the search is checked in the default suite.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from relaytrain.step.host_loops import _values, code_table, host_loops
 from relaytrain.step.lowbit import optimizer_class
+from tests.conftest import needs_extra
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                                reason="torchao is the lowbit extra: make test-slow installs it")
+pytestmark = needs_extra("torchao", "lowbit")
 STEPS = 4
 
 

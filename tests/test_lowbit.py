@@ -12,7 +12,6 @@ missing, as in the default suite's environment, the runs are skipped (the checks
 
 from __future__ import annotations
 
-import importlib.util
 from functools import partial
 from pathlib import Path
 
@@ -37,10 +36,10 @@ from tests.conformance.references import (
     reference_loop,
     update_delay,
 )
+from tests.conftest import needs_extra, with_marks
 
 # The runs need torchao; the checks and the planner's counts do not.
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                                   reason="torchao is the lowbit extra: make test-slow installs it")
+needs_torchao = with_marks(needs_extra("torchao", "lowbit"))
 
 STEPS = 3
 RUN_KEYS = ["data.seq_len=16", "data.num_samples=64", "optim.lr=0.01", "optim.weight_decay=0.1", "optim.eps=1e-4",

@@ -4,7 +4,6 @@ train what the plain Hugging Face loop trains; a checkpoint holds whole tensors 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,10 @@ from relaytrain.strategies import strategy_class
 from relaytrain.strategies.baseline import Baseline
 from relaytrain.utils.errors import ConfigError
 from tests.checkpoints import tiny_moe
+from tests.conftest import needs_extra, with_marks
 from tests.models.test_moe import RUN_KEYS, trains_as_hugging_face
 
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                                   reason="torchao is the lowbit extra: make test-slow installs it")
+needs_torchao = with_marks(needs_extra("torchao", "lowbit"))
 EXPERT_PARALLEL = ["strategy=baseline", "strategy.replicas=2", "strategy.expert_parallel=2"]
 
 
