@@ -12,6 +12,7 @@ On a CUDA device, with the conformance suite's tiny BERT and its references:
 - bf16 masters (`optim.master_dtype=bf16`) live in pinned bf16 buffers and round as on the CPU;
 - QLoRA (bitsandbytes' CUDA kernels) and the mixtures of experts train as on the CPU, and L2L's
   experts streamed by need train what uploading them all trains;
+- FP8 products (amp_fp8, cmp_fp8) on a card that has them land the baseline and L2L together;
 - GRPO's relay decode of a host-held policy (blocks uploaded on a side stream, the KV cache on the
   device or offloaded to the host) draws the tokens a whole device copy draws, leaving nothing.
 
@@ -300,3 +301,21 @@ def test_muons_newton_schulz_on_the_gpu_beside_l2l_s_host_masters(tmp_path, capf
     for name, p in weights["host"].items():
         difference = (weights["device"][name] - p).abs()
         assert difference.max() <= largest and difference.mean() <= mean, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 products need compute capability 8.9 or newer")
+def test_fp8_blocks_on_cuda_under_the_baseline_and_l2l(tmp_path):
+    """`precision=amp_fp8` on the GPU's FP8 tensor cores: the baseline and L2L land together, far
+    nearer each other than FP8's rounding is from fp32; `cmp_fp8` within that rounding."""
+    pytest.importorskip("torchao.float8")
+    from tests.test_float8 import largest_difference, trained
+
+    fp32 = trained(tmp_path, "fp32", CUDA)
+    baseline = trained(tmp_path, "baseline", CUDA, "precision=amp_fp8")
+    l2l = trained(tmp_path, "l2l", CUDA, "precision=amp_fp8", "strategy=l2l")
+    cmp = trained(tmp_path, "cmp", CUDA, "precision=cmp_fp8", "strategy=l2l")
+    fp8_noise = largest_difference(baseline, fp32)
+    assert fp8_noise > 0
+    assert largest_difference(l2l, baseline) <= 0.05 * fp8_noise
+    assert largest_difference(cmp, baseline) <= fp8_noise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from relaytrain.models import float8
 from relaytrain.schema.config import AdapterConfig, Device
 from relaytrain.utils.errors import ConfigError
 
@@ -32,6 +33,7 @@ def check_shared(cfg, chosen) -> None:
     _check_eval(cfg, chosen)
     _check_train(cfg)
     _check_capabilities(chosen.strategy, cfg.strategy.name, cfg.precision.name, cfg.optim.grad_clip)
+    float8.check_config(cfg.precision.name, cfg.adapter.name, cfg.model.quantize)
     _check_muon(cfg.optim)
     _check_state_bits(cfg.optim, chosen.strategy, cfg.strategy.name)
     _check_master_dtype(cfg.optim, chosen.strategy, cfg.strategy.name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-from relaytrain.models import count_parameters
+from relaytrain.models import count_parameters, float8
 from relaytrain.placement.world import under_torchrun, usable_cores
 from relaytrain.run.resolve import choose
 from relaytrain.utils.errors import ConfigError
@@ -37,6 +37,7 @@ def check_can_start(cfg, cls, device: torch.device, parameters: int | None = Non
         from relaytrain.models import compile as compiling
 
         compiling.check(device)
+    float8.check(cfg.precision.name, device.type)
     need = int(cls.cost_model.estimate_host_bytes(cfg, parameters, device.type) + HEADROOM + gathered)
     # A dry run plans for the machine the real run will have, not this one: it allocates no
     # such memory, and reports the estimate (results.json's memory.host_estimate_bytes).

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from relaytrain.data import TokenDataset, build_datasets, build_loader, data_facts, eval_batches
 from relaytrain.dryrun.memory import DeviceMemory
-from relaytrain.models import Trains, build_model
+from relaytrain.models import Trains, build_model, float8
 from relaytrain.models import compile as compiling
 from relaytrain.models.pretrained import explicit_overrides
 from relaytrain.models.pretrained import resolve as resolve_pretrained
@@ -200,6 +200,8 @@ def train_process(cfg, world: World, job: Job) -> dict | None:
                         objective=job.spec.objective)
     # Under an adapter (the spec counted what trains), what trains as built, before a placement cuts or shards it.
     built = Trains.of(model) if job.spec.trains is not None else None
+    if float8.uses_float8(cfg.precision.name):  # before any copy of a block is made
+        float8.float8_blocks(model)
     compiled = compiling.compile_blocks(model, cfg.train.compile, world.device)  # before copies are made
     strategy = cls(model, cfg, world)
     # A dry run counts the device tensors this process holds from here on (memory.DeviceMemory).

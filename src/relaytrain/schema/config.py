@@ -44,6 +44,8 @@ class PrecisionName(Choice):
     amp_fp16 = "amp_fp16"
     cmp_bf16 = "cmp_bf16"
     cmp_fp16 = "cmp_fp16"
+    amp_fp8 = "amp_fp8"  # amp_bf16 with the blocks' linear layers in FP8 (torchao's float8 training; FP8 GPUs)
+    cmp_fp8 = "cmp_fp8"  # cmp_bf16 with them in FP8
 
 
 class Device(Choice):

@@ -5,6 +5,8 @@
 - cmp_bf16 / cmp_fp16 (cross mixed precision, L2L only): blocks travel to and run on the
   device in half precision while the eager param server keeps fp32 master weights and
   optimizer state on the host.
+- amp_fp8 / cmp_fp8: amp_bf16 / cmp_bf16 with the blocks' linear layers computing in FP8
+  (torchao's float8 training, `models/float8.py`): everything else as in bf16.
 fp16 (amp or cmp) needs loss scaling: a step whose gradients overflow is skipped and the
 scale lowered; it is never applied.
 """
@@ -19,7 +21,9 @@ import torch
 
 from relaytrain.dryrun import meta_autocast
 
-_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The reduced dtype of each policy; fp8's is bf16, what every operation but the blocks' FP8
+# products computes in.
+_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,11 @@ class Precision:
     @property
     def cross(self) -> bool:
         return self.name.startswith("cmp")
+
+    @property
+    def float8(self) -> bool:
+        """The blocks' linear layers compute in FP8 (`models/float8.py`)."""
+        return self.name.endswith("fp8")
 
     @property
     def needs_loss_scaling(self) -> bool:

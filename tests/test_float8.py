@@ -1,0 +1,112 @@
+"""`precision=amp_fp8` / `cmp_fp8`: the blocks' linear layers in FP8 with torchao's float8 recipe.
+
+FP8 products are refused on this CPU machine, as on any device without FP8 tensor cores. torch
+has a CPU kernel for them (`torch._scaled_mm`), so with the device check lifted the runs here are
+held to torchao's own recipe in a plain loop: the same modules, the same casts, the same sums.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from relaytrain.data import build_dataset, build_loader
+from relaytrain.models import build_model, float8
+from relaytrain.run.train import run
+from relaytrain.step.optim import build_optimizer, lr_at, set_lr
+from relaytrain.strategies.whole_model import minibatch_divisor
+from relaytrain.utils.errors import ConfigError
+from tests.conftest import needs_extra, tiny_cfg
+
+pytestmark = needs_extra("torchao", "lowbit")
+
+STEPS = 2
+# SGD keeps a gradient's size (Adam's first steps would turn rounding noise in a near-zero
+# gradient into a whole lr); llama_tiny's projections are 32 and 64 wide, 16 for the keys and values.
+KEYS = ["optim=sgd", f"train.steps={STEPS}", "train.untimed_steps=0", "train.save_model=true",
+        "strategy.microbatch_size=2", "strategy.num_microbatches=2"]
+
+
+@pytest.fixture
+def fp8_anywhere(monkeypatch):
+    """This machine taken for one with FP8 tensor cores (its CPU multiplies in FP8 too, slowly)."""
+    monkeypatch.setattr(float8, "device_refusal", lambda device_type: None)
+
+
+def trained(tmp_path, name: str, *overrides: str) -> dict[str, torch.Tensor]:
+    cfg = tiny_cfg("llama", *KEYS, *overrides)
+    run(cfg, tmp_path / name, quiet=True)
+    saved = copy.deepcopy(cfg)
+    saved.model.pretrained = str(tmp_path / name / "model")
+    return {n: p.detach().clone() for n, p in build_model(saved.model).named_parameters()}
+
+
+def torchao_plain_loop(cfg) -> dict[str, torch.Tensor]:
+    """The reference: the model with torchao's `convert_to_float8_training` on each block's linear
+    layers (those FP8 products take), every micro-batch's loss under bf16 autocast, SGD."""
+    from torchao.float8 import convert_to_float8_training
+
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    for block in model.blocks:
+        convert_to_float8_training(block, module_filter_fn=lambda m, _: m.in_features % 16 == 0
+                                   and m.out_features % 16 == 0)
+    optimizer = build_optimizer(model.named_parameters(), cfg.optim)
+    loader = build_loader(cfg, build_dataset(cfg))
+    for step in range(cfg.train.steps):
+        minibatch = next(loader)
+        divisor = minibatch_divisor(model, minibatch, 1)
+        for mb in minibatch:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(mb, divisor)
+            loss.backward()
+        set_lr(optimizer, lr_at(step, cfg.optim, cfg.train.steps))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() >= float8.FP8_CAPABILITY,
+                    reason="this machine has FP8 tensor cores")
+@pytest.mark.parametrize("keys", [["precision=amp_fp8"], ["precision=cmp_fp8", "strategy=l2l"]])
+def test_fp8_is_refused_in_one_line_without_fp8_tensor_cores(tmp_path, keys):
+    with pytest.raises(ConfigError, match=r"needs FP8 tensor cores.*use precision=(amp|cmp)_bf16"):
+        run(tiny_cfg("llama", *keys), tmp_path / "run", quiet=True)
+
+
+@pytest.mark.parametrize("keys", [["precision=amp_fp8", "adapter=lora"], ["precision=cmp_fp8", "strategy=baseline"]])
+def test_what_fp8_does_not_take_yet_and_cross_precision_off_l2l_are_refused(tmp_path, keys):
+    with pytest.raises(ConfigError, match="use .*precision=amp_(bf16|fp8)"):
+        run(tiny_cfg("llama", *keys), tmp_path / "run", quiet=True)
+
+
+def test_amp_fp8_under_the_baseline_and_l2l_is_torchaos_recipe_in_a_plain_loop(tmp_path, fp8_anywhere):
+    reference = torchao_plain_loop(tiny_cfg("llama", *KEYS))
+    fp32 = trained(tmp_path, "fp32")
+    bf16 = trained(tmp_path, "bf16", "precision=amp_bf16")
+    baseline = trained(tmp_path, "baseline", "precision=amp_fp8")
+    l2l = trained(tmp_path, "l2l", "precision=amp_fp8", "strategy=l2l")
+    fp8_noise = largest_difference(baseline, fp32)
+    assert fp8_noise > 2 * largest_difference(bf16, fp32)  # FP8 did run: it rounds far more than bf16
+    assert largest_difference(baseline, reference) <= 1e-6
+    assert largest_difference(l2l, reference) <= 1e-6
+
+
+def test_cmp_fp8_under_l2l_trains_within_fp8s_noise_of_the_amp_run(tmp_path, fp8_anywhere, monkeypatch):
+    """Cross precision relays bf16 copies of the masters, so it casts bf16 weights to FP8 where
+    amp casts fp32 ones; every block's projections are swapped, and it lands within FP8's own
+    rounding of the amp run."""
+    swapped = []
+    swap = float8.float8_blocks
+    monkeypatch.setattr(float8, "float8_blocks", lambda model: swapped.append(swap(model)) or swapped[-1])
+    fp32 = trained(tmp_path, "fp32")
+    amp = trained(tmp_path, "amp", "precision=amp_fp8", "strategy=l2l")
+    cmp = trained(tmp_path, "cmp", "precision=cmp_fp8", "strategy=l2l")
+    assert swapped == [7 * 3, 7 * 3]  # q, k, v, o, gate, up, down in each of 3 blocks
+    assert largest_difference(cmp, amp) <= largest_difference(amp, fp32)
