@@ -110,3 +110,12 @@ def test_cmp_fp8_under_l2l_trains_within_fp8s_noise_of_the_amp_run(tmp_path, fp8
     cmp = trained(tmp_path, "cmp", "precision=cmp_fp8", "strategy=l2l")
     assert swapped == [7 * 3, 7 * 3]  # q, k, v, o, gate, up, down in each of 3 blocks
     assert largest_difference(cmp, amp) <= largest_difference(amp, fp32)
+
+
+@pytest.mark.parametrize("keys", [["precision=amp_fp8"], ["precision=cmp_fp8", "strategy=l2l"]])
+def test_an_fp8_run_resumes_exactly(tmp_path, fp8_anywhere, keys):
+    """The scales are taken afresh each call: a checkpoint holds the weights alone, and the run
+    resumed from step one ends on the uninterrupted run's weights bit for bit."""
+    from tests.conformance.references import assert_resumes_exactly
+
+    assert_resumes_exactly(lambda *more: tiny_cfg("llama", *KEYS, "train.steps=3", *keys, *more), [], tmp_path)
