@@ -77,9 +77,15 @@ def test_omp_num_threads_asks_for_fewer_threads_but_torchruns_default_does_not(e
     assert out == expected
 
 
-def test_a_run_in_this_process_takes_its_own_thread_count_not_the_last_runs(tmp_path):
-    """The planner's profile times with `threads_per_process`; a run after another in the same
-    process (a sweep, a benchmark) must compute with that count, not the one left behind."""
+def test_a_run_in_this_process_takes_its_own_thread_count_and_gives_the_callers_back(tmp_path, monkeypatch):
+    """The planner's profile times with `threads_per_process`; a run in a process that set
+    another count (a sweep's earlier run, a benchmark, a notebook) computes with the profile's,
+    and the caller has its own back after."""
+    from relaytrain.run import train
+
+    seen, trains = [], train.Trainer.run
+    monkeypatch.setattr(train.Trainer, "run", lambda self: seen.append(torch.get_num_threads()) or trains(self))
     torch.set_num_threads(THREADS + 1)
     run(tiny_cfg("bert", "train.steps=1"), tmp_path / "run", table=False)
-    assert torch.get_num_threads() == threads_per_process(0, 1) == THREADS
+    assert seen == [threads_per_process(0, 1)] == [THREADS]
+    assert torch.get_num_threads() == THREADS + 1

@@ -114,12 +114,17 @@ def keep_freed_host_memory() -> None:
 def _in_this_process(entry, cfg, payload, device: torch.device):
     keep_freed_host_memory()
     world = World(device=device, stop=StopRequest(announce=announce_stop))
-    # Whatever count an earlier run in this process left: the one the profile times with.
+    # Whatever count an earlier run in this process left: the one the profile times with. The
+    # caller's is given back after (a script's or a notebook's own setting).
+    callers = torch.get_num_threads()
     torch.set_num_threads(threads_per_process(cfg.train.threads, 1))
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-        return entry(cfg, world, payload)
-    with _signal_handlers(world.stop.request):
-        return entry(cfg, world, payload)
+    try:
+        if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+            return entry(cfg, world, payload)
+        with _signal_handlers(world.stop.request):
+            return entry(cfg, world, payload)
+    finally:
+        torch.set_num_threads(callers)
 
 
 def _as_torchrun_worker(entry, cfg, processes: int, payload, device: torch.device):
