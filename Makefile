@@ -92,8 +92,11 @@ test-gpu:
 	[ -z "$$venv" ] || $(MAKE) --no-print-directory -s $(VENV)/.installed-dev || exit; \
 	$$py -m pytest -q -m gpu $(PYTEST_ARGS)
 
-gpu-wheels: $(VENV)/.installed
-	$(BIN)/python scripts/gpu_wheels.py $(GPU_WHEELS)
+# GPU_WHEELS_ARGS=--with-deepspeed also carries DeepSpeed and accelerate (bench_gpu.py's ZeRO-3
+# offload contestant), at the versions the fast and dev extras install here.
+GPU_WHEELS_ARGS ?=
+gpu-wheels: $(VENV)/.installed $(if $(findstring --with-deepspeed,$(GPU_WHEELS_ARGS)),$(VENV)/.installed-fast)
+	$(BIN)/python scripts/gpu_wheels.py $(GPU_WHEELS) $(GPU_WHEELS_ARGS)
 
 gpu-install:
 	$(GPU_PY) scripts/gpu_wheels.py --check $(GPU_WHEELS)

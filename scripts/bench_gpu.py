@@ -9,7 +9,10 @@ one table row per run:
   over the sum of step times; device memory from torch.cuda.max_memory_allocated (the L2L paper's
   claim: flat in depth);
 - the same model under fsdp with its shards and optimizer on the host (strategy.offload=host) and
-  under the baseline (block recompute), both amp_bf16, where they fit ("out of memory" otherwise).
+  under the baseline (block recompute), both amp_bf16, where they fit ("out of memory" otherwise);
+- the same model, rows and AdamW under Hugging Face's Trainer with DeepSpeed ZeRO-3, parameters
+  and optimizer offloaded to the host (`deepspeed_contestant.py`; needs deepspeed and accelerate),
+  in DeepSpeed's bf16 mode: `l2l_vs_deepspeed_zero3_offload` is L2L's samples/s over its, by depth.
 
 Runs go through relaytrain's Python API (compose_config, train.run), L2L first at every depth,
 then the baseline, then fsdp; a run that would start after `--budget-s` is listed as not run, so
@@ -93,7 +96,8 @@ class Run(NamedTuple):
     pretrained: bool = False  # over a bf16 checkpoint of the shape (`write_checkpoint`), not a fresh model
 
 
-STRATEGIES = ("l2l", "l2l_stash_cpu", "baseline", "fsdp")  # the order they run in
+STRATEGIES = ("l2l", "l2l_stash_cpu", "baseline", "fsdp", "deepspeed")  # the order they run in
+DEEPSPEED = "deepspeed zero3 offload"  # the Trainer + DeepSpeed contestant's label (`deepspeed_contestant.py`)
 
 
 def runs(args) -> list[Run]:
@@ -110,10 +114,12 @@ def runs(args) -> list[Run]:
     suffix = f" ({', '.join(extra)})" if extra else ""
     options = {"l2l": l2l, "l2l_stash_cpu": l2l,
                "baseline": [f"precision={args.precision}", "strategy.recompute=block"],
-               "fsdp": [f"precision={args.precision}", "strategy.replicas=1", "strategy.offload=host"]}
+               "fsdp": [f"precision={args.precision}", "strategy.replicas=1", "strategy.offload=host"],
+               "deepspeed": []}
+    labels = {"deepspeed": DEEPSPEED}
 
     def each_depth(chosen: tuple[str, ...]) -> list[Run]:
-        return [Run(name + (suffix if options[name] is l2l else ""), name, blocks, options[name])
+        return [Run(labels.get(name, name) + (suffix if options[name] is l2l else ""), name, blocks, options[name])
                 for name in chosen if name in names for blocks in depths]
 
     adapters = [] if args.no_adapters or "l2l" not in names else [
@@ -188,6 +194,8 @@ def measure(args, r: Run, scratch: Path) -> dict:
 
     base = {"strategy": r.label, "blocks": r.blocks}
     try:
+        if r.strategy == "deepspeed":
+            return deepspeed_row(args, r)
         checkpoint = write_checkpoint(args, r.blocks, scratch / f"checkpoint-{r.blocks}") if r.pretrained else None
         with tempfile.TemporaryDirectory(dir=scratch) as run_dir:
             return row(args, r.label, r.blocks, run(compose_config(overrides(args, r, checkpoint)), run_dir, quiet=True))
@@ -200,6 +208,38 @@ def measure(args, r: Run, scratch: Path) -> dict:
         return {**base, "status": f"failed: {type(err).__name__}: {first_line(err)}"}
     finally:
         release()
+
+
+def deepspeed_row(args, r: Run) -> dict:
+    """The Trainer + DeepSpeed ZeRO-3 offload contestant's row (a process of its own), its figures
+    as a run's: model FLOP/s as 6 x parameters x tokens over the median step."""
+    import importlib.util
+
+    import deepspeed_contestant
+
+    missing = [name for name in ("deepspeed", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        return {"strategy": r.label, "blocks": r.blocks, "status": f"not run: {', '.join(missing)} not installed "
+                f"(make gpu-wheels GPU_WHEELS_ARGS=--with-deepspeed carries them)"}
+    keys = [key for key in overrides(args, r) if not key.startswith(("strategy=", "train.untimed_steps"))]
+    found = deepspeed_contestant.measure(keys, UNTIMED, cpu=args.cpu_smoke)
+    tokens = args.seq_len * args.microbatch_size * args.microbatches
+    peak = found["device_peak_bytes"]
+    return {"strategy": r.label, "model": args.model_name, "blocks": r.blocks,
+            "precision": "fp32" if args.cpu_smoke else "bf16 (DeepSpeed)", "params": found["parameters"],
+            "seq_len": args.seq_len, "tokens_per_step": tokens, "status": "ok", "step_s": found["step_s"],
+            "useful_tflops": 6 * found["parameters"] * tokens / found["step_s"] / 1e12,
+            "transfer_wait_share": None, "eps_exposed_share": None, "eps_busy_share": None,
+            "eps_parameters_per_s": None, "eps_kernel": found["optimizer"], "updates_into_next_step": None,
+            "device_peak_gib": peak / GiB if peak is not None else None,
+            "host_rss_gib": found["host_peak_rss_bytes"] / GiB}
+
+
+def against_deepspeed(rows: list[dict]) -> dict[int, float]:
+    """L2L's samples/s over the DeepSpeed contestant's (its step time over L2L's), at each depth both ran."""
+    steps = {(r["strategy"], r["blocks"]): r["step_s"] for r in rows if r.get("status") == "ok"}
+    return {blocks: step / steps[("l2l", blocks)] for (name, blocks), step in steps.items()
+            if name == DEEPSPEED and ("l2l", blocks) in steps}
 
 
 def release() -> None:
@@ -237,8 +277,17 @@ def machine(args) -> dict:
     return {"device": device, "driver": driver(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "cores": os.cpu_count(), "commit": args.commit, "date": time.strftime("%Y-%m-%d"),
-            # The issue's contests this script does not run yet: null, not a figure.
+            # Set from the rows at the end where they ran (`contests`); null, not a figure, otherwise.
             "l2l_vs_deepspeed_zero3_offload_14b": None, "fp8_vs_cmp_bf16": None}
+
+
+def contests(args, rows: list[dict]) -> dict:
+    """The record's ratios: L2L against the DeepSpeed contestant by depth, and at the deepest depth
+    both ran as issue 59's `l2l_vs_deepspeed_zero3_offload_14b` where the shape is the 14 B one."""
+    by_depth = against_deepspeed(rows)
+    deepest = by_depth[max(by_depth)] if by_depth else None
+    return {"l2l_vs_deepspeed_zero3_offload": by_depth,
+            "l2l_vs_deepspeed_zero3_offload_14b": deepest if args.shape == "qwen2.5-14b" else None}
 
 
 def driver() -> str | None:
@@ -282,14 +331,17 @@ def main(argv: list[str] | None = None) -> int:
               f"EPS exposed {fmt(done.get('eps_exposed_share'), '.1%')}, busy {fmt(done.get('eps_busy_share'), '.1%')}, "
               f"device peak {fmt(done.get('device_peak_gib'), '.2f')} GiB ({time.monotonic() - start:.0f} s)", flush=True)
         if args.out:  # after every run: a call cut short still brings back what was measured
-            args.out.write_text(json.dumps({**about, "elapsed_s": time.monotonic() - start,
+            args.out.write_text(json.dumps({**about, **contests(args, rows), "elapsed_s": time.monotonic() - start,
                                             "device_peak_deepest_over_shallowest": flatnesses(rows), "rows": rows}, indent=2))
     shutil.rmtree(scratch, ignore_errors=True)
     ratios = flatnesses(rows)
     print(f"\n{markdown(rows)}\n")
     print(f"bench_gpu: {about['device']}, torch {about['torch']}, {time.monotonic() - start:.0f} s; "
           "device peak, deepest over shallowest: "
-          + ", ".join(f"{name} {fmt(ratio, '.2f')}" for name, ratio in ratios.items()) + (f"; JSON in {args.out}" if args.out else ""))
+          + ", ".join(f"{name} {fmt(ratio, '.2f')}" for name, ratio in ratios.items())
+          + "".join(f"; l2l / deepspeed zero3 offload at {blocks} blocks {ratio:.2f}"
+                    for blocks, ratio in against_deepspeed(rows).items())
+          + (f"; JSON in {args.out}" if args.out else ""))
     return 0
 
 if __name__ == "__main__":

@@ -47,6 +47,13 @@ CARRY = {
 # Extras carried where this environment has them (the slow step's, `make test-slow`, does):
 # an optional feature's package, left behind with one line where it is not installed here.
 CARRY_IF_INSTALLED = {"torchao": "optim.state_bits=8|4 keeps AdamW's moments with it (the lowbit extra)"}
+# `--with-deepspeed`: bench_gpu.py's Trainer + DeepSpeed ZeRO-3 offload contestant
+# (scripts/deepspeed_contestant.py). DeepSpeed publishes its source only: it is built here into a
+# pure-Python wheel, and its ops (the host Adam) are built by torch's JIT there on first use, with
+# the machine's C++ compiler and ninja. With it go Trainer's accelerate and what DeepSpeed imports.
+DEEPSPEED = {"accelerate": "transformers.Trainer's", "deepspeed": "ZeRO-3 with offload",
+             **dict.fromkeys(("hjson", "py-cpuinfo", "msgpack", "einops", "ninja", "pydantic", "pydantic-core",
+                              "annotated-types", "typing-inspection"), "DeepSpeed imports it")}
 # transformers is not carried: pyproject's floor (5.17) is the image's own release.
 # Manylinux tags of the GPU machine (x86-64, glibc 2.35+), as its README lists them; pip matches
 # each exactly, so a wheel built for another glibc floor needs its tag named here.
@@ -138,11 +145,11 @@ def travelling_bytes() -> int:
                for p in [ROOT / name.decode()] if p.is_file() and not p.is_symlink())
 
 
-def gather(dest: Path, python_version: str) -> None:
+def gather(dest: Path, python_version: str, deepspeed: bool = False) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.whl"):  # two versions of one package stop the whole install there
         old.unlink()
-    for name in CARRY:
+    for name in [*CARRY, *(DEEPSPEED if deepspeed else ())]:
         download(pinned(name), dest, python_version)
     for name, why in CARRY_IF_INSTALLED.items():
         try:
@@ -226,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dest", nargs="?", type=Path, default=DEST, help="the wheel folder (default: .whl)")
     p.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default 3.12)")
+    p.add_argument("--with-deepspeed", action="store_true",
+                   help="also carry DeepSpeed and accelerate: bench_gpu.py's ZeRO-3 offload contestant")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="on the GPU machine, before installing")
     mode.add_argument("--verify", action="store_true", help="on the GPU machine, after installing")
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.verify:
         verify()
     else:
-        gather(args.dest.resolve(), args.python_version)
+        gather(args.dest.resolve(), args.python_version, args.with_deepspeed)
     return 0
 
 
