@@ -8,6 +8,7 @@ held to torchao's own recipe in a plain loop: the same modules, the same casts, 
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -18,9 +19,9 @@ from relaytrain.run.train import run
 from relaytrain.step.optim import build_optimizer, lr_at, set_lr
 from relaytrain.strategies.whole_model import minibatch_divisor
 from relaytrain.utils.errors import ConfigError
-from tests.conftest import needs_extra, tiny_cfg
+from tests.conftest import needs_extra, tiny_cfg, with_marks
 
-pytestmark = needs_extra("torchao", "lowbit")
+needs_torchao = with_marks(needs_extra("torchao", "lowbit"))
 
 STEPS = 2
 # SGD keeps a gradient's size (Adam's first steps would turn rounding noise in a near-zero
@@ -72,6 +73,7 @@ def largest_difference(a: dict, b: dict) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
+@needs_torchao
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() >= float8.FP8_CAPABILITY,
                     reason="this machine has FP8 tensor cores")
 @pytest.mark.parametrize("keys", [["precision=amp_fp8"], ["precision=cmp_fp8", "strategy=l2l"]])
@@ -86,6 +88,7 @@ def test_what_fp8_does_not_take_yet_and_cross_precision_off_l2l_are_refused(tmp_
         run(tiny_cfg("llama", *keys), tmp_path / "run", quiet=True)
 
 
+@needs_torchao
 def test_amp_fp8_under_the_baseline_and_l2l_is_torchaos_recipe_in_a_plain_loop(tmp_path, fp8_anywhere):
     reference = torchao_plain_loop(tiny_cfg("llama", *KEYS))
     fp32 = trained(tmp_path, "fp32")
@@ -98,6 +101,7 @@ def test_amp_fp8_under_the_baseline_and_l2l_is_torchaos_recipe_in_a_plain_loop(t
     assert largest_difference(l2l, reference) <= 1e-6
 
 
+@needs_torchao
 def test_cmp_fp8_under_l2l_trains_within_fp8s_noise_of_the_amp_run(tmp_path, fp8_anywhere, monkeypatch):
     """Cross precision relays bf16 copies of the masters, so it casts bf16 weights to FP8 where
     amp casts fp32 ones; every block's projections are swapped, and it lands within FP8's own
@@ -112,6 +116,7 @@ def test_cmp_fp8_under_l2l_trains_within_fp8s_noise_of_the_amp_run(tmp_path, fp8
     assert largest_difference(cmp, amp) <= largest_difference(amp, fp32)
 
 
+@needs_torchao
 @pytest.mark.parametrize("keys", [["precision=amp_fp8"], ["precision=cmp_fp8", "strategy=l2l"]])
 def test_an_fp8_run_resumes_exactly(tmp_path, fp8_anywhere, keys):
     """The scales are taken afresh each call: a checkpoint holds the weights alone, and the run
@@ -119,3 +124,9 @@ def test_an_fp8_run_resumes_exactly(tmp_path, fp8_anywhere, keys):
     from tests.conformance.references import assert_resumes_exactly
 
     assert_resumes_exactly(lambda *more: tiny_cfg("llama", *KEYS, "train.steps=3", *keys, *more), [], tmp_path)
+
+
+def test_without_torchao_fp8_is_refused_with_the_install_that_mends_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # as where the lowbit extra is not installed
+    with pytest.raises(ConfigError, match=r"torchao is not installed .*pip install 'relaytrain\[lowbit\]'"):
+        run(tiny_cfg("llama", "precision=amp_fp8"), tmp_path / "run", quiet=True)
