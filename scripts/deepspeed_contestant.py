@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -40,6 +41,13 @@ def zero3_offload(bf16: bool) -> dict:
     }
 
 
+def free_port() -> int:
+    """A port nothing listens on now, for the group of one's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def measure(overrides: list[str], warmup: int, cpu: bool = False) -> dict:
     """One run of `train` in a fresh process: its figures."""
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
@@ -61,8 +69,8 @@ def train(overrides: list[str], warmup: int, cpu: bool) -> dict:
     from relaytrain.models import build_model
     from relaytrain.run.compose import compose_config
 
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("LOCAL_RANK", "0"),
-                       ("WORLD_SIZE", "1")):
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)  # one process: DeepSpeed's group of one
     cfg = compose_config(overrides)
     s, o = cfg.strategy, cfg.optim

@@ -44,11 +44,6 @@ class Precision:
         return self.name.startswith("cmp")
 
     @property
-    def float8(self) -> bool:
-        """The blocks' linear layers compute in FP8 (`models/float8.py`)."""
-        return self.name.endswith("fp8")
-
-    @property
     def needs_loss_scaling(self) -> bool:
         return self.half is torch.float16
 
