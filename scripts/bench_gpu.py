@@ -161,6 +161,22 @@ def write_checkpoint(args, blocks: int, directory: Path) -> Path:
     return directory
 
 
+# A row's figures that only relaytrain's strategies report (None for the DeepSpeed contestant's).
+STRATEGY_FIGURES = ("transfer_wait_share", "eps_exposed_share", "eps_busy_share", "eps_parameters_per_s", "eps_kernel",
+                    "updates_into_next_step")
+
+
+def table_row(args, name: str, blocks: int, *, precision: str, params: int, step_s: float, flops: float | None,
+              device_peak: int | None, host_rss: int, **strategy_figures) -> dict:
+    """One row of the table and the record, for any contestant: `strategy_figures` among
+    `STRATEGY_FIGURES`, the others None."""
+    return {"strategy": name, "model": args.model_name, "blocks": blocks, "precision": precision, "params": params,
+            "seq_len": args.seq_len, "tokens_per_step": args.seq_len * args.microbatch_size * args.microbatches,
+            "status": "ok", "step_s": step_s, "useful_tflops": flops / 1e12 if flops else None,
+            **dict.fromkeys(STRATEGY_FIGURES), **strategy_figures,
+            "device_peak_gib": device_peak / GiB if device_peak is not None else None, "host_rss_gib": host_rss / GiB}
+
+
 def row(args, name: str, blocks: int, results: dict) -> dict:
     """The table's figures from a run's results (results.json's fields). `useful_tflops` is the
     summary's model FLOP/s: 6 x parameters x tokens, real tokens only (the benchmark's rows are
@@ -168,23 +184,16 @@ def row(args, name: str, blocks: int, results: dict) -> dict:
     # The strategy's figures cover the measured steps (the trainer resets them after the untimed ones).
     report, total_s = results["strategy_report"], sum(results["step_times_s"][UNTIMED:])
     eps = report.get("eps") if isinstance(report, dict) else None
-    flops = results["throughput"]["model_flops_per_s"]
-    peak = results["memory"]["device"]["peak_allocated_bytes"]
-    return {
-        "strategy": name, "model": args.model_name, "blocks": blocks, "precision": results["precision"],
-        "params": results["model"]["parameters"], "seq_len": args.seq_len,
-        "tokens_per_step": args.seq_len * args.microbatch_size * args.microbatches, "status": "ok",
-        "step_s": results["throughput"]["step_time_s"],
-        "useful_tflops": flops / 1e12 if flops else None,
-        "transfer_wait_share": report["transfer_wait_s"] / total_s if "transfer_wait_s" in report else None,
-        "eps_exposed_share": eps["exposed_s"] / total_s if eps else None,
-        "eps_busy_share": eps["busy_s"] / total_s if eps else None,
-        "eps_parameters_per_s": eps["parameters_per_s"] if eps else None,
-        "eps_kernel": eps["host_kernel"] if eps else None,
-        "updates_into_next_step": report.get("updates_into_next_step") if isinstance(report, dict) else None,
-        "device_peak_gib": peak / GiB if peak is not None else None,
-        "host_rss_gib": results["memory"]["host_peak_rss_bytes"] / GiB,
-    }
+    return table_row(
+        args, name, blocks, precision=results["precision"], params=results["model"]["parameters"],
+        step_s=results["throughput"]["step_time_s"], flops=results["throughput"]["model_flops_per_s"],
+        device_peak=results["memory"]["device"]["peak_allocated_bytes"], host_rss=results["memory"]["host_peak_rss_bytes"],
+        transfer_wait_share=report["transfer_wait_s"] / total_s if "transfer_wait_s" in report else None,
+        eps_exposed_share=eps["exposed_s"] / total_s if eps else None,
+        eps_busy_share=eps["busy_s"] / total_s if eps else None,
+        eps_parameters_per_s=eps["parameters_per_s"] if eps else None,
+        eps_kernel=eps["host_kernel"] if eps else None,
+        updates_into_next_step=report.get("updates_into_next_step") if isinstance(report, dict) else None)
 
 
 def measure(args, r: Run, scratch: Path) -> dict:
@@ -224,15 +233,10 @@ def deepspeed_row(args, r: Run) -> dict:
     keys = [key for key in overrides(args, r) if not key.startswith(("strategy=", "train.untimed_steps"))]
     found = deepspeed_contestant.measure(keys, UNTIMED, cpu=args.cpu_smoke)
     tokens = args.seq_len * args.microbatch_size * args.microbatches
-    peak = found["device_peak_bytes"]
-    return {"strategy": r.label, "model": args.model_name, "blocks": r.blocks,
-            "precision": "fp32" if args.cpu_smoke else "bf16 (DeepSpeed)", "params": found["parameters"],
-            "seq_len": args.seq_len, "tokens_per_step": tokens, "status": "ok", "step_s": found["step_s"],
-            "useful_tflops": 6 * found["parameters"] * tokens / found["step_s"] / 1e12,
-            "transfer_wait_share": None, "eps_exposed_share": None, "eps_busy_share": None,
-            "eps_parameters_per_s": None, "eps_kernel": found["optimizer"], "updates_into_next_step": None,
-            "device_peak_gib": peak / GiB if peak is not None else None,
-            "host_rss_gib": found["host_peak_rss_bytes"] / GiB}
+    return table_row(args, r.label, r.blocks, precision="fp32" if args.cpu_smoke else "bf16 (DeepSpeed)",
+                     params=found["parameters"], step_s=found["step_s"],
+                     flops=6 * found["parameters"] * tokens / found["step_s"], device_peak=found["device_peak_bytes"],
+                     host_rss=found["host_peak_rss_bytes"], eps_kernel=found["optimizer"])
 
 
 def against_deepspeed(rows: list[dict]) -> dict[int, float]:

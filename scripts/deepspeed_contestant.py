@@ -56,46 +56,43 @@ def measure(overrides: list[str], warmup: int, cpu: bool = False) -> dict:
 
 def train(overrides: list[str], warmup: int, cpu: bool) -> dict:
     """`overrides`' run (relaytrain's keys) under Trainer + DeepSpeed ZeRO-3 offload, in this
-    process: samples/s and step times after `warmup` steps, each step's loss, the parameters, the
-    device's and the host's peaks."""
+    process, as bench_hf_trainer's Trainer contestant runs it (`train_with_trainer`, its
+    arguments with DeepSpeed's added): samples/s and step times after `warmup` steps, each step's
+    loss, the parameters, the optimizer that stepped, the device's and the host's peaks."""
     import torch
 
     sys.path.insert(0, str(HERE))
-    from transformers import Trainer, TrainingArguments
-    from transformers.trainer_callback import PrinterCallback
-
-    from bench_hf_trainer import relaytrain_samples
-    from benchlib import step_timer
-    from relaytrain.models import build_model
+    from bench_hf_trainer import train_with_trainer
+    from relaytrain.models import count_parameters
     from relaytrain.run.compose import compose_config
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                        ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)  # one process: DeepSpeed's group of one
     cfg = compose_config(overrides)
-    s, o = cfg.strategy, cfg.optim
-    model = build_model(cfg.model, cfg.train.seed).hf_model
-    model.config.use_cache = False
-    parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
-    arguments = TrainingArguments(
-        output_dir=str(Path(os.environ.get("TMPDIR", "/tmp")) / "deepspeed_contestant"), max_steps=cfg.train.steps,
-        seed=cfg.train.seed, use_cpu=cpu, bf16=not cpu, deepspeed=zero3_offload(bf16=not cpu),
-        per_device_train_batch_size=s.microbatch_size, gradient_accumulation_steps=s.num_microbatches,
-        learning_rate=o.lr, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
-        weight_decay=o.weight_decay, lr_scheduler_type="constant", max_grad_norm=o.grad_clip,
-        train_sampling_strategy="sequential", dataloader_num_workers=0, dataloader_pin_memory=False,
-        eval_strategy="no", save_strategy="no", logging_strategy="steps", logging_steps=1, report_to="none",
-        disable_tqdm=True)
-    timer = step_timer()
-    trainer = Trainer(model=model, args=arguments, train_dataset=relaytrain_samples(cfg), callbacks=[timer])
-    trainer.remove_callback(PrinterCallback)
-    if torch.cuda.is_available() and not cpu:
+    parameters = count_parameters(cfg.model)  # before the Trainer's DeepSpeed config partitions every model built
+    on_gpu = torch.cuda.is_available() and not cpu
+    if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    timed = timer.times[warmup:]
-    step_s = statistics.median(timed)
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and not cpu else None
-    return {"samples_per_s": s.microbatch_size * s.num_microbatches / step_s, "step_s": step_s,
-            "step_times_s": timer.times, "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
-            "parameters": parameters, "optimizer": type(trainer.model_wrapped.basic_optimizer).__name__,
-            "device_peak_bytes": peak, "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    stepped = innermost_optimizer()
+    found = train_with_trainer(cfg, warmup, callbacks=[stepped], deepspeed=zero3_offload(bf16=not cpu),
+                               bf16=not cpu, logging_strategy="steps", logging_steps=1)
+    return {**found, "step_s": statistics.median(found["step_times_s"]), "parameters": parameters,
+            "optimizer": stepped.name, "device_peak_bytes": torch.cuda.max_memory_allocated() if on_gpu else None,
+            "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def innermost_optimizer():
+    """A Trainer callback that names the optimizer that stepped, under the wrappers around it
+    (accelerate's, DeepSpeed's ZeRO stage): DeepSpeedCPUAdam where ZeRO offloads it."""
+    from transformers import TrainerCallback
+
+    class Innermost(TrainerCallback):
+        name = None
+
+        def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+            while hasattr(optimizer, "optimizer"):
+                optimizer = optimizer.optimizer
+            self.name = type(optimizer).__name__
+
+    return Innermost()

@@ -23,6 +23,6 @@ def test_the_contestant_trains_relaytrains_steps_with_deepspeeds_host_adam(tmp_p
     ours = run(compose_config([*KEYS, "train.untimed_steps=1"]), tmp_path / "run", quiet=True)
     assert theirs["optimizer"] == "DeepSpeedCPUAdam"
     assert theirs["parameters"] == ours["model"]["parameters"]
-    assert len(theirs["step_times_s"]) == 3 and theirs["samples_per_s"] > 0
+    assert len(theirs["step_times_s"]) == 3 - 1 and theirs["samples_per_s"] > 0  # the steps after the warm-up
     # the same first loss (the same weights and rows); then AdamW's two kernels differ in rounding
     assert theirs["losses"] == pytest.approx(ours["loss"], rel=1e-5)
