@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import importlib.util
 import os
@@ -110,7 +111,8 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.01)
 
 
-def train_plain_loop(cfg, steps: int, delay: int = 0, replicas: int = 1, device: str = "cpu"):
+def train_plain_loop(cfg, steps: int, delay: int = 0, replicas: int = 1, device: str = "cpu", prepare=None,
+                     autocast: torch.dtype | None = None):
     """The reference the strategies must equal: the whole layered model under autograd, each
     micro-batch's loss over the minibatch's items, one optimizer, the configured LR schedule
     and clipping. Returns the trained layered model.
@@ -123,8 +125,15 @@ def train_plain_loop(cfg, steps: int, delay: int = 0, replicas: int = 1, device:
     each minibatch's gradients taken at the weights one update older.
 
     `device`: where the loop runs. Dropout masks are drawn by that device's generator (CUDA's
-    Philox, the CPU's mt19937): a run on a GPU with dropout equals the loop on a GPU."""
+    Philox, the CPU's mt19937): a run on a GPU with dropout equals the loop on a GPU.
+
+    `prepare`: called on the built model before training (a reference's own module swap);
+    `autocast`: each micro-batch's forward under torch.autocast in that dtype."""
     model = build_model(cfg.model, seed=cfg.train.seed).to(device)
+    if prepare is not None:
+        prepare(model)
+    computing = (lambda: torch.autocast(device_type=torch.device(device).type, dtype=autocast)) if autocast else (
+        contextlib.nullcontext)
     stale = copy.deepcopy(model) if delay else model  # holds the version the gradients are taken at
     versions = [copy.deepcopy(model.state_dict())] * delay  # W(b - delay) .. W(b - 1); W(0) at first
     optimizer = build_optimizer(model.named_parameters(), cfg.optim)
@@ -137,7 +146,9 @@ def train_plain_loop(cfg, steps: int, delay: int = 0, replicas: int = 1, device:
         divisor = minibatch_divisor(stale, minibatch, replicas)
         for replica in range(replicas):
             for mb in replica_rows(minibatch, replica, replicas):
-                stale(mb, divisor).backward()
+                with computing():
+                    loss = stale(mb, divisor)
+                loss.backward()
         if delay:
             for p, q in zip(model.parameters(), stale.parameters(), strict=True):
                 p.grad, q.grad = q.grad, None

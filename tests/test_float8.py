@@ -13,13 +13,10 @@ import sys
 import pytest
 import torch
 
-from relaytrain.data import build_dataset, build_loader
 from relaytrain.models import build_model, float8
 from relaytrain.run.train import run
-from relaytrain.step.optim import build_optimizer, lr_at, set_lr
-from relaytrain.strategies.whole_model import minibatch_divisor
 from relaytrain.utils.errors import ConfigError
-from tests.conftest import needs_extra, tiny_cfg, with_marks
+from tests.conftest import needs_extra, tiny_cfg, train_plain_loop, with_marks
 
 needs_torchao = with_marks(needs_extra("torchao", "lowbit"))
 
@@ -45,26 +42,17 @@ def trained(tmp_path, name: str, *overrides: str) -> dict[str, torch.Tensor]:
 
 
 def torchao_plain_loop(cfg) -> dict[str, torch.Tensor]:
-    """The reference: the model with torchao's `convert_to_float8_training` on each block's linear
-    layers (those FP8 products take), every micro-batch's loss under bf16 autocast, SGD."""
+    """The reference: relaytrain's plain loop over the model with torchao's
+    `convert_to_float8_training` on each block's linear layers (those FP8 products take), every
+    micro-batch's loss under bf16 autocast."""
     from torchao.float8 import convert_to_float8_training
 
-    model = build_model(cfg.model, seed=cfg.train.seed)
-    for block in model.blocks:
-        convert_to_float8_training(block, module_filter_fn=lambda m, _: m.in_features % 16 == 0
-                                   and m.out_features % 16 == 0)
-    optimizer = build_optimizer(model.named_parameters(), cfg.optim)
-    loader = build_loader(cfg, build_dataset(cfg))
-    for step in range(cfg.train.steps):
-        minibatch = next(loader)
-        divisor = minibatch_divisor(model, minibatch, 1)
-        for mb in minibatch:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(mb, divisor)
-            loss.backward()
-        set_lr(optimizer, lr_at(step, cfg.optim, cfg.train.steps))
-        optimizer.step()
-        optimizer.zero_grad()
+    def convert(model):
+        for block in model.blocks:
+            convert_to_float8_training(block, module_filter_fn=lambda m, _: m.in_features % 16 == 0
+                                       and m.out_features % 16 == 0)
+
+    model = train_plain_loop(cfg, cfg.train.steps, prepare=convert, autocast=torch.bfloat16)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
