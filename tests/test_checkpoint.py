@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from relaytrain.commands.cli import main
-from relaytrain.records import checkpoint
+from relaytrain.records import checkpoint, runlog
 from relaytrain.utils.errors import ConfigError
 from tests.conftest import TINY_BERT, TINY_LLAMA, wait_for
 
@@ -305,10 +305,11 @@ def test_more_steps_never_train_again_over_a_finished_run(tmp_path, capsys):
 
 @pytest.mark.slow  # the default suite refuses the start from step 0 (test_more_steps_never_train_again_over_a_finished_run)
 def test_a_finished_run_is_not_resumed_from_a_checkpoint_older_than_its_end(tmp_path, capsys):
-    # Stopped with a checkpoint at step 2, then run again there without train.resume, to step 3.
+    # A checkpoint at step 2, finished at step 3 without one (its final checkpoint removed, as a
+    # user pruning checkpoints would, or as a run before 2026-12-01 left it when started afresh there).
     run_dir = tmp_path / "run"
-    assert main([*SMALL, "train.steps=2", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]) == 0
-    assert main([*SMALL, "train.steps=3", f"hydra.run.dir={run_dir}"]) == 0
+    assert main([*SMALL, "train.steps=3", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]) == 0
+    shutil.rmtree(checkpoint.checkpoint_dir(run_dir) / "step-00000003")
     kept = (run_dir / "results.json").read_text(), (run_dir / "status.json").read_text()
     capsys.readouterr()
     assert refused(*SMALL[1:], "train.steps=4", "train.resume=auto", f"hydra.run.dir={run_dir}", capsys=capsys) == (
@@ -320,6 +321,28 @@ def test_a_finished_run_is_not_resumed_from_a_checkpoint_older_than_its_end(tmp_
         f"train.resume={run_dir}: that run finished 3 steps without a checkpoint of its last step; to train again "
         f"from step 2, give train.resume={older}")
     assert ((run_dir / "results.json").read_text(), (run_dir / "status.json").read_text()) == kept
+
+
+def test_a_start_afresh_over_an_earlier_run_is_refused_and_keeps_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    first = [*SMALL, "train.steps=2", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]
+    assert main(first) == 0
+    kept = {name: (run_dir / name).read_text() for name in ("results.json", "metrics.csv")}
+    capsys.readouterr()
+    afresh = "or another hydra.run.dir to start afresh"
+
+    assert refused(*first[1:], capsys=capsys) == (  # the same command again
+        f"{run_dir} already holds a run that finished 2 steps: give train.resume=auto and a larger train.steps "
+        f"to train further, {afresh}")
+    runlog.write_status(run_dir, runlog.INTERRUPTED, step=2)  # as a Ctrl-C leaves it: checkpoints, no end
+    assert refused(*first[1:], capsys=capsys) == (
+        f"{run_dir} already holds checkpoints up to step 2: give train.resume=auto to continue from the newest, {afresh}")
+    runlog.write_status(run_dir, runlog.FINISHED, step=3)  # finished after its newest checkpoint
+    assert refused(*first[1:], capsys=capsys) == (
+        f"{run_dir} already holds a run that finished 3 steps (without a checkpoint of its last step it cannot "
+        f"train further): give another hydra.run.dir to start afresh")
+    assert {name: (run_dir / name).read_text() for name in kept} == kept
+    assert [p.name for p in checkpoint.list_checkpoints(checkpoint.checkpoint_dir(run_dir))] == ["step-00000002"]
 
 
 def test_a_run_resumed_after_it_failed_ends_with_no_error_in_its_status(tmp_path, monkeypatch):

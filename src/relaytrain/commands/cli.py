@@ -270,7 +270,8 @@ def _run_hydra(args: list[str]) -> int:
         from hydra.types import RunMode
 
         from relaytrain.placement.world import pick_device
-        from relaytrain.run.train import finished_results, refuse_to_retrain_a_finished_run, run
+        from relaytrain.run.earlier import finished_results, keep_the_earlier_run
+        from relaytrain.run.train import run
         from relaytrain.utils.errors import Aborted, Interrupted
 
         hydra_cfg = HydraConfig.get()
@@ -278,8 +279,8 @@ def _run_hydra(args: list[str]) -> int:
         overrides = list(hydra_cfg.overrides.task)
         run_dir = hydra_cfg.runtime.output_dir
         try:
-            refuse_to_retrain_a_finished_run(cfg.train, Path(run_dir))  # before the estimate's line
-            finished = finished_results(cfg.train, Path(run_dir)) is not None  # nothing to estimate
+            keep_the_earlier_run(cfg.train.resume, cfg.train.steps, Path(run_dir))  # before the estimate's line
+            finished = finished_results(cfg.train.resume, cfg.train.steps, Path(run_dir)) is not None  # nothing to estimate
             device = pick_device(cfg.train.device)  # this job's, decided once
             run(cfg, run_dir, overrides, table=not in_sweep,
                 estimate=None if finished else _estimate(cfg, overrides, device), device=device)

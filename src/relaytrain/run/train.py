@@ -9,7 +9,6 @@ checkpoints, stop requests, progress and results written once, here.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -30,9 +29,9 @@ from relaytrain.placement.world import StopVotes, World, pick_device, under_torc
 from relaytrain.records import checkpoint, runlog, trackers
 from relaytrain.records.display import StepProgress, print_one_line, print_results_table
 from relaytrain.records.export import run_tokenizer, save_model, saved_model_facts
-from relaytrain.run import dirs as run_dirs
 from relaytrain.run import elastic
 from relaytrain.run.compose import validate
+from relaytrain.run.earlier import finished_results, how_to_train_further, keep_the_earlier_run, step_of
 from relaytrain.run.launch import launch
 from relaytrain.run.preflight import check_can_start
 from relaytrain.run.resolve import RunSpec, describe_run
@@ -41,7 +40,7 @@ from relaytrain.run.rollouts import Rollouts
 from relaytrain.step import metrics
 from relaytrain.step.evaluation import better
 from relaytrain.utils import failpoints
-from relaytrain.utils.errors import Aborted, ConfigError, Interrupted, TrainingDiverged, first_line
+from relaytrain.utils.errors import Aborted, Interrupted, TrainingDiverged, first_line
 from relaytrain.utils.units import duration
 
 EMPTY_SHARE = {"weights": {}, "optimizer": {}, "scaler": None, "extra": None}
@@ -72,13 +71,13 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     (None: decided here from train.device); every check and worker is handed this decision."""
     run_dir = Path(run_dir)
     logs = not under_torchrun() or int(os.environ["RANK"]) == 0
-    done = finished_results(cfg.train, run_dir)
+    done = finished_results(cfg.train.resume, cfg.train.steps, run_dir)
     if done is not None:
         if logs:
             print(f"this run already finished its {cfg.train.steps} steps ({run_dir / 'results.json'}); "
-                  f"{_how_to_train_further(cfg.train.steps, run_dir)}", flush=True)
+                  f"{how_to_train_further(cfg.train.steps, run_dir)}", flush=True)
         return done
-    refuse_to_retrain_a_finished_run(cfg.train, run_dir)  # before the try: its status.json stays as it is
+    keep_the_earlier_run(cfg.train.resume, cfg.train.steps, run_dir)  # before the try: the run there keeps its status.json
     try:
         results = _run(cfg, run_dir, overrides or [], logs, quiet, estimate.step_s if estimate else None,
                        device or pick_device(cfg.train.device))
@@ -103,53 +102,6 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     return results
 
 
-def finished_results(t, run_dir: Path) -> dict | None:
-    """With `train.resume=auto` (`t`: the train keys), a run directory whose run already finished
-    `train.steps`: its results, so a relaunched sweep completes only what is missing. None
-    otherwise (asking for more steps continues from the final checkpoint, which a run with
-    `train.resume` set keeps)."""
-    if t.resume != "auto" or runlog.finished_steps(run_dir) != t.steps:
-        return None
-    return json.loads((Path(run_dir) / "results.json").read_text())
-
-
-def _how_to_train_further(steps: int, run_dir: Path) -> str:
-    """What a finished run's line advises: more steps where it kept its last step's checkpoint."""
-    newest = checkpoint.latest(run_dir)
-    if newest is not None and _step_of(newest) == steps:
-        return "raise train.steps to train further"
-    return ("it kept no checkpoint of its last step (train.checkpoint_every=0), so it cannot train further "
-            "here: start a longer run in another hydra.run.dir")
-
-
-def refuse_to_retrain_a_finished_run(t, run_dir: Path) -> None:
-    """A resume (`t`: the train keys) that would go back behind a finished run's last step, in
-    one line: a run finished without a checkpoint of its last step (train.checkpoint_every=0)
-    and resumed with `auto` would train again from an older checkpoint, or from step 0, over its
-    results; `train.resume=RUN_DIR` of such a run would quietly start where that run did not end.
-    The finished run relaunched as it was is no resume (`finished_results`: `run` says so)."""
-    if t.resume is None or finished_results(t, run_dir) is not None:
-        return
-    given = Path(run_dir) if t.resume == "auto" else Path(t.resume).expanduser()
-    chosen = checkpoint.STEP.match(given.name) is not None  # a step-N directory: the user picked the step
-    newest = given if chosen else checkpoint.latest(given)
-    step = _step_of(newest) if newest is not None else 0
-    here = runlog.finished_steps(run_dir)
-    if here is not None and step < here:
-        how = f"resuming from step {step}" if newest is not None else "starting afresh"
-        raise ConfigError(f"{run_dir} holds a run that finished {here} steps without a checkpoint of its last "
-                          f"step; {how} here would train again over its results: give another hydra.run.dir")
-    there = None if chosen or t.resume == "auto" else runlog.finished_steps(run_dirs.run_dir_of(t.resume))
-    if there is not None and step < there:
-        fix = f"to train again from step {step}, give train.resume={newest}" if newest else "start a new run"
-        raise ConfigError(f"train.resume={t.resume}: that run finished {there} steps without a checkpoint of its "
-                          f"last step; {fix}")
-
-
-def _step_of(path: Path) -> int:
-    return int(checkpoint.STEP.match(path.name).group(1))
-
-
 def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, estimate_s: float | None,
          device: torch.device) -> dict | None:
     cfg = resolve_pretrained(elastic.prepare(cfg, device), explicit_overrides(overrides))
@@ -160,7 +112,7 @@ def _run(cfg, run_dir: Path, overrides: list[str], logs: bool, quiet: bool, esti
     if logs:
         elastic.record_attempt(run_dir, resume)
         runlog.write_status(run_dir, runlog.RUNNING, strategy=str(cfg.strategy.name),
-                            step=_step_of(resume) if resume is not None else 0)
+                            step=step_of(resume) if resume is not None else 0)
     # Once, before any worker: data errors end here.
     dataset, eval_dataset = build_datasets(cfg, str(run_dir), spec.source, spec.objective, spec.family)
     build_loader(cfg, dataset, spec.replicas)  # refuses a dataset smaller than one minibatch

@@ -1,0 +1,87 @@
+"""What a run does with the run its directory already holds: a finished run relaunched with
+`train.resume=auto` returns that run's results (a relaunched sweep completes only what is
+missing); a start afresh over a finished run or its checkpoints, and a resume behind a finished
+run's last step, are refused in one line, so no run's results or checkpoints are written over."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from relaytrain.records import checkpoint, runlog
+from relaytrain.run import dirs as run_dirs
+from relaytrain.utils.errors import ConfigError
+
+
+def finished_results(resume: str | None, steps: int, run_dir: Path) -> dict | None:
+    """With `train.resume=auto` (`resume`; `steps`: train.steps), a run directory whose run already finished
+    `train.steps`: its results, so a relaunched sweep completes only what is missing. None
+    otherwise (asking for more steps continues from the final checkpoint, which a run with
+    `train.resume` set keeps)."""
+    if resume != "auto" or runlog.finished_steps(run_dir) != steps:
+        return None
+    return json.loads((Path(run_dir) / "results.json").read_text())
+
+
+def how_to_train_further(steps: int, run_dir: Path) -> str:
+    """What a finished run's line advises: more steps where it kept its last step's checkpoint."""
+    newest = checkpoint.latest(run_dir)
+    if newest is not None and step_of(newest) == steps:
+        return "raise train.steps to train further"
+    return ("it kept no checkpoint of its last step (train.checkpoint_every=0), so it cannot train further "
+            "here: start a longer run in another hydra.run.dir")
+
+
+def keep_the_earlier_run(resume: str | None, steps: int, run_dir: Path) -> None:
+    """Refuse in one line a run (train.resume and train.steps) that would write over the run
+    `run_dir` already holds: a start afresh there, or a resume behind its finished last step."""
+    refuse_to_start_over(resume, run_dir)
+    refuse_to_retrain_a_finished_run(resume, steps, run_dir)
+
+
+def refuse_to_start_over(resume: str | None, run_dir: Path) -> None:
+    """A run without `train.resume` (`resume` None) into a directory that holds a finished
+    run or checkpoints, in one line: starting afresh there would write over its results and
+    metrics, and the new run's checkpoints would rotate the old ones away."""
+    if resume is not None:
+        return
+    finished, newest = runlog.finished_steps(run_dir), checkpoint.latest(run_dir)
+    if finished is None and newest is None:
+        return
+    afresh = "or another hydra.run.dir to start afresh"
+    if finished is None:
+        raise ConfigError(f"{run_dir} already holds checkpoints up to step {step_of(newest)}: give "
+                          f"train.resume=auto to continue from the newest, {afresh}")
+    if newest is None or step_of(newest) != finished:
+        raise ConfigError(f"{run_dir} already holds a run that finished {finished} steps (without a checkpoint of "
+                          f"its last step it cannot train further): give another hydra.run.dir to start afresh")
+    raise ConfigError(f"{run_dir} already holds a run that finished {finished} steps: give train.resume=auto and "
+                      f"a larger train.steps to train further, {afresh}")
+
+
+def refuse_to_retrain_a_finished_run(resume: str | None, steps: int, run_dir: Path) -> None:
+    """A resume (train.resume and train.steps) that would go back behind a finished run's last step, in
+    one line: a run finished without a checkpoint of its last step (train.checkpoint_every=0)
+    and resumed with `auto` would train again from an older checkpoint, or from step 0, over its
+    results; `train.resume=RUN_DIR` of such a run would quietly start where that run did not end.
+    The finished run relaunched as it was is no resume (`finished_results`: `run` says so)."""
+    if resume is None or finished_results(resume, steps, run_dir) is not None:
+        return
+    given = Path(run_dir) if resume == "auto" else Path(resume).expanduser()
+    chosen = checkpoint.STEP.match(given.name) is not None  # a step-N directory: the user picked the step
+    newest = given if chosen else checkpoint.latest(given)
+    step = step_of(newest) if newest is not None else 0
+    here = runlog.finished_steps(run_dir)
+    if here is not None and step < here:
+        how = f"resuming from step {step}" if newest is not None else "starting afresh"
+        raise ConfigError(f"{run_dir} holds a run that finished {here} steps without a checkpoint of its last "
+                          f"step; {how} here would train again over its results: give another hydra.run.dir")
+    there = None if chosen or resume == "auto" else runlog.finished_steps(run_dirs.run_dir_of(resume))
+    if there is not None and step < there:
+        fix = f"to train again from step {step}, give train.resume={newest}" if newest else "start a new run"
+        raise ConfigError(f"train.resume={resume}: that run finished {there} steps without a checkpoint of its "
+                          f"last step; {fix}")
+
+
+def step_of(path: Path) -> int:
+    return int(checkpoint.STEP.match(path.name).group(1))
