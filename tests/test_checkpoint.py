@@ -332,15 +332,15 @@ def test_a_start_afresh_over_an_earlier_run_is_refused_and_keeps_it(tmp_path, ca
     afresh = "or another hydra.run.dir to start afresh"
 
     assert refused(*first[1:], capsys=capsys) == (  # the same command again
-        f"{run_dir} already holds a run that finished 2 steps: give train.resume=auto and a larger train.steps "
-        f"to train further, {afresh}")
+        f"{run_dir} already holds a run that finished 2 steps: give train.resume=auto to keep it (with a larger "
+        f"train.steps, to train further), {afresh}")
     runlog.write_status(run_dir, runlog.INTERRUPTED, step=2)  # as a Ctrl-C leaves it: checkpoints, no end
     assert refused(*first[1:], capsys=capsys) == (
         f"{run_dir} already holds checkpoints up to step 2: give train.resume=auto to continue from the newest, {afresh}")
     runlog.write_status(run_dir, runlog.FINISHED, step=3)  # finished after its newest checkpoint
     assert refused(*first[1:], capsys=capsys) == (
-        f"{run_dir} already holds a run that finished 3 steps (without a checkpoint of its last step it cannot "
-        f"train further): give another hydra.run.dir to start afresh")
+        f"{run_dir} already holds a run that finished 3 steps: give train.resume=auto to keep it (without a "
+        f"checkpoint of its last step it cannot train further), {afresh}")
     assert {name: (run_dir / name).read_text() for name in kept} == kept
     assert [p.name for p in checkpoint.list_checkpoints(checkpoint.checkpoint_dir(run_dir))] == ["step-00000002"]
 

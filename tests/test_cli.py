@@ -48,6 +48,17 @@ def test_multirun_writes_one_result_per_job(tmp_path):
     assert len(results) == 2
     lrs = {r for f in results for r in json.loads(f.read_text())["overrides"] if r.startswith("optim.lr")}
     assert lrs == {"optim.lr=0.0001", "optim.lr=0.001"}
+    kept = [f.read_text() for f in results]
+
+    # The same sweep again: each job refuses to write over its finished run, and says how to keep it.
+    again = relaytrain("train", "-m", *SMALL, "optim.lr=1e-4,1e-3", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                       cwd=tmp_path, check=False)
+    assert again.returncode == 1 and "2 sweep job(s) failed; each said why in its line above" in again.stderr
+    assert again.stderr.count("already holds a run that finished 4 steps: give train.resume=auto to keep it") == 2
+    assert "or another hydra.sweep.dir to start afresh" in again.stderr
+    relaytrain("train", "-m", *SMALL, "optim.lr=1e-4,1e-3", "train.resume=auto",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)  # keeps both: nothing to train
+    assert [f.read_text() for f in results] == kept
 
 
 @pytest.mark.slow  # over 20 s on 2 cores: the slow step (the default suite stays within 8 minutes)

@@ -271,6 +271,7 @@ def _run_hydra(args: list[str]) -> int:
 
         from relaytrain.placement.world import pick_device
         from relaytrain.run.earlier import finished_results, keep_the_earlier_run
+        from relaytrain.run.elastic import resume_key
         from relaytrain.run.train import run
         from relaytrain.utils.errors import Aborted, Interrupted
 
@@ -279,9 +280,11 @@ def _run_hydra(args: list[str]) -> int:
         overrides = list(hydra_cfg.overrides.task)
         run_dir = hydra_cfg.runtime.output_dir
         try:
-            keep_the_earlier_run(cfg.train.resume, cfg.train.steps, Path(run_dir))  # before the estimate's line
-            finished = finished_results(cfg.train.resume, cfg.train.steps, Path(run_dir)) is not None  # nothing to estimate
             device = pick_device(cfg.train.device)  # this job's, decided once
+            resume = resume_key(cfg.train.resume, device.type)  # `auto` under a restart policy
+            keep_the_earlier_run(resume, cfg.train.steps, Path(run_dir),
+                                 "hydra.sweep.dir" if in_sweep else "hydra.run.dir")  # before the estimate's line
+            finished = finished_results(resume, cfg.train.steps, Path(run_dir)) is not None  # nothing to estimate
             run(cfg, run_dir, overrides, table=not in_sweep,
                 estimate=None if finished else _estimate(cfg, overrides, device), device=device)
         except (Interrupted, Aborted) as stop:  # the whole sweep stops too: the user asked
@@ -303,7 +306,7 @@ def _run_hydra(args: list[str]) -> int:
     finally:
         sys.argv = saved
     if sweep.failed_jobs:
-        _fail(f"{len(sweep.failed_jobs)} sweep job(s) failed; their rows in the table above say why")
+        _fail(f"{len(sweep.failed_jobs)} sweep job(s) failed; each said why in its line above")
         return 1
     return 0
 

@@ -32,31 +32,32 @@ def how_to_train_further(steps: int, run_dir: Path) -> str:
             "here: start a longer run in another hydra.run.dir")
 
 
-def keep_the_earlier_run(resume: str | None, steps: int, run_dir: Path) -> None:
+def keep_the_earlier_run(resume: str | None, steps: int, run_dir: Path, dir_key: str = "hydra.run.dir") -> None:
     """Refuse in one line a run (train.resume and train.steps) that would write over the run
     `run_dir` already holds: a start afresh there, or a resume behind its finished last step."""
-    refuse_to_start_over(resume, run_dir)
+    refuse_to_start_over(resume, run_dir, dir_key)
     refuse_to_retrain_a_finished_run(resume, steps, run_dir)
 
 
-def refuse_to_start_over(resume: str | None, run_dir: Path) -> None:
+def refuse_to_start_over(resume: str | None, run_dir: Path, dir_key: str = "hydra.run.dir") -> None:
     """A run without `train.resume` (`resume` None) into a directory that holds a finished
     run or checkpoints, in one line: starting afresh there would write over its results and
-    metrics, and the new run's checkpoints would rotate the old ones away."""
+    metrics, and the new run's checkpoints would rotate the old ones away. `dir_key`: the key
+    that names another directory (a sweep's jobs are under hydra.sweep.dir)."""
     if resume is not None:
         return
     finished, newest = runlog.finished_steps(run_dir), checkpoint.latest(run_dir)
     if finished is None and newest is None:
         return
-    afresh = "or another hydra.run.dir to start afresh"
     if finished is None:
-        raise ConfigError(f"{run_dir} already holds checkpoints up to step {step_of(newest)}: give "
-                          f"train.resume=auto to continue from the newest, {afresh}")
-    if newest is None or step_of(newest) != finished:
-        raise ConfigError(f"{run_dir} already holds a run that finished {finished} steps (without a checkpoint of "
-                          f"its last step it cannot train further): give another hydra.run.dir to start afresh")
-    raise ConfigError(f"{run_dir} already holds a run that finished {finished} steps: give train.resume=auto and "
-                      f"a larger train.steps to train further, {afresh}")
+        held, keep = f"checkpoints up to step {step_of(newest)}", "to continue from the newest"
+    elif newest is not None and step_of(newest) == finished:
+        held, keep = f"a run that finished {finished} steps", "to keep it (with a larger train.steps, to train further)"
+    else:
+        held = f"a run that finished {finished} steps"
+        keep = "to keep it (without a checkpoint of its last step it cannot train further)"
+    raise ConfigError(f"{run_dir} already holds {held}: give train.resume=auto {keep}, or another {dir_key} "
+                      f"to start afresh")
 
 
 def refuse_to_retrain_a_finished_run(resume: str | None, steps: int, run_dir: Path) -> None:

@@ -45,10 +45,16 @@ def prepare(cfg, device: torch.device):
     if not (restartable() or several_nodes()):
         return cfg
     _check_run_dir()
-    if cfg.train.resume is None and restartable() and device.type != "meta":
+    if resume_key(cfg.train.resume, device.type) != cfg.train.resume:
         cfg = copy.deepcopy(cfg)
         cfg.train.resume = "auto"
     return cfg
+
+
+def resume_key(resume: str | None, device_type: str) -> str | None:
+    """train.resume as an attempt runs with it: `auto` where the user left it unset under a
+    restart policy (not for a dry run, which saves nothing to resume)."""
+    return "auto" if resume is None and restartable() and device_type != "meta" else resume
 
 
 def _check_run_dir() -> None:

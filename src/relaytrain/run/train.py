@@ -71,16 +71,18 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     (None: decided here from train.device); every check and worker is handed this decision."""
     run_dir = Path(run_dir)
     logs = not under_torchrun() or int(os.environ["RANK"]) == 0
-    done = finished_results(cfg.train.resume, cfg.train.steps, run_dir)
+    device = device or pick_device(cfg.train.device)
+    resume = elastic.resume_key(cfg.train.resume, device.type)
+    done = finished_results(resume, cfg.train.steps, run_dir)
     if done is not None:
         if logs:
             print(f"this run already finished its {cfg.train.steps} steps ({run_dir / 'results.json'}); "
                   f"{how_to_train_further(cfg.train.steps, run_dir)}", flush=True)
         return done
-    keep_the_earlier_run(cfg.train.resume, cfg.train.steps, run_dir)  # before the try: the run there keeps its status.json
+    keep_the_earlier_run(resume, cfg.train.steps, run_dir)  # before the try: the run there keeps its status.json
     try:
         results = _run(cfg, run_dir, overrides or [], logs, quiet, estimate.step_s if estimate else None,
-                       device or pick_device(cfg.train.device))
+                       device)
     except (Interrupted, Aborted) as stop:
         if logs:
             reached = {"step": stop.step} if isinstance(stop, Interrupted) else {}  # the step its checkpoint holds
