@@ -1,8 +1,10 @@
 """The embedded synthetic data and the micro-batch loader."""
 
+import pytest
 import torch
 
 from relaytrain.data import build_dataset, build_loader
+from relaytrain.utils.errors import ConfigError
 from tests.conftest import tiny_cfg
 
 
@@ -35,3 +37,14 @@ def test_loader_serves_minibatches_of_microbatches_and_reshuffles_each_epoch():
         build_dataset(cfg).input_ids, dim=0).shape[0]
     assert not torch.equal(loader.minibatch(0)[0].input_ids, loader.minibatch(epoch)[0].input_ids)
     assert torch.equal(loader.minibatch(3)[1].input_ids, build_loader(cfg, build_dataset(cfg)).minibatch(3)[1].input_ids)
+
+
+
+def test_a_dataset_smaller_than_a_minibatch_names_the_keys_whose_product_it_is():
+    cfg = tiny_cfg("bert", "strategy.microbatch_size=64", "strategy.num_microbatches=4")
+    dataset = build_dataset(cfg)  # 256 samples
+    with pytest.raises(ConfigError, match=r"^the dataset has 256 samples, fewer than one minibatch \(strategy\."
+                       r"microbatch_size × strategy\.num_microbatches × strategy\.replicas = 512\)"):
+        build_loader(cfg, dataset, replicas=2)
+    with pytest.raises(ConfigError, match=r"\(strategy\.microbatch_size × strategy\.num_microbatches = 512\);"):
+        build_loader(tiny_cfg("bert", "strategy.microbatch_size=128", "strategy.num_microbatches=4"), dataset)

@@ -111,4 +111,4 @@ def build_loader(cfg, dataset: TokenDataset | StreamedSet, replicas: int = 1) ->
     s = cfg.strategy
     loader = StreamLoader if isinstance(dataset, StreamedSet) else MicroBatchLoader
     return loader(dataset, s.microbatch_size * replicas, s.num_microbatches, cfg.data.shuffle, cfg.data.seed,
-                  dropout_seed=cfg.train.seed)
+                  dropout_seed=cfg.train.seed, replicas=replicas)

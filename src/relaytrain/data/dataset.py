@@ -117,6 +117,13 @@ def _padded(mb: MicroBatch, rows: int) -> MicroBatch:
     return dataclasses.replace(mb, **{f.name: filled(f) for f in FIELDS})
 
 
+def minibatch_keys(replicas: int) -> str:
+    """The keys whose product is a minibatch's rows (`microbatch_size` given to a loader holds
+    every replica's share of a micro-batch)."""
+    keys = "strategy.microbatch_size × strategy.num_microbatches"
+    return f"{keys} × strategy.replicas" if replicas > 1 else keys
+
+
 class MicroBatchLoader:
     """Endless minibatches: each is `num_microbatches` micro-batches of `microbatch_size` samples.
 
@@ -130,7 +137,7 @@ class MicroBatchLoader:
     """
 
     def __init__(self, dataset: TokenDataset, microbatch_size: int, num_microbatches: int, shuffle: bool, seed: int,
-                 dropout_seed: int = 0):
+                 dropout_seed: int = 0, replicas: int = 1):
         self.dataset = dataset
         self.microbatch_size = microbatch_size
         self.num_microbatches = num_microbatches
@@ -142,7 +149,7 @@ class MicroBatchLoader:
         if len(dataset) < minibatch:
             raise ConfigError(
                 f"the dataset has {len(dataset)} samples, fewer than one minibatch "
-                f"(strategy.microbatch_size × strategy.num_microbatches = {minibatch}); use more data or a smaller batch"
+                f"({minibatch_keys(replicas)} = {minibatch}); use more data or a smaller batch"
             )
         self.minibatches_per_epoch = len(dataset) // minibatch
 

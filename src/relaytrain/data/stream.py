@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from relaytrain.data import labels
-from relaytrain.data.dataset import TokenDataset
+from relaytrain.data.dataset import TokenDataset, minibatch_keys
 from relaytrain.data.encode import encode_rows
 from relaytrain.data.reading import Where, stream_rows
 from relaytrain.data.samples import parse_sample
@@ -108,7 +108,7 @@ class StreamLoader:
     jump, as at a resume, reopens the stream there)."""
 
     def __init__(self, streamed: StreamedSet, microbatch_size: int, num_microbatches: int, shuffle: bool, seed: int,
-                 dropout_seed: int = 0):
+                 dropout_seed: int = 0, replicas: int = 1):
         self.cfg, self.row_maker = streamed.cfg, streamed.rows
         self.microbatch_size, self.num_microbatches = microbatch_size, num_microbatches
         self.shuffle, self.seed, self.dropout_seed = shuffle, seed, dropout_seed
@@ -116,9 +116,9 @@ class StreamLoader:
         self._groups: Iterator[list] | None = None
         self._next = 0  # the position the open stream serves next
         self._tokenizer = self.row_maker.tokenizer(self.cfg)
-        self._check_one_minibatch()
+        self._check_one_minibatch(replicas)
 
-    def _check_one_minibatch(self) -> None:
+    def _check_one_minibatch(self, replicas: int) -> None:
         """A stream too short for one minibatch, found by reading that many rows (no more)
         before any step, as the in-memory loader finds it by counting."""
         d = self.cfg.data
@@ -126,8 +126,8 @@ class StreamLoader:
         held = sum(1 for _ in islice(rows, self.rows))
         if held < self.rows:
             raise ConfigError(f"the streamed data.path={d.path} holds {held} {self.row_maker.unit}, fewer than one "
-                              f"minibatch (strategy.microbatch_size x strategy.num_microbatches = {self.rows}); use "
-                              f"more data or a smaller batch")
+                              f"minibatch ({minibatch_keys(replicas)} = {self.rows}); use more data or a smaller "
+                              f"batch")
 
     def minibatch(self, position: int) -> list[MicroBatch]:
         if self._groups is None or position != self._next:
