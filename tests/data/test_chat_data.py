@@ -183,6 +183,24 @@ def test_a_bad_held_out_record_names_the_held_out_file(checkpoints, tmp_path, ca
     assert f"{held} line 2: 'messages' must be a non-empty list" in line
 
 
+@pytest.mark.parametrize("data", ["chat", "jsonl"])
+def test_a_pretrained_model_without_a_tokenizer_is_refused_rather_than_given_a_new_one(checkpoints, tmp_path,
+                                                                                        capsys, data):
+    """A tokenizer trained on the file would hand the checkpoint's embeddings ids they never saw."""
+    bare = tiny_decoder(tmp_path / "bare", "llama", layers=1, tokenizer=False)
+    path = write_jsonl(tmp_path / "data.jsonl", [GOOD if data == "chat" else {"text": "some text"}] * 8)
+    base = [f"data={data}", f"data.path={path}", "data.seq_len=32", f"data.cache_dir={tmp_path / 'cache'}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    capsys.readouterr()  # save_pretrained's progress
+    line = cli_error([f"model.pretrained={bare}", *base], capsys)
+    assert line == (f"relaytrain: error: model.pretrained={bare} has no tokenizer, and its weights know only the "
+                    f"token ids of the one it was trained with: set data.tokenizer=DIR to that tokenizer's directory "
+                    f"(tokenizer.json or tokenizer_config.json), or give records of input_ids")
+    cfg = chat_cfg(bare, path, f"data.tokenizer={checkpoints / 'templated'}") if data == "chat" else None
+    if cfg is not None:  # ... which data.tokenizer then supplies
+        assert label_text(build_datasets(cfg)[0], 0) == "Hello." + END
+
+
 def test_missing_file_templateless_tokenizer_and_unpackable_models_are_one_line(checkpoints, tmp_path, capsys):
     assert "data=chat needs a file or dataset of records: set data.path=" in cli_error(["model=llama_tiny", "data=chat"], capsys)
     path = write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 8)

@@ -5,7 +5,8 @@ Lookup order (the first that exists wins):
 2. `data.tokenizer`, a directory written by `save_pretrained`;
 3. a tokenizer trained on the corpus with the `tokenizers` library: WordPiece for BERT (with
    the special-token ids the synthetic data uses) and byte-level BPE for GPT-2, sized to
-   `model.vocab_size`.
+   `model.vocab_size`; only for a model trained from scratch (a pretrained model's weights
+   know only its own tokenizer's ids, so a checkpoint without one is refused).
 
 Chat data (`chat=True`) needs a chat template: there `data.tokenizer` comes first (it is how a
 user supplies a template the checkpoint's tokenizer lacks), and a tokenizer trained here gets
@@ -51,6 +52,12 @@ def load_tokenizer(
     model `family` trains); saved under tokenizer_dir. `chat`: it must have a chat template (see
     the module's docstring)."""
     tokenizer = find_tokenizer(cfg, chat)
+    if tokenizer is None and cfg.model.pretrained:
+        raise ConfigError(
+            f"model.pretrained={cfg.model.pretrained} has no tokenizer, and its weights know only the token ids of "
+            f"the one it was trained with: set data.tokenizer=DIR to that tokenizer's directory (tokenizer.json or "
+            f"tokenizer_config.json), or give records of input_ids"
+        )
     if tokenizer is None:
         tokenizer = train_tokenizer(corpus, family.tokenizer, cfg.model.vocab_size, cfg.model.max_seq_len, chat)
         check_vocab_size(tokenizer, cfg.model.vocab_size, f"the tokenizer trained for model.family={family.name}")
