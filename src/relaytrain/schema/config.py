@@ -312,7 +312,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # also after the last step when set
     keep_checkpoints: int = 3  # the newest checkpoints kept (0: all)
     keep_best: str | None = None  # also keep the checkpoint of the best evaluation by this metric (e.g. loss, accuracy)
-    resume: str | None = None  # auto (this run directory's latest, or a fresh start) or a checkpoint path
+    resume: str | None = None  # auto (this run directory's latest, or a fresh start) or a checkpoint path; unset: a fresh start, refused where the directory holds a run
 
 
 @dataclass
