@@ -270,7 +270,7 @@ def _run_hydra(args: list[str]) -> int:
         from hydra.types import RunMode
 
         from relaytrain.placement.world import pick_device
-        from relaytrain.run.earlier import finished_results, keep_the_earlier_run
+        from relaytrain.run.earlier import earlier_run
         from relaytrain.run.elastic import resume_key
         from relaytrain.run.train import run
         from relaytrain.utils.errors import Aborted, Interrupted
@@ -282,9 +282,8 @@ def _run_hydra(args: list[str]) -> int:
         try:
             device = pick_device(cfg.train.device)  # this job's, decided once
             resume = resume_key(cfg.train.resume, device.type)  # `auto` under a restart policy
-            keep_the_earlier_run(resume, cfg.train.steps, Path(run_dir),
-                                 "hydra.sweep.dir" if in_sweep else "hydra.run.dir")  # before the estimate's line
-            finished = finished_results(resume, cfg.train.steps, Path(run_dir)) is not None  # nothing to estimate
+            finished = earlier_run(resume, cfg.train.steps, Path(run_dir),  # refuses before the estimate's line
+                                   "hydra.sweep.dir" if in_sweep else "hydra.run.dir") is not None  # nothing to estimate
             run(cfg, run_dir, overrides, table=not in_sweep,
                 estimate=None if finished else _estimate(cfg, overrides, device), device=device)
         except (Interrupted, Aborted) as stop:  # the whole sweep stops too: the user asked

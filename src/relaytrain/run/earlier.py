@@ -13,11 +13,22 @@ from relaytrain.run import dirs as run_dirs
 from relaytrain.utils.errors import ConfigError
 
 
-def finished_results(resume: str | None, steps: int, run_dir: Path) -> dict | None:
-    """With `train.resume=auto` (`resume`; `steps`: train.steps), a run directory whose run already finished
-    `train.steps`: its results, so a relaunched sweep completes only what is missing. None
-    otherwise (asking for more steps continues from the final checkpoint, which a run with
-    `train.resume` set keeps)."""
+def earlier_run(resume: str | None, steps: int, run_dir: Path, dir_key: str = "hydra.run.dir") -> dict | None:
+    """What `run_dir` already holds decides this run (train.resume as the attempt runs with it,
+    train.steps): a run that finished `steps` relaunched with `auto` gives its results (None: train);
+    a run that would write over the one there is refused in one line. `dir_key`: the key that names
+    another directory (a sweep's jobs are under hydra.sweep.dir)."""
+    done = _finished_results(resume, steps, run_dir)
+    if done is None:
+        refuse_to_start_over(resume, run_dir, dir_key)
+        refuse_to_retrain_a_finished_run(resume, run_dir)
+    return done
+
+
+def _finished_results(resume: str | None, steps: int, run_dir: Path) -> dict | None:
+    """With `train.resume=auto`, a run directory whose run already finished `steps`: its
+    results, so a relaunched sweep completes only what is missing. None otherwise (asking for
+    more steps continues from the final checkpoint, which a run with `train.resume` set keeps)."""
     if resume != "auto" or runlog.finished_steps(run_dir) != steps:
         return None
     return json.loads((Path(run_dir) / "results.json").read_text())
@@ -25,18 +36,16 @@ def finished_results(resume: str | None, steps: int, run_dir: Path) -> dict | No
 
 def how_to_train_further(steps: int, run_dir: Path) -> str:
     """What a finished run's line advises: more steps where it kept its last step's checkpoint."""
-    newest = checkpoint.latest(run_dir)
-    if newest is not None and step_of(newest) == steps:
+    if _kept_last_step(run_dir, steps):
         return "raise train.steps to train further"
     return ("it kept no checkpoint of its last step (train.checkpoint_every=0), so it cannot train further "
             "here: start a longer run in another hydra.run.dir")
 
 
-def keep_the_earlier_run(resume: str | None, steps: int, run_dir: Path, dir_key: str = "hydra.run.dir") -> None:
-    """Refuse in one line a run (train.resume and train.steps) that would write over the run
-    `run_dir` already holds: a start afresh there, or a resume behind its finished last step."""
-    refuse_to_start_over(resume, run_dir, dir_key)
-    refuse_to_retrain_a_finished_run(resume, steps, run_dir)
+def _kept_last_step(run_dir: Path, steps: int) -> bool:
+    """Whether the run in `run_dir`, finished at `steps`, kept a checkpoint of that step."""
+    newest = checkpoint.latest(run_dir)
+    return newest is not None and step_of(newest) == steps
 
 
 def refuse_to_start_over(resume: str | None, run_dir: Path, dir_key: str = "hydra.run.dir") -> None:
@@ -51,7 +60,7 @@ def refuse_to_start_over(resume: str | None, run_dir: Path, dir_key: str = "hydr
         return
     if finished is None:
         held, keep = f"checkpoints up to step {step_of(newest)}", "to continue from the newest"
-    elif newest is not None and step_of(newest) == finished:
+    elif _kept_last_step(run_dir, finished):
         held, keep = f"a run that finished {finished} steps", "to keep it (with a larger train.steps, to train further)"
     else:
         held = f"a run that finished {finished} steps"
@@ -60,13 +69,13 @@ def refuse_to_start_over(resume: str | None, run_dir: Path, dir_key: str = "hydr
                       f"to start afresh")
 
 
-def refuse_to_retrain_a_finished_run(resume: str | None, steps: int, run_dir: Path) -> None:
-    """A resume (train.resume and train.steps) that would go back behind a finished run's last step, in
-    one line: a run finished without a checkpoint of its last step (train.checkpoint_every=0)
-    and resumed with `auto` would train again from an older checkpoint, or from step 0, over its
-    results; `train.resume=RUN_DIR` of such a run would quietly start where that run did not end.
-    The finished run relaunched as it was is no resume (`finished_results`: `run` says so)."""
-    if resume is None or finished_results(resume, steps, run_dir) is not None:
+def refuse_to_retrain_a_finished_run(resume: str | None, run_dir: Path) -> None:
+    """A resume that would go back behind a finished run's last step, in one line: a run
+    finished without a checkpoint of its last step (train.checkpoint_every=0) and resumed with
+    `auto` would train again from an older checkpoint, or from step 0, over its results;
+    `train.resume=RUN_DIR` of such a run would quietly start where that run did not end. (The
+    finished run relaunched as it was is no resume: `earlier_run` returns its results first.)"""
+    if resume is None:
         return
     given = Path(run_dir) if resume == "auto" else Path(resume).expanduser()
     chosen = checkpoint.STEP.match(given.name) is not None  # a step-N directory: the user picked the step

@@ -31,7 +31,7 @@ from relaytrain.records.display import StepProgress, print_one_line, print_resul
 from relaytrain.records.export import run_tokenizer, save_model, saved_model_facts
 from relaytrain.run import elastic
 from relaytrain.run.compose import validate
-from relaytrain.run.earlier import finished_results, how_to_train_further, keep_the_earlier_run, step_of
+from relaytrain.run.earlier import earlier_run, how_to_train_further, step_of
 from relaytrain.run.launch import launch
 from relaytrain.run.preflight import check_can_start
 from relaytrain.run.resolve import RunSpec, describe_run
@@ -73,13 +73,12 @@ def run(cfg, run_dir: str | Path, overrides: list[str] | None = None, table: boo
     logs = not under_torchrun() or int(os.environ["RANK"]) == 0
     device = device or pick_device(cfg.train.device)
     resume = elastic.resume_key(cfg.train.resume, device.type)
-    done = finished_results(resume, cfg.train.steps, run_dir)
+    done = earlier_run(resume, cfg.train.steps, run_dir)  # before the try: the run there keeps its status.json
     if done is not None:
         if logs:
             print(f"this run already finished its {cfg.train.steps} steps ({run_dir / 'results.json'}); "
                   f"{how_to_train_further(cfg.train.steps, run_dir)}", flush=True)
         return done
-    keep_the_earlier_run(resume, cfg.train.steps, run_dir)  # before the try: the run there keeps its status.json
     try:
         results = _run(cfg, run_dir, overrides or [], logs, quiet, estimate.step_s if estimate else None,
                        device)
